@@ -1,0 +1,226 @@
+"""Typed configuration, one dataclass per layer.
+
+`EngineArgs` is the flat, user-facing set of options (spelled as vLLM spells them);
+`EngineArgs.create_engine_config()` validates them and resolves defaults into an
+`EngineConfig` that the engine layers read. Nothing below this module reads
+environment variables or CLI flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmserve.model.arch import ModelArch, read_model_arch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+
+
+class ConfigError(ValueError):
+    """An option that cannot work; the message says what to change."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    seed: int
+    served_model_name: str
+    arch: ModelArch
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    swap_space_bytes: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+    num_gpu_blocks_override: int | None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.swap_space_bytes < 0:
+            raise ConfigError("swap_space must be >= 0")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}) with chunked prefill disabled: a long "
+                "prompt could never be scheduled. Raise --max-num-batched-tokens, lower "
+                "--max-model-len, or enable chunked prefill."
+            )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option, with vLLM's names and defaults where vLLM has them."""
+
+    model: str = str(DEFAULT_MODEL_DIR)
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = recompute
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        model_dir = _resolve_model_dir(self.model)
+        arch = read_model_arch(model_dir)
+        device = _resolve_device(self.device)
+        max_model_len = _resolve_max_model_len(self.max_model_len, arch)
+        model_config = ModelConfig(
+            model=str(model_dir),
+            tokenizer=str(_resolve_model_dir(self.tokenizer)) if self.tokenizer else str(model_dir),
+            dtype=_resolve_dtype(self.dtype, arch, device),
+            max_model_len=max_model_len,
+            load_format=_check_load_format(self.load_format),
+            seed=self.seed,
+            served_model_name=self.served_model_name or _default_served_name(self.model),
+            arch=arch,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space_bytes=int(self.swap_space * (1 << 30)),
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device)
+
+
+def _resolve_model_dir(model: str) -> Path:
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model folder {model!r} does not exist. Pass a local Hugging Face model folder "
+            "(config.json, *.safetensors, tokenizer files); hub downloads are not supported."
+        )
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model folder {model!r} has no config.json")
+    return path.resolve()
+
+
+def _default_served_name(model: str) -> str:
+    path = Path(model)
+    if path.resolve() == DEFAULT_MODEL_DIR.resolve():
+        return "llmserve-default"
+    return model
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for, but no CUDA GPU is visible")
+    return device
+
+
+def _resolve_dtype(dtype: str, arch: ModelArch, device: str) -> torch.dtype:
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32
+        config_dtype = _DTYPES.get(arch.torch_dtype or "", torch.bfloat16)
+        return torch.bfloat16 if config_dtype == torch.float32 else config_dtype
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if arch.sliding_window is not None:
+        limit = min(limit, arch.sliding_window)  # no sliding-window attention: cap instead
+    if requested is None:
+        return limit
+    if requested < 1:
+        raise ConfigError(f"max_model_len must be >= 1, got {requested}")
+    if requested > limit:
+        raise ConfigError(
+            f"max_model_len {requested} is larger than the model's {limit} positions "
+            f"(max_position_embeddings{' / sliding_window' if arch.sliding_window else ''})"
+        )
+    return requested
+
+
+def _check_load_format(load_format: str) -> str:
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ConfigError(f"load_format must be auto, safetensors or dummy; got {load_format!r}")
+    return load_format
+
+
+__all__ = [
+    "CacheConfig",
+    "ConfigError",
+    "DEFAULT_MODEL_DIR",
+    "EngineArgs",
+    "EngineConfig",
+    "ModelConfig",
+    "SchedulerConfig",
+]

@@ -1,0 +1,85 @@
+"""The engine core: scheduler + model runner. One step = schedule → run → update."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from llmserve.config import ConfigError, EngineConfig
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.request import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Request,
+    SchedulerStats,
+)
+from llmserve.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.runner = ModelRunner(config, progress=progress)
+        num_blocks = self.runner.num_blocks_for_memory()
+        num_cpu_blocks = self.runner.num_swap_blocks()
+        bs = config.cache_config.block_size
+        max_len = config.model_config.max_model_len
+        if num_blocks * bs < max_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks x {bs} = {num_blocks * bs} tokens, "
+                f"fewer than max_model_len {max_len}: lower --max-model-len or give the KV "
+                "cache more memory (--gpu-memory-utilization / kv_cache_memory_bytes)"
+            )
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        self.kv = KVCacheManager(
+            num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
+        )
+        self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0)
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks (%d tokens), %d swap blocks",
+            time.perf_counter() - start, num_blocks, num_blocks * bs, num_cpu_blocks,
+        )
+
+    def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; a request the core cannot take comes back as an error output."""
+        max_len = self.config.model_config.max_model_len
+        vocab = self.config.model_config.arch.vocab_size
+        error = None
+        if not req.prompt_token_ids:
+            error = "the prompt is empty"
+        elif len(req.prompt_token_ids) >= max_len:
+            error = f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_len}"
+        elif not all(0 <= t < vocab for t in req.prompt_token_ids):
+            error = f"prompt token ids must be in [0, {vocab})"
+        elif req.request_id in self.scheduler.requests:
+            error = f"request id {req.request_id!r} is already in use"
+        if error:
+            return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=error)
+        self.scheduler.add_request(Request(req))
+        return None
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self.runner.sampler.forget(sched.finished_request_ids)
+            return EngineCoreOutputs([], self.stats())
+        result = self.runner.execute(sched)
+        outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

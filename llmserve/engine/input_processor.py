@@ -1,0 +1,125 @@
+"""Front-side request preparation: tokenize, validate, fan n > 1 out into siblings."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from llmserve.config import ModelConfig
+from llmserve.engine.request import EngineCoreRequest
+from llmserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take; the message says what to change."""
+
+
+class PromptTooLongError(PromptError):
+    pass
+
+
+@dataclass(slots=True)
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    core_requests: list[EngineCoreRequest]  # one per sample (n), in index order
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, tokenizer: PreTrainedTokenizerBase, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+    """EOS ids from the tokenizer, generation_config.json and config.json together."""
+    ids = set(config_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    return tuple(sorted(ids))
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(model_config.model, tokenizer, model_config.arch.eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise PromptError(f"a prompt must be a string, token ids or a dict, not {type(prompt).__name__}")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        vocab = self.model_config.arch.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise PromptError("prompt_token_ids must be a list of integers")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(ids)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> ProcessedRequest:
+        text, ids = self.tokenize(prompt)
+        max_len = self.model_config.max_model_len
+        if not ids:
+            raise PromptError("the prompt is empty: give at least one token")
+        if len(ids) >= max_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens, but this model's maximum context length "
+                f"(max_model_len) is {max_len} and at least one token must be generated: "
+                "shorten the prompt or raise --max-model-len"
+            )
+        room = max_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        arrival = time.time() if arrival_time is None else arrival_time
+        n = params.n
+        group = request_id if n > 1 else None
+        core = []
+        for i in range(n):
+            child_params = params
+            if n > 1 and params.seed is not None:
+                child_params = params.clone(seed=params.seed + i)
+            core.append(
+                EngineCoreRequest(
+                    request_id=child_request_id(request_id, i, n),
+                    prompt_token_ids=ids,
+                    sampling_params=child_params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=priority,
+                    arrival_time=arrival,
+                    share_group=group,
+                )
+            )
+        return ProcessedRequest(request_id, text, ids, params, core)

@@ -1,0 +1,174 @@
+"""Front-side output handling: detokenize, apply stop strings, gather n samples.
+
+Turns the core's per-step token deltas into `RequestOutput`s (cumulative text and
+tokens, as vLLM returns them). A stop string found here ends the sample and the core
+request is aborted, so its blocks are freed at once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.input_processor import ProcessedRequest
+from llmserve.engine.request import EngineCoreOutput, TokenLogprobs
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+
+class RequestFailedError(RuntimeError):
+    """The engine core refused or lost a request."""
+
+
+@dataclass(slots=True)
+class _Sample:
+    index: int
+    core_id: str
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _RequestState:
+    processed: ProcessedRequest
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    core_ids_to_abort: list[str]
+    errors: dict[str, str]  # request id -> why the core refused it
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _RequestState] = {}
+        self.core_to_request: dict[str, tuple[str, int]] = {}
+
+    def add_request(self, processed: ProcessedRequest) -> None:
+        params = processed.params
+        samples = []
+        for i, core_req in enumerate(processed.core_requests):
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                processed.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop_strings,
+                params.include_stop_str_in_output,
+            )
+            sample = _Sample(i, core_req.request_id, detok)
+            if params.logprobs is not None:
+                sample.logprobs, sample.cumulative_logprob = [], 0.0
+            samples.append(sample)
+            self.core_to_request[core_req.request_id] = (processed.request_id, i)
+        arrival = processed.core_requests[0].arrival_time
+        self.states[processed.request_id] = _RequestState(processed, samples, RequestMetrics(arrival))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def core_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return [s.core_id for s in state.samples] if state else []
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its unfinished core ids to abort in the core."""
+        state = self.states.pop(request_id, None)
+        if state is None:
+            return []
+        for s in state.samples:
+            self.core_to_request.pop(s.core_id, None)
+        return [s.core_id for s in state.samples if s.finish_reason is None]
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        now = time.time()
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        errors: dict[str, str] = {}
+        for out in outputs:
+            key = self.core_to_request.get(out.request_id)
+            if key is None:
+                continue  # already finished here (stop string) or aborted
+            request_id, index = key
+            state = self.states[request_id]
+            if out.error is not None:
+                errors[request_id] = out.error
+                to_abort.extend(self.abort(request_id))
+                continue
+            sample = state.samples[index]
+            self._update_sample(sample, out, to_abort)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            touched[request_id] = state
+        results = []
+        for request_id, state in touched.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                self.abort(request_id)
+            results.append(self._request_output(state))
+        return ProcessedOutputs(results, to_abort, errors)
+
+    def _update_sample(self, sample: _Sample, out: EngineCoreOutput, to_abort: list[str]) -> None:
+        if sample.finish_reason is not None:
+            return
+        sample.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and sample.logprobs is not None:
+            for token, lp in zip(out.new_token_ids, out.new_logprobs):
+                sample.logprobs.append(self._logprob_dict(token, lp))
+                sample.cumulative_logprob += lp.token_logprob
+        stop = sample.detok.add_tokens(out.new_token_ids)
+        if stop is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop
+            if out.finish_reason is None:
+                to_abort.append(sample.core_id)
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entries = {
+            tid: Logprob(value, rank + 1, self.tokenizer.decode([tid]))
+            for rank, (tid, value) in enumerate(lp.top)
+        }
+        entries[token] = Logprob(lp.token_logprob, lp.token_rank, self.tokenizer.decode([token]))
+        return entries
+
+    def _request_output(self, state: _RequestState) -> RequestOutput:
+        p = state.processed
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.visible_text(s.finish_reason is not None),
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in state.samples
+        ]
+        return RequestOutput(
+            request_id=p.request_id,
+            prompt=p.prompt,
+            prompt_token_ids=p.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+        )

@@ -1,0 +1,142 @@
+"""A request as the engine core sees it, and the messages that cross the IPC boundary."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from llmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, KV recomputed on resume
+    SWAPPED = enum.auto()  # back in the waiting queue, KV held in CPU swap blocks
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.SWAPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """Sent once from the front to the core: everything the core needs to run a request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never past max_model_len
+    eos_token_ids: tuple[int, ...]
+    priority: int = 0  # lower runs first, as in vLLM and Triton
+    arrival_time: float = field(default_factory=time.time)
+    share_group: str | None = None  # siblings of an n > 1 request share prompt blocks
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_logprob: float
+    token_rank: int
+    top: list[tuple[int, float]]  # (token id, logprob) best first
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """Sent from the core to the front after each step for each request that moved."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 0
+    num_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up, cumulative
+    prefix_cache_hits: int = 0  # tokens found, cumulative
+    num_preemptions: int = 0  # cumulative
+    num_swapped_blocks: int = 0
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float = field(default_factory=time.time)
+
+
+class Request:
+    """Mutable core-side state of one sequence."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
+        "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
+        "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
+        "pending_logprobs",
+    )  # fmt: skip
+
+    def __init__(self, req: EngineCoreRequest) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = req.prompt_token_ids
+        self.sampling_params = req.sampling_params
+        self.max_tokens = req.max_tokens
+        self.eos_token_ids = req.eos_token_ids
+        self.priority = req.priority
+        self.arrival_time = req.arrival_time
+        self.share_group = req.share_group
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hash of each full block, filled lazily
+        self.pending_logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (self.priority, self.arrival_time)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

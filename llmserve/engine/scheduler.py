@@ -1,0 +1,263 @@
+"""Continuous batching: each step, pick work under a token and a sequence budget.
+
+One scheduling path for everything: a request's computed-token count catches up with
+its token count. Prefill, chunked prefill, prefix-cache hits, resumption after
+preemption and decode are all that loop. Running requests go first (highest priority,
+then earliest arrival); waiting ones fill what is left in the same order. When blocks
+run out, the lowest-priority, latest running request is preempted: swapped to CPU
+blocks when swap space allows, otherwise freed and later recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from llmserve.config import SchedulerConfig
+from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.request import (
+    EngineCoreOutput,
+    Request,
+    RequestStatus,
+    SchedulerStats,
+)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    block_table: list[int]  # the request's block ids (a live reference)
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the request's last token (so a new token is sampled)?"""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.swap_enabled = swap_enabled
+        self.block_size = kv.block_size
+        self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+        # keep a few blocks free when admitting, so running decodes rarely preempt
+        self.watermark = max(1, kv.num_blocks // 100)
+
+    # -- queue changes ------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, req.sort_key), req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Drop requests wherever they are and free their blocks at once."""
+        aborted = []
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finish(req)
+            aborted.append(request_id)
+        return aborted
+
+    def _finish(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        self.running.sort(key=lambda r: r.sort_key)
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running[-1]  # lowest priority, latest arrival
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(
+                    ScheduledRequest(req, num_new, self.kv.block_table(req.request_id))
+                )
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing below it can run either
+        return budget, preempted
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        mapping = self.kv.swap_out(req) if self.swap_enabled else None
+        if mapping is not None:
+            out.blocks_to_swap_out.extend(mapping)
+            req.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        prefilling_groups = {
+            r.share_group for r in self.running
+            if r.share_group is not None and r.num_computed_tokens < r.num_prompt_tokens
+        }  # fmt: skip
+        idx = 0
+        while idx < len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[idx]
+            if req.share_group in prefilling_groups:
+                idx += 1  # wait until a sibling has filled the shared prompt blocks
+                continue
+            reserve = self.watermark if self.running else 0
+            num_new = self._admit(req, budget, reserve, out)
+            if num_new is None:
+                break
+            self.waiting.pop(idx)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_table(req.request_id)))
+            budget -= num_new
+            if req.share_group is not None and req.num_computed_tokens < req.num_prompt_tokens:
+                prefilling_groups.add(req.share_group)
+
+    def _admit(
+        self, req: Request, budget: int, reserve: int, out: SchedulerOutput
+    ) -> int | None:
+        """Give a waiting request its blocks; returns its new-token count, or None."""
+        if req.status == RequestStatus.SWAPPED:
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new is None:
+                return None
+            total_blocks = -(-(req.num_computed_tokens + num_new) // self.block_size)
+            if total_blocks > self.kv.pool.num_free - reserve:
+                return None
+            out.blocks_to_swap_in.extend(self.kv.swap_in(req))
+            self.kv.allocate_slots(req, num_new)
+            return num_new
+        computed = self.kv.get_computed_blocks(req)
+        num_hit = len(computed) * self.block_size
+        num_new = self._chunk(req.num_tokens - num_hit, budget)
+        if num_new is None or not self.kv.allocate_slots(req, num_new, computed, reserve):
+            return None
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+        req.num_computed_tokens = num_hit
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit
+        return num_new
+
+    def _chunk(self, remaining: int, budget: int) -> int | None:
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else None
+
+    # -- after the model ran ------------------------------------------------------------
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict
+    ) -> list[EngineCoreOutput]:
+        """Advance computed counts, append sampled tokens, finish what stopped."""
+        results = []
+        for sched in out.scheduled:
+            req = sched.request
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += sched.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            req.all_token_ids.append(token)
+            self._check_stop(req, token)
+            results.append(
+                EngineCoreOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=logprobs.get(req.request_id),
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=req.num_cached_tokens,
+                )
+            )
+            if req.status.finished:
+                self.running.remove(req)
+                self._finish(req)
+        return results
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token
+                return
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_used=pool.num_used,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
+        )

@@ -1,0 +1,102 @@
+"""`LLM`: offline batched generation, with vLLM's interface.
+
+    from llmserve import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-folder")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outputs[0].outputs[0].text)
+
+The engine core runs in this process: offline use has no HTTP thread to protect it from.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from llmserve.config import EngineArgs, EngineConfig
+from llmserve.engine.engine_core import EngineCore
+from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
+from llmserve.engine.request import SchedulerStats
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+
+def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
+    unknown = set(kwargs) - EngineArgs.field_names()
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+    return EngineArgs(**kwargs) if model is None else EngineArgs(model=model, **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config: EngineConfig = engine_args_from_kwargs(model, kwargs).create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model_config.tokenizer)
+        self.core = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one output per prompt, in prompt order.
+
+        Every prompt is checked before any is queued, so a bad one raises and leaves the
+        engine as it was."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(params_list) != len(prompts) or len(priorities) != len(prompts):
+            raise ValueError("sampling_params and priority must match the number of prompts")
+        processed = [
+            self.input_processor.process(str(next(self._counter)), prompt, p, prio)
+            for prompt, p, prio in zip(prompts, params_list, priorities)
+        ]
+        order = {p.request_id: i for i, p in enumerate(processed)}
+        for p in processed:
+            self.output_processor.add_request(p)
+            for core_req in p.core_requests:
+                error = self.core.add_request(core_req)
+                if error is not None:
+                    raise RequestFailedError(error.error)
+        return self._run(order, use_tqdm)
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(order)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        while self.core.has_unfinished():
+            step = self.core.step()
+            processed = self.output_processor.process(step.outputs)
+            if processed.core_ids_to_abort:
+                self.core.abort_requests(processed.core_ids_to_abort)
+            for out in processed.request_outputs:
+                if out.finished and out.request_id in order:
+                    results[order[out.request_id]] = out
+                    bar.update(1)
+        bar.close()
+        missing = [rid for rid, i in order.items() if results[i] is None]
+        if missing:
+            raise RequestFailedError(f"requests {missing} ended without output")
+        return results  # type: ignore[return-value]
+
+    def stats(self) -> SchedulerStats:
+        return self.core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()

@@ -1,0 +1,101 @@
+"""Attention over a paged KV cache: the metadata of one flattened batch and the
+PyTorch reference implementation (the CPU path, and the oracle for GPU kernels).
+
+KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+(keys at index 0, values at 1). A token at position p of a sequence lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one flattened batch of B sequences and T new tokens."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Scatter the new tokens' keys and values into their cache slots (slot < 0: skip)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+    flat[0, slot_mapping] = k
+    flat[1, slot_mapping] = v
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one sequence's first `seq_len` positions: [seq_len, Hkv, D] each."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, bs, Hkv, D]
+    kv = blocks.flatten(1, 2)[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V, then attend each sequence's new queries over its whole context.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]. Causal: the query at position p
+    sees keys at positions <= p. One SDPA call per sequence keeps it obviously correct.
+    """
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        query_len = end - start
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, S]
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # [Hq, Lq, D]
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn.transpose(0, 1)
+    return out

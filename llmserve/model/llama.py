@@ -1,0 +1,187 @@
+"""The Llama family (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) over a flattened batch.
+
+Reads top to bottom: attention → MLP → decoder layer → model → causal LM. Inputs are
+flat: `input_ids [T]`, `positions [T]` and the attention metadata of the batch; the
+variants differ only by flags on `ModelArch` (qkv bias, q/k norm, tied embeddings).
+q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
+Hugging Face parameter names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from llmserve.model.arch import ModelArch
+from llmserve.model.attention import AttentionBackend, AttentionMetadata
+from llmserve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.backend = backend
+        self.scale = arch.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
+        )
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.kv_cache = torch.empty(0)  # bound by the model runner
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        a = self.arch
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.view(-1, a.num_heads, a.head_dim)
+        k = k.view(-1, a.num_kv_heads, a.head_dim)
+        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, a.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias
+        )
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# Hugging Face name fragment -> (fused parameter fragment, shard index)
+_STACKED = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, backend)
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, hidden]; `compute_logits` picks rows."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (
+            self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+        )
+        return hidden @ weight.t()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face tensors into the (fused) parameters; returns names loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
+            param = params[target]
+            dest = param.data if shard is None else self._shard_view(target, param, shard)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if shard is None else f"{target}#{shard}")
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        keys = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                keys.update(f"{name}#{i}" for i in range(3))
+            elif ".gate_up_proj." in name:
+                keys.update(f"{name}#{i}" for i in range(2))
+            else:
+                keys.add(name)
+        return keys
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int | None]:
+        for fragment, (fused, shard) in _STACKED.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        a = self.arch
+        if ".qkv_proj." in target:
+            sizes = [a.q_size, a.kv_size, a.kv_size]
+        else:
+            sizes = [a.intermediate_size, a.intermediate_size]
+        offset = sum(sizes[:shard])
+        return param.data.narrow(0, offset, sizes[shard])

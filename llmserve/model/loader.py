@@ -1,0 +1,76 @@
+"""Build a model on the meta device and fill it from safetensors files or dummy weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from llmserve.model.arch import ModelArch
+from llmserve.model.attention import AttentionBackend
+from llmserve.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(
+    model_dir: str,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: str,
+    backend: AttentionBackend,
+    load_format: str = "auto",
+    seed: int = 0,
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, backend)
+    model = model.to_empty(device=device).to(dtype)
+    for layer in model.attention_layers():
+        layer.rotary.rebuild(torch.device(device))
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        files = safetensors_files(Path(model_dir))
+        loaded = model.load_weights(_iter_tensors(files, progress))
+        missing = model.expected_weight_keys() - loaded
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")
+    return model.eval()
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_dir}; use load_format='dummy' for random weights"
+        )
+    return files
+
+
+def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.uniform_(-0.02, 0.02, generator=gen)

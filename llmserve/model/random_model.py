@@ -1,0 +1,84 @@
+"""Small Hugging Face model folders with random weights, built locally.
+
+Tests and CPU benchmarks use these instead of hub downloads: the same folder loads in
+transformers (the oracle) and in llmserve.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
+    """Train a small byte-level BPE tokenizer on standard-library docstrings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    import collections, json as json_mod, textwrap  # noqa: E401  (text sources)
+
+    corpus = [inspect.getdoc(m) or "" for m in (collections, json_mod, textwrap, inspect, Path)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def make_random_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 512,
+    **overrides,
+) -> Path:
+    """Write config.json, model.safetensors (float32) and a tokenizer to `out_dir`."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    config_cls = getattr(transformers, f"{cls_name}Config")
+    model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
+    kwargs = {**_BASE, "vocab_size": vocab_size, **overrides}
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+    if family == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out, vocab_size=min(vocab_size, 512))
+    gen = out / "generation_config.json"
+    if gen.exists():
+        data = json.loads(gen.read_text())
+        data["eos_token_id"] = kwargs["eos_token_id"]
+        gen.write_text(json.dumps(data))
+    return out
