@@ -356,7 +356,10 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out, save_jinja_files=False)  # template in the config
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # loadable by 4.x and 5.x
+    # Spell the config the way both transformers 4.x and 5.x understand it.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("extra_special_tokens", None)
+    config["additional_special_tokens"] = [SYSTEM, USER, ASSISTANT, END]
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
@@ -409,6 +412,18 @@ def make_chats(entries: list[DocEntry], n_tokens: int, tokenizer,
             chats.append(ids)
             total += len(ids)
     return chats
+
+
+def split_validation(docs: list[list[int]], rng: random.Random,
+                     val_tokens: int = 20_000) -> tuple[list[list[int]], list[list[int]]]:
+    """Hold out random whole documents totalling about ``val_tokens`` tokens."""
+    docs = docs[:]
+    rng.shuffle(docs)
+    n_val, total = 0, 0
+    while total < val_tokens:
+        total += len(docs[n_val])
+        n_val += 1
+    return docs[n_val:], docs[:n_val]
 
 
 def pack(docs: list[list[int]], rng: random.Random) -> torch.Tensor:
@@ -538,13 +553,13 @@ def print_samples(out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     check_tokenizer(tokenizer)
-    chat = [{"role": "user", "content": "What does `json.dumps` do?"}]
-    prompts = {
-        "The json module": tokenizer("The json module", return_tensors="pt").input_ids,
-        "Return a new list": tokenizer("Return a new list", return_tensors="pt").input_ids,
-        "chat: What does `json.dumps` do?": tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids,
-    }
+    prompts = {text: tokenizer(text, return_tensors="pt").input_ids
+               for text in ("The json module", "Return a new list", "The os.path module")}
+    for question in ("What does `json.dumps` do?", "What is the `collections` module?",
+                     "How do I read a file?"):
+        chat = [{"role": "user", "content": question}]
+        prompts[f"chat: {question}"] = tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
     for label, ids in prompts.items():
         for mode, kwargs in (("greedy", {"do_sample": False}),
                              ("sampled", {"do_sample": True, "temperature": 0.8, "top_p": 0.95})):
@@ -585,7 +600,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def gather_corpus(args: argparse.Namespace) -> tuple[list[DocEntry], list[str]]:
+def gather_corpus() -> tuple[list[DocEntry], list[str]]:
     """Docstring entries (for chat data) and plain-text documents."""
     t0 = time.time()
     entries = gather_stdlib_entries()
@@ -605,17 +620,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    entries, documents = gather_corpus(args)
-    tokenizer_texts = documents + [e.doc for e in rng.sample(entries, len(entries) // 4)]
-    tokenizer = train_tokenizer(tokenizer_texts, args.vocab_size)
+    entries, documents = gather_corpus()
+    tokenizer = train_tokenizer(documents, args.vocab_size)
     check_tokenizer(tokenizer)
     print(f"tokenizer: {len(tokenizer)} tokens; specials "
           f"{ {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} }", flush=True)
 
-    rng.shuffle(documents)
-    n_val = max(4, len(documents) // 50)
-    val_docs = encode_documents(tokenizer, documents[:n_val])
-    train_docs = encode_documents(tokenizer, documents[n_val:])
+    train_docs, val_docs = split_validation(encode_documents(tokenizer, documents), rng)
     n_text = sum(map(len, train_docs))
     chats = make_chats(entries, int(n_text * args.chat_fraction / (1 - args.chat_fraction)),
                        tokenizer, rng)

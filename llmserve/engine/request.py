@@ -77,7 +77,9 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative
+    num_swap_outs: int = 0  # cumulative: preemptions that kept their KV in swap blocks
     num_swapped_blocks: int = 0
+    num_computed_tokens_total: int = 0  # cumulative: tokens run through the model
 
 
 @dataclass(slots=True)

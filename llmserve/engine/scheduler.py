@@ -61,6 +61,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_computed_tokens_total = 0
         self._finished_ids: list[str] = []
         # keep a few blocks free when admitting, so running decodes rarely preempt
         self.watermark = max(1, kv.num_blocks // 100)
@@ -109,6 +111,7 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_computed_tokens_total += out.num_batched_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -140,6 +143,7 @@ class Scheduler:
         if mapping is not None:
             out.blocks_to_swap_out.extend(mapping)
             req.status = RequestStatus.SWAPPED
+            self.num_swap_outs += 1
         else:
             self.kv.free(req)
             req.num_computed_tokens = 0
@@ -149,10 +153,7 @@ class Scheduler:
         self._enqueue(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        prefilling_groups = {
-            r.share_group for r in self.running
-            if r.share_group is not None and r.num_computed_tokens < r.num_prompt_tokens
-        }  # fmt: skip
+        prefilling_groups = {r.share_group for r in self.running if self._fills_shared_blocks(r)}
         idx = 0
         while idx < len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -170,8 +171,13 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_table(req.request_id)))
             budget -= num_new
-            if req.share_group is not None and req.num_computed_tokens < req.num_prompt_tokens:
+            if self._fills_shared_blocks(req):
                 prefilling_groups.add(req.share_group)
+
+    def _fills_shared_blocks(self, req: Request) -> bool:
+        """Is this n > 1 sibling still computing the full prompt blocks its siblings share?"""
+        shared_tokens = req.num_prompt_tokens // self.block_size * self.block_size
+        return req.share_group is not None and req.num_computed_tokens < shared_tokens
 
     def _admit(
         self, req: Request, budget: int, reserve: int, out: SchedulerOutput
@@ -259,5 +265,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            num_swap_outs=self.num_swap_outs,
             num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
+            num_computed_tokens_total=self.num_computed_tokens_total,
         )

@@ -1,0 +1,183 @@
+"""`AsyncEngine`: the asyncio front of an engine core running in its own process.
+
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=...))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8)):
+        print(out.outputs[0].text)
+
+Each request gets its own queue; outputs are cumulative, so a slow consumer simply sees
+fewer, larger updates. Leaving the `async for` early (or cancelling the task) aborts the
+request in the core, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from llmserve.config import EngineArgs, EngineConfig
+from llmserve.engine.core_client import CoreClient, EngineDeadError
+from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
+from llmserve.engine.request import EngineCoreOutputs, SchedulerStats
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, start_timeout: float = 900.0) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats = SchedulerStats()
+        self._stats_listeners: list = []
+        self._utility_waiters: dict[str, asyncio.Future] = {}
+        self.dead_reason: str | None = None
+        self.client = CoreClient(config, self._on_message, self._on_dead, start_timeout)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncEngine":
+        return cls(args.create_engine_config(), **kwargs)
+
+    # -- public API -----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self.dead_reason is not None or not self.client.alive
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    def stats(self) -> SchedulerStats:
+        """The core's latest scheduler stats (running, waiting, KV usage, cache, preemptions)."""
+        return self._stats
+
+    def add_stats_listener(self, listener) -> None:
+        """Call `listener(EngineCoreOutputs)` in the event loop after every core message."""
+        self._stats_listeners.append(listener)
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine core process is not running")
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative outputs until the request finishes. Bad input raises a
+        ValueError before anything is queued."""
+        self._bind_loop()
+        await self.check_health()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.input_processor.process(
+            request_id, prompt, sampling_params or SamplingParams(), priority
+        )
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_request(processed)
+        finished = False
+        try:
+            for core_req in processed.core_requests:
+                self.client.send("add", core_req)
+            while not finished:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()  # outputs are cumulative: keep the newest
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(RequestFailedError(f"request {request_id} was aborted"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop.is_closed():
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncEngine serves one event loop")
+
+    def _abort_now(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort(request_id)
+        if core_ids and not self.errored:
+            self.client.send("abort", core_ids)
+
+    async def _utility(self, name: str) -> Any:
+        self._bind_loop()
+        await self.check_health()
+        fut = self._loop.create_future()
+        self._utility_waiters[name] = fut
+        self.client.send("utility", name)
+        return await asyncio.wait_for(fut, timeout=30)
+
+    def _on_message(self, kind: str, payload: Any) -> None:
+        """From the client's reader thread: hop onto the event loop."""
+        if kind == "outputs" and not payload.outputs:
+            self._stats = payload.stats  # no request state touched: no need to hop
+            if self._loop is None or not self._stats_listeners:
+                return
+        if self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._handle_message, kind, payload)
+
+    def _handle_message(self, kind: str, payload: Any) -> None:
+        if kind == "utility":
+            name, result = payload
+            fut = self._utility_waiters.pop(name, None)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+            return
+        if kind != "outputs":
+            return
+        outputs: EngineCoreOutputs = payload
+        self._stats = outputs.stats
+        processed = self.output_processor.process(outputs.outputs)
+        if processed.core_ids_to_abort and not self.errored:
+            self.client.send("abort", processed.core_ids_to_abort)
+        for request_id, error in processed.errors.items():
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailedError(error))
+        for out in processed.request_outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        for listener in self._stats_listeners:
+            listener(outputs)
+
+    def _on_dead(self, reason: str) -> None:
+        self.dead_reason = reason
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))

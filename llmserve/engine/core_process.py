@@ -1,0 +1,118 @@
+"""The engine core in its own process, talking to the front over ZeroMQ.
+
+IO threads move bytes; the step loop only sees queues, so HTTP, tokenization and
+detokenization in the front never hold up a step. Messages are pickled tuples:
+
+    front → core: ("add", EngineCoreRequest) | ("abort", [ids]) | ("utility", name) | ("shutdown", None)
+    core → front: ("ready", info) | ("outputs", EngineCoreOutputs) | ("utility", (name, result))
+                  | ("error", traceback text)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import threading
+import traceback
+from typing import Any
+
+import zmq
+
+from llmserve.config import EngineConfig
+from llmserve.engine.engine_core import EngineCore
+from llmserve.engine.request import EngineCoreOutputs
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN = ("shutdown", None)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Entry point of the core process."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.connect(output_addr)
+    try:
+        core = EngineCore(config)
+    except Exception as exc:  # a bad config or model: tell the front why, then exit
+        out_sock.send(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
+        out_sock.close(linger=2000)
+        ctx.term()
+        raise SystemExit(1) from None
+    proc = EngineCoreProc(core, ctx, input_addr, out_sock)
+    proc.run()
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, ctx: zmq.Context, input_addr: str, out_sock: zmq.Socket) -> None:
+        self.core = core
+        self.ctx = ctx
+        self.input_addr = input_addr
+        self.out_sock = out_sock
+        self.inputs: queue.Queue = queue.Queue()
+        self.parent_pid = os.getppid()
+
+    def run(self) -> None:
+        threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
+        stats = self.core.stats()
+        self._send(("ready", {"num_blocks": stats.num_blocks_total, "pid": os.getpid()}))
+        try:
+            self._loop()
+        except Exception:
+            self._send(("error", traceback.format_exc()))
+            raise
+        finally:
+            self.out_sock.close(linger=1000)
+
+    def _loop(self) -> None:
+        while True:
+            handled = False
+            if not self.core.has_unfinished():
+                if not self._handle(self.inputs.get()):
+                    return
+                handled = True
+            while not self.inputs.empty():
+                if not self._handle(self.inputs.get_nowait()):
+                    return
+                handled = True
+            if self.core.has_unfinished():
+                self._send(("outputs", self.core.step()))
+            elif handled:  # e.g. an abort emptied the engine: report the freed blocks
+                self._send(("outputs", EngineCoreOutputs([], self.core.stats())))
+
+    def _handle(self, msg: tuple[str, Any]) -> bool:
+        kind, payload = msg
+        if kind == "add":
+            error = self.core.add_request(payload)
+            if error is not None:
+                self._send(("outputs", EngineCoreOutputs([error], self.core.stats())))
+        elif kind == "abort":
+            self.core.abort_requests(payload)
+        elif kind == "utility":
+            result = getattr(self.core, payload)()
+            self._send(("utility", (payload, result)))
+        elif kind == "shutdown":
+            return False
+        return True
+
+    def _send(self, msg: tuple[str, Any]) -> None:
+        self.out_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _input_thread(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.input_addr)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while True:
+            if poller.poll(1000):
+                msg = pickle.loads(sock.recv())
+                self.inputs.put(msg)
+                if msg[0] == "shutdown":
+                    break
+            elif os.getppid() != self.parent_pid:  # the front died: do not linger
+                self.inputs.put(_SHUTDOWN)
+                break
+        sock.close(linger=0)

@@ -1,0 +1,62 @@
+"""Shared fixtures: small random-weight models built locally for every architecture."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from llmserve.model.random_model import FAMILIES, make_random_model
+
+# per family: what makes it that family, on top of the small shared shape
+FAMILY_OVERRIDES = {
+    "llama": dict(
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        }
+    ),
+    "mistral": dict(),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        family: str(make_random_model(root / family, family, seed=i, **FAMILY_OVERRIDES[family]))
+        for i, family in enumerate(FAMILIES)
+    }
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> str:
+    return model_dirs["llama"]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The oracle: transformers generate(), greedy, float32, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            gen = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+            outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def assert_no_leak(llm) -> None:
+    stats = llm.stats()
+    assert stats.num_blocks_used == 0, f"{stats.num_blocks_used} KV blocks still held"
+    assert stats.num_swapped_blocks == 0
+    assert stats.num_running == 0 and stats.num_waiting == 0

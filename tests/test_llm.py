@@ -1,0 +1,199 @@
+"""The offline `LLM` API on a small random model: prefix caching, sampling, stops, n, dtypes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_no_leak, hf_greedy
+from llmserve import LLM, SamplingParams
+from llmserve.config import ConfigError
+from llmserve.engine.input_processor import PromptError, PromptTooLongError
+from llmserve.model.arch import UnsupportedModelError
+from llmserve.sampling_params import SamplingParamsError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, max_model_len=256, block_size=16)
+
+
+def ids(*tokens):
+    return {"prompt_token_ids": list(tokens)}
+
+
+def test_prefix_hit_computes_only_new_tokens(llm):
+    shared = list(range(10, 58))  # exactly 3 blocks of 16
+    llm.generate([ids(*shared, 70, 71)], GREEDY, use_tqdm=False)
+    before = llm.stats()
+    out = llm.generate([ids(*shared, 80, 81, 82)], GREEDY, use_tqdm=False)[0]
+    after = llm.stats()
+    assert out.num_cached_tokens == 48
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 48
+    assert after.prefix_cache_queries - before.prefix_cache_queries == 51
+    # 3 new prompt tokens, then 7 decode steps of 1 token
+    assert after.num_computed_tokens_total - before.num_computed_tokens_total == 3 + 7
+    assert_no_leak(llm)
+
+
+def test_cached_prefix_gives_same_tokens(llm):
+    prompt = ids(*range(100, 150))
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 48
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([ids(1, 5, 6, 7)], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [ids(1, 9, 9), ids(1, *range(200, 240)), ids(1, 5, 6, 7), ids(1, 3)]
+    mixed = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True)] * 2 + [params] * 2
+    batch = llm.generate(others, mixed, use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    unseeded = llm.generate([ids(1, 5, 6, 7)] * 2, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_n_samples_share_prompt_blocks(llama_dir):
+    llm = LLM(llama_dir, max_model_len=256, enable_prefix_caching=False)
+    prompt = list(range(10, 50))  # 40 tokens: 2 shareable blocks + 8
+    before = llm.stats().num_computed_tokens_total
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)
+    out = llm.generate([ids(*prompt)], params, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 5 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # siblings sample differently
+    computed = llm.stats().num_computed_tokens_total - before
+    assert computed == 40 + 2 * 8 + 3 * 4  # prompt once, siblings only their tail
+    assert_no_leak(llm)
+
+
+def test_stop_strings_and_tokens(llm):
+    free = llm.generate([ids(1, 20, 21)], GREEDY, use_tqdm=False)[0].outputs[0]
+    text = free.text
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    tok = free.token_ids[3]
+    by_id = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tok]), use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == tok
+    assert_no_leak(llm)
+
+
+def test_max_tokens_min_tokens_and_logprobs(llm):
+    out = llm.generate(["hello world"], SamplingParams(max_tokens=5, min_tokens=5, logprobs=3), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.token_ids) == 5 and comp.finish_reason == "length"
+    assert len(comp.logprobs) == 5
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert token in entry and len(entry) >= 3
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+    assert out.prompt == "hello world" and out.prompt_token_ids
+
+
+def test_generation_stops_at_max_model_len(llama_dir):
+    llm = LLM(llama_dir, max_model_len=32)
+    out = llm.generate([ids(*range(10, 40))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "make_params, error",
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens must be at least 1"),
+        (lambda: SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+        (lambda: SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+        (lambda: SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        (lambda: SamplingParams(n=0), "n must be >= 1"),
+        (lambda: SamplingParams(logprobs=50), "logprobs must be in [0, 20]"),
+        (lambda: SamplingParams(min_tokens=5, max_tokens=2), "min_tokens (5) must be <= max_tokens (2)"),
+    ],
+)
+def test_bad_sampling_params(make_params, error):
+    with pytest.raises(SamplingParamsError) as exc:
+        make_params()
+    assert error in str(exc.value)
+
+
+def test_bad_prompts_raise_and_engine_keeps_serving(llm):
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        llm.generate([ids(*([5] * 300))], GREEDY, use_tqdm=False)
+    with pytest.raises(PromptError, match="empty"):
+        llm.generate([ids()], GREEDY, use_tqdm=False)
+    with pytest.raises(PromptError, match="vocabulary"):
+        llm.generate([ids(1, 999999)], GREEDY, use_tqdm=False)
+    with pytest.raises(PromptError):
+        llm.generate([{"text": "x"}], GREEDY, use_tqdm=False)
+    # a bad prompt in a batch queues nothing; the engine still serves
+    with pytest.raises(PromptTooLongError):
+        llm.generate([ids(1, 2, 3), ids(*([5] * 300))], GREEDY, use_tqdm=False)
+    assert_no_leak(llm)
+    out = llm.generate([ids(1, 2, 3)], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_bad_model_folders(tmp_path, llama_dir):
+    with pytest.raises(ConfigError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"))
+    bad = tmp_path / "gpt2like"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="supported: LlamaForCausalLM"):
+        LLM(str(bad))
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(llama_dir, max_num_sequences=4)
+    with pytest.raises(ConfigError, match="max_model_len"):
+        LLM(llama_dir, max_model_len=100000)
+    with pytest.raises(ConfigError, match="KV cache holds"):
+        LLM(llama_dir, max_model_len=256, num_gpu_blocks_override=4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_agrees_mostly_with_float32(llama_dir, dtype):
+    ref = LLM(llama_dir, max_model_len=128).generate([ids(1, 50, 60, 70)], GREEDY, use_tqdm=False)
+    half = LLM(llama_dir, max_model_len=128, dtype=dtype)
+    assert half.core.runner.model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    out = half.generate([ids(1, 50, 60, 70)], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids[:2] == ref[0].outputs[0].token_ids[:2]
+
+
+def test_sharded_checkpoint_loads(tmp_path, llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{llama_dir}/{f}", sharded / f)
+    assert (sharded / "model.safetensors.index.json").exists()
+    prompt = [1, 40, 41, 42]
+    want = hf_greedy(llama_dir, [prompt], 6)[0]
+    got = LLM(str(sharded), max_model_len=64).generate([ids(*prompt)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_dummy_weights(llama_dir):
+    llm = LLM(llama_dir, load_format="dummy", max_model_len=64)
+    out = llm.generate([ids(1, 2, 3)], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_string_prompts_and_vllm_style_script(llama_dir):
+    llm = LLM(model=llama_dir, max_model_len=128)
+    outputs = llm.generate(["Hello, my name is", "The capital of"], SamplingParams(temperature=0.8, top_p=0.95))
+    assert len(outputs) == 2
+    for output in outputs:
+        assert isinstance(output.outputs[0].text, str) and output.outputs[0].token_ids
