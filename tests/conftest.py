@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tiny test models: one thread per process beats two threads fighting over two cores
+# (set before torch is imported, and inherited by the engine-core processes tests start)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

@@ -19,16 +19,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(llama_dir):
-    eng = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))
+    eng = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=512))
     yield eng
     eng.shutdown()
 
 
-async def _collect(engine, prompt, params, **kw):
+async def _collect(engine, prompt, params, started: asyncio.Event | None = None, **kw):
     outs = []
     async for out in engine.generate(prompt, params, **kw):
         outs.append(out)
+        if started is not None:
+            started.set()
     return outs
+
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
 
 
 async def _wait_idle(engine, timeout=5.0):
@@ -65,16 +70,16 @@ def test_concurrent_requests_all_finish(engine):
 
 def test_leaving_the_stream_aborts_and_frees_blocks(engine):
     async def main():
-        long = SamplingParams(max_tokens=100, ignore_eos=True)
-        agen = engine.generate({"prompt_token_ids": list(range(1, 60))}, long)
+        agen = engine.generate({"prompt_token_ids": list(range(1, 60))}, LONG)
         async for out in agen:
             if len(out.outputs[0].token_ids) >= 2:
                 break
         await agen.aclose()
         await _wait_idle(engine)
         # a cancelled task aborts too
-        task = asyncio.create_task(_collect(engine, {"prompt_token_ids": [1, 2, 3]}, long))
-        await asyncio.sleep(0.2)
+        started = asyncio.Event()
+        task = asyncio.create_task(_collect(engine, {"prompt_token_ids": [1, 2, 3]}, LONG, started))
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -86,9 +91,9 @@ def test_leaving_the_stream_aborts_and_frees_blocks(engine):
 
 def test_explicit_abort(engine):
     async def main():
-        long = SamplingParams(max_tokens=100, ignore_eos=True)
-        task = asyncio.create_task(_collect(engine, "abort me", long, request_id="to-abort"))
-        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+        task = asyncio.create_task(_collect(engine, "abort me", LONG, started, request_id="to-abort"))
+        await started.wait()
         await engine.abort("to-abort")
         with pytest.raises(RuntimeError, match="aborted"):
             await task
@@ -101,7 +106,7 @@ def test_bad_input_rejected_others_keep_running(engine):
     async def main():
         good = asyncio.create_task(_collect(engine, {"prompt_token_ids": [1, 2, 3]}, GREEDY))
         with pytest.raises(PromptTooLongError):
-            await _collect(engine, {"prompt_token_ids": [5] * 500}, GREEDY)
+            await _collect(engine, {"prompt_token_ids": [5] * 600}, GREEDY)
         with pytest.raises(ValueError, match="already in use"):
             await asyncio.gather(
                 _collect(engine, "x", GREEDY, request_id="same"),
@@ -127,13 +132,12 @@ def test_stop_string_aborts_in_core(engine):
 
 
 def test_dead_core_is_reported_not_hung(llama_dir):
-    engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=512))
 
     async def main():
-        task = asyncio.create_task(
-            _collect(engine, "x", SamplingParams(max_tokens=120, ignore_eos=True))
-        )
-        await asyncio.sleep(0.3)
+        started = asyncio.Event()
+        task = asyncio.create_task(_collect(engine, "x", LONG, started))
+        await started.wait()
         os.kill(engine.client.proc.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, timeout=10)

@@ -140,10 +140,10 @@ class AsyncEngine:
 
     def _on_message(self, kind: str, payload: Any) -> None:
         """From the client's reader thread: hop onto the event loop."""
-        if kind == "outputs" and not payload.outputs:
-            self._stats = payload.stats  # no request state touched: no need to hop
-            if self._loop is None or not self._stats_listeners:
-                return
+        if kind == "outputs":
+            self._stats = payload.stats  # set here, in arrival order, so it is never stale
+            if not payload.outputs and (self._loop is None or not self._stats_listeners):
+                return  # no request state touched: no need to hop
         if self._loop is None:
             return
         self._loop.call_soon_threadsafe(self._handle_message, kind, payload)
@@ -158,7 +158,6 @@ class AsyncEngine:
         if kind != "outputs":
             return
         outputs: EngineCoreOutputs = payload
-        self._stats = outputs.stats
         processed = self.output_processor.process(outputs.outputs)
         if processed.core_ids_to_abort and not self.errored:
             self.client.send("abort", processed.core_ids_to_abort)
