@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.core_client import CoreClient, EngineDeadError
 from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
+from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
 from llmserve.engine.request import EngineCoreOutputs, SchedulerStats
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -60,8 +60,8 @@ class AsyncEngine:
         """The core's latest scheduler stats (running, waiting, KV usage, cache, preemptions)."""
         return self._stats
 
-    def add_stats_listener(self, listener) -> None:
-        """Call `listener(EngineCoreOutputs)` in the event loop after every core message."""
+    def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None:
+        """Call `listener(IterationStats)` in the event loop after each batch of outputs."""
         self._stats_listeners.append(listener)
 
     async def check_health(self) -> None:
@@ -142,7 +142,7 @@ class AsyncEngine:
         """From the client's reader thread: hop onto the event loop."""
         if kind == "outputs":
             self._stats = payload.stats  # set here, in arrival order, so it is never stale
-            if not payload.outputs and (self._loop is None or not self._stats_listeners):
+            if not payload.outputs:
                 return  # no request state touched: no need to hop
         if self._loop is None:
             return
@@ -170,7 +170,7 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(out)
         for listener in self._stats_listeners:
-            listener(outputs)
+            listener(processed.stats)
 
     def _on_dead(self, reason: str) -> None:
         self.dead_reason = reason

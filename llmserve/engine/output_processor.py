@@ -23,6 +23,26 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one batch of core outputs did, for request-level metrics."""
+
+    num_prompt_tokens: int = 0  # prompts that got their first token now
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Sample:
     index: int
     core_id: str
@@ -32,6 +52,7 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    last_token_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +73,7 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     core_ids_to_abort: list[str]
     errors: dict[str, str]  # request id -> why the core refused it
+    stats: IterationStats
 
 
 class OutputProcessor:
@@ -100,6 +122,7 @@ class OutputProcessor:
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         errors: dict[str, str] = {}
+        stats = IterationStats()
         for out in outputs:
             key = self.core_to_request.get(out.request_id)
             if key is None:
@@ -112,18 +135,46 @@ class OutputProcessor:
                 continue
             sample = state.samples[index]
             self._update_sample(sample, out, to_abort)
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
+            self._record_timing(state, sample, out, now, stats)
             touched[request_id] = state
         results = []
         for request_id, state in touched.items():
             if state.finished:
                 state.metrics.finished_time = now
                 self.abort(request_id)
+                stats.finished.append(self._finished_stats(state))
             results.append(self._request_output(state))
-        return ProcessedOutputs(results, to_abort, errors)
+        return ProcessedOutputs(results, to_abort, errors, stats)
+
+    @staticmethod
+    def _record_timing(
+        state: _RequestState, sample: _Sample, out: EngineCoreOutput, now: float, stats: IterationStats
+    ) -> None:
+        m = state.metrics
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = out.first_scheduled_time
+        if m.first_token_time is None:
+            m.first_token_time = now
+            stats.time_to_first_tokens.append(now - m.arrival_time)
+            stats.num_prompt_tokens += len(state.processed.prompt_token_ids)
+        if sample.last_token_time is not None:
+            stats.inter_token_latencies.append(now - sample.last_token_time)
+        sample.last_token_time = now
+        m.last_token_time = now
+        stats.num_generation_tokens += len(out.new_token_ids)
+
+    @staticmethod
+    def _finished_stats(state: _RequestState) -> FinishedRequestStats:
+        m = state.metrics
+        reasons = {s.finish_reason for s in state.samples}
+        return FinishedRequestStats(
+            finish_reason="stop" if reasons == {"stop"} else next(iter(reasons - {"stop"})),
+            e2e_latency=m.finished_time - m.arrival_time,
+            queue_time=max(0.0, (m.first_scheduled_time or m.arrival_time) - m.arrival_time),
+            num_prompt_tokens=len(state.processed.prompt_token_ids),
+            num_generation_tokens=sum(len(s.token_ids) for s in state.samples),
+        )
 
     def _update_sample(self, sample: _Sample, out: EngineCoreOutput, to_abort: list[str]) -> None:
         if sample.finish_reason is not None:

@@ -64,6 +64,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # wall clock, for queue-time metrics
     error: str | None = None
 
 
@@ -96,7 +97,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "pending_logprobs",
+        "first_scheduled_time",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -115,7 +116,7 @@ class Request:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hash of each full block, filled lazily
-        self.pending_logprobs: list[TokenLogprobs] | None = None
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,7 @@ blocks when swap space allows, otherwise freed and later recomputed.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from llmserve.config import SchedulerConfig
@@ -167,6 +168,8 @@ class Scheduler:
             if num_new is None:
                 break
             self.waiting.pop(idx)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_table(req.request_id)))
@@ -234,6 +237,7 @@ class Scheduler:
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
+                    first_scheduled_time=req.first_scheduled_time,
                 )
             )
             if req.status.finished:

@@ -58,10 +58,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
+    total = 0
+    for path in files:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            total += len(f.keys())
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:

@@ -1,0 +1,3 @@
+from llmserve.cli import main
+
+main()

@@ -1,0 +1,93 @@
+"""`llmserve bench throughput`: offline throughput of the engine on a fixed workload.
+
+N requests of random prompt token ids, fixed (or uniformly ranged) input and output
+lengths, ignore_eos, all submitted at once, as `vllm bench throughput` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+from llmserve.cli_args import add_engine_args, engine_args_from_cli
+
+
+@dataclass
+class ThroughputResult:
+    num_requests: int
+    input_len: int
+    output_len: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    num_preemptions: int
+    max_num_seqs: int
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("throughput", help="offline throughput: N requests at once")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def make_prompts(n: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int):
+    rng = random.Random(seed)
+
+    def draw(length: int) -> int:
+        lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+        return rng.randint(lo, hi)
+
+    prompts, out_lens = [], []
+    for _ in range(n):
+        prompts.append({"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(draw(input_len))]})
+        out_lens.append(draw(output_len))
+    return prompts, out_lens
+
+
+def run(args: argparse.Namespace) -> ThroughputResult:
+    from llmserve import LLM, SamplingParams
+
+    engine_args = engine_args_from_cli(args)
+    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    vocab = llm.config.model_config.arch.vocab_size
+    prompts, out_lens = make_prompts(
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.bench_seed
+    )
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    result = ThroughputResult(
+        num_requests=len(prompts),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        elapsed_s=round(elapsed, 3),
+        requests_per_s=round(len(prompts) / elapsed, 3),
+        output_tokens_per_s=round(out_tokens / elapsed, 1),
+        total_tokens_per_s=round((in_tokens + out_tokens) / elapsed, 1),
+        num_preemptions=llm.stats().num_preemptions,
+        max_num_seqs=engine_args.max_num_seqs,
+    )
+    print(
+        f"Throughput: {result.requests_per_s:.2f} requests/s, "
+        f"{result.total_tokens_per_s:.1f} total tokens/s, "
+        f"{result.output_tokens_per_s:.1f} output tokens/s "
+        f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(asdict(result), f, indent=2)
+    return result

@@ -1,0 +1,83 @@
+"""The `llmserve` command: serve, generate, bench, and model tools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmserve.cli_args import add_engine_args, engine_args_from_cli
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args_from_cli(args)))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sampling)
+    prompts = args.prompt or ["The json module", "A list is", "To open a file,"]
+    for out in llm.generate(prompts, params):
+        print(f"\n>>> {out.prompt}\n{out.outputs[0].text}")
+
+
+def _make_random_model(args: argparse.Namespace) -> None:
+    from llmserve.model.random_model import make_random_model
+
+    overrides = {
+        "hidden_size": args.hidden_size,
+        "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": args.num_heads,
+        "num_key_value_heads": args.num_kv_heads,
+        "max_position_embeddings": args.max_position_embeddings,
+    }
+    path = make_random_model(args.out, args.family, seed=args.seed, vocab_size=args.vocab_size, **overrides)
+    print(f"wrote a random {args.family} model to {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llmserve.bench import throughput
+    from llmserve.serve import server
+
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    server.add_parser(sub)
+
+    gen = sub.add_parser("generate", help="offline generation demo on a model (default: the shipped one)")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: a few examples)")
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--max-tokens", type=int, default=48)
+    gen.add_argument("--seed-sampling", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput.add_parser(bench_sub)
+
+    rm = sub.add_parser("make-random-model", help="write a small random-weight HF model folder")
+    rm.add_argument("out")
+    rm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    rm.add_argument("--vocab-size", type=int, default=512)
+    rm.add_argument("--hidden-size", type=int, default=64)
+    rm.add_argument("--intermediate-size", type=int, default=128)
+    rm.add_argument("--num-layers", type=int, default=2)
+    rm.add_argument("--num-heads", type=int, default=4)
+    rm.add_argument("--num-kv-heads", type=int, default=2)
+    rm.add_argument("--max-position-embeddings", type=int, default=2048)
+    rm.add_argument("--seed", type=int, default=0)
+    rm.set_defaults(func=_make_random_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as exc:
+        print(f"llmserve: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Engine flags for the command line, spelled as vLLM spells them (`--max-model-len`, ...).
+
+Flags are generated from `EngineArgs`, so a new engine option is a new flag with no
+second list to keep in sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from llmserve.config import EngineArgs
+
+_HELP = {
+    "model": "Hugging Face model folder (config.json, safetensors, tokenizer); default: the shipped model",
+    "tokenizer": "tokenizer folder, if not the model's",
+    "served_model_name": "model name the API reports and accepts",
+    "dtype": "auto, float32, float16 or bfloat16",
+    "max_model_len": "longest prompt + output, in tokens",
+    "load_format": "auto/safetensors, or dummy for random weights",
+    "device": "auto, cpu or cuda",
+    "block_size": "tokens per KV block",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks (0: preempt by recompute)",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "kv_cache_memory_bytes": "KV cache size in bytes (overrides gpu_memory_utilization)",
+    "num_gpu_blocks_override": "exact number of KV blocks",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "most tokens in one step",
+    "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    defaults = EngineArgs()
+    group = parser.add_argument_group("engine")
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        kind = _base_type(hints[f.name])
+        help_text = f"{_HELP.get(f.name, '')} (default: {default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if getattr(ns, "model_tag", None):
+        values["model"] = ns.model_tag
+    return EngineArgs(**values)
+
+
+def _base_type(hint: object) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint  # type: ignore[return-value]

@@ -1,0 +1,111 @@
+"""Prometheus metrics with vLLM's names (`vllm:*`), so existing dashboards work.
+
+Gauges and the core's cumulative counters are read from the engine at scrape time;
+request-level histograms and token counters are fed by the engine's iteration stats.
+Each server has its own registry: no global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from llmserve.engine.output_processor import IterationStats
+from llmserve.engine.protocol import EngineClient
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and cumulative core counters, read from the engine when scraped."""
+
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator:
+        s = self.engine.stats()
+        labels = ["model_name"]
+        value = [self.model_name]
+        for name, doc, v in (
+            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_cache_usage),
+            ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name).", s.kv_cache_usage),
+            ("vllm:num_kv_blocks_used", "KV blocks held by requests.", s.num_blocks_used),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            yield g
+        for name, doc, v in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, v)
+            yield c
+
+
+class EngineMetrics:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        reg = self.registry
+        label = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", label, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", label, registry=reg)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests.", label + ["finished_reason"], registry=reg
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", label,
+            buckets=_TTFT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between generated tokens.", label,
+            buckets=_ITL_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", label,
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", label,
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.prompt_len = Histogram(
+            "vllm:request_prompt_tokens", "Prompt length of finished requests.", label,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=reg,
+        )  # fmt: skip
+        self.generation_len = Histogram(
+            "vllm:request_generation_tokens", "Generated length of finished requests.", label,
+            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=reg,
+        )  # fmt: skip
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        reg.register(_EngineStateCollector(engine, model_name))
+        engine.add_stats_listener(self.observe)
+
+    def observe(self, it: IterationStats) -> None:
+        name = self.model_name
+        if it.num_prompt_tokens:
+            self.prompt_tokens.labels(name).inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.labels(name).inc(it.num_generation_tokens)
+        for v in it.time_to_first_tokens:
+            self.ttft.labels(name).observe(v)
+        for v in it.inter_token_latencies:
+            self.itl.labels(name).observe(v)
+        for f in it.finished:
+            self.request_success.labels(name, f.finish_reason).inc()
+            self.e2e.labels(name).observe(f.e2e_latency)
+            self.queue_time.labels(name).observe(f.queue_time)
+            self.prompt_len.labels(name).observe(f.num_prompt_tokens)
+            self.generation_len.labels(name).observe(f.num_generation_tokens)

@@ -1,0 +1,131 @@
+"""The FastAPI app: thin routes over the serving functions; no engine state of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmserve import __version__
+from llmserve.engine.protocol import EngineClient
+from llmserve.metrics import EngineMetrics
+from llmserve.serve.chat import create_chat_completion, render_chat
+from llmserve.serve.completions import create_completion
+from llmserve.serve.errors import APIError, install_error_handlers
+from llmserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], EngineClient]
+
+
+def _authorized(request: Request) -> ServerState:
+    state = get_state(request)
+    check_api_key(state, request)
+    return state
+
+
+def build_app(
+    config: ServerConfig, engine_factory: EngineFactory, on_fatal: Callable[[str], None] | None = None
+) -> FastAPI:
+    """The app starts serving at once; the engine loads in the background (503 until then).
+    `on_fatal` is called if the engine cannot start."""
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(_load_engine(state, engine_factory, on_fatal))
+        try:
+            yield
+        finally:
+            state.draining = True
+            loader.cancel()
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.ready:
+            raise APIError(503, state.startup_error or "not ready", code="not_ready")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = generate_latest(state.metrics.registry) if state.metrics else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(s: ServerState = Depends(_authorized)) -> ModelList:
+        max_len = s.engine.model_config.max_model_len if s.engine else None
+        cards = [ModelCard(id=name, root=s.config.model_path, max_model_len=max_len) for name in s.config.served_model_names]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
+        return await create_completion(s, req, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
+        return await create_chat_completion(s, req, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:
+        engine = s.require_engine()
+        s.resolve_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages")
+        if req.messages is not None:
+            ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt)
+        else:
+            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest, s: ServerState = Depends(_authorized)) -> DetokenizeResponse:
+        engine = s.require_engine()
+        s.resolve_model(req.model)
+        vocab = engine.model_config.arch.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+    return app
+
+
+async def _load_engine(
+    state: ServerState, factory: EngineFactory, on_fatal: Callable[[str], None] | None
+) -> None:
+    try:
+        engine = await asyncio.to_thread(factory)
+    except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
+        state.startup_error = f"engine failed to start: {exc}"
+        logger.error(state.startup_error)
+        if on_fatal is not None:
+            on_fatal(state.startup_error)
+        return
+    state.metrics = EngineMetrics(engine, state.config.served_model_names[0])
+    state.engine = engine
+    logger.info("engine ready: serving %s", ", ".join(state.config.served_model_names))

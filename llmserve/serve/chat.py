@@ -1,0 +1,146 @@
+"""`/v1/chat/completions`: the tokenizer's chat template, then one engine request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from transformers import PreTrainedTokenizerBase
+
+from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.serve.errors import APIError
+from llmserve.serve.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
+from llmserve.serve.streaming import sse, sse_stream
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of the conversation as the model's chat template writes it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template: use /v1/completions", code="no_chat_template")
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            plain, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+        )
+    except Exception as exc:  # a template may reject a conversation (e.g. role order)
+        raise APIError(400, f"the chat template rejected the messages: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(out: CompletionOutput, start: int) -> ChatLogprobs:
+    content = []
+    for token, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        chosen = entry[token]
+        top = sorted(entry.values(), key=lambda e: e.rank or 0)
+        content.append(
+            ChatTokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                bytes=list((chosen.decoded_token or "").encode()),
+                top_logprobs=[
+                    TopLogprob(token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode()))
+                    for e in top
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    engine = state.require_engine()
+    model = state.resolve_model(req.model)
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
+    ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(), engine.model_config.max_model_len)
+    params = req.to_sampling_params(max_tokens)
+    request_id = random_id("chatcmpl")
+    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
+    if req.stream:
+        return StreamingResponse(sse_stream(_stream(req, model, request_id, stream)), media_type="text/event-stream")
+    final = await run_until_disconnect(request, _last(stream))
+    return JSONResponse(_response(req, model, request_id, final).model_dump())
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for _, out in merge_streams([stream]):
+        final = out
+    return final
+
+
+def _response(req: ChatCompletionRequest, model: str, request_id: str, final: RequestOutput) -> ChatCompletionResponse:
+    choices = [
+        ChatChoice(
+            index=out.index,
+            message=ChatResponseMessage(content=out.text),
+            logprobs=chat_logprobs(out, 0) if req.logprobs else None,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+        for out in final.outputs
+    ]
+    prompt = len(final.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in final.outputs)
+    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+
+async def _stream(
+    req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput]
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    prompt_tokens = 0
+
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+    async for _, out in merge_streams([stream]):
+        prompt_tokens = len(out.prompt_token_ids)
+        for comp in out.outputs:
+            i = comp.index
+            if i not in sent_text:
+                sent_text[i] = sent_tokens[i] = 0
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            delta = comp.text[sent_text[i]:]
+            if i in finished or (not delta and len(comp.token_ids) == sent_tokens[i] and comp.finish_reason is None):
+                continue
+            if comp.finish_reason is not None:
+                finished.add(i)
+            logprobs = chat_logprobs(comp, sent_tokens[i]) if req.logprobs else None
+            sent_text[i], sent_tokens[i] = len(comp.text), len(comp.token_ids)
+            yield chunk([
+                ChatStreamChoice(
+                    index=i, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                )
+            ])  # fmt: skip
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(sent_tokens.values())
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+        yield chunk([], usage)
