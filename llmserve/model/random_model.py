@@ -6,13 +6,21 @@ transformers (the oracle) and in llmserve.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
+import textwrap
 from pathlib import Path
 
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+# a minimal chat template, so random models can serve /v1/chat/completions in tests
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 _BASE = dict(
     hidden_size=64,
@@ -31,9 +39,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    import collections, json as json_mod, textwrap  # noqa: E401  (text sources)
-
-    corpus = [inspect.getdoc(m) or "" for m in (collections, json_mod, textwrap, inspect, Path)]
+    corpus = [inspect.getdoc(m) or "" for m in (collections, json, textwrap, inspect, Path)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -46,6 +52,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 
 

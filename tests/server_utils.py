@@ -1,0 +1,71 @@
+"""Start a real `llmserve serve` process on 127.0.0.1 and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), *args]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}):\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{server.log()}")
+
+
+def metric(base_url: str, name: str) -> float:
+    """Sum of a metric's samples in /metrics (all label sets)."""
+    total, found = 0.0, False
+    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found:
+        raise KeyError(f"{name} not in /metrics")
+    return total

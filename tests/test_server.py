@@ -1,0 +1,249 @@
+"""A real `llmserve serve` process on 127.0.0.1, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_utils import metric, start_server
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(
+        ["--model", llama_dir, "--max-model-len", "256", "--api-key", API_KEY,
+         "--served-model-name", "tiny"], str(log),
+    )  # fmt: skip
+    yield srv
+    assert srv.stop() in (0, -15), srv.log()  # uvicorn re-raises SIGTERM after a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_models_and_version(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+    assert httpx.get(f"{server.base_url}/docs").status_code == 200
+    assert httpx.get(f"{server.base_url}/openapi.json").json()["paths"]["/v1/chat/completions"]
+
+
+def test_completion_usage_and_stream_agree(client, server):
+    resp = client.completions.create(model="tiny", prompt="The json module", **GREEDY)
+    choice = resp.choices[0]
+    tokens = httpx.post(
+        f"{server.base_url}/tokenize", json={"prompt": "The json module"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()  # fmt: skip
+    assert resp.usage.prompt_tokens == tokens["count"]
+    assert resp.usage.completion_tokens == 12 and resp.usage.total_tokens == tokens["count"] + 12
+    assert choice.finish_reason == "length"
+    chunks = list(client.completions.create(
+        model="tiny", prompt="The json module", stream=True, stream_options={"include_usage": True}, **GREEDY
+    ))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == tokens["count"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_stream_and_not(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
+    resp = client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.completion_tokens == 12
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == resp.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == resp.usage.prompt_tokens
+
+
+def test_max_completion_tokens_and_logprobs(client):
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5,
+        logprobs=True, top_logprobs=3, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 5 == resp.usage.completion_tokens
+    assert all(len(c.top_logprobs) >= 3 and c.logprob <= 0 for c in content)
+    comp = client.completions.create(model="tiny", prompt="a", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and len(lp.top_logprobs) == 4
+    assert lp.text_offset == sorted(lp.text_offset) and all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_stop_strings(client):
+    free = client.completions.create(model="tiny", prompt="Once upon", **GREEDY).choices[0].text
+    stop = free[3:5]
+    cut = client.completions.create(model="tiny", prompt="Once upon", stop=[stop], **GREEDY).choices[0]
+    assert cut.text == free[: free.index(stop)]
+    assert cut.finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="Once upon", stop=stop, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.text
+
+
+def test_n_and_seed(client):
+    params = dict(model="tiny", prompt="hello", max_tokens=10, temperature=1.0, extra_body={"ignore_eos": True})
+    two = client.completions.create(n=2, seed=3, **params)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 20
+    a = client.completions.create(seed=11, **params).choices[0].text
+    b = client.completions.create(seed=11, **params).choices[0].text
+    c = client.completions.create(seed=12, **params).choices[0].text
+    assert a == b and a != c
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=4,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert len(chat.choices) == 2 and chat.usage.completion_tokens == 8
+
+
+def test_metrics_move(client, server):
+    before_ok = metric(server.base_url, "vllm:request_success_total")
+    before_gen = metric(server.base_url, "vllm:generation_tokens_total")
+    before_prompt = metric(server.base_url, "vllm:prompt_tokens_total")
+    before_ttft = metric(server.base_url, "vllm:time_to_first_token_seconds_count")
+    resp = client.completions.create(model="tiny", prompt="metrics please", **GREEDY)
+    assert metric(server.base_url, "vllm:request_success_total") == before_ok + 1
+    assert metric(server.base_url, "vllm:generation_tokens_total") == before_gen + 12
+    assert metric(server.base_url, "vllm:prompt_tokens_total") == before_prompt + resp.usage.prompt_tokens
+    assert metric(server.base_url, "vllm:time_to_first_token_seconds_count") == before_ttft + 1
+    for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+        "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    ):  # fmt: skip
+        metric(server.base_url, name)
+
+
+def test_32_concurrent_streaming_chats(aclient, server):
+    async def one(i: int) -> tuple[int, int, str]:
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": f"question {i}"}], stream=True,
+            max_tokens=16 + i % 5, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        return usage.completion_tokens, 16 + i % 5, finish
+
+    async def main():
+        return await asyncio.gather(*[one(i) for i in range(32)])
+
+    results = asyncio.run(main())
+    assert all(got == want and finish == "length" for got, want, finish in results)
+    assert _wait_for_zero_blocks(server.base_url)
+
+
+def _wait_for_zero_blocks(base_url: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(base_url, "vllm:num_kv_blocks_used") == 0 and metric(base_url, "vllm:num_requests_running") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    finished_before = metric(server.base_url, "vllm:request_success_total")
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert metric(server.base_url, "vllm:num_kv_blocks_used") > 0
+    assert _wait_for_zero_blocks(server.base_url)
+
+    async def give_up_on_non_streaming() -> None:
+        async with httpx.AsyncClient() as http:
+            task = asyncio.create_task(
+                http.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 240, "stream": False}, headers=headers)
+            )
+            while metric(server.base_url, "vllm:num_requests_running") == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection
+
+    asyncio.run(give_up_on_non_streaming())
+    assert _wait_for_zero_blocks(server.base_url)
+    assert metric(server.base_url, "vllm:request_success_total") == finished_before  # both were aborted
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/completions", b"{not json", 400),
+    ("wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400),
+    ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400),
+    ("too long prompt", "/v1/completions", {"prompt": "word " * 400}, 400),
+    ("prompt plus max_tokens too long", "/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400),
+    ("negative max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": -5}, 400),
+    ("zero n", "/v1/completions", {"prompt": "x", "n": 0}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -1}, 400),
+    ("top_p above 1", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400),
+    ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 50}, 400),
+    ("token id out of vocab", "/v1/completions", {"prompt": [1, 10**9]}, 400),
+    ("empty prompt ids", "/v1/completions", {"prompt": []}, 400),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404),
+    ("chat no messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("chat top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, 400),
+    ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("stream bad params", "/v1/completions", {"prompt": "x", "stream": True, "temperature": -2}, 400),
+    ("detokenize bad ids", "/detokenize", {"tokens": [-1]}, 400),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_error(server, name, path, body, status):
+    headers = {"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(f"{server.base_url}{path}", headers=headers, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}])
+def test_api_key_required(server, headers):
+    resp = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x"}, headers=headers)
+    assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{server.base_url}/v1/models", headers=headers).status_code == 401
+
+
+def test_openai_client_raises_typed_errors(server):
+    bad_key = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    good = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        good.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):
+        good.completions.create(model="tiny", prompt="x", max_tokens=-1)

@@ -1,0 +1,98 @@
+"""Server lifecycle: 503 until the engine is ready and after it dies; SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from llmserve import AsyncEngine, EngineArgs
+from llmserve.serve.app import build_app
+from llmserve.serve.state import ServerConfig
+from server_utils import free_port, start_server
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        kids.extend(int(x) for x in text)
+    return kids
+
+
+def test_health_503_until_engine_ready(llama_dir):
+    release = threading.Event()
+
+    def slow_engine():
+        release.wait(30)
+        return AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))
+
+    port = free_port()
+    app = build_app(ServerConfig(["m"], llama_dir), slow_engine)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                resp = httpx.get(f"{base}/health")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        assert resp.status_code == 503
+        not_ready = httpx.post(f"{base}/v1/completions", json={"prompt": "x"})
+        assert not_ready.status_code == 503 and "loading" in not_ready.json()["error"]["message"]
+        release.set()
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_dead_engine_core_gives_503(llama_dir, tmp_path):
+    srv = start_server(["--model", llama_dir, "--max-model-len", "128"], str(tmp_path / "log"))
+    try:
+        for child in _children(srv.proc.pid):
+            os.kill(child, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{srv.base_url}/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        resp = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x"})
+        assert resp.status_code == 503 and resp.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_in_flight_and_exits(llama_dir, tmp_path):
+    srv = start_server(
+        ["--model", llama_dir, "--max-model-len", "512", "--shutdown-timeout", "3"], str(tmp_path / "log")
+    )
+    body = {"prompt": "x", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+            if len(events) == 2:
+                srv.proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+    srv.proc.wait(15)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"took {elapsed:.1f} s to exit"
+    assert srv.proc.returncode in (0, -15)
+    assert events[-1] == "data: [DONE]" or len(events) > 2
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{srv.base_url}/health", timeout=1)
