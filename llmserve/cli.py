@@ -35,7 +35,7 @@ def _make_random_model(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llmserve.bench import throughput
+    from llmserve.bench import add_bench_parsers
     from llmserve.serve import server
 
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    throughput.add_parser(bench_sub)
+    add_bench_parsers(bench_sub)
 
     rm = sub.add_parser("make-random-model", help="write a small random-weight HF model folder")
     rm.add_argument("out")

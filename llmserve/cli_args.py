@@ -30,6 +30,8 @@ _HELP = {
     "max_num_seqs": "most sequences in one step",
     "max_num_batched_tokens": "most tokens in one step",
     "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
+    "enforce_eager": "never capture CUDA graphs",
+    "attention_backend": "auto (triton on GPU, reference on CPU), reference or triton",
 }
 
 

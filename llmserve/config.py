@@ -90,6 +90,8 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device: str
+    attention_backend: str = "reference"  # resolved: reference | triton
+    enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
 
 
 @dataclass
@@ -113,6 +115,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    enforce_eager: bool = False  # no CUDA graphs
+    attention_backend: str = "auto"  # auto | reference | triton
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -150,7 +154,17 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, device)
+        backend = _resolve_backend(self.attention_backend, device)
+        eager = self.enforce_eager or device != "cuda" or backend != "triton"
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager)
+
+
+def _resolve_backend(backend: str, device: str) -> str:
+    if backend == "auto":
+        return "triton" if device == "cuda" else "reference"
+    if backend not in ("reference", "triton"):
+        raise ConfigError(f"attention_backend must be auto, reference or triton; got {backend!r}")
+    return backend
 
 
 def _resolve_model_dir(model: str) -> Path:

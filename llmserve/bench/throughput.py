@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from dataclasses import asdict, dataclass
 
+from llmserve.bench.prompts import random_requests
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 
 
@@ -41,17 +41,9 @@ def add_parser(subparsers) -> None:
 
 
 def make_prompts(n: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int):
-    rng = random.Random(seed)
-
-    def draw(length: int) -> int:
-        lo, hi = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
-        return rng.randint(lo, hi)
-
-    prompts, out_lens = [], []
-    for _ in range(n):
-        prompts.append({"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(draw(input_len))]})
-        out_lens.append(draw(output_len))
-    return prompts, out_lens
+    """Engine prompts and their output lengths (the same requests `bench hf-baseline` sends)."""
+    reqs = random_requests(n, input_len, output_len, vocab, seed, ratio)
+    return [{"prompt_token_ids": r.prompt_token_ids} for r in reqs], [r.output_len for r in reqs]
 
 
 def run(args: argparse.Namespace) -> ThroughputResult:

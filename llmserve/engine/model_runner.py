@@ -13,10 +13,12 @@ import numpy as np
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.block_table import BlockTableBuffer
+from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.scheduler import SchedulerOutput
-from llmserve.model.attention import AttentionMetadata, reference_paged_attention
+from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -32,10 +34,38 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states that sample
+    """One flattened batch, on the host; `to_device` makes the model's inputs."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logits_indices: list[int]  # rows of the hidden states that sample
+    max_query_len: int
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(self.slot_mapping, torch.long),
+            query_start_loc=t(self.query_start_loc, torch.int32),
+            seq_lens=t(self.seq_lens, torch.int32),
+            block_tables=torch.from_numpy(self.block_tables).to(device, non_blocking=True),
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens),
+        )
+        return t(self.input_ids, torch.long), t(self.positions, torch.long), meta
+
+
+def select_attention_backend(name: str) -> AttentionBackend:
+    if name == "triton":
+        from llmserve.kernels import triton_paged_attention
+
+        return triton_paged_attention
+    return reference_paged_attention
 
 
 class ModelRunner:
@@ -47,12 +77,16 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.arch = mc.arch
         self.model = load_model(
-            mc.model, mc.arch, mc.dtype, config.device, reference_paged_attention,
+            mc.model, mc.arch, mc.dtype, config.device, select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress,
         )  # fmt: skip
         self.sampler = Sampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
+        sc = config.scheduler_config
+        self.max_blocks = -(-mc.max_model_len // self.block_size)
+        self.block_tables = BlockTableBuffer(sc.max_num_seqs, self.max_blocks)
+        self.graphs: DecodeGraphs | None = None
 
     # -- KV cache sizing ----------------------------------------------------------------
     @property
@@ -89,7 +123,7 @@ class ModelRunner:
         self.init_kv_cache(blocks, 0)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        seq_len = -(-num_tokens // num_seqs)
+        seq_len = min(-(-num_tokens // num_seqs), sc.max_model_len)
         self._dummy_forward(num_seqs, seq_len)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -98,18 +132,26 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         non_torch = (total - free) - torch.cuda.memory_reserved()
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
-        return budget - (peak - kv_bytes) - max(0, non_torch)
+        # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
+        sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
+        graphs = 0 if self.config.enforce_eager else 1 << 30
+        return budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
 
     def _dummy_forward(self, num_seqs: int, seq_len: int) -> None:
         bs = self.block_size
         blocks_per_seq = -(-seq_len // bs)
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-        tables = [[b % self.kv_caches[0].shape[1] for b in t] for t in tables]
-        items = [(tables[i], 0, seq_len, [0] * seq_len, True) for i in range(num_seqs)]
+        num_blocks = self.kv_caches[0].shape[1]
+        items = [
+            (f"profile-{i}", [(i * blocks_per_seq + j) % num_blocks for j in range(blocks_per_seq)],
+             0, seq_len, [0] * seq_len, True)
+            for i in range(num_seqs)
+        ]  # fmt: skip
         batch = self._build_batch(items)
+        self.block_tables.rows_for([])  # forget the profile rows
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-            self.model.compute_logits(hidden[batch.logits_indices])
+            input_ids, positions, meta = batch.to_device(self.device)
+            hidden = self.model(input_ids, positions, meta)
+            self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         a = self.arch
@@ -125,6 +167,16 @@ class ModelRunner:
             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
 
+    def capture_cuda_graphs(self) -> None:
+        if self.config.enforce_eager:
+            return
+        sc = self.config.scheduler_config
+        sizes = capture_sizes(sc.max_num_seqs)
+        self.graphs = DecodeGraphs(
+            self.model, sizes[-1], self.max_blocks, self.config.model_config.max_model_len, self.device
+        )
+        self.graphs.capture(sizes)
+
     # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -134,16 +186,17 @@ class ModelRunner:
         if not sched.scheduled:
             return ModelRunnerOutput({}, {})
         items = [
-            (s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
+            (s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
              s.request.all_token_ids, s.samples)
             for s in sched.scheduled
         ]  # fmt: skip
         batch = self._build_batch(items)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward(batch)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
             return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = torch.tensor(batch.logits_indices, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
         result = self.sampler(logits, sampling)
         sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
         logprobs = {
@@ -151,41 +204,52 @@ class ModelRunner:
         }
         return ModelRunnerOutput(sampled, logprobs)
 
-    def _build_batch(self, items: list[tuple[list[int], int, int, list[int], bool]]) -> BatchInputs:
-        """items: (block table, first new position, number of new tokens, all tokens, samples)."""
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        n = len(batch.seq_lens)
+        decode_only = batch.max_query_len == 1
+        if self.graphs is not None and decode_only and self.graphs.padded_size(n) is not None:
+            return self.graphs.run(
+                torch.tensor(batch.input_ids, dtype=torch.long),
+                torch.tensor(batch.positions, dtype=torch.long),
+                torch.tensor(batch.slot_mapping, dtype=torch.long),
+                torch.tensor(batch.seq_lens, dtype=torch.int32),
+                torch.from_numpy(batch.block_tables),
+            )
+        input_ids, positions, meta = batch.to_device(self.device)
+        return self.model(input_ids, positions, meta)
+
+    def _build_batch(self, items: list[tuple[str, list[int], int, int, list[int], bool]]) -> BatchInputs:
+        """items: (request id, block table, first new position, number of new tokens,
+        all tokens, samples). Decode rows take a fast path: one token, one slot."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         query_start = [0]
-        seq_lens, logits_indices = [], []
-        max_blocks = max(len(it[0]) for it in items)
-        tables = np.zeros((len(items), max_blocks), dtype=np.int32)
-        for i, (table, start, count, tokens, samples) in enumerate(items):
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_query = 0
+        for _, table, start, count, tokens, samples in items:
             end = start + count
-            pos = np.arange(start, end)
-            table_arr = np.asarray(table, dtype=np.int64)
-            tables[i, : len(table)] = table_arr
-            input_ids.append(np.asarray(tokens[start:end], dtype=np.int64))
-            positions.append(pos)
-            slots.append(table_arr[pos // bs] * bs + pos % bs)
+            if count == 1:
+                input_ids.append(tokens[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                input_ids.extend(tokens[start:end])
+                positions.extend(range(start, end))
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             query_start.append(query_start[-1] + count)
             seq_lens.append(end)
+            max_query = max(max_query, count)
             if samples:
                 logits_indices.append(query_start[-1] - 1)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            max_query_len=max(it[2] for it in items),
-            max_seq_len=max(seq_lens),
-        )
+        rows = self.block_tables.rows_for([(it[0], it[1]) for it in items])
         return BatchInputs(
-            input_ids=torch.from_numpy(np.concatenate(input_ids)).to(dev),
-            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-        )
+            input_ids, positions, slots, query_start, seq_lens,
+            self.block_tables.table[rows], logits_indices, max_query,
+        )  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:

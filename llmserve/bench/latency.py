@@ -1,0 +1,113 @@
+"""`llmserve bench latency`: how long one batch takes, in-process, with the `LLM` engine.
+
+Time to first token is measured on its own (runs with max_tokens=1); the mean time per
+output token is (whole run - TTFT) / (output_len - 1). Every iteration gets fresh random
+prompts, so the prefix cache cannot turn later iterations into cache hits. Next to the
+per-token time it reports the weight bandwidth that time implies (each decode step reads
+every weight once), to read against the hardware's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import numpy as np
+
+from llmserve.bench.prompts import random_requests
+from llmserve.bench.report import banner, parse_percentiles, percentile_word, row, write_json
+from llmserve.cli_args import add_engine_args, engine_args_from_cli
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("latency", help="latency of one batch: TTFT, time per output token, percentiles")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=30, help="timed iterations")
+    p.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first")
+    p.add_argument("--percentiles", default="50,90,99", help="of the whole-run latency")
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def weight_bytes_per_step(arch, dtype) -> int:
+    """Bytes of weights one decode step reads: every matrix once; the input embedding only
+    for its few rows (so it counts only when tied to the LM head). Norms are negligible."""
+    h, layers = arch.hidden_size, arch.num_layers
+    per_layer = h * arch.q_size + 2 * h * arch.kv_size + arch.q_size * h + 3 * h * arch.intermediate_size
+    params = layers * per_layer + arch.vocab_size * h  # + the LM head
+    return params * dtype.itemsize
+
+
+def run(args: argparse.Namespace) -> dict:
+    from llmserve import LLM, SamplingParams
+
+    percentiles = parse_percentiles(args.percentiles)
+    if min(args.batch_size, args.input_len, args.output_len, args.num_iters) < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
+    engine_args = engine_args_from_cli(args)
+    llm = LLM(**vars(engine_args))
+    mc = llm.config.model_config
+    rng = random.Random(args.bench_seed)
+
+    def timed(max_tokens: int) -> float:
+        reqs = random_requests(args.batch_size, args.input_len, 1, mc.arch.vocab_size, rng.getrandbits(63))
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for _ in range(args.num_iters_warmup):
+        timed(args.output_len)
+    ttfts = [timed(1) for _ in range(args.num_iters)]
+    latencies = [timed(args.output_len) for _ in range(args.num_iters)]
+
+    ttft, avg = float(np.mean(ttfts)), float(np.mean(latencies))
+    tpot = (avg - ttft) / (args.output_len - 1) if args.output_len > 1 else None
+    wbytes = weight_bytes_per_step(mc.arch, mc.dtype)
+    result = {
+        "model": mc.model,
+        "device": llm.config.device,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "ttft_ms": ttft * 1000,
+        "ttfts": ttfts,
+        "tpot_ms": None if tpot is None else tpot * 1000,
+        "output_tokens_per_s_per_seq": None if not tpot else 1.0 / tpot,
+        "weight_bytes_per_step": wbytes,
+        "weight_bandwidth_gb_s": None if not tpot else wbytes / tpot / 1e9,
+        "avg_latency": avg,
+        "latencies": latencies,
+        "percentiles": {percentile_word(p): float(np.percentile(latencies, p)) for p in percentiles},
+    }
+    print(format_report(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+    return result
+
+
+def format_report(r: dict) -> str:
+    lines = [
+        banner("Latency Benchmark Result"),
+        row("Batch size:", r["batch_size"]),
+        row("Input / output length:", f"{r['input_len']} / {r['output_len']}"),
+        row("Iterations:", r["num_iters"]),
+        row("Mean TTFT (ms):", r["ttft_ms"]),
+    ]
+    if r["tpot_ms"] is not None:
+        lines += [
+            row("Mean time per output token (ms):", r["tpot_ms"]),
+            row("Output tokens/s per sequence:", r["output_tokens_per_s_per_seq"]),
+            row("Weight read bandwidth (GB/s):", r["weight_bandwidth_gb_s"]),
+        ]
+    lines.append(row("Avg latency (s):", r["avg_latency"]))
+    lines += [row(f"P{p} latency (s):", v) for p, v in r["percentiles"].items()]
+    lines.append("=" * 50)
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""Triton-language GPU kernels, each with a plain PyTorch reference it is tested against.
+
+| kernel | module | PyTorch reference |
+| --- | --- | --- |
+| `triton_paged_attention` (drop-in `AttentionBackend`) | `paged_attention` | `llmserve.model.attention.reference_paged_attention` |
+| `write_kv` (reshape-and-cache) | `cache_write` | `llmserve.model.attention.write_kv_cache` |
+| `rms_norm`, `fused_add_rms_norm` | `norm` | `llmserve.model.layers.RMSNorm` |
+| `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
+| `silu_and_mul` | `activation` | `llmserve.model.layers.silu_and_mul` |
+
+Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
+under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
+is how the tests check them. `has_triton_gpu()` says whether the real GPU path is usable.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def has_triton_gpu() -> bool:
+    """True when Triton kernels can run compiled on a CUDA GPU here (not the interpreter)."""
+    try:
+        import torch
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "no"
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    return torch.cuda.is_available()
+
+
+try:
+    from llmserve.kernels.activation import silu_and_mul
+    from llmserve.kernels.cache_write import write_kv
+    from llmserve.kernels.norm import fused_add_rms_norm, rms_norm
+    from llmserve.kernels.paged_attention import (
+        AttnLaunchConfig,
+        choose_num_splits,
+        paged_attention_forward,
+        triton_paged_attention,
+    )
+    from llmserve.kernels.rotary import apply_rotary
+
+    HAS_TRITON = True
+except ImportError:  # triton not installed: the PyTorch references remain the only path
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "AttnLaunchConfig",
+    "apply_rotary",
+    "choose_num_splits",
+    "fused_add_rms_norm",
+    "has_triton_gpu",
+    "paged_attention_forward",
+    "rms_norm",
+    "silu_and_mul",
+    "triton_paged_attention",
+    "write_kv",
+]

@@ -1,0 +1,431 @@
+"""Paged attention over a flat varlen batch (decodes and prefill chunks mixed), in Triton.
+
+PyTorch reference: `llmserve.model.attention.reference_paged_attention` (same signature,
+same semantics); `triton_paged_attention` is a drop-in `AttentionBackend`.
+
+Layout (see `llmserve/model/attention.py`): q `[T, Hq, D]`, k/v `[T, Hkv, D]`, KV cache
+`[2, num_blocks, block_size, Hkv, D]`, block tables `[B, max_blocks]`. Sequence i's new
+tokens are `q[qsl[i]:qsl[i+1]]` at positions `seq_len - query_len .. seq_len - 1`; the query
+at position p attends to keys 0..p (prefill chunks after a prefix-cache hit included).
+
+How the kernel is organised
+---------------------------
+* One kernel, `_paged_attn_kernel`, serves every batch. A program owns one *tile*: up to
+  BLOCK_Q consecutive new tokens of one sequence x all the query heads that share one KV
+  head (the GQA group, padded to a power of two). Rows of the `tl.dot` M dimension are
+  (token, head-in-group) pairs, so each KV block is loaded once per group and the tensor
+  cores see M >= 16 even for a single decode token (a group of 4 heads pads to 16 rows).
+* Two launch shapes of that kernel, picked from `max_query_len`:
+  - decode-like batches (every query_len <= BLOCK_Q of a 16-row tile): one tile per
+    sequence, grid `(B, Hkv, num_splits)`;
+  - batches with longer prefill chunks: BLOCK_M = 64..128 rows; tiles of all sequences
+    are laid out in one flat grid axis of `T // BLOCK_Q + B` slots; a program finds its
+    sequence by binary search over `qsl[i] // BLOCK_Q + i` (slots past a sequence's last
+    tile exit at once).
+* The key loop is split in two: blocks entirely below the tile's first query position need
+  no causal mask; the rest are masked (causal and `< seq_len`).
+* Split-KV (flash-decoding): with `num_splits > 1`, program `s` of a tile covers the s-th
+  share of the tile's key range, writes its normalised partial output and log-sum-exp
+  (base 2) to fp32 scratch, and `_reduce_splits_kernel` combines the shares. An empty
+  share writes lse = -inf and weighs nothing.
+* Online softmax in fp32 (exp2 with log2(e) folded into the scale); fp32 inputs use IEEE
+  dots (no TF32) so results match the reference to ~1e-5.
+
+The number of splits is chosen by `choose_num_splits` (see there); pass `num_splits=` to
+force it (tests do; a CUDA-graph capture should too, since the kernel derives each
+sequence's split ranges on the device and so any fixed value stays valid at replay).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.kernels.cache_write import write_kv
+from llmserve.model.attention import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+
+# split-KV policy (see choose_num_splits)
+DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+PROGRAMS_PER_SM_TARGET = 2
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr,
+    kv_lo, kv_hi, kv_end, qpos, head_off, offs_n, offs_d,
+    stride_cb, stride_cs, qk_scale,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax accumulation over keys [kv_lo, kv_hi) (BLOCK_N-aligned kv_lo).
+
+    MASKED=False: the caller guarantees every key in range is visible to every row.
+    """
+    d_ok = offs_d < HEAD_DIM
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        n = start + offs_n
+        if MASKED:
+            n_ok = n < kv_end
+            page = tl.load(bt_row_ptr + n // PAGE, mask=n_ok, other=0)
+        else:
+            page = tl.load(bt_row_ptr + n // PAGE)
+        row_off = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs + head_off  # [BN]
+        if MASKED:
+            k = tl.load(
+                k_cache_ptr + row_off[None, :] + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+            )  # [D, BN]
+        elif HEAD_DIM_PAD != HEAD_DIM:
+            k = tl.load(
+                k_cache_ptr + row_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0
+            )
+        else:
+            k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None])
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BM, BN], log2 domain
+        if MASKED:
+            visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(
+                v_cache_ptr + row_off[:, None] + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+            )  # [BN, D]
+        elif HEAD_DIM_PAD != HEAD_DIM:
+            v = tl.load(
+                v_cache_ptr + row_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0
+            )
+        else:
+            v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # -- which sequence and which of its tiles ----------------------------------------
+    if ONE_TILE_PER_SEQ:
+        seq = pid
+        tile_start = 0
+    else:
+        # largest i with first_slot(i) = qsl[i] // BLOCK_Q + i <= pid (non-decreasing in i)
+        lo = pid * 0
+        hi = num_seqs - 1 + pid * 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            go_up = first <= pid
+            lo = tl.where(go_up, mid, lo)
+            hi = tl.where(go_up, hi, mid - 1)
+        seq = lo
+        tile_start = (pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)) * BLOCK_Q
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + tile_start  # position of the tile's first query
+    tile_len = tl.minimum(q_len - tile_start, BLOCK_Q)
+    kv_end = first_pos + tile_len  # keys [0, kv_end) are visible to some row
+
+    # -- rows: (token, head in group) -------------------------------------------------
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = offs_m // GROUP_PAD
+    g = offs_m % GROUP_PAD
+    row_ok = (qi < tile_len) & (g < GROUP)
+    tok = q_start + tile_start + qi
+    head = kvh * GROUP + g
+    qpos = first_pos + qi
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # fmt: skip
+
+    # -- this program's share of the keys ---------------------------------------------
+    if NUM_SPLITS == 1:
+        lo_kv = 0
+        hi_kv = kv_end
+    else:
+        n_blocks = tl.cdiv(kv_end, BLOCK_N)
+        per_split = tl.cdiv(n_blocks, NUM_SPLITS) * BLOCK_N
+        lo_kv = split * per_split
+        hi_kv = tl.minimum(lo_kv + per_split, kv_end)
+    # blocks fully at or below first_pos are visible to every row: no mask there
+    nomask_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    mid_kv = tl.maximum(tl.minimum(nomask_end, hi_kv), lo_kv)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kvh * stride_ch
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+        lo_kv, mid_kv, kv_end, qpos, head_off, offs_n, offs_d,
+        stride_cb, stride_cs, qk_scale,
+        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PREC,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+        mid_kv, hi_kv, kv_end, qpos, head_off, offs_n, offs_d,
+        stride_cb, stride_cs, qk_scale,
+        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PREC,
+    )  # fmt: skip
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    result = acc / l_safe[:, None]
+    store_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        p_ptrs = (
+            part_out_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph
+            + split * stride_ps + offs_d[None, :]
+        )  # fmt: skip
+        tl.store(p_ptrs, result, mask=store_mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_tokens_valid_ptr,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(num_tokens_valid_ptr):  # padding rows past qsl[B] were never written
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    lse = tl.load(
+        part_lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty shares: exp2(-inf) = 0
+    parts = tl.load(
+        part_out_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0,
+    )  # fmt: skip
+    # an empty share's partial row is 0 (never NaN), so 0 * w is safe
+    parts = tl.where(w[:, None] > 0.0, parts, 0.0)
+    total = tl.sum(w, 0)
+    total = tl.where(total == 0.0, 1.0, total)
+    o = tl.sum(parts * w[:, None], 0) / total
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d,
+        o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM,
+    )  # fmt: skip
+
+
+# -- launch configuration ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttnLaunchConfig:
+    """Tile shape and compiler knobs for one launch shape (decode-like or prefill)."""
+
+    block_m: int  # rows of (token, head-in-group) per program
+    block_n: int  # keys per inner iteration (spans block_n / page pages)
+    num_warps: int
+    num_stages: int
+
+
+_DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+_PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+_DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+_PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(
+    num_tiles: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = DEFAULT_NUM_SMS,
+    *,
+    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """How many programs share one tile's keys (flash-decoding), from host-side numbers only.
+
+    The unsplit grid has `num_tiles x num_kv_heads` programs. If that already gives every SM
+    a program, splitting only adds the reduce pass: 1. Otherwise split until about
+    PROGRAMS_PER_SM_TARGET programs per SM, but never into shares shorter than
+    `min_tokens_per_split` keys (the partial write and the reduce would then cost more than
+    the parallelism wins) and never more than `max_splits`.
+    """
+    programs = max(1, num_tiles * num_kv_heads)
+    if programs >= num_sms:
+        return 1
+    by_parallelism = -(-PROGRAMS_PER_SM_TARGET * num_sms // programs)
+    by_length = max_seq_len // min_tokens_per_split
+    return max(1, min(by_parallelism, by_length, max_splits))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def paged_attention_forward(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    config: AttnLaunchConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q `[T, Hq, D]` over the cache only (the new K/V must already be in it)."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, cache_head_dim = kv_cache.shape
+    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
+    assert kv_cache.is_contiguous(), "the KV cache must be contiguous"
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    num_seqs = meta.seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    on_gpu = q.is_cuda
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+
+    decode_m = max(16, group_pad)
+    decode_q = decode_m // group_pad
+    if meta.max_query_len <= decode_q:
+        cfg = config or (_DECODE_GPU if on_gpu else _DECODE_CPU)
+    else:
+        cfg = config or (_PREFILL_GPU if on_gpu else _PREFILL_CPU)
+    block_m = max(cfg.block_m, group_pad, 16)
+    block_q = block_m // group_pad
+    one_tile = meta.max_query_len <= block_q
+    num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
+
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_tiles, num_kv_heads, meta.max_seq_len, _num_sms(q.device)
+        )
+    num_splits = max(1, int(num_splits))
+
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+        p_strides = part_out.stride()[:3]
+        l_strides = part_lse.stride()[:2]
+    else:
+        part_out = part_lse = out  # unused
+        p_strides = (0, 0, 0)
+        l_strides = (0, 0)
+
+    _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        qsl, seq_lens, bt,
+        num_seqs, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
+        *p_strides, *l_strides,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n, PAGE=page, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
+        DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, qsl[num_seqs:],
+            *p_strides, *l_strides, out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=4 if head_dim >= 64 else 1,
+        )  # fmt: skip
+    return out
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    config: AttnLaunchConfig | None = None,
+) -> torch.Tensor:
+    """Drop-in for `reference_paged_attention`: write the new K/V, then attend.
+
+    `num_splits` forces the split-KV factor (None: `choose_num_splits`); `config` forces
+    the tile shape. Both are keyword-only extras; the positional signature is the
+    reference's.
+    """
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config)
+
+
+__all__ = [
+    "AttnLaunchConfig",
+    "choose_num_splits",
+    "paged_attention_forward",
+    "triton_paged_attention",
+]
