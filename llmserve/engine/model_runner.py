@@ -78,7 +78,7 @@ class ModelRunner:
         self.arch = mc.arch
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, config.device, select_attention_backend(config.attention_backend),
-            load_format=mc.load_format, seed=mc.seed, progress=progress,
+            load_format=mc.load_format, seed=mc.seed, progress=progress, max_positions=mc.max_model_len,
         )  # fmt: skip
         self.sampler = Sampler(self.device)
         self.kv_caches: list[torch.Tensor] = []

@@ -20,7 +20,7 @@ from llmserve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.arch = arch
         self.backend = backend
@@ -32,7 +32,7 @@ class Attention(nn.Module):
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope)
+        self.rotary = [rotary]  # shared by every layer; a list keeps it out of this module's state
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
     def forward(
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         v = v.view(-1, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary[0](positions, q, k)
         out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, a.q_size))
 
@@ -64,10 +64,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend)
+        self.self_attn = Attention(arch, backend, rotary)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
@@ -89,10 +89,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend) for _ in range(arch.num_layers))
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, backend, self.rotary) for _ in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
@@ -117,10 +120,10 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, backend)
+        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 

@@ -27,12 +27,13 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     progress: bool = True,
+    max_positions: int | None = None,
 ) -> LlamaForCausalLM:
+    """`max_positions` bounds the rotary table (the engine's max_model_len)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend)
+        model = LlamaForCausalLM(arch, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
-    for layer in model.attention_layers():
-        layer.rotary.rebuild(torch.device(device))
+    model.model.rotary.rebuild(torch.device(device))
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

@@ -61,9 +61,13 @@ def make_random_model(
     family: str = "llama",
     seed: int = 0,
     vocab_size: int = 512,
+    config_only: bool = False,
     **overrides,
 ) -> Path:
-    """Write config.json, model.safetensors (float32) and a tokenizer to `out_dir`."""
+    """Write config.json, model.safetensors (float32) and a tokenizer to `out_dir`.
+
+    With `config_only`, no weights: the folder serves `load_format="dummy"` (benchmarks of
+    large shapes, whose random weights are made on the device)."""
     import transformers
 
     if family not in FAMILIES:
@@ -79,6 +83,11 @@ def make_random_model(
     if family == "mistral":
         kwargs.setdefault("sliding_window", None)
     config = config_cls(**kwargs)
+    if config_only:
+        config.architectures = [model_cls.__name__]
+        config.save_pretrained(out)
+        build_tokenizer(out, vocab_size=min(vocab_size, 512))
+        return out
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
