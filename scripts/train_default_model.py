@@ -143,12 +143,17 @@ def is_doctest(line: str) -> bool:
     return line.lstrip().startswith((">>>", "..."))
 
 
+def strip_addresses(text: str) -> str:
+    """``<function f at 0x7f...>`` -> ``<function f>`` (reprs vary per run)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+>", ">", text)
+
+
 def clean_doc(doc: str | None, min_chars: int = 30) -> str | None:
     """Normalise a docstring; None if tiny, boilerplate or mostly doctest."""
     if not doc:
         return None
     doc = inspect.cleandoc(doc).replace("\t", "    ")
-    doc = re.sub(r"<([\w. ]+) object at 0x[0-9a-fA-F]+>", r"<\1 object>", doc)
+    doc = strip_addresses(doc)
     doc = re.sub(r"\n\s*\n+", "\n\n", doc).strip()
     lines = [ln for ln in doc.splitlines() if ln.strip()]
     if sum(map(is_doctest, lines)) > 0.6 * len(lines):
@@ -164,7 +169,7 @@ def signature_of(obj) -> str:
         sig = str(inspect.signature(obj))
     except Exception:  # no signature, or a broken __text_signature__
         return ""
-    sig = re.sub(r"<([\w. ]+) object at 0x[0-9a-fA-F]+>", r"<\1 object>", sig)
+    sig = strip_addresses(sig)
     return sig if len(sig) <= 240 else "(...)"
 
 
@@ -541,6 +546,7 @@ def save_model(model, tokenizer, out: Path, max_bytes: int) -> int:
         model.save_pretrained(out)
     save_tokenizer(tokenizer, out)
     weights = out / "model.safetensors"
+    weights.chmod(0o644)  # written 0600 via a temp file; the package ships it
     size = weights.stat().st_size
     assert size <= max_bytes, f"{weights} is {size} bytes > {max_bytes}"
     return size

@@ -197,3 +197,20 @@ def test_string_prompts_and_vllm_style_script(llama_dir):
     assert len(outputs) == 2
     for output in outputs:
         assert isinstance(output.outputs[0].text, str) and output.outputs[0].token_ids
+
+
+def test_shipped_default_model_matches_transformers_and_reads_as_text():
+    from llmserve.config import DEFAULT_MODEL_DIR
+
+    llm = LLM(max_model_len=256)  # no model: the shipped default
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode("The json module"), tok.encode("To open a file")]
+    want = hf_greedy(str(DEFAULT_MODEL_DIR), prompts, 20)
+    outs = llm.generate([ids(*p) for p in prompts], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    text = outs[0].outputs[0].text
+    words = [w for w in text.split() if w.strip('".,():').isalpha()]
+    assert len(words) >= 5, text  # language, not noise
+    chat = tok.apply_chat_template([{"role": "user", "content": "What does `os.getcwd` do?"}], add_generation_prompt=True, tokenize=False)
+    answer = llm.generate([ids(*tok.encode(chat, add_special_tokens=False))], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert answer.outputs[0].finish_reason == "stop" and answer.outputs[0].text.strip()
