@@ -30,7 +30,16 @@ def _make_random_model(args: argparse.Namespace) -> None:
         "num_key_value_heads": args.num_kv_heads,
         "max_position_embeddings": args.max_position_embeddings,
     }
-    path = make_random_model(args.out, args.family, seed=args.seed, vocab_size=args.vocab_size, **overrides)
+    if args.rope_scaling_llama3:
+        overrides["rope_scaling"] = {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        }  # fmt: skip
+        overrides["rope_theta"] = 500000.0
+    path = make_random_model(
+        args.out, args.family, seed=args.seed, vocab_size=args.vocab_size,
+        config_only=args.config_only, **overrides,
+    )  # fmt: skip
     print(f"wrote a random {args.family} model to {path}")
 
 
@@ -65,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("--num-kv-heads", type=int, default=2)
     rm.add_argument("--max-position-embeddings", type=int, default=2048)
     rm.add_argument("--seed", type=int, default=0)
+    rm.add_argument("--config-only", action="store_true", help="no weights: for --load-format dummy")
+    rm.add_argument("--rope-scaling-llama3", action="store_true", help="Llama 3.1's rope scaling")
     rm.set_defaults(func=_make_random_model)
     return parser
 

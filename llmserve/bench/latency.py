@@ -107,7 +107,8 @@ def format_report(r: dict) -> str:
             row("Output tokens/s per sequence:", r["output_tokens_per_s_per_seq"]),
             row("Weight read bandwidth (GB/s):", r["weight_bandwidth_gb_s"]),
         ]
-    lines.append(row("Avg latency (s):", r["avg_latency"]))
-    lines += [row(f"P{p} latency (s):", v) for p, v in r["percentiles"].items()]
+    # the JSON keeps vLLM's seconds; the table shows ms, readable at small sizes
+    lines.append(row("Avg latency (ms):", r["avg_latency"] * 1000))
+    lines += [row(f"P{p} latency (ms):", v * 1000) for p, v in r["percentiles"].items()]
     lines.append("=" * 50)
     return "\n".join(lines)

@@ -53,7 +53,9 @@ def row(label: str, value: object) -> str:
     return f"{label:<40} {text:<10}"
 
 
-def metric_rows(summary: dict[str, float], name: str, label: str, percentiles: Iterable[float], unit: str = "ms") -> list[str]:
+def metric_rows(
+    summary: dict[str, float], name: str, label: str, percentiles: Iterable[float], unit: str = "ms"
+) -> list[str]:
     """The Mean/Median/Pxx lines of one metric, read from a `summarize` dict."""
     key = f"{name}_{unit}"
     lines = [

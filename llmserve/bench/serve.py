@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import random
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
     p.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
@@ -56,8 +57,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="prompt and arrival seed (default: fresh each run)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension): exact output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
-    p.add_argument("--percentiles", "--metric-percentiles", default="50,90,99", help="comma-separated, e.g. 50,90,99")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
+    p.add_argument("--percentiles", "--metric-percentiles", default="90,99",
+                   help="comma-separated, e.g. 50,90,99 (mean and median are always reported)")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to print")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first (own prompts)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
@@ -80,6 +83,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError("--request-rate and --burstiness must be > 0")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     target, results, duration = asyncio.run(_benchmark(args, seed))
     metrics = compute_metrics(results, duration, percentiles, slos)
     print(format_report(metrics, args, shown, percentiles, bool(slos)))
@@ -100,7 +104,8 @@ async def _benchmark(args: argparse.Namespace, seed: int) -> tuple[Target, list[
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no silent cap at 100
     # trust_env=False: no proxy between the client and the server being measured
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-        target = Target(args.base_url, args.endpoint, None, args.api_key, args.ignore_eos, args.temperature)
+        api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+        target = Target(args.base_url, args.endpoint, None, api_key, args.ignore_eos, args.temperature)
         target.model = args.model or await first_model(client, target)
         reqs = random_requests(args.warmup + args.num_prompts, args.input_len, args.output_len,
                                args.vocab_size, seed, args.range_ratio)

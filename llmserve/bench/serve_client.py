@@ -99,46 +99,53 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int] | st
     res = RequestResult(prompt_len=prompt_len)
     sent = time.perf_counter()
     res.start = sent - t0
+    try:
+        await _stream(client, target, prompt, max_tokens, res, sent, t0)
+    except Exception as exc:  # noqa: BLE001 - any failure (refused, reset, bad JSON) is a failed request
+        res.error = f"{type(exc).__name__}: {exc}"
+    if not res.latency:  # failed part-way: how long it held its slot
+        res.latency = time.perf_counter() - sent
+    res.success = not res.error
+    return res
+
+
+async def _stream(client: httpx.AsyncClient, target: Target, prompt: list[int] | str, max_tokens: int,
+                  res: RequestResult, sent: float, t0: float) -> None:
+    """Read the SSE stream into `res`; sets `res.error` for an HTTP or in-stream error."""
     last = sent
     chunks = 0
     usage: dict = {}
-    try:
-        async with client.stream("POST", target.url, json=target.payload(prompt, max_tokens),
-                                 headers=target.headers()) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, event names
-                now = time.perf_counter()
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if "error" in msg:
-                    res.error = f"stream error: {json.dumps(msg['error'])[:300]}"
-                    return res
-                usage = msg.get("usage") or usage
-                choices = msg.get("choices") or []
-                if not choices or not _carries_tokens(choices[0], target.chat):
-                    continue
-                if chunks == 0:
-                    res.ttft = now - sent
-                else:
-                    res.itl.append(now - last)
-                res.token_times.append(now - t0)
-                last = now
-                chunks += 1
-            res.latency = time.perf_counter() - sent
-    except Exception as exc:  # noqa: BLE001 - any failure (refused, reset, bad JSON) is a failed request
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
+    async with client.stream("POST", target.url, json=target.payload(prompt, max_tokens),
+                             headers=target.headers()) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            res.error = f"HTTP {resp.status_code}: {body[:300]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, event names
+            now = time.perf_counter()
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                res.error = f"stream error: {json.dumps(msg['error'])[:300]}"
+                return
+            usage = msg.get("usage") or usage
+            choices = msg.get("choices") or []
+            if not choices or not _carries_tokens(choices[0], target.chat):
+                continue
+            if chunks == 0:
+                res.ttft = now - sent
+            else:
+                res.itl.append(now - last)
+            res.token_times.append(now - t0)
+            last = now
+            chunks += 1
+        res.latency = time.perf_counter() - sent
     if chunks == 0:
         res.error = "the stream ended without any generated token"
-        return res
+        return
     res.output_tokens = int(usage.get("completion_tokens") or chunks)
-    res.prompt_len = int(usage.get("prompt_tokens") or prompt_len)
-    res.success = True
-    return res
+    res.prompt_len = int(usage.get("prompt_tokens") or res.prompt_len)

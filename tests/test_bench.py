@@ -1,0 +1,205 @@
+"""`llmserve bench`: serve against a real server process, latency and hf-baseline in-process,
+and the metric definitions on hand-built request results (exact numbers)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from llmserve.bench.prompts import random_requests
+from llmserve.bench.report import parse_percentiles, summarize
+from llmserve.bench.serve import arrival_offsets
+from llmserve.bench.serve_client import RequestResult, Target, _carries_tokens
+from llmserve.bench.serve_metrics import compute_metrics, parse_goodput, peak_concurrency
+from llmserve.bench.throughput import make_prompts
+from llmserve.cli import main
+from server_utils import free_port, start_server
+
+NUM, IN_LEN, OUT_LEN = 12, 16, 6
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bench-server") / "server.log"
+    srv = start_server(["--model", llama_dir, "--max-model-len", "256"], str(log))
+    yield srv
+    srv.stop()
+
+
+def bench_serve(base_url: str, out: str, *extra: str) -> dict:
+    main([
+        "bench", "serve", "--base-url", base_url, "--num-prompts", str(NUM), "--input-len", str(IN_LEN),
+        "--output-len", str(OUT_LEN), "--vocab-size", "512", "--ignore-eos", "--percentiles", "50,90,99",
+        "--disable-tqdm", "--output-json", out, *extra,
+    ])  # fmt: skip
+    with open(out) as f:
+        return json.load(f)
+
+
+def assert_consistent(r: dict, completed: int = NUM) -> None:
+    assert r["completed"] == completed and r["failed"] == NUM - completed
+    assert r["total_output_tokens"] == completed * OUT_LEN
+    assert r["total_input_tokens"] == completed * IN_LEN
+    d = r["duration"]
+    assert d > 0
+    assert r["request_throughput"] == pytest.approx(completed / d)
+    assert r["output_throughput"] == pytest.approx(r["total_output_tokens"] / d)
+    assert r["total_token_throughput"] == pytest.approx((r["total_input_tokens"] + r["total_output_tokens"]) / d)
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 < r[f"p50_{m}_ms"] <= r[f"p90_{m}_ms"] <= r[f"p99_{m}_ms"], m
+        assert r[f"median_{m}_ms"] == r[f"p50_{m}_ms"]
+    assert r["mean_ttft_ms"] < r["mean_e2el_ms"] <= d * 1000
+    assert 1 <= r["max_concurrent_requests"] <= NUM
+    assert 0 < r["max_output_tokens_per_s"] <= r["total_output_tokens"]
+
+
+def test_serve_all_at_once_with_plot(server, llama_dir, tmp_path, capsys):
+    png = tmp_path / "plot.png"
+    r = bench_serve(server.base_url, str(tmp_path / "r.json"), "--plot", str(png), "--goodput", "ttft:600000",
+                    "--seed", "1", "--save-detailed")  # fmt: skip
+    assert_consistent(r)
+    assert r["request_rate"] == "inf" and r["seed"] == 1 and r["model_id"] == llama_dir  # the first of /v1/models
+    assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 10-minute TTFT SLO: all good
+    # a lagging stream gets several tokens in one chunk: at most one gap per token after the first
+    assert len(r["ttfts"]) == NUM and all(1 <= len(gaps) <= OUT_LEN - 1 for gaps in r["itls"])
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    text = capsys.readouterr().out
+    assert "============ Serving Benchmark Result ============" in text
+    assert "Successful requests:                     12" in text
+
+
+def test_serve_finite_rate_and_concurrency_cap(server, tmp_path):
+    r = bench_serve(server.base_url, str(tmp_path / "r.json"), "--request-rate", "40", "--max-concurrency", "3")
+    assert_consistent(r)
+    assert r["request_rate"] == 40.0 and r["max_concurrency"] == 3
+    assert r["max_concurrent_requests"] <= 3
+    assert r["request_goodput"] is None and "ttfts" not in r  # no SLOs, not detailed
+    assert r["seed"] != bench_serve(server.base_url, str(tmp_path / "r2.json"))["seed"]  # fresh prompts each run
+
+
+def test_serve_chat_endpoint(server, tmp_path):
+    r = bench_serve(server.base_url, str(tmp_path / "r.json"), "--endpoint", "/v1/chat/completions", "--warmup", "0")
+    assert r["completed"] == NUM and r["total_output_tokens"] == NUM * OUT_LEN
+    assert r["total_input_tokens"] >= NUM * 4  # re-tokenized text plus the chat template: the server's count
+
+
+def test_serve_against_nothing_reports_failures(tmp_path, capsys):
+    r = bench_serve(f"http://127.0.0.1:{free_port()}", str(tmp_path / "r.json"), "--model", "m", "--plot",
+                    str(tmp_path / "p.png"))  # fmt: skip
+    assert r["completed"] == 0 and r["failed"] == NUM
+    assert r["total_output_tokens"] == 0 and r["request_throughput"] == 0 and r["mean_ttft_ms"] == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
+    assert "ConnectError" in capsys.readouterr().err
+
+
+def test_latency(llama_dir, tmp_path):
+    out = tmp_path / "lat.json"
+    main([
+        "bench", "latency", "--model", llama_dir, "--max-model-len", "128", "--batch-size", "2",
+        "--input-len", "16", "--output-len", "6", "--num-iters", "3", "--num-iters-warmup", "1",
+        "--output-json", str(out),
+    ])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["batch_size"] == 2 and len(r["latencies"]) == 3 and len(r["ttfts"]) == 3
+    assert 0 < r["ttft_ms"] and 0 < r["tpot_ms"] and r["weight_bandwidth_gb_s"] > 0
+    assert r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
+    assert min(r["latencies"]) <= r["percentiles"]["50"] <= r["percentiles"]["90"] <= r["percentiles"]["99"]
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_hf_baseline(llama_dir, tmp_path, load_format):
+    out = tmp_path / "hf.json"
+    main([
+        "bench", "hf-baseline", "--model", llama_dir, "--num-prompts", "5", "--batch-size", "2",
+        "--input-len", "12", "--output-len", "5", "--device", "cpu", "--load-format", load_format,
+        "--output-json", str(out),
+    ])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "float32" and r["device"] == "cpu"
+    assert r["total_output_tokens"] == 5 * 5 and r["total_input_tokens"] == 5 * 12  # EOS ignored, 3 batches
+    assert r["output_tokens_per_s"] == pytest.approx(r["total_output_tokens"] / r["elapsed_s"])
+
+
+# ---- the definitions, on hand-built results ----
+
+
+def result(start: float, ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestResult:
+    gaps = [(latency - ttft) / (tokens - 1)] * (tokens - 1) if ok and tokens > 1 else []
+    times = [start + ttft + sum(gaps[:i]) for i in range(tokens)] if ok else []
+    return RequestResult(
+        success=ok, prompt_len=10 if ok else 0, output_tokens=tokens if ok else 0, start=start,
+        ttft=ttft, latency=latency, itl=gaps, token_times=times, error="" if ok else "boom",
+    )  # fmt: skip
+
+
+def test_metrics_definitions():
+    results = [result(0.0, 0.1, 0.5, 5), result(0.25, 0.3, 1.3, 11), result(0.4, 0.0, 0.1, 0, ok=False)]
+    m = compute_metrics(results, duration=2.0, percentiles=[50, 99], slos={"ttft": 200})
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (20, 16)
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 8.0 and m["total_token_throughput"] == 18.0
+    assert m["request_goodput"] == 0.5  # only the first meets TTFT <= 200 ms
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4 and (1.3 - 0.3) / 10
+    assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["median_e2el_ms"] == pytest.approx(900.0)
+    assert m["mean_itl_ms"] == pytest.approx(100.0) and m["p99_itl_ms"] == pytest.approx(100.0)
+    assert m["max_concurrent_requests"] == 3  # [0, .5], [.25, 1.55] and the failed [.4, .5] overlap
+    assert m["max_output_tokens_per_s"] == 10  # second [0, 1): 5 + 5 chunks; [1, 2): 6
+
+
+def test_tpot_slo_and_one_token_outputs():
+    one = result(0.0, 0.05, 0.05, 1)
+    assert one.tpot is None
+    m = compute_metrics([one], 1.0, [90], parse_goodput(["tpot:1", "e2el:100"]))
+    assert m["request_goodput"] == 1.0 and m["mean_tpot_ms"] == 0.0 and m["p90_itl_ms"] == 0.0
+
+
+def test_peak_concurrency_back_to_back_is_one():
+    assert peak_concurrency([result(0.0, 0.1, 1.0, 2), result(1.0, 0.1, 1.0, 2)]) == 1
+
+
+def test_arrival_offsets():
+    assert arrival_offsets(4, math.inf, 1.0, 0) == [0.0] * 4
+    offsets = arrival_offsets(2000, 50.0, 1.0, 0)
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    assert offsets[-1] / 1999 == pytest.approx(1 / 50, rel=0.1)
+    assert arrival_offsets(50, 10.0, 1.0, 7) == arrival_offsets(50, 10.0, 1.0, 7)
+
+
+def test_stream_chunks_that_carry_tokens():
+    assert _carries_tokens({"text": "a", "finish_reason": None}, chat=False)
+    assert _carries_tokens({"text": "", "finish_reason": None}, chat=False)  # half of a UTF-8 character
+    assert not _carries_tokens({"text": "", "finish_reason": "length"}, chat=False)
+    assert not _carries_tokens({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, chat=True)
+    assert _carries_tokens({"delta": {"role": None, "content": "hi"}, "finish_reason": "stop"}, chat=True)
+
+
+def test_request_bodies():
+    comp = Target("http://h:1/", "/v1/completions", "m", api_key="k", ignore_eos=True)
+    body = comp.payload([11, 12], 7)
+    assert comp.url == "http://h:1/v1/completions" and comp.headers() == {"Authorization": "Bearer k"}
+    assert body["prompt"] == [11, 12] and body["max_tokens"] == 7 and body["ignore_eos"] and body["model"] == "m"
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["temperature"] == 0.0
+    chat = Target("http://h:1", "/v1/chat/completions", None)
+    body = chat.payload("hi", 7)
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_completion_tokens"] == 7
+    assert "model" not in body and "ignore_eos" not in body and chat.headers() == {}
+
+
+def test_bad_options():
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+    with pytest.raises(ValueError):
+        parse_percentiles("0,50")
+    assert summarize([], [99], "x_ms") == {"mean_x_ms": 0.0, "median_x_ms": 0.0, "std_x_ms": 0.0, "p99_x_ms": 0.0}
+
+
+def test_prompts_exact_and_shared_with_throughput():
+    reqs = random_requests(5, 32, 8, 512, seed=3)
+    assert all(r.prompt_len == 32 and r.output_len == 8 for r in reqs)
+    assert all(10 <= t < 512 for r in reqs for t in r.prompt_token_ids)
+    prompts, out_lens = make_prompts(5, 32, 8, 0.0, 512, 3)
+    assert [p["prompt_token_ids"] for p in prompts] == [r.prompt_token_ids for r in reqs] and out_lens == [8] * 5
+    assert random_requests(5, 32, 8, 512, seed=None) != random_requests(5, 32, 8, 512, seed=None)
