@@ -26,6 +26,7 @@ class ThroughputResult:
     total_tokens_per_s: float
     num_preemptions: int
     max_num_seqs: int
+    startup_s: float  # from the command's start to a ready engine (weights, KV cache, graphs)
 
 
 def add_parser(subparsers) -> None:
@@ -50,7 +51,9 @@ def run(args: argparse.Namespace) -> ThroughputResult:
     from llmserve import LLM, SamplingParams
 
     engine_args = engine_args_from_cli(args)
+    t0 = time.perf_counter()
     llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    startup = time.perf_counter() - t0
     vocab = llm.config.model_config.arch.vocab_size
     prompts, out_lens = make_prompts(
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.bench_seed
@@ -72,12 +75,14 @@ def run(args: argparse.Namespace) -> ThroughputResult:
         total_tokens_per_s=round((in_tokens + out_tokens) / elapsed, 1),
         num_preemptions=llm.stats().num_preemptions,
         max_num_seqs=engine_args.max_num_seqs,
+        startup_s=round(startup, 1),
     )
     print(
         f"Throughput: {result.requests_per_s:.2f} requests/s, "
         f"{result.total_tokens_per_s:.1f} total tokens/s, "
         f"{result.output_tokens_per_s:.1f} output tokens/s "
-        f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s)"
+        f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s; "
+        f"engine ready in {startup:.1f} s)"
     )
     if args.output_json:
         with open(args.output_json, "w") as f:

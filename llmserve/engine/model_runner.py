@@ -19,6 +19,7 @@ from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
+from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class ModelRunner:
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, config.device, select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress, max_positions=mc.max_model_len,
+            ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.sampler = Sampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
@@ -246,9 +248,10 @@ class ModelRunner:
             if samples:
                 logits_indices.append(query_start[-1] - 1)
         rows = self.block_tables.rows_for([(it[0], it[1]) for it in items])
+        width = max(len(it[1]) for it in items)  # copy only the columns this batch uses
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
-            self.block_tables.table[rows], logits_indices, max_query,
+            self.block_tables.table[rows, :width], logits_indices, max_query,
         )  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:

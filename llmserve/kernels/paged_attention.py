@@ -31,9 +31,13 @@ How the kernel is organised
 * Online softmax in fp32 (exp2 with log2(e) folded into the scale); fp32 inputs use IEEE
   dots (no TF32) so results match the reference to ~1e-5.
 
-The number of splits is chosen by `choose_num_splits` (see there); pass `num_splits=` to
-force it (tests do; a CUDA-graph capture should too, since the kernel derives each
-sequence's split ranges on the device and so any fixed value stays valid at replay).
+The number of splits is chosen by `choose_num_splits` (see there) from host-side numbers
+only (batch size, KV heads, `meta.max_seq_len`, SM count); pass `num_splits=` to force it.
+No launch reads device data on the host, so a call can be captured in a CUDA graph; the
+split count used at capture is baked in, and stays correct at replay for any sequence
+lengths because each program derives its key range from `seq_lens` on the device.
+Tile shapes per launch shape (and per grid size for decode) are the `_*_GPU` configs below,
+tuned on an H200; `config=` overrides them.
 """
 
 from __future__ import annotations
@@ -214,13 +218,14 @@ def _paged_attn_kernel(
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
+        tok64 = tok.to(tl.int64)  # scratch rows are Hq * splits * D wide: use 64-bit offsets
         p_ptrs = (
-            part_out_ptr + tok[:, None] * stride_pt + head[:, None] * stride_ph
+            part_out_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph
             + split * stride_ps + offs_d[None, :]
         )  # fmt: skip
         tl.store(p_ptrs, result, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        tl.store(part_lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+        tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -234,6 +239,7 @@ def _reduce_splits_kernel(
     h = tl.program_id(1)
     if t >= tl.load(num_tokens_valid_ptr):  # padding rows past qsl[B] were never written
         return
+    t = t.to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -272,8 +278,14 @@ class AttnLaunchConfig:
     num_stages: int
 
 
-_DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-_PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+# Chosen from sweeps on an H200 (bf16, 32/8 heads, D 128, block 16; scripts/gpu/bench_kernels.py):
+# decode at small/medium grids prefers 128-key steps (B=32 x 4096: 3.9 TB/s vs 3.5 with 64),
+# large grids (>= 8 programs per SM) 64-key steps with 2 stages (B=256: 4.0-4.35 TB/s);
+# prefill 16 x 1024 causal: 128 x 32 tiles with 4 warps, 264 TFLOP/s (128 x 64 / 8 warps: 233).
+_DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
+_DECODE_GPU_LARGE = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+_DECODE_LARGE_PROGRAMS_PER_SM = 8
+_PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
 _DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 _PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
@@ -309,7 +321,7 @@ def choose_num_splits(
     programs = max(1, num_tiles * num_kv_heads)
     if programs >= num_sms:
         return 1
-    by_parallelism = -(-PROGRAMS_PER_SM_TARGET * num_sms // programs)
+    by_parallelism = PROGRAMS_PER_SM_TARGET * num_sms // programs
     by_length = max_seq_len // min_tokens_per_split
     return max(1, min(by_parallelism, by_length, max_splits))
 
@@ -345,22 +357,29 @@ def paged_attention_forward(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
 
+    num_sms = _num_sms(q.device)
     decode_m = max(16, group_pad)
     decode_q = decode_m // group_pad
-    if meta.max_query_len <= decode_q:
-        cfg = config or (_DECODE_GPU if on_gpu else _DECODE_CPU)
+    decode_like = meta.max_query_len <= decode_q
+    if config is not None:
+        cfg = config
+    elif not on_gpu:
+        cfg = _DECODE_CPU if decode_like else _PREFILL_CPU
     else:
-        cfg = config or (_PREFILL_GPU if on_gpu else _PREFILL_CPU)
+        cfg = _DECODE_GPU if decode_like else _PREFILL_GPU
     block_m = max(cfg.block_m, group_pad, 16)
     block_q = block_m // group_pad
     one_tile = meta.max_query_len <= block_q
     num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
 
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_tiles, num_kv_heads, meta.max_seq_len, _num_sms(q.device)
-        )
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, meta.max_seq_len, num_sms)
     num_splits = max(1, int(num_splits))
+    if (
+        config is None and on_gpu and decode_like
+        and num_tiles * num_kv_heads * num_splits >= _DECODE_LARGE_PROGRAMS_PER_SM * num_sms
+    ):  # fmt: skip
+        cfg = _DECODE_GPU_LARGE
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables

@@ -9,6 +9,8 @@ checked against these.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,24 +19,73 @@ from torch import nn
 from llmserve.model.arch import RopeConfig
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D]; cos_sin: [2, max_pos, D] (neox-style halves)."""
+    cos = cos_sin[0, positions].to(q.dtype)[:, None, :]
+    sin = cos_sin[1, positions].to(q.dtype)[:, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The elementwise ops the model runs: these PyTorch references, or fused kernels
+    with the same signatures (`llmserve.kernels`, tested against these)."""
+
+    rms_norm: Callable = rms_norm
+    fused_add_rms_norm: Callable = fused_add_rms_norm
+    apply_rotary: Callable = apply_rotary
+    silu_and_mul: Callable = silu_and_mul
+
+
+REFERENCE_OPS = LayerOps()
+
+
+def triton_ops() -> LayerOps:
+    from llmserve import kernels
+
+    return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x`; with `residual`, first add it and also return the sum."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -64,8 +115,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding with a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, ops: LayerOps = REFERENCE_OPS) -> None:
         super().__init__()
+        self.ops = ops
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.rope = rope
@@ -86,16 +138,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
-        cos = self.cos_sin[0, positions].to(q.dtype)[:, None, :]
-        sin = self.cos_sin[1, positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+        return self.ops.apply_rotary(q, k, positions, self.cos_sin)

@@ -16,11 +16,11 @@ from torch import nn
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
-from llmserve.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps) -> None:
         super().__init__()
         self.arch = arch
         self.backend = backend
@@ -30,8 +30,8 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
         self.rotary = [rotary]  # shared by every layer; a list keeps it out of this module's state
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
@@ -52,24 +52,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, ops: LayerOps) -> None:
         super().__init__()
+        self.act = ops.silu_and_mul
         self.gate_up_proj = nn.Linear(
             arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias
         )
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, backend, rotary)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, backend, rotary, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, ops)
 
     def forward(
         self,
@@ -89,14 +90,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, backend, self.rotary) for _ in range(arch.num_layers)
+            DecoderLayer(arch, backend, self.rotary, ops) for _ in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -120,10 +121,13 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
+        ops: LayerOps = REFERENCE_OPS,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings)
+        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops)
         if not arch.tie_word_embeddings:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 

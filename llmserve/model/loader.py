@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
+from llmserve.model.layers import REFERENCE_OPS, LayerOps
 from llmserve.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -28,10 +29,12 @@ def load_model(
     seed: int = 0,
     progress: bool = True,
     max_positions: int | None = None,
+    ops: LayerOps = REFERENCE_OPS,
 ) -> LlamaForCausalLM:
-    """`max_positions` bounds the rotary table (the engine's max_model_len)."""
+    """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
+    the elementwise kernels (PyTorch references or fused Triton kernels)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions)
+        model = LlamaForCausalLM(arch, backend, max_positions, ops)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary.rebuild(torch.device(device))
     if load_format == "dummy":

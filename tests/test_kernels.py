@@ -1,0 +1,350 @@
+"""The Triton kernels against their PyTorch references, on CPU under the Triton interpreter.
+
+Shapes are tiny on purpose: the interpreter runs every program in Python. What is covered:
+mixed varlen batches (decodes, fresh prefills, chunks that start after cached tokens, an
+empty sequence, a padding token with slot -1), GQA ratios 1/2/4, block sizes 4/8/16,
+padded block tables, head dims 16/24/32, the split-KV path forced on (including splits in
+which some rows see no key), strided q/k views, float32 (tight) and float16; bfloat16 for
+the elementwise kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+    # triton's own @jit helpers (reductions...) were built for a GPU: the interpreter cannot
+    # call them, and re-importing triton in-process is not possible
+    pytest.skip(
+        "triton was imported before TRITON_INTERPRET=1 was set; run tests/test_kernels.py "
+        "in its own process",
+        allow_module_level=True,
+    )
+
+import llmserve.kernels as K  # noqa: E402
+
+from llmserve.kernels import activation, cache_write, norm, paged_attention, rotary  # noqa: E402
+from llmserve.model.arch import RopeConfig  # noqa: E402
+from llmserve.model.attention import (  # noqa: E402
+    AttentionMetadata,
+    reference_paged_attention,
+    write_kv_cache,
+)
+from llmserve.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from llmserve.model.layers import silu_and_mul as ref_silu_and_mul  # noqa: E402
+
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+# -- batch construction ------------------------------------------------------------------
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    pad_blocks: int = 2,
+    skip_tokens: tuple[int, ...] = (),
+    strided_qkv: bool = False,
+):
+    """A flat varlen batch over a randomly filled cache with shuffled, padded block tables.
+
+    The cache starts as random numbers (the "cached prefix" of every sequence); tokens listed
+    in `skip_tokens` get slot -1 (their K/V are not written, as for padding).
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = sum(query_lens)
+    blocks_needed = sum(-(-s // block_size) for s in seq_lens)
+    num_blocks = blocks_needed + 3
+    if strided_qkv:  # q, k, v as views of one fused projection output, like the model
+        qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+        qkv = qkv.to(dtype)
+        q, k, v = qkv.split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        q = q.view(num_tokens, num_heads, head_dim)
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        v = v.view(num_tokens, num_kv_heads, head_dim)
+    else:
+        q = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    kv_cache = kv_cache.to(dtype)
+    max_blocks = max(-(-s // block_size) for s in seq_lens) + pad_blocks
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0: padding
+    slots = []
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        n = -(-s_len // block_size)
+        block_tables[i, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+        for p in range(s_len - q_len, s_len):
+            slots.append(int(block_tables[i, p // block_size]) * block_size + p % block_size)
+    for t in skip_tokens:
+        slots[t] = -1
+    qsl = [0]
+    for q_len in query_lens:
+        qsl.append(qsl[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return q, k, v, kv_cache, meta
+
+
+def check_attention(q, k, v, kv_cache, meta, scale, *, num_splits=None, config=None):
+    ref_cache = kv_cache.clone()
+    ref = reference_paged_attention(q, k, v, ref_cache, meta, scale)
+    out = K.triton_paged_attention(
+        q, k, v, kv_cache, meta, scale, num_splits=num_splits, config=config
+    )
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)  # same K/V written
+    assert torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[q.dtype])
+    return out
+
+
+# A mixed batch: decode, fresh prefill, decode, chunk after 13 cached tokens, empty sequence,
+# long-ish decode, chunk after a block-aligned prefix, and a padding-like decode (slot -1).
+MIXED_QLENS = [1, 11, 1, 9, 0, 1, 6, 1]
+MIXED_SEQLENS = [7, 11, 30, 22, 5, 41, 22, 3]
+MIXED_SKIP = (sum(MIXED_QLENS) - 1,)
+
+ATTN_CASES = [
+    # (num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits)
+    pytest.param(4, 4, 32, 16, torch.float32, 1, id="gqa1-bs16-d32-fp32"),
+    pytest.param(4, 2, 16, 8, torch.float32, 3, id="gqa2-bs8-d16-fp32-split3"),
+    pytest.param(4, 1, 16, 4, torch.float32, 1, id="gqa4-bs4-d16-fp32"),
+    pytest.param(4, 1, 24, 8, torch.float32, 4, id="gqa4-bs8-d24-fp32-split4"),
+    pytest.param(4, 1, 32, 16, torch.float16, 2, id="gqa4-bs16-d32-fp16-split2"),
+    pytest.param(4, 2, 16, 4, torch.float16, 1, id="gqa2-bs4-d16-fp16"),
+]
+# No bfloat16 attention case here: the Triton interpreter's bf16 `tl.dot` is wrong (it
+# multiplies raw bit patterns) and its fp32->bf16 cast truncates. bf16 attention is
+# checked against the reference on the GPU by scripts/gpu/bench_kernels.py.
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,num_splits", ATTN_CASES)
+def test_paged_attention_mixed_batch(
+    num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits
+):
+    batch = make_batch(
+        MIXED_QLENS, MIXED_SEQLENS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, dtype=dtype, skip_tokens=MIXED_SKIP,
+        seed=num_kv_heads * 100 + block_size,
+    )  # fmt: skip
+    check_attention(*batch, head_dim**-0.5, num_splits=num_splits)
+
+
+def test_paged_attention_multi_tile_prefill_strided_qkv():
+    """Chunks longer than one tile (binary search over tiles), q/k/v as strided views."""
+    cfg = K.AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)  # 4 tokens
+    batch = make_batch(
+        [1, 10, 7], [9, 10, 25], num_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+        dtype=torch.float32, strided_qkv=True, seed=7,
+    )  # fmt: skip
+    assert not batch[0].is_contiguous()
+    check_attention(*batch, 0.3, config=cfg)
+    batch = make_batch(
+        [1, 10, 7], [9, 10, 25], num_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+        dtype=torch.float32, strided_qkv=True, seed=7,
+    )  # fmt: skip
+    check_attention(*batch, 0.3, config=cfg, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_paged_attention_decode_batch(num_splits):
+    """Pure decode (one tile per sequence); None lets the heuristic split (tiny batch)."""
+    batch = make_batch(
+        [1, 1, 1], [40, 3, 17], num_heads=8, num_kv_heads=2, head_dim=16, block_size=8,
+        dtype=torch.float32, seed=3,
+    )  # fmt: skip
+    if num_splits is None:  # the heuristic must pick a split for 3 seqs x 2 heads, len 40
+        assert K.choose_num_splits(3, 2, 40, min_tokens_per_split=8) > 1
+    check_attention(*batch, 0.25, num_splits=num_splits)
+
+
+def test_split_kv_changes_the_launch_but_not_the_result():
+    """Split and unsplit runs agree with each other (and the split really ran: scratch used)."""
+    batch = make_batch(
+        [1, 5], [33, 20], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+        dtype=torch.float32, seed=11,
+    )  # fmt: skip
+    q, k, v, cache, meta = batch
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    one = K.paged_attention_forward(q, cache, meta, 0.25, num_splits=1)
+    calls = []
+    real_reduce = paged_attention._reduce_splits_kernel
+    orig_getitem = type(real_reduce).__getitem__
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return orig_getitem(real_reduce, grid)
+
+    paged_attention._reduce_splits_kernel = Spy()
+    try:
+        many = K.paged_attention_forward(q, cache, meta, 0.25, num_splits=5)
+    finally:
+        paged_attention._reduce_splits_kernel = real_reduce
+    assert len(calls) == 1
+    torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
+
+
+def test_choose_num_splits_policy():
+    sms = 132
+    # enough programs already: no split
+    assert K.choose_num_splits(32, 8, 8192, sms) == 1
+    assert K.choose_num_splits(256, 8, 512, sms) == 1
+    # batch 1, long context: many splits, capped
+    s = K.choose_num_splits(1, 8, 8192, sms)
+    assert 8 <= s <= paged_attention.MAX_SPLITS
+    # short context: shares never shorter than MIN_TOKENS_PER_SPLIT
+    assert K.choose_num_splits(1, 8, 300, sms) == 300 // paged_attention.MIN_TOKENS_PER_SPLIT
+    assert K.choose_num_splits(1, 8, 100, sms) == 1
+    # more parallelism -> fewer splits
+    assert K.choose_num_splits(4, 8, 8192, sms) < K.choose_num_splits(1, 8, 8192, sms)
+    # the values an H200 sweep found best (bf16, 8 KV heads, block 16)
+    assert K.choose_num_splits(1, 8, 8192, sms) == 32
+    assert K.choose_num_splits(2, 8, 8192, sms) == 16
+    assert K.choose_num_splits(8, 8, 2048, sms) == 4
+    assert K.choose_num_splits(16, 8, 4096, sms) == 2
+    assert K.choose_num_splits(128, 8, 1024, sms) == 1
+
+
+def test_write_kv_matches_reference_and_skips_negative_slots():
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(6, 2, 16, generator=g)
+    v = torch.randn(6, 2, 16, generator=g)
+    cache = torch.randn(2, 5, 4, 2, 16, generator=g)
+    slots = torch.tensor([3, -1, 17, 0, -1, 19], dtype=torch.int64)
+    ref = cache.clone()
+    write_kv_cache(k, v, ref, slots)
+    out = cache.clone()
+    cache_write.write_kv(k, v, out, slots)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert not torch.equal(out, cache)  # something was written
+    flat = out.view(2, -1, 2, 16)
+    torch.testing.assert_close(flat[0, 17], k[2], atol=0, rtol=0)
+
+
+# -- norm / rotary / activation -------------------------------------------------------------
+
+SMALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_rms_norm(dtype):
+    g = torch.Generator().manual_seed(1)
+    ref = RMSNorm(48, 1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(48, generator=g))
+    x = (torch.randn(5, 48, generator=g) * 3).to(dtype)
+    out = norm.rms_norm(x, ref.weight.detach(), 1e-5)
+    expect = ref(x)
+    assert out.dtype == expect.dtype
+    torch.testing.assert_close(out, expect.detach(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_fused_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(2)
+    ref = RMSNorm(40, 1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(40, generator=g))
+    x = torch.randn(2, 3, 40, generator=g).to(dtype)
+    residual = torch.randn(2, 3, 40, generator=g).to(dtype)
+    x_before, r_before = x.clone(), residual.clone()
+    out, new_res = norm.fused_add_rms_norm(x, residual, ref.weight.detach(), 1e-6)
+    expect, expect_res = ref(x, residual)
+    if dtype == torch.bfloat16:  # the interpreter's fp32->bf16 cast truncates (1 ulp off)
+        torch.testing.assert_close(new_res, expect_res, **TOL[dtype])
+    else:  # the add is rounded once, as in the reference: exact
+        torch.testing.assert_close(new_res, expect_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, expect.detach(), **TOL[dtype])
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_rotary(dtype):
+    head_dim, n_q, n_k, tokens = 32, 4, 2, 7
+    rope = RotaryEmbedding(
+        head_dim, 64,
+        RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0,
+                   original_max_position_embeddings=16),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (n_q + 2 * n_k) * head_dim, generator=g).to(dtype)
+    q, k, _ = qkv.split([n_q * head_dim, n_k * head_dim, n_k * head_dim], dim=-1)
+    q = q.view(tokens, n_q, head_dim)  # strided views, as the model produces them
+    k = k.view(tokens, n_k, head_dim)
+    positions = torch.tensor([0, 5, 63, 2, 2, 17, 40])
+    eq, ek = rope(positions, q, k)
+    oq, ok = rotary.apply_rotary(q, k, positions, rope.cos_sin)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(oq, eq, **tol)
+    torch.testing.assert_close(ok, ek, **tol)
+    assert not torch.equal(oq, q)  # it did rotate
+    q2, k2 = q.clone(), k.clone()
+    iq, ik = rotary.apply_rotary(q2, k2, positions, rope.cos_sin, inplace=True)
+    assert iq.data_ptr() == q2.data_ptr()
+    torch.testing.assert_close(q2, eq, **tol)
+    torch.testing.assert_close(k2, ek, **tol)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 3, 2 * 40, generator=g) * 3).to(dtype)
+    out = activation.silu_and_mul(x)
+    expect = ref_silu_and_mul(x)
+    assert out.shape == (2, 3, 40)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out, expect, **tol)
+
+
+def test_has_triton_gpu_is_false_under_the_interpreter():
+    assert K.has_triton_gpu() is False
+
+
+def test_engine_with_triton_kernels_matches_transformers(llama_dir):
+    """The whole engine on the Triton path (attention, KV write, norm, rotary, SiLU) under
+    the interpreter: greedy tokens equal transformers', with chunked prefill."""
+    import random
+
+    from conftest import hf_greedy
+    from llmserve import LLM, SamplingParams
+
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(20)]
+    prompts = [[1] + shared + [rng.randrange(3, 500) for _ in range(n)] for n in (3, 11)]
+    want = hf_greedy(llama_dir, prompts, 6)
+    llm = LLM(llama_dir, attention_backend="triton", max_model_len=64, block_size=8, max_num_batched_tokens=16)
+    assert llm.config.attention_backend == "triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
