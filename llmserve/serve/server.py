@@ -10,12 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-import uvicorn
-
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.serve.app import build_app
-from llmserve.serve.state import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +28,12 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    import uvicorn  # imported here so other subcommands do not need the server's packages
+
+    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.serve.app import build_app
+    from llmserve.serve.state import ServerConfig
+
     engine_config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, fast
     mc = engine_config.model_config
     config = ServerConfig(
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
     )
-    server: uvicorn.Server | None = None
+    server = None
     failed: list[str] = []
 
     def on_fatal(reason: str) -> None:

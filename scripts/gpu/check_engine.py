@@ -82,6 +82,7 @@ def check_float32(tmp: Path) -> list[dict]:
                              "seqs_equal": sum(a == b for a, b in zip(got, ref_hf)), "seqs": len(batch)})
             except Exception as exc:  # noqa: BLE001 - report and go on
                 rows.append({"family": family, "variant": name, "error": repr(exc)[:300]})
+            print("RESULT", json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -120,6 +121,7 @@ def main() -> None:
         tmp = Path(d)
         rows = check_float32(tmp)
         bf16 = check_bf16(tmp)
+        print("RESULT", json.dumps(bf16), flush=True)
     result = {"float32": rows, "bf16": bf16, "seconds": time.time() - start}
     (OUT / "check_engine.json").write_text(json.dumps(result, indent=2))
     for r in rows:
