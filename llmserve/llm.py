@@ -78,17 +78,30 @@ class LLM:
         return self._run(order, use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until done. The outputs of step N are detokenized while the device runs
+        step N+1; a stop string found there aborts its request one step later."""
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
-        while self.core.has_unfinished():
-            step = self.core.step()
-            processed = self.output_processor.process(step.outputs)
+
+        def collect(outputs) -> None:
+            processed = self.output_processor.process(outputs, only_finished=True)
             if processed.core_ids_to_abort:
                 self.core.abort_requests(processed.core_ids_to_abort)
+            if processed.errors:
+                raise RequestFailedError(next(iter(processed.errors.values())))
             for out in processed.request_outputs:
                 if out.finished and out.request_id in order:
                     results[order[out.request_id]] = out
                     bar.update(1)
+
+        previous = None
+        while self.core.has_unfinished():
+            launched = self.core.launch()
+            if previous is not None:
+                collect(previous)
+            previous = self.core.finish(launched).outputs
+        if previous is not None:
+            collect(previous)
         bar.close()
         missing = [rid for rid, i in order.items() if results[i] is None]
         if missing:

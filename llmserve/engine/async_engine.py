@@ -144,9 +144,13 @@ class AsyncEngine:
             self._stats = payload.stats  # set here, in arrival order, so it is never stale
             if not payload.outputs:
                 return  # no request state touched: no need to hop
-        if self._loop is None:
-            return
-        self._loop.call_soon_threadsafe(self._handle_message, kind, payload)
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no event loop to deliver to (outputs of requests whose loop is gone)
+        try:
+            loop.call_soon_threadsafe(self._handle_message, kind, payload)
+        except RuntimeError:  # the loop closed just now
+            pass
 
     def _handle_message(self, kind: str, payload: Any) -> None:
         if kind == "utility":

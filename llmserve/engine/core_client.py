@@ -114,8 +114,11 @@ class CoreClient:
                 return
             if kind == "error":
                 self._mark_dead(f"engine core failed: {payload}")
-            else:
+                continue
+            try:
                 self.on_message(kind, payload)
+            except Exception:  # noqa: BLE001 - this thread must outlive any one bad message
+                logger.exception("error handling a message from the engine core")
 
     def _watch(self) -> None:
         wait([self.proc.sentinel])

@@ -53,10 +53,13 @@ class EngineCoreProc:
         self.input_addr = input_addr
         self.out_sock = out_sock
         self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
         self.parent_pid = os.getppid()
 
     def run(self) -> None:
         threading.Thread(target=self._input_thread, daemon=True, name="core-input").start()
+        sender = threading.Thread(target=self._output_thread, daemon=True, name="core-output")
+        sender.start()
         stats = self.core.stats()
         self._send(("ready", {"num_blocks": stats.num_blocks_total, "pid": os.getpid()}))
         try:
@@ -65,6 +68,8 @@ class EngineCoreProc:
             self._send(("error", traceback.format_exc()))
             raise
         finally:
+            self.outputs.put(None)
+            sender.join(5)
             self.out_sock.close(linger=1000)
 
     def _loop(self) -> None:
@@ -99,7 +104,12 @@ class EngineCoreProc:
         return True
 
     def _send(self, msg: tuple[str, Any]) -> None:
-        self.out_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self.outputs.put(msg)
+
+    def _output_thread(self) -> None:
+        """Pickle and send here, so the step loop goes on to the next step meanwhile."""
+        while (msg := self.outputs.get()) is not None:
+            self.out_sock.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
     def _input_thread(self) -> None:
         sock = self.ctx.socket(zmq.PULL)

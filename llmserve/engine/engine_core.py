@@ -7,7 +7,7 @@ import time
 
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.model_runner import ModelRunner, PendingStep
 from llmserve.engine.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -15,7 +15,7 @@ from llmserve.engine.request import (
     Request,
     SchedulerStats,
 )
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +71,22 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> EngineCoreOutputs:
+        return self.finish(self.launch())
+
+    def launch(self) -> tuple[SchedulerOutput, PendingStep | None]:
+        """Schedule and start a step on the device; the host is free until `finish`."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.sampler.forget(sched.finished_request_ids)
+            return sched, None
+        return sched, self.runner.execute_async(sched)
+
+    def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
+        """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""
+        sched, pending = launched
+        if pending is None:
             return EngineCoreOutputs([], self.stats())
-        result = self.runner.execute(sched)
+        result = pending.result()
         outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
         return EngineCoreOutputs(outputs, self.stats())
 

@@ -69,13 +69,14 @@ class KVCacheManager:
         """Offer the request's computed full blocks to the prefix cache."""
         if self._salt(req) is False:
             return
+        num_full = req.num_computed_tokens // self.block_size
+        start = self._num_registered.get(req.request_id, 0)
+        if num_full <= start:
+            return  # no block filled up since the last call: the common case, kept cheap
         blocks = self.req_blocks.get(req.request_id)
         if not blocks:
             return
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        start = self._num_registered.get(req.request_id, 0)
-        if num_full <= start:
-            return
+        num_full = min(num_full, len(blocks))
         keys = self._block_keys(req, num_full)
         for i in range(start, num_full):
             self.pool.register(blocks[i], keys[i])
@@ -94,6 +95,10 @@ class KVCacheManager:
     ) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after `computed` cache hits),
         keeping `reserve` blocks free. All or nothing."""
+        if not computed:  # the common decode case: the last block still has room
+            blocks = self.req_blocks.get(req.request_id)
+            if blocks and req.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+                return True
         needed = self.blocks_needed(req, num_new_tokens, computed)
         if needed > self.pool.num_free - reserve:
             return False

@@ -16,7 +16,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from llmserve.engine.request import TokenLogprobs
-from llmserve.engine.sampler import Sampler
+from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
@@ -31,6 +31,23 @@ DEFAULT_CPU_KV_BYTES = 256 << 20
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, list[TokenLogprobs]]
+
+
+class PendingStep:
+    """A launched step: its sampled tokens arrive with `result()`."""
+
+    def __init__(self, sampling: list, pending: PendingSample | None) -> None:
+        self.sampling = sampling
+        self.pending = pending
+
+    def result(self) -> ModelRunnerOutput:
+        if self.pending is None:
+            return ModelRunnerOutput({}, {})
+        with torch.inference_mode():
+            out = self.pending.result()
+        sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
+        logprobs = {r.request_id: [lp] for r, lp in zip(self.sampling, out.logprobs) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs)
 
 
 @dataclass(slots=True)
@@ -180,13 +197,17 @@ class ModelRunner:
         self.graphs.capture(sizes)
 
     # -- one step -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(sched).result()
+
+    @torch.inference_mode()
+    def execute_async(self, sched: SchedulerOutput) -> "PendingStep":
+        """Launch the step on the device; `.result()` waits for its sampled tokens."""
         self.sampler.forget(sched.finished_request_ids)
         self._swap(sched.blocks_to_swap_out, to_cpu=True)
         self._swap(sched.blocks_to_swap_in, to_cpu=False)
         if not sched.scheduled:
-            return ModelRunnerOutput({}, {})
+            return PendingStep([], None)
         items = [
             (s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
              s.request.all_token_ids, s.samples)
@@ -196,15 +217,10 @@ class ModelRunner:
         hidden = self._forward(batch)
         sampling = [s.request for s in sched.scheduled if s.samples]
         if not sampling:
-            return ModelRunnerOutput({}, {})
+            return PendingStep([], None)
         rows = torch.tensor(batch.logits_indices, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        result = self.sampler(logits, sampling)
-        sampled = {r.request_id: t for r, t in zip(sampling, result.token_ids)}
-        logprobs = {
-            r.request_id: [lp] for r, lp in zip(sampling, result.logprobs) if lp is not None
-        }
-        return ModelRunnerOutput(sampled, logprobs)
+        return PendingStep(sampling, self.sampler.sample_async(logits, sampling))
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         n = len(batch.seq_lens)

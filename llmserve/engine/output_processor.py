@@ -117,7 +117,9 @@ class OutputProcessor:
             self.core_to_request.pop(s.core_id, None)
         return [s.core_id for s in state.samples if s.finish_reason is None]
 
-    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+    def process(self, outputs: list[EngineCoreOutput], only_finished: bool = False) -> ProcessedOutputs:
+        """`only_finished`: build RequestOutputs just for finished requests (offline use,
+        where nobody reads the partial ones)."""
         now = time.time()
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
@@ -143,6 +145,8 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 self.abort(request_id)
                 stats.finished.append(self._finished_stats(state))
+            elif only_finished:
+                continue
             results.append(self._request_output(state))
         return ProcessedOutputs(results, to_abort, errors, stats)
 

@@ -10,7 +10,7 @@ from llmserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: every status after PREEMPTED is a finished one."""
+    """Ordered: every status after SWAPPED is a finished one."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -22,15 +22,18 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.SWAPPED
+        return self in _FINISH_REASONS  # a set lookup: this runs for every request every step
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass(slots=True)

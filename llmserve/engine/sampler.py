@@ -23,6 +23,34 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+class PendingSample:
+    """Sampled tokens still on their way from the device."""
+
+    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]) -> None:
+        self.raw_logprobs = raw_logprobs
+        self.requests = requests
+        self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def result(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        token_list = self.host.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(self.requests)
+        if self.raw_logprobs is not None:
+            for i, req in enumerate(self.requests):
+                k = req.sampling_params.logprobs
+                if k is not None:
+                    logprobs[i] = _token_logprobs(self.raw_logprobs[i], token_list[i], k)
+        return SamplerOutput(token_list, logprobs)
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -33,28 +61,28 @@ class Sampler:
             self.generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sample_async(logits, requests).result()
+
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+        """Queue the sampling work; `.result()` waits for the tokens. Between the two the
+        host is free for other work while the device computes."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties_and_masks(logits, requests)
-        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
-        random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        if random:
+        if len(greedy) == len(requests):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
             idx = torch.tensor(random, device=logits.device)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random])
-        token_list = tokens.tolist()
-        logprobs = [None] * len(requests)
-        if raw_logprobs is not None:
-            for i, req in enumerate(requests):
-                k = req.sampling_params.logprobs
-                if k is not None:
-                    logprobs[i] = _token_logprobs(raw_logprobs[i], token_list[i], k)
-        return SamplerOutput(token_list, logprobs)
+        return PendingSample(tokens, raw_logprobs, requests)
 
     def _apply_penalties_and_masks(
         self, logits: torch.Tensor, requests: list[Request]

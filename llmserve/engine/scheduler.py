@@ -76,8 +76,7 @@ class Scheduler:
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
-        keys = [r.sort_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, req.sort_key), req)
+        bisect.insort_right(self.waiting, req, key=lambda r: r.sort_key)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Drop requests wherever they are and free their blocks at once."""
