@@ -348,3 +348,15 @@ def test_engine_with_triton_kernels_matches_transformers(llama_dir):
     assert llm.config.attention_backend == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_split_counts_are_powers_of_two_and_warmup_compiles_each():
+    from llmserve.kernels import paged_attention as PA
+
+    seen = {
+        PA.choose_num_splits(tiles, kvh, seq, 132)
+        for tiles in (1, 2, 3, 5, 7, 12, 40) for kvh in (1, 2, 8) for seq in (100, 700, 3000, 9000)
+    }  # fmt: skip
+    assert seen <= set(PA.split_counts()) and len(seen) > 2
+    kv_cache = torch.randn(2, 6, 4, 2, 16)
+    assert PA.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32) == 3 * len(PA.split_counts())

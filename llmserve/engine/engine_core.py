@@ -36,6 +36,7 @@ class EngineCore:
                 "cache more memory (--gpu-memory-utilization / kv_cache_memory_bytes)"
             )
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        self.runner.warmup()
         self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(
             num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks

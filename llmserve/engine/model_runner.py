@@ -186,6 +186,22 @@ class ModelRunner:
             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
 
+    def warmup(self) -> None:
+        """Compile the Triton attention variants before serving (no JIT stall mid-traffic)."""
+        if self.config.attention_backend != "triton" or self.device.type != "cuda":
+            return
+        from llmserve.kernels.paged_attention import warmup_paged_attention
+
+        a = self.arch
+        try:
+            n = warmup_paged_attention(
+                a.num_heads, self.kv_caches[0], a.head_dim**-0.5, self.config.scheduler_config.max_num_seqs, self.dtype
+            )
+        except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
+            logger.exception("paged-attention warm-up failed; kernels will compile on first use")
+            return
+        logger.info("compiled %d paged-attention launch variants", n)
+
     def capture_cuda_graphs(self) -> None:
         if self.config.enforce_eager:
             return

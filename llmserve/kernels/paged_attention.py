@@ -122,7 +122,7 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
@@ -323,7 +323,43 @@ def choose_num_splits(
         return 1
     by_parallelism = PROGRAMS_PER_SM_TARGET * num_sms // programs
     by_length = max_seq_len // min_tokens_per_split
-    return max(1, min(by_parallelism, by_length, max_splits))
+    splits = max(1, min(by_parallelism, by_length, max_splits))
+    # a power of two: NUM_SPLITS is a compile-time constant, so this bounds the kernel
+    # variants to a handful that `warmup_paged_attention` compiles before serving
+    return 1 << (splits.bit_length() - 1)
+
+
+def split_counts(max_splits: int = MAX_SPLITS) -> list[int]:
+    """Every split count `choose_num_splits` can return."""
+    return [1 << i for i in range(max_splits.bit_length()) if 1 << i <= max_splits]
+
+
+def warmup_paged_attention(
+    num_heads: int, kv_cache: torch.Tensor, scale: float, max_batch: int, dtype: torch.dtype
+) -> int:
+    """Compile every launch variant (decode and prefill tiles, each split count) now, so
+    no request waits for the JIT later. Reads the cache, writes nothing to it. Returns the
+    number of launches."""
+    _, num_blocks, page, _, head_dim = kv_cache.shape
+    device = kv_cache.device
+    seq_len = min(num_blocks * page, MIN_TOKENS_PER_SPLIT * MAX_SPLITS)
+    blocks = torch.arange(-(-seq_len // page), dtype=torch.int32, device=device) % num_blocks
+    launches = 0
+    for batch, query_len in ((1, 1), (max_batch, 1), (1, 128)):
+        num_tokens = batch * query_len
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
+            query_start_loc=torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32, device=device),
+            seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
+            block_tables=blocks.repeat(batch, 1),
+            max_query_len=query_len,
+            max_seq_len=seq_len,
+        )
+        q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+        for splits in split_counts():
+            paged_attention_forward(q, kv_cache, meta, scale, num_splits=splits)
+            launches += 1
+    return launches
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
