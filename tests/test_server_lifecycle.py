@@ -113,3 +113,22 @@ def test_serve_with_no_model_serves_the_shipped_default(tmp_path):
         assert resp.choices[0].finish_reason == "stop" and len(answer.split()) >= 2, answer
     finally:
         srv.stop()
+
+
+def test_admission_limit_gives_503_overloaded():
+    """The admission rule behind --max-queued-requests (the HTTP path of a 503 is covered by
+    the not-ready test above)."""
+    from types import SimpleNamespace
+
+    from llmserve.serve.errors import APIError
+    from llmserve.serve.state import ServerState
+
+    engine = SimpleNamespace(errored=False, num_unfinished=0)
+    state = ServerState(ServerConfig(["m"], "/m", max_queued_requests=2), engine=engine)
+    assert state.require_engine() is engine
+    engine.num_unfinished = 2
+    with pytest.raises(APIError) as exc:
+        state.require_engine()
+    assert exc.value.status == 503 and exc.value.code == "overloaded"
+    engine.num_unfinished = 1
+    assert state.require_engine() is engine
