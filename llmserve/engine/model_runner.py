@@ -197,10 +197,15 @@ class ModelRunner:
             n = warmup_paged_attention(
                 a.num_heads, self.kv_caches[0], a.head_dim**-0.5, self.config.scheduler_config.max_num_seqs, self.dtype
             )
+            # the elementwise kernels specialize on token counts (1, multiples of 16, others):
+            # a few small eager forwards compile those variants too
+            for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
+                self._dummy_forward(num_seqs, seq_len)
+            torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
-            logger.exception("paged-attention warm-up failed; kernels will compile on first use")
+            logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
-        logger.info("compiled %d paged-attention launch variants", n)
+        logger.info("compiled %d paged-attention launch variants and the elementwise kernels", n)
 
     def capture_cuda_graphs(self) -> None:
         if self.config.enforce_eager:
