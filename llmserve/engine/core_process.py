@@ -84,7 +84,11 @@ class EngineCoreProc:
                     return
                 handled = True
             if self.core.has_unfinished():
-                self._send(("outputs", self.core.step()))
+                launched = self.core.launch()
+                while not self.inputs.empty():  # new requests and aborts, while the device works
+                    if not self._handle(self.inputs.get_nowait()):
+                        return
+                self._send(("outputs", self.core.finish(launched)))
             elif handled:  # e.g. an abort emptied the engine: report the freed blocks
                 self._send(("outputs", EngineCoreOutputs([], self.core.stats())))
 
