@@ -19,6 +19,7 @@ from llmserve.engine.protocol import EngineClient
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+_LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -64,30 +65,19 @@ class EngineMetrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests.", label + ["finished_reason"], registry=reg
         )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", label,
-            buckets=_TTFT_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between generated tokens.", label,
-            buckets=_ITL_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", label,
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", label,
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.prompt_len = Histogram(
-            "vllm:request_prompt_tokens", "Prompt length of finished requests.", label,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=reg,
-        )  # fmt: skip
-        self.generation_len = Histogram(
-            "vllm:request_generation_tokens", "Generated length of finished requests.", label,
-            buckets=[1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000], registry=reg,
-        )  # fmt: skip
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=reg)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
+        )
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt length of finished requests.", _LENGTH_BUCKETS)
+        self.generation_len = histogram(
+            "vllm:request_generation_tokens", "Generated length of finished requests.", _LENGTH_BUCKETS
+        )
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         reg.register(_EngineStateCollector(engine, model_name))

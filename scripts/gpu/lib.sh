@@ -1,0 +1,44 @@
+# Shared by the device-call scripts: environment, the 8B-shaped model folder, the server.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+M=/tmp/llama8b
+ENGINE="--model $M --load-format dummy --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
+
+setup_env() {  # packages the GPU image lacks travel as wheels in .whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:/tmp/site"
+  python3 -m llmserve make-random-model $M --config-only --vocab-size 128256 --hidden-size 4096 \
+    --intermediate-size 14336 --num-layers 32 --num-heads 32 --num-kv-heads 8 \
+    --max-position-embeddings 131072 --rope-scaling-llama3 >/dev/null
+}
+
+start_server() {  # sets $server; waits until /health answers 200 (prints the start-up time)
+  python3 -m llmserve serve $ENGINE --port 8000 --log-level warning > "$OUT/server.log" 2>&1 &
+  server=$!
+  python3 - "$server" <<'PY' | tee "$OUT/server_startup.txt" || exit 1
+import os, sys, time, urllib.request
+pid, start = int(sys.argv[1]), time.time()
+while time.time() - start < 200:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1).status == 200:
+            print(f"server healthy {time.time() - start:.1f} s after launch"); sys.exit(0)
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        print("server died"); sys.exit(1)
+    time.sleep(0.25)
+print("server not healthy after 200 s"); sys.exit(1)
+PY
+}
+
+bench_serve() {  # bench_serve RATE: workload (d), 400 requests of 512/256
+  local rate=$1
+  timeout 150 python3 -m llmserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 400 \
+    --input-len 512 --output-len 256 --ignore-eos --request-rate "$rate" --vocab-size 128256 \
+    --percentiles 50,90,99 --output-json "$OUT/d_rate$rate.json" --plot "$OUT/d_rate$rate.png" \
+    --disable-tqdm > "$OUT/d_rate$rate.log" 2>&1
+  grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed" "$OUT/d_rate$rate.log" | head -24
+}
