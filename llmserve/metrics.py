@@ -65,6 +65,7 @@ class EngineMetrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests.", label + ["finished_reason"], registry=reg
         )
+
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, label, buckets=buckets, registry=reg)
 
@@ -78,8 +79,12 @@ class EngineMetrics:
         self.generation_len = histogram(
             "vllm:request_generation_tokens", "Generated length of finished requests.", _LENGTH_BUCKETS
         )
+        # children exist from the start, so every series reads 0 before the first request
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                       self.queue_time, self.prompt_len, self.generation_len):
+            metric.labels(model_name)
         reg.register(_EngineStateCollector(engine, model_name))
         engine.add_stats_listener(self.observe)
 
