@@ -58,6 +58,24 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
     return outs
 
 
+@pytest.fixture(autouse=True)
+def no_kv_leak(monkeypatch):
+    """After every test, every engine the test built has all its KV blocks free again."""
+    from llmserve.llm import LLM
+
+    built = []
+    original = LLM.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", tracking_init)
+    yield
+    for llm in built:
+        assert_no_leak(llm)
+
+
 def assert_no_leak(llm) -> None:
     stats = llm.stats()
     assert stats.num_blocks_used == 0, f"{stats.num_blocks_used} KV blocks still held"
