@@ -1,0 +1,135 @@
+"""Triton Python-backend model: streaming text generation on an llmserve AsyncEngine.
+
+Decoupled: each request gets zero or more responses (`text_output` holds the new text
+since the previous response, `finish_reason` is set on the last one) and then the final
+flag. Sampling settings come from optional inputs or from request parameters (inputs win).
+A request the client cancels is aborted in the engine, which frees its KV blocks.
+
+The engine and its event loop live on a thread of their own, so `execute` only hands
+requests over and returns; many requests stream concurrently (continuous batching).
+"""
+
+import asyncio
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SCALARS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+
+
+def _engine_args(params: dict) -> dict:
+    """Engine settings from config.pbtxt parameters (all strings there)."""
+    from llmserve.config import EngineArgs
+
+    types = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+             "block_size": int, "seed": int, "gpu_memory_utilization": float,
+             "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int}  # fmt: skip
+    args = {"model": params.pop("model_dir")}
+    for key, value in params.items():
+        if key not in EngineArgs.field_names():
+            raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
+        if key in types:
+            value = types[key](value)
+        elif value in ("true", "false"):
+            value = value == "true"
+        args[key] = value
+    return args
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy().reshape(-1)
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def parse_request(request):
+    """(prompt, SamplingParams keyword arguments, priority) from one Triton request."""
+    prompt = _input(request, "text_input")
+    if prompt is None or prompt.size != 1:
+        raise ValueError("text_input must hold exactly one string")
+    params = json.loads(request.parameters() or "{}")
+    kwargs = {}
+    for name, cast in SCALARS.items():
+        value = _input(request, name)
+        value = params.get(name) if value is None else value[0]
+        if value is not None:
+            kwargs[name] = cast(value)
+    stop = _input(request, "stop")
+    if stop is not None:
+        kwargs["stop"] = [_text(s) for s in stop]
+    elif params.get("stop") is not None:
+        kwargs["stop"] = [params["stop"]] if isinstance(params["stop"], str) else list(params["stop"])
+    if "ignore_eos" in params:
+        kwargs["ignore_eos"] = bool(params["ignore_eos"])
+    priority = _input(request, "priority")
+    priority = int(params.get("priority", 0) if priority is None else priority[0])
+    return _text(prompt[0]), kwargs, priority
+
+
+def _response(text: str, finish_reason: str):
+    return pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+    ])  # fmt: skip
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from llmserve.config import EngineArgs
+        from llmserve.engine.async_engine import AsyncEngine
+
+        # inside the backend stub sys.executable is not a Python: the engine core is a
+        # spawned process, so point multiprocessing at the environment's interpreter
+        python = shutil.which("python3") or shutil.which("python")
+        if python and not os.path.basename(sys.executable or "").startswith("python"):
+            multiprocessing.set_executable(python)
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params)))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests):
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
+        return None
+
+    async def _serve(self, request):
+        from llmserve.sampling_params import SamplingParams
+
+        sender = request.get_response_sender()
+        try:
+            prompt, kwargs, priority = parse_request(request)
+            request_id = uuid.uuid4().hex
+            stream = self.engine.generate(prompt, SamplingParams(**kwargs), request_id, priority)
+            sent = ""
+            async for out in stream:
+                if request.is_cancelled():
+                    await stream.aclose()  # leaving the generator aborts the request
+                    pb_utils.Logger.log_info(f"llmserve chat: request {request_id} cancelled, "
+                                             "aborted in the engine")  # fmt: skip
+                    break
+                completion = out.outputs[0]
+                delta, sent = completion.text[len(sent):], completion.text
+                if delta or out.finished:
+                    sender.send(_response(delta, (completion.finish_reason or "") if out.finished else ""))
+            sender.send(flags=FINAL)
+        except Exception as exc:  # noqa: BLE001 - every failure must end the stream
+            error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    def finalize(self):
+        self.engine.shutdown()  # stops the engine core process and frees its memory
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)

@@ -1,0 +1,50 @@
+"""Triton Python-backend model: score documents against a query.
+
+Inputs `query` (TYPE_STRING, [batch, 1]) and `documents` (TYPE_STRING, [batch, n]);
+output `scores` (TYPE_FP32, [batch, n]). By default a bi-encoder: cosine similarity of
+sentence embeddings (`model_dir`); with `cross_encoder_dir` set, a cross-encoder's scores.
+"""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _texts(array) -> list:
+    return [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in array.reshape(-1)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"])["parameters"]
+        cross = params.get("cross_encoder_dir", {}).get("string_value", "")
+        if cross:
+            from sentence_transformers import CrossEncoder
+
+            self.cross = CrossEncoder(cross, device="cpu")
+            self.encoder = None
+        else:
+            from sentence_transformers import SentenceTransformer
+
+            self.cross = None
+            self.encoder = SentenceTransformer(params["model_dir"]["string_value"], device="cpu")
+
+    def _scores(self, query: str, docs: list) -> np.ndarray:
+        if self.cross is not None:
+            return np.asarray(self.cross.predict([(query, d) for d in docs]), dtype=np.float32)
+        vecs = self.encoder.encode([query] + docs, convert_to_numpy=True, normalize_embeddings=True)
+        return (vecs[1:] @ vecs[0]).astype(np.float32)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            queries = pb_utils.get_input_tensor_by_name(request, "query").as_numpy()
+            documents = pb_utils.get_input_tensor_by_name(request, "documents").as_numpy()
+            rows = [self._scores(_texts(q)[0], _texts(d)) for q, d in zip(queries, documents)]
+            out = pb_utils.Tensor("scores", np.stack(rows).astype(np.float32))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses

