@@ -245,6 +245,14 @@ def test_bench_embed_client(triton):
     assert result.errors == 0 and result.requests > 0 and result.requests_per_s > 0
 
 
+def test_bench_chat_client(triton):
+    from llmserve.triton.bench import chat_throughput
+
+    result = chat_throughput(triton.url, "chat", num_prompts=4, max_tokens=6, concurrency=2)
+    assert result.errors == 0 and result.requests == 4 and result.output_tokens == 24
+    assert result.output_tokens_per_s > 0
+
+
 def _expect_error(call, *words):
     from tritonclient.utils import InferenceServerException
 

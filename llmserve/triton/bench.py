@@ -65,3 +65,51 @@ def embed_throughput(url: str, model: str = "embed", concurrency: int = 32, dura
         errors=errors[0], requests_per_s=round(len(latencies) / seconds, 1),
         p50_ms=round(float(np.percentile(lat_ms, 50)), 1), p99_ms=round(float(np.percentile(lat_ms, 99)), 1),
     )  # fmt: skip
+
+
+@dataclass
+class ChatBenchResult:
+    model: str
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    output_tokens: int
+    output_tokens_per_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_tokens: int = 128,
+                    concurrency: int = 16) -> ChatBenchResult:  # fmt: skip
+    """Streamed chat over Triton's HTTP generate extension: `num_prompts` requests of
+    `max_tokens` tokens each (ignore_eos, so every finished request made exactly that many),
+    at most `concurrency` in flight."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def one(i: int) -> bool:
+        body = {"text_input": f"Question {i}: what does the json module do?", "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        last = {}
+        with httpx.stream("POST", f"http://{url}/v2/models/{model}/generate_stream", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                return False
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    last = json.loads(line[5:])
+        return last.get("finish_reason") == "length"
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        ok = list(pool.map(one, range(num_prompts)))
+    seconds = time.monotonic() - began
+    done = sum(ok)
+    return ChatBenchResult(
+        model=model, concurrency=concurrency, requests=done, errors=num_prompts - done,
+        seconds=round(seconds, 2), output_tokens=done * max_tokens,
+        output_tokens_per_s=round(done * max_tokens / seconds, 1),
+    )  # fmt: skip

@@ -45,6 +45,15 @@ def _bench_embed(args: argparse.Namespace) -> None:
         print(json.dumps(result.as_dict()))
 
 
+def _bench_chat(args: argparse.Namespace) -> None:
+    import json
+
+    from llmserve.triton.bench import chat_throughput
+
+    result = chat_throughput(args.url, args.model, args.num_prompts, args.max_tokens, args.concurrency)
+    print(json.dumps(result.as_dict()))
+
+
 def add_parser(sub) -> None:
     triton = sub.add_parser("triton", help="Triton Inference Server: model repository and server")
     tsub = triton.add_subparsers(dest="triton_command", required=True)
@@ -70,6 +79,14 @@ def add_parser(sub) -> None:
     bench.add_argument("--duration", type=float, default=10.0, help="seconds per model")
     bench.add_argument("--texts-per-request", type=int, default=1)
     bench.set_defaults(func=_bench_embed)
+
+    chat = tsub.add_parser("bench-chat", help="streamed chat load over HTTP generate_stream: output tokens/s")
+    chat.add_argument("--model", default="chat")
+    chat.add_argument("--url", default="127.0.0.1:8000", help="the server's HTTP address")
+    chat.add_argument("--num-prompts", type=int, default=64)
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--concurrency", type=int, default=16)
+    chat.set_defaults(func=_bench_chat)
 
     for name, text in (("load", "load a model"), ("unload", "unload a model"),
                        ("reload", "reload a model (picks up new versions and config)")):  # fmt: skip
