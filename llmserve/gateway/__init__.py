@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI API in front of replicas, with keys, limits, routing and fallback."""

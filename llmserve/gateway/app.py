@@ -1,0 +1,158 @@
+"""The gateway's HTTP surface: checks run in order (size, key, model, limits), then the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+import anyio
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.keys import may_call
+from llmserve.gateway.limits import LimitExceeded
+from llmserve.gateway.proxy import NoUpstream, forward
+from llmserve.gateway.router import health_loop
+from llmserve.gateway.state import GatewayState, RequestContext, log_access
+from llmserve.serve.errors import error_body
+
+
+class Rejected(Exception):
+    """A request refused before it reaches any upstream."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after = status, reason, message, retry_after
+
+
+def _reject_response(exc: Rejected, request_id: str) -> JSONResponse:
+    headers = {"x-request-id": request_id}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(int(exc.retry_after))
+    return JSONResponse(error_body(exc.status, exc.message, code=exc.reason), status_code=exc.status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise Rejected(413, "body_too_large", f"the request body is over {limit} bytes")
+    body = bytearray()
+    try:
+        with anyio.fail_after(timeout_s):  # a client trickling its body would hold a slot forever
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise Rejected(413, "body_too_large", f"the request body is over {limit} bytes")
+    except TimeoutError:
+        raise Rejected(408, "body_timeout", f"the request body did not arrive within {timeout_s} s") from None
+    return bytes(body)
+
+
+def _estimate_tokens(payload: dict, default_max_tokens: int) -> int:
+    """Reserved up front: about 4 characters a prompt token, plus the most the reply may use."""
+    text = payload.get("messages") if "messages" in payload else payload.get("prompt", "")
+    prompt = len(json.dumps(text)) // 4 + 1
+    max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or default_max_tokens
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise Rejected(400, "invalid_request", "max_tokens must be a positive integer")
+    return prompt + max_tokens
+
+
+def _admit(state: GatewayState, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
+    key = None
+    if not state.keys.open:
+        key = state.keys.authenticate(request.headers.get("authorization"))
+        if key is None:
+            raise Rejected(401, "invalid_api_key", "missing, wrong or revoked API key")
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Rejected(400, "invalid_json", "the request body is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise Rejected(400, "invalid_json", "the request body must be a JSON object")
+    alias = payload.get("model")
+    if not isinstance(alias, str) or alias not in state.config.models:
+        raise Rejected(404, "model_not_found", f"the model {str(alias)[:100]!r} does not exist")
+    if key is not None and not may_call(key, alias):
+        raise Rejected(403, "model_not_allowed", f"this key may not call {alias!r}")
+    ctx = RequestContext(request_id, path, alias, payload, payload.get("stream") is True, key)
+    ctx.reserved_tokens = _estimate_tokens(payload, state.config.default_max_tokens)
+    if key is not None:
+        try:
+            state.limiter.reserve(key.name, ctx.reserved_tokens)
+        except LimitExceeded as exc:
+            raise Rejected(429, exc.reason, f"rate limit reached ({exc.reason})", exc.retry_after) from None
+    return ctx
+
+
+def build_app(config: GatewayConfig) -> FastAPI:
+    state = GatewayState(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        timeout = httpx.Timeout(config.upstream_timeout_s, connect=2.0)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            state.client = client
+            checker = asyncio.create_task(health_loop(state.router, config.health, client, state.on_health))
+            try:
+                yield
+            finally:
+                checker.cancel()
+
+    app = FastAPI(title="llmserve gateway", lifespan=lifespan)
+    app.state.gateway = state
+
+    async def handle(request: Request, path: str) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            body = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
+            ctx = _admit(state, request, body, path, request_id)
+        except Rejected as exc:
+            state.metrics.rejections.labels(exc.reason).inc()
+            log_access(request_id, exc.status, rejected=exc.reason)
+            return _reject_response(exc, request_id)
+        try:
+            return await forward(state, ctx)
+        except NoUpstream:
+            state.finish(ctx, 503)
+            state.metrics.rejections.labels("no_healthy_upstream").inc()
+            exc = Rejected(503, "no_healthy_upstream", f"no replica of {ctx.alias!r} can take the request", 1)
+            return _reject_response(exc, request_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        key = None
+        if not state.keys.open:
+            key = state.keys.authenticate(request.headers.get("authorization"))
+            if key is None:
+                return _reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
+        names = [a for a in config.models if key is None or may_call(key, a)]
+        cards = [{"id": a, "object": "model", "owned_by": "llmserve"} for a in names]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = {r.url: r.healthy for r in state.router.all_replicas()}
+        return JSONResponse({"status": "ok" if any(up.values()) else "degraded", "upstreams": up})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for r in state.router.all_replicas():
+            state.metrics.outstanding.labels(r.alias, r.url).set(r.outstanding)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,86 @@
+"""The gateway's YAML config, typed and checked when the gateway starts."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+def hash_key(key: str) -> str:
+    """How a key is stored in the config: its sha256 in hex."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelRoute(_Strict):
+    """One alias clients name, and the replicas that serve it."""
+
+    replicas: list[str] = Field(min_length=1)  # base URLs, e.g. http://127.0.0.1:8001
+    model: str | None = None  # the name the upstreams know; the alias when unset
+    fallback: str | None = None  # alias used while no replica of this one can take a request
+    max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica {url!r} is not an http(s) URL")
+        return [u.rstrip("/") for u in urls]
+
+
+class ApiKey(_Strict):
+    name: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    models: list[str] = ["*"]  # aliases this key may call; "*" is all
+    priority: int = 0  # larger is more important (carried for admission control)
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt estimate + max_tokens)
+    revoked: bool = False
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(default=1.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    failure_threshold: int = Field(default=2, ge=1)  # consecutive failures that open the breaker
+
+
+class GatewayConfig(_Strict):
+    models: dict[str, ModelRoute] = Field(min_length=1)
+    keys: list[ApiKey] = []  # no keys: the gateway is open
+    health: HealthConfig = HealthConfig()
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
+
+    @model_validator(mode="after")
+    def _check(self) -> GatewayConfig:
+        for alias, route in self.models.items():
+            if not _ALIAS.match(alias):
+                raise ValueError(f"model alias {alias!r} has characters outside [A-Za-z0-9._:/-]")
+            if route.fallback is not None and route.fallback not in self.models:
+                raise ValueError(f"alias {alias!r}: fallback {route.fallback!r} is not a configured alias")
+            if route.fallback == alias:
+                raise ValueError(f"alias {alias!r} names itself as fallback")
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            raise ValueError("key names must be unique")
+        for key in self.keys:
+            unknown = [m for m in key.models if m != "*" and m not in self.models]
+            if unknown:
+                raise ValueError(f"key {key.name!r} allows unknown aliases {unknown}")
+        return self
+
+
+def load_config(path: str) -> GatewayConfig:
+    with open(path) as f:
+        return GatewayConfig.model_validate(yaml.safe_load(f) or {})

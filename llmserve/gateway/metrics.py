@@ -1,0 +1,39 @@
+"""The gateway's own Prometheus metrics, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "llmserve_gateway_requests", "Requests answered, by alias asked for and HTTP status.",
+            ["alias", "status"], registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "llmserve_gateway_request_latency_seconds", "Time from request to the last byte sent.",
+            ["alias"], registry=self.registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )  # fmt: skip
+        self.rejections = Counter(
+            "llmserve_gateway_rejections", "Requests refused before reaching an upstream, by reason.",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.upstream_healthy = Gauge(
+            "llmserve_gateway_upstream_healthy", "1 while a replica's breaker is closed.",
+            ["alias", "replica"], registry=self.registry,
+        )  # fmt: skip
+        self.outstanding = Gauge(
+            "llmserve_gateway_upstream_outstanding", "Requests sent to a replica and not yet finished.",
+            ["alias", "replica"], registry=self.registry,
+        )  # fmt: skip
+        self.fallbacks = Counter(
+            "llmserve_gateway_fallbacks", "Requests served by an alias's fallback.",
+            ["alias", "served_by"], registry=self.registry,
+        )  # fmt: skip
+        self.retries = Counter(
+            "llmserve_gateway_retries", "Upstream attempts failed before the first byte (the next replica is tried).",
+            ["alias"], registry=self.registry,
+        )  # fmt: skip

@@ -1,0 +1,144 @@
+"""Sending one request upstream: pick a replica, retry only before the first byte, pass the stream through."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmserve.gateway.router import Pick
+from llmserve.gateway.state import GatewayState, RequestContext
+
+
+class NoUpstream(Exception):
+    """No replica of the alias (or of its fallback) can take the request."""
+
+
+@dataclass
+class _Opened:
+    pick: Pick
+    response: httpx.Response
+    lines: AsyncIterator[str] | None  # set for streams: what is left after the first line
+    first: str | None  # a stream's first line, read before committing to this replica
+
+
+def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
+    """The `model` field says the alias that served; usage, when a chunk carries it, settles the limits."""
+    if not line.startswith("data: {"):
+        return line
+    try:
+        chunk = json.loads(line[len("data: "):])
+    except json.JSONDecodeError:
+        return line
+    if isinstance(chunk, dict):
+        if "model" in chunk:
+            chunk["model"] = served
+        if isinstance(chunk.get("usage"), dict):
+            ctx.used_tokens = chunk["usage"].get("total_tokens", ctx.used_tokens)
+    return "data: " + json.dumps(chunk, separators=(",", ":"))
+
+
+async def _open(state: GatewayState, ctx: RequestContext, pick: Pick) -> _Opened:
+    """Send to one replica and read up to the first byte we would pass on; raise httpx errors before it."""
+    payload = dict(ctx.payload, model=pick.route.model or pick.alias)
+    headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
+    request = state.client.build_request("POST", pick.replica.url + ctx.path, json=payload, headers=headers)
+    response = await state.client.send(request, stream=True)
+    try:
+        if response.status_code >= 500:
+            await response.aread()
+            raise httpx.HTTPStatusError("upstream error", request=request, response=response)
+        if not ctx.stream or response.status_code != 200:
+            await response.aread()
+            return _Opened(pick, response, None, None)
+        lines = response.aiter_lines()
+        first = await anext(lines)  # a replica that dies now has sent the client nothing: retry
+        return _Opened(pick, response, lines, first)
+    except BaseException:
+        await response.aclose()
+        raise
+
+
+async def forward(state: GatewayState, ctx: RequestContext) -> Response:
+    tried: set[str] = set()
+    last_error: httpx.Response | None = None
+    while True:
+        pick = state.router.pick(ctx.alias, tried)
+        if pick is None:
+            if last_error is not None:
+                return _finish_plain(state, ctx, None, last_error)
+            raise NoUpstream(ctx.alias)
+        pick.replica.outstanding += 1
+        try:
+            opened = await _open(state, ctx, pick)
+        except (httpx.HTTPError, StopAsyncIteration) as exc:
+            pick.replica.outstanding -= 1
+            tried.add(pick.replica.url)
+            if isinstance(exc, httpx.HTTPStatusError):
+                last_error = exc.response
+                if exc.response.status_code == 503:  # overloaded, not broken: no breaker count
+                    state.metrics.retries.labels(ctx.alias).inc()
+                    continue
+            pick.replica.record_failure(state.config.health.failure_threshold)
+            state.metrics.retries.labels(ctx.alias).inc()
+            continue
+        except BaseException:
+            pick.replica.outstanding -= 1
+            raise
+        ctx.served_by = pick.alias
+        if pick.alias != ctx.alias:
+            state.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
+        if opened.lines is None:
+            pick.replica.outstanding -= 1
+            return _finish_plain(state, ctx, pick, opened.response)
+        return _stream(state, ctx, opened)
+
+
+def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
+    headers = {"x-request-id": ctx.request_id}
+    if pick is not None:
+        headers["x-llmserve-served-by"] = pick.alias
+    return headers
+
+
+def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | None, response: httpx.Response) -> Response:
+    status = response.status_code
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if status == 200 and isinstance(body, dict) and pick is not None:
+        body["model"] = pick.alias
+        ctx.used_tokens = (body.get("usage") or {}).get("total_tokens", ctx.reserved_tokens)
+    else:
+        ctx.used_tokens = 0  # nothing generated
+    state.finish(ctx, status)
+    if body is None:
+        return Response(response.content, status_code=status, headers=_headers(ctx, pick))
+    return JSONResponse(body, status_code=status, headers=_headers(ctx, pick))
+
+
+def _stream(state: GatewayState, ctx: RequestContext, opened: _Opened) -> StreamingResponse:
+    ctx.used_tokens = ctx.reserved_tokens  # kept unless a chunk reports the real usage
+    async def relay() -> AsyncIterator[str]:
+        status = 200
+        try:
+            yield _rewrite_model(opened.first, opened.pick.alias, ctx) + "\n"
+            async for line in opened.lines:
+                yield _rewrite_model(line, opened.pick.alias, ctx) + "\n"
+        except BaseException:
+            status = 499  # the client left (or the upstream broke mid-stream): nothing more to retry
+            raise
+        finally:
+            opened.pick.replica.outstanding -= 1
+            state.finish(ctx, status)
+            # closing the upstream response drops its connection, so the replica aborts the
+            # request and frees its KV blocks; shielded, as this runs while being cancelled
+            with anyio.CancelScope(shield=True):
+                await opened.response.aclose()
+
+    return StreamingResponse(relay(), media_type="text/event-stream", headers=_headers(ctx, opened.pick))

@@ -1,0 +1,86 @@
+"""Replicas, their health, and which one takes the next request (least outstanding)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Replica:
+    alias: str
+    url: str
+    outstanding: int = 0  # requests sent and not yet finished
+    failures: int = 0  # consecutive failed health checks or requests
+    healthy: bool = True  # False while the circuit breaker is open
+
+    def record_failure(self, threshold: int) -> None:
+        self.failures += 1
+        if self.healthy and self.failures >= threshold:
+            logger.warning("replica %s of %s: breaker open after %d failures", self.url, self.alias, self.failures)
+            self.healthy = False
+
+    def record_success(self) -> None:
+        if not self.healthy:
+            logger.info("replica %s of %s: healthy again", self.url, self.alias)
+        self.failures, self.healthy = 0, True
+
+
+@dataclass
+class Pick:
+    alias: str  # the alias that serves (the fallback's when it was used)
+    route: ModelRoute
+    replica: Replica
+
+
+class Router:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.replicas = {a: [Replica(a, u) for u in r.replicas] for a, r in config.models.items()}
+        self._turn = itertools.count()  # breaks ties so idle replicas take turns
+
+    def _available(self, alias: str, exclude: set[str]) -> list[Replica]:
+        cap = self.config.models[alias].max_concurrency
+        return [
+            r for r in self.replicas[alias]
+            if r.healthy and r.url not in exclude and (cap is None or r.outstanding < cap)
+        ]  # fmt: skip
+
+    def pick(self, alias: str, exclude: set[str] = frozenset()) -> Pick | None:
+        """Least outstanding over the alias's healthy replicas; its fallback when none can take it."""
+        seen = set()
+        while alias is not None and alias not in seen:
+            seen.add(alias)
+            candidates = self._available(alias, exclude)
+            if candidates:
+                least = min(r.outstanding for r in candidates)
+                tied = [r for r in candidates if r.outstanding == least]
+                return Pick(alias, self.config.models[alias], tied[next(self._turn) % len(tied)])
+            alias = self.config.models[alias].fallback
+        return None
+
+    def all_replicas(self) -> list[Replica]:
+        return [r for rs in self.replicas.values() for r in rs]
+
+
+async def health_loop(router: Router, health: HealthConfig, client: httpx.AsyncClient, on_change) -> None:
+    """Poll every replica's /health; the breaker opens after `failure_threshold` failures in a row."""
+    async def check(r: Replica) -> None:
+        try:
+            ok = (await client.get(f"{r.url}/health", timeout=health.timeout_s)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        r.record_success() if ok else r.record_failure(health.failure_threshold)
+        on_change(r)
+
+    while True:
+        await asyncio.gather(*(check(r) for r in router.all_replicas()))
+        await asyncio.sleep(health.interval_s)

@@ -1,0 +1,62 @@
+"""What the gateway holds while it runs, and what one request carries through it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from llmserve.gateway.config import ApiKey, GatewayConfig
+from llmserve.gateway.keys import KeyStore
+from llmserve.gateway.limits import RateLimiter
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.router import Replica, Router
+
+access_log = logging.getLogger("llmserve.gateway.access")
+
+
+@dataclass
+class RequestContext:
+    request_id: str
+    path: str  # e.g. /v1/chat/completions
+    alias: str  # the model the client asked for
+    payload: dict
+    stream: bool
+    key: ApiKey | None
+    reserved_tokens: int = 0
+    used_tokens: int = 0
+    served_by: str | None = None  # the alias whose replica answered
+    started: float = field(default_factory=time.monotonic)
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.keys = KeyStore(config.keys)
+        self.limiter = RateLimiter(config.keys)
+        self.router = Router(config)
+        self.metrics = GatewayMetrics()
+        self.client: httpx.AsyncClient | None = None  # opened in the app's lifespan
+        for r in self.router.all_replicas():
+            self.on_health(r)
+
+    def on_health(self, replica: Replica) -> None:
+        self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)
+
+    def finish(self, ctx: RequestContext, status: int) -> None:
+        """A request is over: settle its token reservation and count it."""
+        if ctx.key is not None:
+            self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
+        self.metrics.requests.labels(ctx.alias, str(status)).inc()
+        latency = time.monotonic() - ctx.started
+        self.metrics.latency.labels(ctx.alias).observe(latency)
+        log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,
+                   served_by=ctx.served_by, latency_ms=round(latency * 1000, 1), tokens=ctx.used_tokens)  # fmt: skip
+
+
+def log_access(request_id: str, status: int, **fields) -> None:
+    """One JSON line a request, so logs can be searched by request id."""
+    access_log.info(json.dumps({"request_id": request_id, "status": status, **fields}))

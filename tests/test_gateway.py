@@ -1,0 +1,304 @@
+"""The gateway in front of real `llmserve serve` replicas, called with the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from gateway_utils import spawn_replica, start_gateway, wait_healthy
+from server_utils import free_port, metric
+
+from llmserve.gateway.config import ApiKey, GatewayConfig, hash_key
+from llmserve.gateway.limits import LimitExceeded, RateLimiter
+
+KEYS = {
+    "good": "sk-good", "revoked": "sk-revoked", "lite-only": "sk-lite-only", "limited": "sk-limited",
+    "tokens": "sk-tokens",
+}
+LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
+
+
+def _config(tiny_urls: list[str], lite_url: str) -> dict:
+    return {
+        "models": {
+            "tiny": {"replicas": tiny_urls, "model": "tiny-up", "fallback": "lite"},
+            "lite": {"replicas": [lite_url], "model": "lite-up"},
+            "capped": {"replicas": [lite_url], "model": "lite-up", "max_concurrency": 1, "fallback": "tiny"},
+        },
+        "keys": [
+            {"name": "good", "sha256": hash_key(KEYS["good"])},
+            {"name": "revoked", "sha256": hash_key(KEYS["revoked"]), "revoked": True},
+            {"name": "lite-only", "sha256": hash_key(KEYS["lite-only"]), "models": ["lite"]},
+            {"name": "limited", "sha256": hash_key(KEYS["limited"]), "rpm": 2},
+            {"name": "tokens", "sha256": hash_key(KEYS["tokens"]), "tpm": 1000},
+        ],
+        "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2},
+        "max_body_bytes": 4096,
+        "body_timeout_s": 1.0,
+    }
+
+
+@pytest.fixture(scope="module")
+def platform(llama_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway")
+    ports = {name: free_port() for name in ("a", "b", "lite")}
+    names = {"a": "tiny-up", "b": "tiny-up", "lite": "lite-up"}
+    spawned = {n: spawn_replica(llama_dir, names[n], p, str(tmp / f"{n}.log")) for n, p in ports.items()}
+    replicas = {n: wait_healthy(s) for n, s in spawned.items()}
+    gateway = start_gateway(
+        _config([replicas["a"].base_url, replicas["b"].base_url], replicas["lite"].base_url), free_port(), str(tmp)
+    )
+    env = {"replicas": replicas, "gateway": gateway, "llama_dir": llama_dir, "ports": ports, "tmp": tmp}
+    yield env
+    gateway.stop()
+    for server in env["replicas"].values():
+        server.stop()
+
+
+def _client(platform, key: str = KEYS["good"]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=platform["gateway"].base_url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _successes(server) -> float:
+    return metric(server.base_url, "vllm:request_success_total")
+
+
+def _gateway_metric(platform, name: str) -> float:
+    return metric(platform["gateway"].base_url, name)
+
+
+def _upstreams(platform) -> dict[str, bool]:
+    return httpx.get(platform["gateway"].base_url + "/health").json()["upstreams"]
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_config_is_checked():
+    good = _config(["http://127.0.0.1:1"], "http://127.0.0.1:2")
+    GatewayConfig.model_validate(good)
+    bad_fallback = {**good, "models": {"tiny": {"replicas": ["http://x:1"], "fallback": "nope"}}}
+    for bad in (bad_fallback, {**good, "keys": [{"name": "k", "sha256": "plain-text-key"}]}, {"models": {}}):
+        with pytest.raises(ValueError):
+            GatewayConfig.model_validate(bad)
+
+
+def test_rate_limiter_takes_both_buckets_or_neither_and_settles():
+    limiter = RateLimiter([ApiKey(name="k", sha256="0" * 64, rpm=5, tpm=100)])
+    limiter.reserve("k", 60)
+    with pytest.raises(LimitExceeded) as info:
+        limiter.reserve("k", 60)
+    assert info.value.reason == "tokens_per_minute" and info.value.retry_after >= 1
+    assert limiter._requests["k"].level == pytest.approx(4, abs=0.01)  # the refused one took no request
+    limiter.settle("k", reserved=60, used=10)  # 50 come back
+    limiter.reserve("k", 85)
+    with pytest.raises(LimitExceeded):
+        limiter.reserve("k", 101)  # more than the bucket holds: never admissible
+
+
+def test_chat_and_completions_plain_and_streamed(platform):
+    client = _client(platform)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert chat.model == "tiny" and chat.choices[0].message.content is not None
+    assert chat.usage.completion_tokens >= 1
+    comp = client.completions.create(model="tiny", prompt="hello", max_tokens=8)
+    assert comp.model == "tiny" and comp.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True,
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    assert len(chunks) >= 2 and all(c.model == "tiny" for c in chunks)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    streamed = list(client.completions.create(
+        model="tiny", prompt="hello", stream=True, stream_options={"include_usage": True}, **LONG
+    ))  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices)
+    assert streamed[-1].usage.completion_tokens == 200 and streamed[-1].model == "tiny"
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt="x", max_tokens=2, extra_headers={"x-request-id": "req-123"}
+    )
+    assert raw.headers["x-request-id"] == "req-123" and raw.headers["x-llmserve-served-by"] == "tiny"
+    access = [json.loads(line.split("llmserve.gateway.access: ", 1)[1])
+              for line in platform["gateway"].log().splitlines() if "llmserve.gateway.access: " in line]  # fmt: skip
+    assert {"request_id": "req-123", "status": 200, "alias": "tiny", "served_by": "tiny"}.items() <= next(
+        a for a in access if a["request_id"] == "req-123"
+    ).items()
+
+
+def test_models_lists_the_aliases_a_key_may_call(platform):
+    assert sorted(m.id for m in _client(platform).models.list()) == ["capped", "lite", "tiny"]
+    assert [m.id for m in _client(platform, KEYS["lite-only"]).models.list()] == ["lite"]
+
+
+@pytest.mark.parametrize("key", ["sk-wrong", KEYS["revoked"], None])
+def test_missing_wrong_or_revoked_key_is_401(platform, key):
+    before = sum(_successes(s) for s in platform["replicas"].values())
+    if key is None:
+        resp = httpx.post(platform["gateway"].base_url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError"
+    else:
+        with pytest.raises(openai.AuthenticationError):
+            _client(platform, key).completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert sum(_successes(s) for s in platform["replicas"].values()) == before
+
+
+def test_disallowed_model_is_403_and_reaches_no_upstream(platform):
+    before = {n: _successes(s) for n, s in platform["replicas"].items()}
+    with pytest.raises(openai.PermissionDeniedError):
+        _client(platform, KEYS["lite-only"]).completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        _client(platform).completions.create(model="../etc/passwd\u202e", prompt="x", max_tokens=2)
+    assert {n: _successes(s) for n, s in platform["replicas"].items()} == before
+
+
+def test_rate_limit_is_429_with_retry_after(platform):
+    client = _client(platform, KEYS["limited"])
+    for _ in range(2):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+    assert info.value.body["code"] == "requests_per_minute"
+
+
+def test_token_limit_reserves_up_front_and_settles_with_usage(platform):
+    client = _client(platform, KEYS["tokens"])
+    too_long = {"model": "tiny", "prompt": "word " * 300, "max_tokens": 250}  # reserves about 625 of 1000
+    for _ in range(2):  # the upstream refuses it (over --max-model-len): the reservation comes back
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**too_long)
+    for _ in range(2):  # each settles at its real usage, about 253
+        assert client.completions.create(model="tiny", prompt="x", **LONG).usage.completion_tokens == 200
+    with pytest.raises(openai.RateLimitError) as info:  # about 500 left, 625 asked
+        client.completions.create(**too_long)
+    assert info.value.body["code"] == "tokens_per_minute"
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+
+
+def test_invalid_json_is_400(platform):
+    headers = {"Authorization": f"Bearer {KEYS['good']}", "content-type": "application/json"}
+    resp = httpx.post(platform["gateway"].base_url + "/v1/completions", content=b"{nope", headers=headers)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "BadRequestError"
+
+
+def test_body_sent_too_slowly_is_408(platform):
+    host, port = platform["gateway"].base_url.removeprefix("http://").split(":")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEYS['good']}\r\nContent-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(head.encode() + b'{"model": "tiny", ')  # and the rest never comes
+        started = time.monotonic()
+        reply = b""
+        while b"body_timeout" not in reply and (part := conn.recv(4096)):  # headers and body may come apart
+            reply += part
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "body_timeout" in reply
+    assert time.monotonic() - started < 5
+
+
+def test_oversized_body_is_413(platform):
+    before = sum(_successes(s) for s in platform["replicas"].values())
+    with pytest.raises(openai.APIStatusError) as info:
+        _client(platform).completions.create(model="tiny", prompt="x" * 10_000, max_tokens=2)
+    assert info.value.status_code == 413
+    assert sum(_successes(s) for s in platform["replicas"].values()) == before
+
+
+def test_least_outstanding_spreads_load_over_both_replicas(platform):
+    a, b = platform["replicas"]["a"], platform["replicas"]["b"]
+    before = (_successes(a), _successes(b))
+    client = _client(platform)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(lambda _: client.completions.create(model="tiny", prompt="s", max_tokens=32), range(8)))
+    assert all(r.usage.completion_tokens >= 1 for r in done)
+    got = (_successes(a) - before[0], _successes(b) - before[1])
+    assert sum(got) == 8 and min(got) >= 3, got
+
+
+def test_fallback_when_the_primary_is_over_its_concurrency_cap(platform):
+    client = _client(platform)
+
+    def served_by(_) -> tuple[str, str]:
+        raw = client.completions.with_raw_response.create(model="capped", prompt="busy", **LONG)
+        return raw.headers["x-llmserve-served-by"], raw.parse().model
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        served = list(pool.map(served_by, range(6)))
+    assert set(served) == {("capped", "capped"), ("tiny", "tiny")}  # "capped" holds one at a time
+    assert served_by(0) == ("capped", "capped")  # idle again: back to the primary
+
+
+def test_client_disconnect_mid_stream_frees_upstream_kv_blocks(platform):
+    replicas = [platform["replicas"]["a"], platform["replicas"]["b"]]
+    before = sum(_successes(s) for s in replicas)
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEYS['good']}"}
+    with httpx.stream("POST", platform["gateway"].base_url + "/v1/completions", json=body, headers=headers) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert sum(metric(s.base_url, "vllm:num_kv_blocks_used") for s in replicas) > 0
+    assert _wait(lambda: all(metric(s.base_url, "vllm:num_kv_blocks_used") == 0 for s in replicas))
+    assert sum(_successes(s) for s in replicas) == before  # aborted, not run to the end
+    assert _gateway_metric(platform, "llmserve_gateway_upstream_outstanding") == 0
+
+
+def test_killed_replica_fails_no_request_that_had_not_started_streaming(platform):
+    b = platform["replicas"]["b"]
+    client = _client(platform)
+
+    def call(i: int) -> int:
+        return client.completions.create(model="tiny", prompt=f"kill {i}", **LONG).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(call, i) for i in range(12)]
+        assert _wait(lambda: metric(b.base_url, "vllm:num_requests_running") > 0)
+        b.proc.kill()  # mid-run, with requests in flight on it
+        b.proc.wait()
+        results = [f.result() for f in futures]
+    assert results == [LONG["max_tokens"]] * 12  # every one ran to the end
+    assert _gateway_metric(platform, "llmserve_gateway_retries_total") >= 1
+    assert _wait(lambda: not _upstreams(platform)[b.base_url])  # the breaker opened
+
+
+def test_fallback_while_primary_is_down_and_back_after(platform):
+    a = platform["replicas"]["a"]
+    a.stop()  # b was killed by the test before: every replica of "tiny" is down now
+    client = _client(platform)
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=4)
+    assert raw.headers["x-llmserve-served-by"] == "lite" and raw.parse().model == "lite"
+    streamed = list(client.completions.create(model="tiny", prompt="x", max_tokens=4, stream=True))
+    assert all(c.model == "lite" for c in streamed)
+
+    log = str(platform["tmp"] / "a2.log")
+    back = wait_healthy(spawn_replica(platform["llama_dir"], "tiny-up", platform["ports"]["a"], log))
+    platform["replicas"]["a"] = back
+    assert _wait(lambda: _upstreams(platform)[back.base_url])
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=4)
+    assert raw.headers["x-llmserve-served-by"] == "tiny" and raw.parse().model == "tiny"
+
+
+def test_gateway_metrics(platform):
+    text = httpx.get(platform["gateway"].base_url + "/metrics").text
+    assert 'llmserve_gateway_requests_total{alias="tiny",status="200"}' in text
+    assert 'llmserve_gateway_rejections_total{reason="invalid_api_key"} 3.0' in text
+    assert 'llmserve_gateway_rejections_total{reason="model_not_allowed"} 1.0' in text
+    assert 'llmserve_gateway_rejections_total{reason="requests_per_minute"} 1.0' in text
+    assert 'llmserve_gateway_rejections_total{reason="body_too_large"} 1.0' in text
+    assert "llmserve_gateway_request_latency_seconds_bucket" in text
+    assert 'llmserve_gateway_fallbacks_total{alias="tiny",served_by="lite"} 2.0' in text
+    b_url = platform["replicas"]["b"].base_url
+    assert f'llmserve_gateway_upstream_healthy{{alias="tiny",replica="{b_url}"}} 0.0' in text
