@@ -39,16 +39,19 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> ServerProcess:
-    port = free_port()
-    cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), *args]
-    log = open(log_path, "w")
+def spawn(cmd: list[str], port: int, log_path: str) -> ServerProcess:
+    """Start a server process whose output goes to `log_path`; not yet waited for."""
+    log = open(log_path, "w")  # the child writes to it for its whole life
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+def wait_healthy(server: ServerProcess, timeout: float = 120.0) -> ServerProcess:
+    """Poll /health until 200; raise (with the log) if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{server.log()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"process exited ({server.proc.returncode}):\n{server.log()}")
         try:
             if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
                 return server
@@ -56,7 +59,13 @@ def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> Serv
             pass
         time.sleep(0.2)
     server.stop()
-    raise RuntimeError(f"server not healthy after {timeout} s:\n{server.log()}")
+    raise RuntimeError(f"not healthy after {timeout} s:\n{server.log()}")
+
+
+def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), *args]
+    return wait_healthy(spawn(cmd, port, log_path), timeout)
 
 
 def metric(base_url: str, name: str) -> float:

@@ -10,7 +10,8 @@ import time
 import httpx
 import openai
 import pytest
-from gateway_utils import spawn_replica, start_gateway, wait_healthy
+from gateway_utils import spawn_replica, start_gateway
+from server_utils import wait_healthy
 from server_utils import free_port, metric
 
 from llmserve.gateway.config import ApiKey, GatewayConfig, hash_key
