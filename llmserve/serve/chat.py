@@ -27,7 +27,7 @@ from llmserve.serve.protocol import (
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
-from llmserve.serve.streaming import sse, sse_stream
+from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
 
 
 def render_chat(
@@ -112,9 +112,8 @@ async def _stream(
     req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput]
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
+    deltas = DeltaTracker()
+    role_sent: set[int] = set()
     prompt_tokens = 0
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -124,23 +123,20 @@ async def _stream(
         prompt_tokens = len(out.prompt_token_ids)
         for comp in out.outputs:
             i = comp.index
-            if i not in sent_text:
-                sent_text[i] = sent_tokens[i] = 0
+            if i not in role_sent:
+                role_sent.add(i)
                 yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            delta = comp.text[sent_text[i]:]
-            if i in finished or (not delta and len(comp.token_ids) == sent_tokens[i] and comp.finish_reason is None):
+            delta = deltas.next(i, comp)
+            if delta is None:
                 continue
-            if comp.finish_reason is not None:
-                finished.add(i)
-            logprobs = chat_logprobs(comp, sent_tokens[i]) if req.logprobs else None
-            sent_text[i], sent_tokens[i] = len(comp.text), len(comp.token_ids)
+            logprobs = chat_logprobs(comp, delta.token_from) if req.logprobs else None
             yield chunk([
                 ChatStreamChoice(
-                    index=i, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                    index=i, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                 )
             ])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
-        completion = sum(sent_tokens.values())
+        completion = deltas.completion_tokens
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
         yield chunk([], usage)

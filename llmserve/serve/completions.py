@@ -19,7 +19,7 @@ from llmserve.serve.protocol import (
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
-from llmserve.serve.streaming import sse, sse_stream
+from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -114,11 +114,8 @@ async def _stream(
     req: CompletionRequest, model: str, request_id: str, streams: list[AsyncIterator[RequestOutput]]
 ) -> AsyncIterator[str]:
     created = int(time.time())
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tokens: dict[tuple[int, int], int] = {}
+    deltas = DeltaTracker()
     prompt_tokens: dict[int, int] = {}
-    finished: set[tuple[int, int]] = set()
-    completion_tokens = 0
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
         body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -133,26 +130,20 @@ async def _stream(
                 for j in range(req.n):
                     yield chunk([{"index": i * req.n + j, "text": out.prompt or "", "logprobs": None, "finish_reason": None}])
         for comp in out.outputs:
-            key = (i, comp.index)
-            text_from, tok_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
-            delta = comp.text[text_from:]
-            if key in finished or (not delta and len(comp.token_ids) == tok_from and comp.finish_reason is None):
+            delta = deltas.next((i, comp.index), comp)
+            if delta is None:
                 continue
-            if comp.finish_reason is not None:
-                finished.add(key)
-            completion_tokens += len(comp.token_ids) - tok_from
-            sent_text[key], sent_tokens[key] = len(comp.text), len(comp.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(comp, tok_from, text_from).model_dump()
+                logprobs = completion_logprobs(comp, delta.token_from, delta.text_from).model_dump()
             yield chunk([{
-                "index": i * req.n + comp.index, "text": delta, "logprobs": logprobs,
+                "index": i * req.n + comp.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
             }])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
         total_prompt = sum(prompt_tokens.values())
         usage = UsageInfo(
-            prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-            total_tokens=total_prompt + completion_tokens,
+            prompt_tokens=total_prompt, completion_tokens=deltas.completion_tokens,
+            total_tokens=total_prompt + deltas.completion_tokens,
         )  # fmt: skip
         yield chunk([], usage)

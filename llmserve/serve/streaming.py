@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from llmserve.engine.core_client import EngineDeadError
+from llmserve.outputs import CompletionOutput
 from llmserve.serve.errors import APIError, sse_error
 
 logger = logging.getLogger(__name__)
@@ -40,3 +42,33 @@ async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str  # text not yet sent
+    text_from: int  # where it starts in the cumulative text
+    token_from: int  # index of the first token not yet sent
+
+
+class DeltaTracker:
+    """Turns cumulative outputs into per-choice deltas; a finished choice is sent once."""
+
+    def __init__(self) -> None:
+        self._sent: dict[Hashable, tuple[int, int]] = {}  # key -> (chars, tokens) sent
+        self._finished: set[Hashable] = set()
+        self.completion_tokens = 0
+
+    def next(self, key: Hashable, comp: CompletionOutput) -> Delta | None:
+        """What to send for this choice now, or None when there is nothing new."""
+        if key in self._finished:
+            return None
+        text_from, token_from = self._sent.get(key, (0, 0))
+        text = comp.text[text_from:]
+        if not text and len(comp.token_ids) == token_from and comp.finish_reason is None:
+            return None
+        if comp.finish_reason is not None:
+            self._finished.add(key)
+        self._sent[key] = (len(comp.text), len(comp.token_ids))
+        self.completion_tokens += len(comp.token_ids) - token_from
+        return Delta(text, text_from, token_from)
