@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> ThroughputResult:
 
     engine_args = engine_args_from_cli(args)
     t0 = time.perf_counter()
-    llm = LLM(**{k: v for k, v in vars(engine_args).items()})
+    llm = LLM(**vars(engine_args))
     startup = time.perf_counter() - t0
     vocab = llm.config.model_config.arch.vocab_size
     prompts, out_lens = make_prompts(

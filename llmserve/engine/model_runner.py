@@ -218,9 +218,6 @@ class ModelRunner:
         self.graphs.capture(sizes)
 
     # -- one step -----------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(sched).result()
-
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> "PendingStep":
         """Launch the step on the device; `.result()` waits for its sampled tokens."""

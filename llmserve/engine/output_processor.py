@@ -104,10 +104,6 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
-    def core_ids(self, request_id: str) -> list[str]:
-        state = self.states.get(request_id)
-        return [s.core_id for s in state.samples] if state else []
-
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its unfinished core ids to abort in the core."""
         state = self.states.pop(request_id, None)

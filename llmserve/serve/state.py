@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -33,7 +33,6 @@ class ServerState:
     metrics: EngineMetrics | None = None
     startup_error: str | None = None
     draining: bool = False
-    in_flight: set = field(default_factory=set)
 
     @property
     def ready(self) -> bool:
