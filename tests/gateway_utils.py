@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 
 import yaml
 from server_utils import ServerProcess, spawn, wait_healthy
@@ -18,9 +20,28 @@ def spawn_replica(model_dir: str, name: str, port: int, log_path: str) -> Server
     return spawn(cmd, port, log_path)
 
 
-def start_gateway(config: dict, port: int, tmp_dir: str) -> ServerProcess:
-    path = os.path.join(tmp_dir, "gateway.yaml")
+def start_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:
+    path = os.path.join(tmp_dir, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     cmd = [sys.executable, "-m", "llmserve", "gateway", "--config", path, "--port", str(port)]
-    return wait_healthy(spawn(cmd, port, os.path.join(tmp_dir, "gateway.log")), 60.0)
+    return wait_healthy(spawn(cmd, port, os.path.join(tmp_dir, f"{name}.log")), 60.0)
+
+
+def start_redis(port: int, tmp_dir: str, timeout: float = 10.0) -> ServerProcess:
+    """Debian's redis-server on 127.0.0.1:`port`, nothing persisted; waited for (PING)."""
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", tmp_dir]  # fmt: skip
+    server = spawn(cmd, port, os.path.join(tmp_dir, f"redis-{port}.log"))
+    server.base_url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return server
+        except OSError:
+            time.sleep(0.05)
+    server.stop()
+    raise RuntimeError(f"redis-server not up after {timeout} s:\n{server.log()}")

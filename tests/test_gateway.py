@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import socket
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
-from gateway_utils import spawn_replica, start_gateway
-from server_utils import wait_healthy
-from server_utils import free_port, metric
+from gateway_utils import spawn_replica, start_gateway, start_redis
+from server_utils import free_port, metric, wait_healthy
 
-from llmserve.gateway.config import ApiKey, GatewayConfig, hash_key
-from llmserve.gateway.limits import LimitExceeded, RateLimiter
+from llmserve.gateway.config import ApiKey, GatewayConfig, LimitsConfig, hash_key
+from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, build_limiter
 
 KEYS = {
     "good": "sk-good", "revoked": "sk-revoked", "lite-only": "sk-lite-only", "limited": "sk-limited",
@@ -95,17 +96,84 @@ def test_config_is_checked():
             GatewayConfig.model_validate(bad)
 
 
-def test_rate_limiter_takes_both_buckets_or_neither_and_settles():
-    limiter = RateLimiter([ApiKey(name="k", sha256="0" * 64, rpm=5, tpm=100)])
-    limiter.reserve("k", 60)
-    with pytest.raises(LimitExceeded) as info:
-        limiter.reserve("k", 60)
-    assert info.value.reason == "tokens_per_minute" and info.value.retry_after >= 1
-    assert limiter._requests["k"].level == pytest.approx(4, abs=0.01)  # the refused one took no request
-    limiter.settle("k", reserved=60, used=10)  # 50 come back
-    limiter.reserve("k", 85)
-    with pytest.raises(LimitExceeded):
-        limiter.reserve("k", 101)  # more than the bucket holds: never admissible
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    server = start_redis(free_port(), str(tmp_path_factory.mktemp("redis")))
+    yield server.base_url
+    server.stop()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_rate_limiter_takes_both_buckets_or_neither_and_settles(backend, request):
+    url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    config = LimitsConfig(backend=backend, url=url, prefix=f"test-{uuid.uuid4().hex}")
+
+    async def run() -> None:
+        limiter = build_limiter([ApiKey(name="k", sha256="0" * 64, rpm=3, tpm=100)], config)
+        try:
+            await limiter.reserve("k", 60)
+            with pytest.raises(LimitExceeded) as info:
+                await limiter.reserve("k", 60)
+            assert info.value.reason == "tokens_per_minute" and info.value.retry_after >= 1
+            await limiter.settle("k", reserved=60, used=10)  # 50 come back
+            await limiter.reserve("k", 85)
+            with pytest.raises(LimitExceeded) as info:
+                await limiter.reserve("k", 101)  # more than the bucket holds: never admissible
+            assert info.value.retry_after == 60
+            await limiter.reserve("k", 1)  # the refused ones took no request: this is the 3rd
+            with pytest.raises(LimitExceeded) as info:
+                await limiter.reserve("k", 1)
+            assert info.value.reason == "requests_per_minute" and 1 <= info.value.retry_after <= 20
+        finally:
+            await limiter.close()
+
+    asyncio.run(run())
+
+
+def test_redis_limits_refuse_when_redis_is_down_unless_fail_open():
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    keys = [ApiKey(name="k", sha256="0" * 64, rpm=3)]
+
+    async def run(fail_open: bool) -> None:
+        limiter = build_limiter(keys, LimitsConfig(backend="redis", url=dead, fail_open=fail_open))
+        try:
+            await limiter.reserve("k", 1)
+        finally:
+            await limiter.close()
+
+    with pytest.raises(LimitsUnavailable):
+        asyncio.run(run(False))
+    asyncio.run(run(True))
+
+
+def test_limits_held_exactly_across_two_gateways_sharing_redis(platform, redis_url):
+    """Two gateway processes, one Redis: 20 concurrent requests spread over both, rpm 7."""
+    lite = platform["replicas"]["lite"]
+    config = {
+        "models": {"lite": {"replicas": [lite.base_url], "model": "lite-up"}},
+        "keys": [{"name": "shared", "sha256": hash_key("sk-shared"), "rpm": 7}],
+        "limits": {"backend": "redis", "url": redis_url, "prefix": f"gw-{uuid.uuid4().hex}"},
+    }
+    gateways = [start_gateway(config, free_port(), str(platform["tmp"]), name=f"redis-gw{i}") for i in range(2)]
+    try:
+        before = _successes(lite)
+
+        def call(i: int) -> httpx.Response:
+            body = {"model": "lite", "prompt": "x", "max_tokens": 1}
+            url = gateways[i % 2].base_url + "/v1/completions"
+            return httpx.post(url, json=body, headers={"Authorization": "Bearer sk-shared"}, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(20) as pool:
+            replies = list(pool.map(call, range(20)))
+        ok = [r for r in replies if r.status_code == 200]
+        refused = [r for r in replies if r.status_code == 429]
+        assert len(ok) == 7 and len(refused) == 13, [r.status_code for r in replies]
+        assert all(r.json()["error"]["code"] == "requests_per_minute" for r in refused)
+        assert all(1 <= int(r.headers["Retry-After"]) <= 9 for r in refused)  # one request refills in 60/7 s
+        assert _successes(lite) - before == 7  # the refused ones reached no upstream
+    finally:
+        for g in gateways:
+            g.stop()
 
 
 def test_chat_and_completions_plain_and_streamed(platform):

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.keys import may_call
-from llmserve.gateway.limits import LimitExceeded
+from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
 from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
@@ -63,7 +63,7 @@ def _estimate_tokens(payload: dict, default_max_tokens: int) -> int:
     return prompt + max_tokens
 
 
-def _admit(state: GatewayState, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
+async def _admit(state: GatewayState, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
     key = None
     if not state.keys.open:
         key = state.keys.authenticate(request.headers.get("authorization"))
@@ -84,9 +84,11 @@ def _admit(state: GatewayState, request: Request, body: bytes, path: str, reques
     ctx.reserved_tokens = _estimate_tokens(payload, state.config.default_max_tokens)
     if key is not None:
         try:
-            state.limiter.reserve(key.name, ctx.reserved_tokens)
+            await state.limiter.reserve(key.name, ctx.reserved_tokens)
         except LimitExceeded as exc:
             raise Rejected(429, exc.reason, f"rate limit reached ({exc.reason})", exc.retry_after) from None
+        except LimitsUnavailable:
+            raise Rejected(503, "limits_unavailable", "the shared rate-limit store cannot be reached", 1) from None
     return ctx
 
 
@@ -104,6 +106,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
                 yield
             finally:
                 checker.cancel()
+                await state.limiter.close()
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state
@@ -112,7 +115,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             body = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
-            ctx = _admit(state, request, body, path, request_id)
+            ctx = await _admit(state, request, body, path, request_id)
         except Rejected as exc:
             state.metrics.rejections.labels(exc.reason).inc()
             log_access(request_id, exc.status, rejected=exc.reason)
@@ -120,7 +123,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         try:
             return await forward(state, ctx)
         except NoUpstream:
-            state.finish(ctx, 503)
+            await state.finish(ctx, 503)
             state.metrics.rejections.labels("no_healthy_upstream").inc()
             exc = Rejected(503, "no_healthy_upstream", f"no replica of {ctx.alias!r} can take the request", 1)
             return _reject_response(exc, request_id)

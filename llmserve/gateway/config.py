@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -53,10 +54,27 @@ class HealthConfig(_Strict):
     failure_threshold: int = Field(default=2, ge=1)  # consecutive failures that open the breaker
 
 
+class LimitsConfig(_Strict):
+    """Where the token buckets live: this process's memory, or a Redis shared by several gateways."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None  # redis://host:port/db (backend redis)
+    prefix: str = "llmserve:limits"  # Redis key prefix: gateways sharing limits use the same one
+    timeout_s: float = Field(default=0.5, gt=0)
+    fail_open: bool = False  # Redis unreachable: let requests through (true) or refuse them with 503
+
+    @model_validator(mode="after")
+    def _check(self) -> LimitsConfig:
+        if self.backend == "redis" and not (self.url or "").startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("limits: backend redis needs a url like redis://127.0.0.1:6379/0")
+        return self
+
+
 class GatewayConfig(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     keys: list[ApiKey] = []  # no keys: the gateway is open
     health: HealthConfig = HealthConfig()
+    limits: LimitsConfig = LimitsConfig()
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)

@@ -1,12 +1,71 @@
-"""Per-key limits: token buckets for requests and tokens per minute, held in memory."""
+"""Per-key limits: token buckets for requests and tokens per minute.
+
+Two stores share one interface (`Limiter`): buckets in this process's memory (the default),
+or in Redis (`limits_redis.RedisLimiter`) when several gateways must share one set of limits.
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from llmserve.gateway.config import ApiKey
+from llmserve.gateway.config import ApiKey, LimitsConfig
+
+RPM, TPM = "requests_per_minute", "tokens_per_minute"
+
+
+class LimitExceeded(Exception):
+    def __init__(self, reason: str, retry_after: float):
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class LimitsUnavailable(Exception):
+    """The shared limit store cannot be reached (and the config says to refuse then)."""
+
+
+class Limiter(Protocol):
+    async def reserve(self, key: str, tokens: int) -> None:
+        """Take one request and `tokens` up front, or raise LimitExceeded taking nothing."""
+
+    async def settle(self, key: str, reserved: int, used: int) -> None:
+        """The real usage is known: return what was reserved and not used (or take the excess)."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one request takes from one bucket."""
+
+    reason: str  # RPM or TPM: also the bucket's name
+    capacity: int
+    amount: int
+
+
+class KeyCapacities:
+    """Each key's configured rpm/tpm, and what a request asks of them."""
+
+    def __init__(self, keys: list[ApiKey]):
+        self.rpm = {k.name: k.rpm for k in keys if k.rpm}
+        self.tpm = {k.name: k.tpm for k in keys if k.tpm}
+
+    def demands(self, key: str, tokens: int) -> list[Demand]:
+        out = []
+        if key in self.rpm:
+            out.append(Demand(RPM, self.rpm[key], 1))
+        if key in self.tpm:
+            if tokens > self.tpm[key]:
+                raise LimitExceeded(TPM, 60.0)  # more than the bucket holds: never admissible
+            out.append(Demand(TPM, self.tpm[key], tokens))
+        return out
+
+
+def retry_after(wait_s: float) -> float:
+    return max(1.0, math.ceil(wait_s))
 
 
 @dataclass
@@ -36,38 +95,43 @@ class TokenBucket:
         self.level -= amount
 
     def give_back(self, amount: float) -> None:
+        self._refill()
         self.level = min(self.capacity, self.level + amount)
 
 
-class LimitExceeded(Exception):
-    def __init__(self, reason: str, retry_after: float):
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after = retry_after
-
-
 class RateLimiter:
-    """Per key: a request bucket and a token bucket. Check both, then take from both."""
+    """Buckets in this process's memory: per key a request bucket and a token bucket."""
 
     def __init__(self, keys: list[ApiKey]):
-        self._requests = {k.name: TokenBucket(k.rpm) for k in keys if k.rpm}
-        self._tokens = {k.name: TokenBucket(k.tpm) for k in keys if k.tpm}
+        self.capacities = KeyCapacities(keys)
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
 
-    def reserve(self, key: str, tokens: int) -> None:
-        """Take one request and `tokens` up front, or raise LimitExceeded taking nothing."""
-        req, tok = self._requests.get(key), self._tokens.get(key)
-        if tok is not None and tokens > tok.capacity:
-            raise LimitExceeded("tokens_per_minute", 60.0)
-        for reason, bucket, amount in (("requests_per_minute", req, 1), ("tokens_per_minute", tok, tokens)):
-            if bucket is not None and (wait := bucket.wait_for(amount)) > 0:
-                raise LimitExceeded(reason, max(1.0, math.ceil(wait)))
-        if req is not None:
-            req.take(1)
-        if tok is not None:
-            tok.take(tokens)
+    def bucket(self, key: str, demand: Demand) -> TokenBucket:
+        found = self._buckets.get((key, demand.reason))
+        if found is None:
+            found = self._buckets[(key, demand.reason)] = TokenBucket(demand.capacity)
+        return found
 
-    def settle(self, key: str, reserved: int, used: int) -> None:
-        """The real usage is known: return what was reserved and not used (or take the excess)."""
-        tok = self._tokens.get(key)
-        if tok is not None:
+    async def reserve(self, key: str, tokens: int) -> None:
+        demands = self.capacities.demands(key, tokens)
+        for d in demands:  # check all, then take from all: both or neither
+            if (wait := self.bucket(key, d).wait_for(d.amount)) > 0:
+                raise LimitExceeded(d.reason, retry_after(wait))
+        for d in demands:
+            self.bucket(key, d).take(d.amount)
+
+    async def settle(self, key: str, reserved: int, used: int) -> None:
+        if key in self.capacities.tpm:
+            tok = self.bucket(key, Demand(TPM, self.capacities.tpm[key], 0))
             tok.give_back(reserved - used) if used <= reserved else tok.take(used - reserved)
+
+    async def close(self) -> None:
+        return None
+
+
+def build_limiter(keys: list[ApiKey], config: LimitsConfig) -> Limiter:
+    if config.backend == "redis":
+        from llmserve.gateway.limits_redis import RedisLimiter
+
+        return RedisLimiter(keys, config)
+    return RateLimiter(keys)

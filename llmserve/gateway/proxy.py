@@ -70,7 +70,7 @@ async def forward(state: GatewayState, ctx: RequestContext) -> Response:
         pick = state.router.pick(ctx.alias, tried)
         if pick is None:
             if last_error is not None:
-                return _finish_plain(state, ctx, None, last_error)
+                return await _finish_plain(state, ctx, None, last_error)
             raise NoUpstream(ctx.alias)
         pick.replica.outstanding += 1
         try:
@@ -94,7 +94,7 @@ async def forward(state: GatewayState, ctx: RequestContext) -> Response:
             state.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
         if opened.lines is None:
             pick.replica.outstanding -= 1
-            return _finish_plain(state, ctx, pick, opened.response)
+            return await _finish_plain(state, ctx, pick, opened.response)
         return _stream(state, ctx, opened)
 
 
@@ -105,7 +105,7 @@ def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
     return headers
 
 
-def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | None, response: httpx.Response) -> Response:
+async def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | None, response: httpx.Response) -> Response:
     status = response.status_code
     try:
         body = response.json()
@@ -116,7 +116,7 @@ def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | None, r
         ctx.used_tokens = (body.get("usage") or {}).get("total_tokens", ctx.reserved_tokens)
     else:
         ctx.used_tokens = 0  # nothing generated
-    state.finish(ctx, status)
+    await state.finish(ctx, status)
     if body is None:
         return Response(response.content, status_code=status, headers=_headers(ctx, pick))
     return JSONResponse(body, status_code=status, headers=_headers(ctx, pick))
@@ -135,10 +135,10 @@ def _stream(state: GatewayState, ctx: RequestContext, opened: _Opened) -> Stream
             raise
         finally:
             opened.pick.replica.outstanding -= 1
-            state.finish(ctx, status)
             # closing the upstream response drops its connection, so the replica aborts the
             # request and frees its KV blocks; shielded, as this runs while being cancelled
             with anyio.CancelScope(shield=True):
                 await opened.response.aclose()
+                await state.finish(ctx, status)
 
     return StreamingResponse(relay(), media_type="text/event-stream", headers=_headers(ctx, opened.pick))

@@ -11,7 +11,7 @@ import httpx
 
 from llmserve.gateway.config import ApiKey, GatewayConfig
 from llmserve.gateway.keys import KeyStore
-from llmserve.gateway.limits import RateLimiter
+from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.router import Replica, Router
 
@@ -36,7 +36,7 @@ class GatewayState:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.keys = KeyStore(config.keys)
-        self.limiter = RateLimiter(config.keys)
+        self.limiter = build_limiter(config.keys, config.limits)
         self.router = Router(config)
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None  # opened in the app's lifespan
@@ -46,10 +46,10 @@ class GatewayState:
     def on_health(self, replica: Replica) -> None:
         self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)
 
-    def finish(self, ctx: RequestContext, status: int) -> None:
+    async def finish(self, ctx: RequestContext, status: int) -> None:
         """A request is over: settle its token reservation and count it."""
         if ctx.key is not None:
-            self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
+            await self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
         latency = time.monotonic() - ctx.started
         self.metrics.latency.labels(ctx.alias).observe(latency)
