@@ -11,21 +11,26 @@ import yaml
 from server_utils import ServerProcess, spawn, wait_healthy
 
 
-def spawn_replica(model_dir: str, name: str, port: int, log_path: str) -> ServerProcess:
+def spawn_replica(model_dir: str, name: str, port: int, log_path: str, *extra: str) -> ServerProcess:
     """A `llmserve serve` process on `port`; not yet waited for."""
     cmd = [
         sys.executable, "-m", "llmserve", "serve", "--model", model_dir, "--port", str(port),
-        "--max-model-len", "256", "--served-model-name", name,
+        "--max-model-len", "256", "--served-model-name", name, *extra,
     ]  # fmt: skip
     return spawn(cmd, port, log_path)
 
 
-def start_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:
+def spawn_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:
+    """A `llmserve gateway` process on `port`; not yet waited for."""
     path = os.path.join(tmp_dir, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     cmd = [sys.executable, "-m", "llmserve", "gateway", "--config", path, "--port", str(port)]
-    return wait_healthy(spawn(cmd, port, os.path.join(tmp_dir, f"{name}.log")), 60.0)
+    return spawn(cmd, port, os.path.join(tmp_dir, f"{name}.log"))
+
+
+def start_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:
+    return wait_healthy(spawn_gateway(config, port, tmp_dir, name), 60.0)
 
 
 def start_redis(port: int, tmp_dir: str, timeout: float = 10.0) -> ServerProcess:

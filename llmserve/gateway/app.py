@@ -13,7 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmserve.gateway.admission import Refused
 from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
 from llmserve.gateway.proxy import NoUpstream, forward
@@ -92,6 +94,16 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
     return ctx
 
 
+async def _take_slot(state: GatewayState, ctx: RequestContext) -> None:
+    """Wait for an admission slot; refused (shed or timed out): the reservation comes back."""
+    try:
+        ctx.slot = await state.admission.acquire(ctx.priority)
+    except Refused as exc:
+        if ctx.key is not None:
+            await state.limiter.settle(ctx.key.name, ctx.reserved_tokens, 0)
+        raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
+
+
 def build_app(config: GatewayConfig) -> FastAPI:
     state = GatewayState(config)
 
@@ -110,12 +122,14 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state
+    app.include_router(dashboard_router(state))  # /dashboard: the live status page
 
     async def handle(request: Request, path: str) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             body = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
             ctx = await _admit(state, request, body, path, request_id)
+            await _take_slot(state, ctx)
         except Rejected as exc:
             state.metrics.rejections.labels(exc.reason).inc()
             log_access(request_id, exc.status, rejected=exc.reason)
@@ -127,6 +141,10 @@ def build_app(config: GatewayConfig) -> FastAPI:
             state.metrics.rejections.labels("no_healthy_upstream").inc()
             exc = Rejected(503, "no_healthy_upstream", f"no replica of {ctx.alias!r} can take the request", 1)
             return _reject_response(exc, request_id)
+        except BaseException:
+            if ctx.slot is not None:
+                ctx.slot.release()
+            raise
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -156,6 +174,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
     async def metrics() -> Response:
         for r in state.router.all_replicas():
             state.metrics.outstanding.labels(r.alias, r.url).set(r.outstanding)
+        state.metrics.in_flight.set(state.admission.in_flight)
+        state.metrics.queue_waiting.set(state.admission.waiting())
+        state.metrics.queueing_delay.set(state.admission.queueing_delay())
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

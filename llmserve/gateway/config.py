@@ -28,6 +28,7 @@ class ModelRoute(_Strict):
     model: str | None = None  # the name the upstreams know; the alias when unset
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
+    send_priority: bool = True  # pass the key's priority upstream (vLLM-style `priority`, lower first)
 
     @field_validator("replicas")
     @classmethod
@@ -42,7 +43,7 @@ class ApiKey(_Strict):
     name: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     models: list[str] = ["*"]  # aliases this key may call; "*" is all
-    priority: int = 0  # larger is more important (carried for admission control)
+    priority: int = 0  # larger is more important: admission order, shedding, and the engine's priority
     rpm: int | None = Field(default=None, ge=1)  # requests per minute
     tpm: int | None = Field(default=None, ge=1)  # tokens per minute (prompt estimate + max_tokens)
     revoked: bool = False
@@ -70,11 +71,21 @@ class LimitsConfig(_Strict):
         return self
 
 
+class AdmissionConfig(_Strict):
+    """A global concurrency cap with a priority-ordered wait, and shedding by queueing delay."""
+
+    max_concurrency: int | None = Field(default=None, ge=1)  # requests in flight at once, all aliases
+    queue_timeout_s: float = Field(default=5.0, gt=0)  # longest wait for a slot, then 503 queue_timeout
+    max_queue: int = Field(default=1000, ge=0)  # more waiting than this: 503 queue_full at once
+    target_queue_delay_ms: float | None = Field(default=None, gt=0)  # above it, shed lowest priority first
+
+
 class GatewayConfig(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     keys: list[ApiKey] = []  # no keys: the gateway is open
     health: HealthConfig = HealthConfig()
     limits: LimitsConfig = LimitsConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)

@@ -37,3 +37,13 @@ class GatewayMetrics:
             "llmserve_gateway_retries", "Upstream attempts failed before the first byte (the next replica is tried).",
             ["alias"], registry=self.registry,
         )  # fmt: skip
+        self.in_flight = Gauge(
+            "llmserve_gateway_in_flight", "Requests holding an admission slot.", registry=self.registry
+        )
+        self.queue_waiting = Gauge(
+            "llmserve_gateway_queue_waiting", "Requests waiting for an admission slot.", registry=self.registry
+        )
+        self.queueing_delay = Gauge(
+            "llmserve_gateway_queueing_delay_seconds", "How long the oldest waiting request has waited.",
+            registry=self.registry,
+        )

@@ -45,6 +45,9 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
 async def _open(state: GatewayState, ctx: RequestContext, pick: Pick) -> _Opened:
     """Send to one replica and read up to the first byte we would pass on; raise httpx errors before it."""
     payload = dict(ctx.payload, model=pick.route.model or pick.alias)
+    payload.pop("priority", None)  # a client does not pick its own priority: its key does
+    if pick.route.send_priority and ctx.priority:
+        payload["priority"] = -ctx.priority  # vLLM-style: lower is served first
     headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
     request = state.client.build_request("POST", pick.replica.url + ctx.path, json=payload, headers=headers)
     response = await state.client.send(request, stream=True)

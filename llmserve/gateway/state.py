@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from llmserve.gateway.admission import Admission, Slot
 from llmserve.gateway.config import ApiKey, GatewayConfig
 from llmserve.gateway.keys import KeyStore
 from llmserve.gateway.limits import build_limiter
@@ -29,7 +30,12 @@ class RequestContext:
     reserved_tokens: int = 0
     used_tokens: int = 0
     served_by: str | None = None  # the alias whose replica answered
+    slot: Slot | None = None  # the admission slot held until the response is over
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def priority(self) -> int:
+        return self.key.priority if self.key is not None else 0
 
 
 class GatewayState:
@@ -38,6 +44,7 @@ class GatewayState:
         self.keys = KeyStore(config.keys)
         self.limiter = build_limiter(config.keys, config.limits)
         self.router = Router(config)
+        self.admission = Admission(config.admission, [k.priority for k in config.keys])
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None  # opened in the app's lifespan
         for r in self.router.all_replicas():
@@ -47,7 +54,9 @@ class GatewayState:
         self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)
 
     async def finish(self, ctx: RequestContext, status: int) -> None:
-        """A request is over: settle its token reservation and count it."""
+        """A request is over: free its slot, settle its token reservation and count it."""
+        if ctx.slot is not None:
+            ctx.slot.release()
         if ctx.key is not None:
             await self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
