@@ -92,6 +92,7 @@ class EngineConfig:
     device: str
     attention_backend: str = "reference"  # resolved: reference | triton
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -117,6 +118,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
+    tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -156,7 +158,19 @@ class EngineArgs:
         )
         backend = _resolve_backend(self.attention_backend, device)
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
-        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager)
+        tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device)
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp)
+
+
+def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:
+    from llmserve.model.tensor_parallel import check_tp_shape
+
+    problem = check_tp_shape(arch, size)
+    if problem:
+        raise ConfigError(problem)
+    if device == "cuda" and size > torch.cuda.device_count():
+        raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+    return size
 
 
 def _resolve_backend(backend: str, device: str) -> str:

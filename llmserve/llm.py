@@ -69,13 +69,18 @@ class LLM:
             for prompt, p, prio in zip(prompts, params_list, priorities)
         ]
         order = {p.request_id: i for i, p in enumerate(processed)}
-        for p in processed:
-            self.output_processor.add_request(p)
-            for core_req in p.core_requests:
-                error = self.core.add_request(core_req)
-                if error is not None:
-                    raise RequestFailedError(error.error)
-        return self._run(order, use_tqdm)
+        try:
+            for p in processed:
+                self.output_processor.add_request(p)
+                for core_req in p.core_requests:
+                    error = self.core.add_request(core_req)
+                    if error is not None:
+                        raise RequestFailedError(error.error)
+            return self._run(order, use_tqdm)
+        except BaseException:  # a failed or interrupted call leaves no request (and no KV block) behind
+            for p in processed:
+                self.core.abort_requests(self.output_processor.abort(p.request_id))
+            raise
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until done. The outputs of step N are detokenized while the device runs
@@ -110,6 +115,16 @@ class LLM:
 
     def stats(self) -> SchedulerStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do with one rank)."""
+        self.core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

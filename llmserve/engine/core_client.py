@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -58,11 +59,16 @@ class CoreClient:
         self.out_sock.bind(output_addr)
         self._send_lock = threading.Lock()
         mp = multiprocessing.get_context("spawn")
+        # a daemon process may not start processes: with tensor-parallel workers the core
+        # is a plain child, stopped by `shutdown` (registered at exit too)
+        single = config.tensor_parallel_size == 1
         self.proc = mp.Process(
             target=run_engine_core, args=(config, input_addr, output_addr),
-            name="llmserve-engine-core", daemon=True,
+            name="llmserve-engine-core", daemon=single,
         )  # fmt: skip
         self.proc.start()
+        if not single:
+            atexit.register(self.shutdown)
         try:
             self.ready_info = self._wait_ready(start_timeout)
         except BaseException:

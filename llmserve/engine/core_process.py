@@ -36,14 +36,17 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.connect(output_addr)
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, exit_on_worker_death=True)
     except Exception as exc:  # a bad config or model: tell the front why, then exit
         out_sock.send(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
         out_sock.close(linger=2000)
         ctx.term()
         raise SystemExit(1) from None
     proc = EngineCoreProc(core, ctx, input_addr, out_sock)
-    proc.run()
+    try:
+        proc.run()
+    finally:
+        core.shutdown()
 
 
 class EngineCoreProc:
@@ -61,7 +64,8 @@ class EngineCoreProc:
         sender = threading.Thread(target=self._output_thread, daemon=True, name="core-output")
         sender.start()
         stats = self.core.stats()
-        self._send(("ready", {"num_blocks": stats.num_blocks_total, "pid": os.getpid()}))
+        workers = self.core.tp_driver.worker_pids if self.core.tp_driver else []
+        self._send(("ready", {"num_blocks": stats.num_blocks_total, "pid": os.getpid(), "worker_pids": workers}))
         try:
             self._loop()
         except Exception:

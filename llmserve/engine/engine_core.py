@@ -16,15 +16,36 @@ from llmserve.engine.request import (
     SchedulerStats,
 )
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.tp_workers import TPDriver
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True, exit_on_worker_death: bool = False) -> None:
+        """`exit_on_worker_death`: in the engine core process, a dead tensor-parallel worker
+        ends the process (the front then reports the engine dead) instead of a hang."""
         start = time.perf_counter()
         self.config = config
-        self.runner = ModelRunner(config, progress=progress)
+        self.tp_driver: TPDriver | None = None
+        try:
+            self._start(config, progress, exit_on_worker_death)
+        except BaseException:
+            self.shutdown()
+            raise
+        num_blocks = self.kv.pool.num_blocks
+        logger.info(
+            "engine core ready in %.1f s: %d KV blocks (%d tokens), %d swap blocks",
+            time.perf_counter() - start, num_blocks, num_blocks * self.kv.block_size,
+            self.runner.num_swap_blocks(),
+        )  # fmt: skip
+
+    def _start(self, config: EngineConfig, progress: bool, exit_on_worker_death: bool) -> None:
+        if config.tensor_parallel_size > 1:
+            self.tp_driver = TPDriver(config, exit_on_worker_death)
+            self.runner = ModelRunner(config, progress, self.tp_driver.group, self.tp_driver.send)
+        else:
+            self.runner = ModelRunner(config, progress=progress)
         num_blocks = self.runner.num_blocks_for_memory()
         num_cpu_blocks = self.runner.num_swap_blocks()
         bs = config.cache_config.block_size
@@ -42,10 +63,12 @@ class EngineCore:
             num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0)
-        logger.info(
-            "engine core ready in %.1f s: %d KV blocks (%d tokens), %d swap blocks",
-            time.perf_counter() - start, num_blocks, num_blocks * bs, num_cpu_blocks,
-        )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the single-rank core holds nothing)."""
+        if self.tp_driver is not None:
+            self.tp_driver.close()
+            self.tp_driver = None
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; a request the core cannot take comes back as an error output."""

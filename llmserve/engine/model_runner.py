@@ -2,11 +2,18 @@
 
 Owns the device-side state: the model, the paged KV cache (one tensor per layer), the
 CPU swap cache, and the per-request random generators of the sampler.
+
+Under tensor parallelism one ModelRunner runs per rank, each holding its shard of the
+weights and of the KV heads. The driver's (rank 0) builds the batch and samples; every
+method marked `on_every_rank` is first sent to the workers (`mirror`), so all ranks run
+it in lockstep.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +28,7 @@ from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
+from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +86,28 @@ class BatchInputs:
         return t(self.input_ids, torch.long), t(self.positions, torch.long), meta
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank needs to run one step (sent to the workers as is)."""
+
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    batch: BatchInputs | None
+
+
+def on_every_rank(method: Callable) -> Callable:
+    """A ModelRunner method that every tensor-parallel rank runs in lockstep: on the
+    driver, the call (name and arguments) goes to the workers first."""
+
+    @functools.wraps(method)
+    def call(self: "ModelRunner", *args):
+        if self.mirror is not None:
+            self.mirror(method.__name__, args)
+        return method(self, *args)
+
+    return call
+
+
 def select_attention_backend(name: str) -> AttentionBackend:
     if name == "triton":
         from llmserve.kernels import triton_paged_attention
@@ -87,16 +117,25 @@ def select_attention_backend(name: str) -> AttentionBackend:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: bool = True, tp: TPGroup = SINGLE,
+        mirror: Callable[[str, tuple], None] | None = None,
+    ) -> None:  # fmt: skip
+        """`tp`: this rank's group; `mirror` (driver only): sends a call to the workers."""
+        from llmserve.engine.tp_workers import rank_device
+
         self.config = config
+        self.tp = tp
+        self.mirror = mirror
         mc = config.model_config
-        self.device = torch.device(config.device)
+        self.device = rank_device(config.device, tp.rank)
         self.dtype = mc.dtype
         self.block_size = config.cache_config.block_size
-        self.arch = mc.arch
+        self.arch = local_arch(mc.arch, tp.world_size)  # this rank's heads
         self.model = load_model(
-            mc.model, mc.arch, mc.dtype, config.device, select_attention_backend(config.attention_backend),
-            load_format=mc.load_format, seed=mc.seed, progress=progress, max_positions=mc.max_model_len,
+            mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
+            load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
+            max_positions=mc.max_model_len, tp=tp,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.sampler = Sampler(self.device)
@@ -122,7 +161,7 @@ class ModelRunner:
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
+            budget = self.profile_kv_budget()
         else:
             sc = self.config.scheduler_config
             max_useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) + 1
@@ -132,8 +171,10 @@ class ModelRunner:
     def num_swap_blocks(self) -> int:
         return self.config.cache_config.swap_space_bytes // self.bytes_per_block
 
-    def _profile_free_gpu_memory(self) -> int:
-        """Run the largest batch once; what is left under the utilization goes to KV."""
+    @on_every_rank
+    def profile_kv_budget(self) -> int:
+        """Run the largest batch once; what is left under the utilization goes to KV
+        (the smallest budget of all ranks, so that every rank holds the same blocks)."""
         sc = self.config.scheduler_config
         num_tokens = sc.max_num_batched_tokens
         num_seqs = min(sc.max_num_seqs, num_tokens)
@@ -148,13 +189,14 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated()
         kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.kv_caches = []
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved()
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
         # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
         sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
         graphs = 0 if self.config.enforce_eager else 1 << 30
-        return budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
+        budget = budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
+        return self.tp.min_over_ranks(budget)
 
     def _dummy_forward(self, num_seqs: int, seq_len: int) -> None:
         bs = self.block_size
@@ -172,6 +214,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta)
             self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
 
+    @on_every_rank
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
@@ -186,6 +229,7 @@ class ModelRunner:
             torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
 
+    @on_every_rank
     def warmup(self) -> None:
         """Compile the Triton attention variants before serving (no JIT stall mid-traffic)."""
         if self.config.attention_backend != "triton" or self.device.type != "cuda":
@@ -207,6 +251,7 @@ class ModelRunner:
             return
         logger.info("compiled %d paged-attention launch variants and the elementwise kernels", n)
 
+    @on_every_rank
     def capture_cuda_graphs(self) -> None:
         if self.config.enforce_eager:
             return
@@ -215,30 +260,49 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model, sizes[-1], self.max_blocks, self.config.model_config.max_model_len, self.device
         )
-        self.graphs.capture(sizes)
+        try:
+            self.graphs.capture(sizes)
+            captured = 1
+        except Exception:  # noqa: BLE001 - e.g. a collective that cannot be captured
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            captured = 0
+        if not self.tp.min_over_ranks(captured):  # every rank takes the same path
+            self.graphs = None
 
     # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> "PendingStep":
         """Launch the step on the device; `.result()` waits for its sampled tokens."""
         self.sampler.forget(sched.finished_request_ids)
-        self._swap(sched.blocks_to_swap_out, to_cpu=True)
-        self._swap(sched.blocks_to_swap_in, to_cpu=False)
-        if not sched.scheduled:
+        batch = None
+        if sched.scheduled:
+            items = [
+                (s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
+                 s.request.all_token_ids, s.samples)
+                for s in sched.scheduled
+            ]  # fmt: skip
+            batch = self._build_batch(items)
+        if batch is None and not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
             return PendingStep([], None)
-        items = [
-            (s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
-             s.request.all_token_ids, s.samples)
-            for s in sched.scheduled
-        ]  # fmt: skip
-        batch = self._build_batch(items)
-        hidden = self._forward(batch)
+        logits = self.run_step(StepInputs(sched.blocks_to_swap_out, sched.blocks_to_swap_in, batch))
+        if logits is None:
+            return PendingStep([], None)
         sampling = [s.request for s in sched.scheduled if s.samples]
-        if not sampling:
-            return PendingStep([], None)
-        rows = torch.tensor(batch.logits_indices, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
         return PendingStep(sampling, self.sampler.sample_async(logits, sampling))
+
+    @on_every_rank
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Swap blocks, run the forward; returns the logits of the sampling rows (if any)."""
+        self._swap(step.swap_out, to_cpu=True)
+        self._swap(step.swap_in, to_cpu=False)
+        if step.batch is None:
+            return None
+        hidden = self._forward(step.batch)
+        if not step.batch.logits_indices:
+            return None
+        rows = torch.tensor(step.batch.logits_indices, device=self.device)
+        return self.model.compute_logits(hidden[rows])
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         n = len(batch.seq_lens)

@@ -4,7 +4,8 @@ Reads top to bottom: attention → MLP → decoder layer → model → causal LM
 flat: `input_ids [T]`, `positions [T]` and the attention metadata of the batch; the
 variants differ only by flags on `ModelArch` (qkv bias, q/k norm, tied embeddings).
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
-Hugging Face parameter names onto them.
+Hugging Face parameter names onto them. With tensor parallelism (`tp`), `arch` given to
+the layers is the rank's share (`local_arch`): fewer heads, a narrower MLP.
 """
 
 from __future__ import annotations
@@ -17,10 +18,20 @@ from torch import nn
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from llmserve.model.tensor_parallel import (
+    SINGLE,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    local_arch,
+    rank_slice,
+)
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup
+    ) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
         self.backend = backend
@@ -28,7 +39,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, False, tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -52,25 +63,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: LayerOps) -> None:
+    def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup) -> None:
         super().__init__()
         self.act = ops.silu_and_mul
         self.gate_up_proj = nn.Linear(
             arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias
         )
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup
+    ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, backend, rotary, ops)
+        self.self_attn = Attention(arch, backend, rotary, ops, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp = MLP(arch, ops, tp)
 
     def forward(
         self,
@@ -90,12 +103,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps, tp: TPGroup
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
+        shard = local_arch(arch, tp.world_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, backend, self.rotary, ops) for _ in range(arch.num_layers)
+            DecoderLayer(shard, backend, self.rotary, ops, tp) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
@@ -123,13 +139,15 @@ _STACKED = {
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
-        ops: LayerOps = REFERENCE_OPS,
+        ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE,
     ) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tp = tp
+        self.shard = local_arch(arch, tp.world_size)
+        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp)
+        if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
+            self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -138,16 +156,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = (
-            self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        )
-        return hidden @ weight.t()
+        """Logits over the whole vocabulary (gathered from every rank)."""
+        head = None if self.arch.tie_word_embeddings else self.lm_head.weight
+        return self.model.embed_tokens.logits(hidden, head)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy Hugging Face tensors into the (fused) parameters; returns names loaded."""
+        """Copy Hugging Face tensors into the (fused) parameters; returns names loaded.
+        Under tensor parallelism each rank copies its own slice of each tensor."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -160,9 +178,12 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             param = params[target]
             dest = param.data if shard is None else self._shard_view(target, param, shard)
-            if dest.shape != tensor.shape:
+            part = rank_slice(tensor, dest.shape, self.tp.rank, self.tp.world_size)
+            if part.shape != dest.shape and not self._padded_vocab(name, part, dest):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            if part.shape != dest.shape:
+                dest.zero_()
+            dest.narrow(0, 0, part.shape[0]).copy_(part)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 
@@ -184,8 +205,13 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(fragment, fused), shard
         return name, None
 
+    def _padded_vocab(self, name: str, part: torch.Tensor, dest: torch.Tensor) -> bool:
+        """The last rank's vocabulary rows: fewer than its (padded) share."""
+        vocab_rows = "embed_tokens" in name or name == "lm_head.weight"
+        return vocab_rows and part.shape[1:] == dest.shape[1:] and part.shape[0] < dest.shape[0]
+
     def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-        a = self.arch
+        a = self.shard
         if ".qkv_proj." in target:
             sizes = [a.q_size, a.kv_size, a.kv_size]
         else:

@@ -15,6 +15,7 @@ from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.layers import REFERENCE_OPS, LayerOps
 from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.tensor_parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +31,17 @@ def load_model(
     progress: bool = True,
     max_positions: int | None = None,
     ops: LayerOps = REFERENCE_OPS,
+    tp: TPGroup = SINGLE,
 ) -> LlamaForCausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
-    the elementwise kernels (PyTorch references or fused Triton kernels)."""
+    the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
+    rank's tensor-parallel group (each rank builds and loads only its shard)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions, ops)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp)
+    model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
     model.model.rotary.rebuild(torch.device(device))
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        _init_dummy(model, seed + tp.rank)
     else:
         files = safetensors_files(Path(model_dir))
         loaded = model.load_weights(_iter_tensors(files, progress))

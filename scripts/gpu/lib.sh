@@ -13,13 +13,13 @@ setup_env() {  # packages the GPU image lacks travel as wheels in .whl
     --max-position-embeddings 131072 --rope-scaling-llama3 >/dev/null
 }
 
-start_server() {  # sets $server; waits until /health answers 200 (prints the start-up time)
+start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (prints the start-up time)
   python3 -m llmserve serve $ENGINE --port 8000 --log-level warning > "$OUT/server.log" 2>&1 &
   server=$!
-  python3 - "$server" <<'PY' | tee "$OUT/server_startup.txt" || exit 1
+  python3 - "$server" "${1:-200}" <<'PY' | tee "$OUT/server_startup.txt" || return 1
 import os, sys, time, urllib.request
-pid, start = int(sys.argv[1]), time.time()
-while time.time() - start < 200:
+pid, limit, start = int(sys.argv[1]), float(sys.argv[2]), time.time()
+while time.time() - start < limit:
     try:
         if urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1).status == 200:
             print(f"server healthy {time.time() - start:.1f} s after launch"); sys.exit(0)
@@ -30,7 +30,7 @@ while time.time() - start < 200:
     except OSError:
         print("server died"); sys.exit(1)
     time.sleep(0.25)
-print("server not healthy after 200 s"); sys.exit(1)
+print(f"server not healthy after {limit:.0f} s"); sys.exit(1)
 PY
 }
 

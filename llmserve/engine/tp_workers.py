@@ -1,0 +1,198 @@
+"""Tensor-parallel worker processes.
+
+Rank 0 is the engine core's own ModelRunner (the driver); ranks 1..N-1 each run a
+ModelRunner in a process of their own, one per GPU (or CPU process with gloo). The
+driver sends every call that touches the model (`on_every_rank` methods of ModelRunner)
+to the workers over a pipe before running it itself, so all ranks run the same forward
+in lockstep and meet in the same collectives; only the driver schedules and samples.
+
+Failure handling: a worker that exits breaks its pipe (the next step raises
+`WorkerDiedError`) and, on CPUs, the gloo collective it was part of (raises at once).
+NCCL collectives would wait forever instead, so in the engine core process a monitor
+thread ends the process when a worker dies and the step does not fail by itself; the
+front then reports the engine dead. Workers exit when their pipe closes or their parent
+disappears.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from llmserve.config import EngineConfig
+from llmserve.model.tensor_parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+# NVLink multicast (NVLS) is unavailable on the lent machines; every rank runs without it
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot continue."""
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel group uses GPU r."""
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+
+
+def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGroup:
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend="nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    cpu_group = dist.new_group(backend="gloo") if device == "cuda" else dist.group.WORLD
+    return TPGroup(rank, world_size, cpu_group)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
+    """Entry point of worker `rank`: build this rank's shard, then run what the driver sends."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
+    parent = os.getppid()
+
+    def orphan_watch() -> None:  # a collective cannot notice a vanished driver on its own
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphan_watch, daemon=True, name="tp-orphan-watch").start()
+    from llmserve.engine.model_runner import ModelRunner
+
+    try:
+        tp = init_distributed(rank, config.tensor_parallel_size, port, config.device)
+        runner = ModelRunner(config, progress=False, tp=tp)
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg is None:
+                break
+            name, args = msg
+            getattr(runner, name)(*args)
+    except Exception:
+        logger.exception("tensor-parallel worker %d failed", rank)
+        os._exit(1)
+    finally:
+        conn.close()
+    shutdown_distributed()
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: mp.process.BaseProcess
+    conn: Connection
+
+
+class TPDriver:
+    """Rank 0's side of the group: starts the workers and sends them each call."""
+
+    def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
+        world = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        for key, value in NCCL_ENV.items():  # inherited by the workers
+            os.environ.setdefault(key, value)
+        self.workers: list[_Worker] = []
+        self._closed = threading.Event()
+        self.exit_on_worker_death = exit_on_worker_death
+        for rank in range(1, world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main, args=(config, rank, port, theirs), name=f"llmserve-tp{rank}"
+            )  # not a daemon: the engine core process that starts it is one (and cannot have those)
+            proc.start()
+            theirs.close()
+            self.workers.append(_Worker(rank, proc, ours))
+        threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
+        atexit.register(self.close)  # an LLM nobody shut down must not keep its workers
+        try:
+            self.group = init_distributed(0, world, port, config.device)
+        except Exception:
+            self.close()
+            raise
+        logger.info("tensor parallel: %d ranks (workers %s)", world, [w.process.pid for w in self.workers])
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    def send(self, name: str, args: tuple) -> None:
+        """Ask every worker to run `ModelRunner.<name>(*args)` (the driver runs it too)."""
+        for w in self.workers:
+            try:
+                w.conn.send((name, args))
+            except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+                raise WorkerDiedError(self._death_message(w)) from None
+
+    def _death_message(self, w: _Worker) -> str:
+        w.process.join(1.0)
+        return f"tensor-parallel worker rank {w.rank} (pid {w.process.pid}) died (exit code {w.process.exitcode})"
+
+    def _monitor(self) -> None:
+        sentinels = {w.process.sentinel: w for w in self.workers}
+        while sentinels and not self._closed.is_set():
+            for ready in wait(list(sentinels), timeout=1.0):
+                w = sentinels.pop(ready)
+                if self._closed.is_set():
+                    return
+                logger.error("%s", self._death_message(w))
+                if self.exit_on_worker_death and not self._closed.wait(10.0):
+                    # the step is stuck in a collective with a dead peer: end the process,
+                    # so that the front reports the engine dead instead of hanging
+                    logger.error("the engine cannot go on without that worker; exiting")
+                    os._exit(1)
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force) and leave the process group."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        atexit.unregister(self.close)
+        for w in self.workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10.0
+        for w in self.workers:
+            w.process.join(max(0.1, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(5.0)
+            w.conn.close()
+        shutdown_distributed()
