@@ -15,6 +15,7 @@ import pytest
 from gateway_utils import spawn_replica, start_gateway, start_redis
 from server_utils import free_port, metric, wait_healthy
 
+from llmserve.gateway.affinity import prefix_key, rendezvous_score
 from llmserve.gateway.config import ApiKey, GatewayConfig, LimitsConfig, hash_key
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, build_limiter
 
@@ -31,6 +32,8 @@ def _config(tiny_urls: list[str], lite_url: str) -> dict:
             "tiny": {"replicas": tiny_urls, "model": "tiny-up", "fallback": "lite"},
             "lite": {"replicas": [lite_url], "model": "lite-up"},
             "capped": {"replicas": [lite_url], "model": "lite-up", "max_concurrency": 1, "fallback": "tiny"},
+            "sticky": {"replicas": tiny_urls, "model": "tiny-up", "routing": "prefix_affinity",
+                       "affinity_prefix_chars": 64, "affinity_max_imbalance": 1},
         },
         "keys": [
             {"name": "good", "sha256": hash_key(KEYS["good"])},
@@ -206,7 +209,7 @@ def test_chat_and_completions_plain_and_streamed(platform):
 
 
 def test_models_lists_the_aliases_a_key_may_call(platform):
-    assert sorted(m.id for m in _client(platform).models.list()) == ["capped", "lite", "tiny"]
+    assert sorted(m.id for m in _client(platform).models.list()) == ["capped", "lite", "sticky", "tiny"]
     assert [m.id for m in _client(platform, KEYS["lite-only"]).models.list()] == ["lite"]
 
 
@@ -284,6 +287,45 @@ def test_oversized_body_is_413(platform):
         _client(platform).completions.create(model="tiny", prompt="x" * 10_000, max_tokens=2)
     assert info.value.status_code == 413
     assert sum(_successes(s) for s in platform["replicas"].values()) == before
+
+
+def test_prefix_key_is_the_shared_start_of_the_prompt():
+    system = [{"role": "system", "content": "You are a pirate. " * 10}]
+    one = prefix_key({"messages": [*system, {"role": "user", "content": "hi"}]}, 64)
+    two = prefix_key({"messages": [*system, {"role": "user", "content": [{"type": "text", "text": "yo"}]}]}, 64)
+    assert one == two == ("You are a pirate. " * 4)[:64]
+    assert prefix_key({"messages": [{"role": "user", "content": "abc"}]}, 64) == "user:abc"
+    assert prefix_key({"prompt": ["first prompt", "second"]}, 5) == "first"
+    assert prefix_key({"prompt": [1, 2, 3]}, 64) == "[1, 2, 3]"
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_one_replica(platform):
+    a, b = platform["replicas"]["a"], platform["replicas"]["b"]
+    # system prompts chosen so that both replicas are the home of some (rendezvous hashing)
+    homes: dict[str, str] = {}
+    for i in range(50):
+        text = f"System prompt number {i}: answer briefly and politely, in plain words."
+        key = prefix_key({"messages": [{"role": "system", "content": text}]}, 64)
+        homes[text] = max((a.base_url, b.base_url), key=lambda url: rendezvous_score(key, url))
+        if len(homes) >= 4 and len(set(homes.values())) == 2:
+            break
+    client = _client(platform)
+    for text, home in homes.items():
+        before = {s.base_url: _successes(s) for s in (a, b)}
+        for user in ("alice", "bob", "carol"):
+            messages = [{"role": "system", "content": text}, {"role": "user", "content": f"I am {user}"}]
+            client.chat.completions.create(model="sticky", messages=messages, max_tokens=2)
+        got = {url: _successes(s) - before[url] for url, s in ((a.base_url, a), (b.base_url, b))}
+        assert got[home] == 3 and sum(got.values()) == 3, (text, got)
+    # one prefix, more concurrent work than its home may hold over the other: the rest overflow
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda _: client.completions.create(model="sticky", prompt="same start", **LONG), range(6)))
+    counts = {
+        line.split('decision="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(platform["gateway"].base_url + "/metrics").text.splitlines()
+        if line.startswith('llmserve_gateway_routing_total{alias="sticky"')
+    }
+    assert counts["affinity"] >= len(homes) * 3 + 2 and counts["affinity_overloaded"] >= 1, counts
 
 
 def test_least_outstanding_spreads_load_over_both_replicas(platform):

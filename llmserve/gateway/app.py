@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway.admission import Refused
+from llmserve.gateway.affinity import prefix_key
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
@@ -84,6 +85,8 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
         raise Rejected(403, "model_not_allowed", f"this key may not call {alias!r}")
     ctx = RequestContext(request_id, path, alias, payload, payload.get("stream") is True, key)
     ctx.reserved_tokens = _estimate_tokens(payload, state.config.default_max_tokens)
+    if state.router.uses_affinity:
+        ctx.prefix = prefix_key(payload, state.config.models[alias].affinity_prefix_chars)
     if key is not None:
         try:
             await state.limiter.reserve(key.name, ctx.reserved_tokens)

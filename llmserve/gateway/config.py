@@ -28,6 +28,9 @@ class ModelRoute(_Strict):
     model: str | None = None  # the name the upstreams know; the alias when unset
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
+    routing: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
+    affinity_prefix_chars: int = Field(default=256, ge=1)  # prompt prefix hashed for prefix_affinity
+    affinity_max_imbalance: int = Field(default=4, ge=0)  # outstanding over the least before leaving the home
     send_priority: bool = True  # pass the key's priority upstream (vLLM-style `priority`, lower first)
 
     @field_validator("replicas")

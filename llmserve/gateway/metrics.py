@@ -47,3 +47,7 @@ class GatewayMetrics:
             "llmserve_gateway_queueing_delay_seconds", "How long the oldest waiting request has waited.",
             registry=self.registry,
         )
+        self.routing = Counter(
+            "llmserve_gateway_routing", "Requests sent upstream, by how the replica was chosen.",
+            ["alias", "decision"], registry=self.registry,
+        )  # fmt: skip

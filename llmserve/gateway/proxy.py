@@ -70,7 +70,7 @@ async def forward(state: GatewayState, ctx: RequestContext) -> Response:
     tried: set[str] = set()
     last_error: httpx.Response | None = None
     while True:
-        pick = state.router.pick(ctx.alias, tried)
+        pick = state.router.pick(ctx.alias, tried, ctx.prefix)
         if pick is None:
             if last_error is not None:
                 return await _finish_plain(state, ctx, None, last_error)
@@ -93,6 +93,7 @@ async def forward(state: GatewayState, ctx: RequestContext) -> Response:
             pick.replica.outstanding -= 1
             raise
         ctx.served_by = pick.alias
+        state.metrics.routing.labels(pick.alias, pick.decision).inc()
         if pick.alias != ctx.alias:
             state.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
         if opened.lines is None:

@@ -1,4 +1,4 @@
-"""Replicas, their health, and which one takes the next request (least outstanding)."""
+"""Replicas, their health, and which one takes the next request (least outstanding or prefix affinity)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from llmserve.gateway.affinity import rendezvous_score
 from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Pick:
     alias: str  # the alias that serves (the fallback's when it was used)
     route: ModelRoute
     replica: Replica
+    decision: str = "least_outstanding"  # or "affinity", "affinity_overloaded" (left its home replica)
 
 
 class Router:
@@ -46,6 +48,7 @@ class Router:
         self.config = config
         self.replicas = {a: [Replica(a, u) for u in r.replicas] for a, r in config.models.items()}
         self._turn = itertools.count()  # breaks ties so idle replicas take turns
+        self.uses_affinity = any(r.routing == "prefix_affinity" for r in config.models.values())
 
     def _available(self, alias: str, exclude: set[str]) -> list[Replica]:
         cap = self.config.models[alias].max_concurrency
@@ -54,17 +57,30 @@ class Router:
             if r.healthy and r.url not in exclude and (cap is None or r.outstanding < cap)
         ]  # fmt: skip
 
-    def pick(self, alias: str, exclude: set[str] = frozenset()) -> Pick | None:
-        """Least outstanding over the alias's healthy replicas; its fallback when none can take it."""
+    def pick(self, alias: str, exclude: set[str] = frozenset(), prefix: str | None = None) -> Pick | None:
+        """A replica of the alias (its fallback's when none can take the request).
+
+        `least_outstanding`: the fewest requests in flight, ties taking turns.
+        `prefix_affinity`: the replica `prefix` hashes to among those available, unless it has
+        more than `affinity_max_imbalance` requests over the least loaded one.
+        """
         seen = set()
         while alias is not None and alias not in seen:
             seen.add(alias)
+            route = self.config.models[alias]
             candidates = self._available(alias, exclude)
             if candidates:
                 least = min(r.outstanding for r in candidates)
+                if route.routing == "prefix_affinity" and prefix is not None:
+                    home = max(candidates, key=lambda r: rendezvous_score(prefix, r.url))
+                    if home.outstanding <= least + route.affinity_max_imbalance:
+                        return Pick(alias, route, home, "affinity")
+                    decision = "affinity_overloaded"
+                else:
+                    decision = "least_outstanding"
                 tied = [r for r in candidates if r.outstanding == least]
-                return Pick(alias, self.config.models[alias], tied[next(self._turn) % len(tied)])
-            alias = self.config.models[alias].fallback
+                return Pick(alias, route, tied[next(self._turn) % len(tied)], decision)
+            alias = route.fallback
         return None
 
     def all_replicas(self) -> list[Replica]:

@@ -31,6 +31,7 @@ class RequestContext:
     used_tokens: int = 0
     served_by: str | None = None  # the alias whose replica answered
     slot: Slot | None = None  # the admission slot held until the response is over
+    prefix: str | None = None  # what the prompt starts with, for prefix-affinity routing
     started: float = field(default_factory=time.monotonic)
 
     @property
