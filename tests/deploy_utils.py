@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -48,3 +49,38 @@ def load_dashboard_builder() -> ModuleType:
         sys.modules["build_dashboards"] = module  # dataclasses look their module up while the file runs
         spec.loader.exec_module(module)
     return sys.modules["build_dashboards"]
+
+
+_LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_NAME = re.compile(r"(?<![\w.$])[A-Za-z_:][A-Za-z0-9_:]*")
+_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
+                 "offset", "bool", "inf", "nan"}  # fmt: skip
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression (or a Grafana panel query) reads."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
+    expr = _LABEL_LISTS.sub("", expr)  # label lists of aggregations and vector matching
+    expr = re.sub(r"\$\w+", "", expr)  # Grafana variables ($__rate_interval, $job)
+    names = set()
+    for m in _NAME.finditer(expr):
+        if expr[m.end():].lstrip().startswith("(") or m.group().lower() in _PROMQL_WORDS:
+            continue  # a function or a keyword
+        names.add(m.group())
+    return names
+
+
+def exported_metric_names(text: str) -> set[str]:
+    """Every series name a /metrics page offers, including families that have no sample yet."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()[:4]
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names

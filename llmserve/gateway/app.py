@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmserve.gateway.admission import Refused
 from llmserve.gateway.affinity import prefix_key
 from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
 from llmserve.gateway.proxy import NoUpstream, forward
@@ -124,6 +125,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state
+    app.include_router(dashboard_router(state))  # /dashboard: the live status page
 
     async def handle(request: Request, path: str) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex

@@ -1,0 +1,239 @@
+"""The gateway's live status page: `/dashboard` (HTML) and `/dashboard/data` (JSON).
+
+A sampler scrapes every upstream's `/metrics` (vLLM's names) once a second and keeps the
+last five minutes in a ring buffer per upstream, beside the gateway's own request counters.
+The page (llmserve/assets/dashboard.html, no external scripts) polls `/dashboard/data` and
+draws running and waiting requests, KV-cache usage, tokens/s and latency per model and
+upstream. Mounted with one line in app.py: `app.include_router(dashboard_router(state))`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import HTMLResponse, JSONResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmserve.gateway.state import GatewayState
+
+INTERVAL_S = 1.0  # one scrape of every upstream a second
+HISTORY = 300  # samples kept: five minutes
+LATEST_SPAN = 5  # the headline numbers are rates over the last five samples
+PAGE = Path(__file__).resolve().parents[1] / "assets" / "dashboard.html"
+
+# sample field -> the upstream's metric (summed over its label sets)
+_METRICS = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_usage": "vllm:kv_cache_usage_perc",
+    "generation_tokens": "vllm:generation_tokens_total",
+    "ttft_sum": "vllm:time_to_first_token_seconds_sum",
+    "ttft_count": "vllm:time_to_first_token_seconds_count",
+    "itl_sum": "vllm:inter_token_latency_seconds_sum",
+    "itl_count": "vllm:inter_token_latency_seconds_count",
+    "e2e_sum": "vllm:e2e_request_latency_seconds_sum",
+    "e2e_count": "vllm:e2e_request_latency_seconds_count",
+}
+_NAMES = {metric: field for field, metric in _METRICS.items()}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One scrape of one upstream; `values` is empty when the scrape failed."""
+
+    t: float
+    values: dict[str, float]
+    model: str | None = None
+
+
+@dataclass
+class Point:
+    """An upstream over one span: gauges at its end, rates and mean latencies within it."""
+
+    t: float
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    tokens_per_s: float | None = None
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+@dataclass
+class UpstreamStatus:
+    url: str
+    aliases: list[str]
+    model: str | None  # the model_name the upstream reports
+    healthy: bool  # the gateway's breaker
+    scraped: bool  # its last /metrics scrape worked
+    outstanding: int  # requests the gateway has in flight there
+    latest: Point | None
+    series: list[Point]
+
+
+@dataclass
+class ModelStatus:
+    alias: str
+    replicas: list[str]
+    healthy_replicas: int
+    requests_per_s: float | None  # answered by the gateway for this alias
+    running: float
+    waiting: float
+    kv_usage: float | None  # the fullest replica
+    tokens_per_s: float
+
+
+@dataclass
+class DashboardData:
+    time: float
+    interval_s: float
+    window_s: float
+    requests_per_s: float | None
+    rejections: dict[str, float]  # since the gateway started, by reason
+    models: list[ModelStatus]
+    upstreams: list[UpstreamStatus]
+
+
+def parse_metrics(text: str) -> Sample:
+    """The fields of `_METRICS` from a Prometheus text page (absent metrics are left out)."""
+    values: dict[str, float] = {}
+    model = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            field = _NAMES.get(s.name)
+            if field is not None:
+                values[field] = values.get(field, 0.0) + s.value
+                model = model or s.labels.get("model_name")
+    return Sample(time.time(), values, model)
+
+
+def _ratio(num: float | None, den: float | None, scale: float = 1.0) -> float | None:
+    if num is None or den is None or den <= 0 or num < 0:
+        return None  # nothing happened, or the counters were reset (the upstream restarted)
+    return round(num / den * scale, 3)
+
+
+def span_point(a: Sample, b: Sample) -> Point:
+    """What happened between two samples of one upstream."""
+    def delta(field: str) -> float | None:
+        if field in a.values and field in b.values:
+            return b.values[field] - a.values[field]
+        return None
+
+    gauges = {f: b.values.get(f) for f in ("running", "waiting", "kv_usage")}
+    return Point(
+        t=b.t, **gauges,
+        tokens_per_s=_ratio(delta("generation_tokens"), b.t - a.t),
+        ttft_ms=_ratio(delta("ttft_sum"), delta("ttft_count"), 1000.0),
+        itl_ms=_ratio(delta("itl_sum"), delta("itl_count"), 1000.0),
+        e2e_ms=_ratio(delta("e2e_sum"), delta("e2e_count"), 1000.0),
+    )  # fmt: skip
+
+
+class StatusSampler:
+    """Scrapes the upstreams and the gateway's counters into ring buffers."""
+
+    def __init__(self, state: GatewayState, interval_s: float = INTERVAL_S, history: int = HISTORY):
+        self.state, self.interval_s = state, interval_s
+        self.urls = sorted({r.url for r in state.router.all_replicas()})
+        self.upstreams: dict[str, deque[Sample]] = {u: deque(maxlen=history) for u in self.urls}
+        self.gateway: deque[tuple[float, dict[str, float]]] = deque(maxlen=history)  # (t, requests by alias)
+
+    async def scrape(self, client: httpx.AsyncClient, url: str) -> Sample:
+        try:
+            resp = await client.get(f"{url}/metrics")
+            resp.raise_for_status()
+            return parse_metrics(resp.text)
+        except (httpx.HTTPError, ValueError):
+            return Sample(time.time(), {})
+
+    async def sample_once(self, client: httpx.AsyncClient) -> None:
+        samples = await asyncio.gather(*(self.scrape(client, u) for u in self.urls))
+        for url, sample in zip(self.urls, samples):
+            self.upstreams[url].append(sample)
+        by_alias: dict[str, float] = {}
+        for s in self.state.metrics.requests.collect()[0].samples:
+            if s.name.endswith("_total"):
+                by_alias[s.labels["alias"]] = by_alias.get(s.labels["alias"], 0.0) + s.value
+        self.gateway.append((time.time(), by_alias))
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=max(self.interval_s, 1.0)) as client:
+            while True:
+                await self.sample_once(client)
+                await asyncio.sleep(self.interval_s)
+
+    def _requests_per_s(self, alias: str | None) -> float | None:
+        if len(self.gateway) < 2:
+            return None
+        (t0, a), (t1, b) = self.gateway[max(0, len(self.gateway) - 1 - LATEST_SPAN)], self.gateway[-1]
+        if alias is None:
+            return _ratio(sum(b.values()) - sum(a.values()), t1 - t0)
+        return _ratio(b.get(alias, 0.0) - a.get(alias, 0.0), t1 - t0)
+
+    def _upstream(self, url: str) -> UpstreamStatus:
+        samples = list(self.upstreams[url])
+        replicas = [r for r in self.state.router.all_replicas() if r.url == url]
+        series = [span_point(a, b) for a, b in itertools.pairwise(samples)]
+        latest = span_point(samples[max(0, len(samples) - 1 - LATEST_SPAN)], samples[-1]) if len(samples) > 1 else None
+        return UpstreamStatus(
+            url=url, aliases=sorted({r.alias for r in replicas}),
+            model=next((s.model for s in reversed(samples) if s.model), None),
+            healthy=all(r.healthy for r in replicas), scraped=bool(samples and samples[-1].values),
+            outstanding=sum(r.outstanding for r in replicas), latest=latest, series=series,
+        )  # fmt: skip
+
+    def data(self) -> DashboardData:
+        upstreams = {u: self._upstream(u) for u in self.urls}
+        models = []
+        for alias, replicas in self.state.router.replicas.items():
+            latest = [upstreams[r.url].latest for r in replicas if upstreams[r.url].latest]
+            kv = [p.kv_usage for p in latest if p.kv_usage is not None]
+            models.append(ModelStatus(
+                alias=alias, replicas=[r.url for r in replicas],
+                healthy_replicas=sum(r.healthy for r in replicas),
+                requests_per_s=self._requests_per_s(alias),
+                running=sum(p.running or 0.0 for p in latest), waiting=sum(p.waiting or 0.0 for p in latest),
+                kv_usage=max(kv) if kv else None, tokens_per_s=round(sum(p.tokens_per_s or 0.0 for p in latest), 3),
+            ))  # fmt: skip
+        rejections = {s.labels["reason"]: s.value for s in self.state.metrics.rejections.collect()[0].samples
+                      if s.name.endswith("_total")}  # fmt: skip
+        return DashboardData(
+            time=time.time(), interval_s=self.interval_s, window_s=self.interval_s * (self.gateway.maxlen or 0),
+            requests_per_s=self._requests_per_s(None), rejections=rejections, models=models,
+            upstreams=list(upstreams.values()),
+        )  # fmt: skip
+
+
+def dashboard_router(state: GatewayState) -> APIRouter:
+    """The routes of the status page; the sampler runs for the life of the app."""
+    sampler = StatusSampler(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(sampler.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    router = APIRouter(lifespan=lifespan)
+
+    @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(), headers={"cache-control": "no-store"})
+
+    @router.get("/dashboard/data")
+    async def data() -> JSONResponse:
+        return JSONResponse(asdict(sampler.data()), headers={"cache-control": "no-store"})
+
+    return router
