@@ -26,6 +26,7 @@ class Browser:
 
     def __init__(self, chromium: str, url: str, profile_dir: Path, size: tuple[int, int] = (1280, 900)):
         profile_dir.mkdir(parents=True, exist_ok=True)
+        (profile_dir / "DevToolsActivePort").unlink(missing_ok=True)  # a reused profile's is stale
         self.log_path = profile_dir / "chromium.log"
         with open(self.log_path, "w") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
