@@ -193,9 +193,9 @@ def test_compose_file_validates(tmp_path):
     out = run_tool([tool("docker-compose"), "-f", str(DEPLOY / "compose.yaml"), "config"])
     services = yaml.safe_load(out.stdout)["services"]
     assert set(services) == {"engine", "triton", "gateway", "prometheus", "grafana"}
+    devices = services["engine"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     for name in ("engine", "triton"):
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
         assert services[name]["shm_size"]
     # every file the services mount is in the repository
     for service in services.values():
