@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import uuid
 
@@ -23,6 +24,8 @@ from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
 from llmserve.serve.errors import error_body
+
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class Rejected(Exception):
@@ -107,6 +110,32 @@ async def _take_slot(state: GatewayState, ctx: RequestContext) -> None:
         raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
 
 
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read: only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, state: GatewayState, ctx: RequestContext) -> Response:
+    """Forward, but a client that leaves before the response is ready cancels the upstream call:
+    closing its connection makes the upstream abort the request and free its KV blocks."""
+    work = asyncio.ensure_future(forward(state, ctx))
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.cancelled():
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # let the cancelled call close its upstream connection
+    ctx.used_tokens = ctx.reserved_tokens  # what was generated before the abort is unknown: kept
+    await state.finish(ctx, 499)
+    return Response(status_code=499)  # nobody is listening
+
+
 def build_app(config: GatewayConfig) -> FastAPI:
     state = GatewayState(config)
 
@@ -138,7 +167,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
             log_access(request_id, exc.status, rejected=exc.reason)
             return _reject_response(exc, request_id)
         try:
-            return await forward(state, ctx)
+            return await _unless_disconnected(request, state, ctx)
         except NoUpstream:
             await state.finish(ctx, 503)
             state.metrics.rejections.labels("no_healthy_upstream").inc()
@@ -149,13 +178,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
                 ctx.slot.release()
             raise
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await handle(request, "/v1/chat/completions")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, "/v1/completions")
+    # the proxied routes are plain Starlette routes: no FastAPI dependency solving on the hot path
+    for path in PROXIED_PATHS:
+        app.router.add_route(path, functools.partial(handle, path=path), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
