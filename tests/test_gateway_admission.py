@@ -155,3 +155,18 @@ def test_priority_reaches_the_engine_and_the_cap_bounds_the_wait(admission):
         results = {name: f.result() for name, f in (("holder", holder), ("low", low), ("high", high))}
     assert all(r[0].status_code == 200 for r in results.values())
     assert results["high"][2] < results["low"][2]  # the engine took the high-priority request first
+
+
+def test_client_leaving_a_non_streamed_request_cancels_it_upstream(admission):
+    gw, replica = admission["capped"], admission["replica"]
+    done_before = metric(replica.base_url, "vllm:request_success_total")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(
+            gw.base_url + "/v1/completions", json={"model": "tiny", **HOLD},
+            headers={"Authorization": f"Bearer {KEYS['low']}"}, timeout=httpx.Timeout(10, read=0.5),
+        )  # fmt: skip
+    # the gateway closes its upstream connection: the replica aborts the request, frees its blocks
+    _wait(lambda: metric(replica.base_url, "vllm:num_requests_running") == 0, timeout=1.5)
+    assert metric(replica.base_url, "vllm:num_kv_blocks_used") == 0
+    assert metric(replica.base_url, "vllm:request_success_total") == done_before  # aborted, not finished
+    _wait(lambda: metric(gw.base_url, "llmserve_gateway_in_flight") == 0, timeout=1)  # its slot is free

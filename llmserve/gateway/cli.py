@@ -23,4 +23,5 @@ def run(args: argparse.Namespace) -> None:
 
     logging.getLogger("llmserve.gateway").setLevel(args.log_level.upper())
     app = build_app(load_config(args.config))  # a bad config fails here, before the port opens
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # the gateway writes its own access log (one JSON line a request): uvicorn's is off
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
