@@ -336,3 +336,26 @@ def _answers(base: str) -> bool:
         return httpx.get(base + "/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+# --- the images' HEALTHCHECK ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_image_healthcheck_command_against_a_live_server(platform, dockerfile):
+    """The exact HEALTHCHECK command of each image: 0 while /health answers 200, not 0 otherwise."""
+    text = (DEPLOY / "docker" / dockerfile).read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("HEALTHCHECK"))
+    cmd = json.loads(line[line.index("CMD") + 3:])
+    assert cmd[0] in ("python", "python3")
+    cmd[0] = sys.executable  # the image's interpreter, here
+
+    def check(url: str) -> int:
+        env = {**os.environ, "LLMSERVE_HEALTH_URL": url}
+        return subprocess.run(cmd, env=env, capture_output=True, timeout=30, check=False).returncode
+
+    assert check(platform.server.base_url + "/health") == 0
+    assert check(platform.gateway.base_url + "/health") == 0
+    assert check(f"http://127.0.0.1:{platform.triton.http_port}/v2/health/ready") == 0
+    assert check(f"http://127.0.0.1:{free_port()}/health") != 0  # nothing listening
+    assert check(platform.server.base_url + "/no-such-path") != 0  # a 404 is unhealthy
