@@ -21,11 +21,12 @@ from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
 from llmserve.gateway.proxy import NoUpstream, forward
-from llmserve.gateway.router import health_loop
+from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
 from llmserve.serve.errors import error_body
 
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions")
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class Rejected(Exception):
@@ -59,10 +60,12 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return bytes(body)
 
 
-def _estimate_tokens(payload: dict, default_max_tokens: int) -> int:
+def _estimate_tokens(payload: dict, path: str, default_max_tokens: int) -> int:
     """Reserved up front: about 4 characters a prompt token, plus the most the reply may use."""
-    text = payload.get("messages") if "messages" in payload else payload.get("prompt", "")
-    prompt = len(json.dumps(text)) // 4 + 1
+    fields = ("messages", "prompt", "input", "query", "documents")
+    prompt = len(json.dumps([payload.get(f) for f in fields if f in payload])) // 4 + 1
+    if path not in GENERATION_PATHS:
+        return prompt  # embeddings and rerank generate nothing
     max_tokens = payload.get("max_completion_tokens") or payload.get("max_tokens") or default_max_tokens
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise Rejected(400, "invalid_request", "max_tokens must be a positive integer")
@@ -87,8 +90,8 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
     if key is not None and not may_call(key, alias):
         raise Rejected(403, "model_not_allowed", f"this key may not call {alias!r}")
     ctx = RequestContext(request_id, path, alias, payload, payload.get("stream") is True, key)
-    ctx.reserved_tokens = _estimate_tokens(payload, state.config.default_max_tokens)
-    if state.router.uses_affinity:
+    ctx.reserved_tokens = _estimate_tokens(payload, path, state.config.default_max_tokens)
+    if state.router.uses_affinity and path in GENERATION_PATHS:
         ctx.prefix = prefix_key(payload, state.config.models[alias].affinity_prefix_chars)
     if key is not None:
         try:
@@ -108,6 +111,18 @@ async def _take_slot(state: GatewayState, ctx: RequestContext) -> None:
         if ctx.key is not None:
             await state.limiter.settle(ctx.key.name, ctx.reserved_tokens, 0)
         raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
+
+
+async def _probe(state: GatewayState, replica: Replica) -> bool:
+    """A replica is up: its /health answers 200 (OpenAI servers), its model is ready (Triton)."""
+    route = state.config.models[replica.alias]
+    timeout = state.config.health.timeout_s
+    if route.kind == "triton":
+        return await state.triton.ready(replica.url, route.model or replica.alias, timeout)
+    try:
+        return (await state.client.get(f"{replica.url}/health", timeout=timeout)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -145,12 +160,14 @@ def build_app(config: GatewayConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             state.client = client
-            checker = asyncio.create_task(health_loop(state.router, config.health, client, state.on_health))
+            probe = functools.partial(_probe, state)
+            checker = asyncio.create_task(health_loop(state.router, config.health, probe, state.on_health))
             try:
                 yield
             finally:
                 checker.cancel()
                 await state.limiter.close()
+                await state.triton.close()
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state

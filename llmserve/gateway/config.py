@@ -7,7 +7,7 @@ import re
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -24,7 +24,8 @@ class _Strict(BaseModel):
 class ModelRoute(_Strict):
     """One alias clients name, and the replicas that serve it."""
 
-    replicas: list[str] = Field(min_length=1)  # base URLs, e.g. http://127.0.0.1:8001
+    kind: Literal["openai", "triton"] = "openai"  # an OpenAI-compatible server, or Triton over gRPC
+    replicas: list[str] = Field(min_length=1)  # http(s)://host:port (openai), grpc://host:port (triton)
     model: str | None = None  # the name the upstreams know; the alias when unset
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
@@ -33,13 +34,14 @@ class ModelRoute(_Strict):
     affinity_max_imbalance: int = Field(default=4, ge=0)  # outstanding over the least before leaving the home
     send_priority: bool = True  # pass the key's priority upstream (vLLM-style `priority`, lower first)
 
-    @field_validator("replicas")
-    @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"replica {url!r} is not an http(s) URL")
-        return [u.rstrip("/") for u in urls]
+    @model_validator(mode="after")
+    def _urls(self) -> ModelRoute:
+        schemes = ("grpc://",) if self.kind == "triton" else ("http://", "https://")
+        for url in self.replicas:
+            if not url.startswith(schemes):
+                raise ValueError(f"replica {url!r} of a {self.kind} upstream must start with {' or '.join(schemes)}")
+        self.replicas = [u.rstrip("/") for u in self.replicas]
+        return self
 
 
 class ApiKey(_Strict):

@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.gateway.router import Pick
 from llmserve.gateway.state import GatewayState, RequestContext
+from llmserve.gateway.triton_upstream import open_triton
 
 
 class NoUpstream(Exception):
     """No replica of the alias (or of its fallback) can take the request."""
-
-
-@dataclass
-class _Opened:
-    pick: Pick
-    response: httpx.Response
-    lines: AsyncIterator[str] | None  # set for streams: what is left after the first line
-    first: str | None  # a stream's first line, read before committing to this replica
 
 
 def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
@@ -42,51 +35,60 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
     return "data: " + json.dumps(chunk, separators=(",", ":"))
 
 
-async def _open(state: GatewayState, ctx: RequestContext, pick: Pick) -> _Opened:
-    """Send to one replica and read up to the first byte we would pass on; raise httpx errors before it."""
+async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> Opened:
+    """Send to one OpenAI-compatible replica and read up to the first byte we would pass on."""
     payload = dict(ctx.payload, model=pick.route.model or pick.alias)
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
     if pick.route.send_priority and ctx.priority:
         payload["priority"] = -ctx.priority  # vLLM-style: lower is served first
     headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
     request = state.client.build_request("POST", pick.replica.url + ctx.path, json=payload, headers=headers)
-    response = await state.client.send(request, stream=True)
+    try:
+        response = await state.client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise UpstreamFailed(str(exc)) from exc
     try:
         if response.status_code >= 500:
             await response.aread()
-            raise httpx.HTTPStatusError("upstream error", request=request, response=response)
+            raise UpstreamFailed("upstream error", response.status_code, response.content, response.status_code == 503)
         if not ctx.stream or response.status_code != 200:
             await response.aread()
-            return _Opened(pick, response, None, None)
+            return Opened(response.status_code, response.content, None, None, response.aclose)
         lines = response.aiter_lines()
         first = await anext(lines)  # a replica that dies now has sent the client nothing: retry
-        return _Opened(pick, response, lines, first)
+        return Opened(200, None, lines, first, response.aclose)
+    except (httpx.HTTPError, StopAsyncIteration) as exc:
+        await response.aclose()
+        raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
     except BaseException:
         await response.aclose()
         raise
 
 
+async def _open(state: GatewayState, ctx: RequestContext, pick: Pick) -> Opened:
+    if pick.route.kind == "triton":
+        return await open_triton(state.triton, ctx, pick)
+    return await _open_openai(state, ctx, pick)
+
+
 async def forward(state: GatewayState, ctx: RequestContext) -> Response:
     tried: set[str] = set()
-    last_error: httpx.Response | None = None
+    last_error: UpstreamFailed | None = None
     while True:
         pick = state.router.pick(ctx.alias, tried, ctx.prefix)
         if pick is None:
-            if last_error is not None:
-                return await _finish_plain(state, ctx, None, last_error)
+            if last_error is not None and last_error.status is not None:
+                return await _finish_plain(state, ctx, None, last_error.status, last_error.content or b"")
             raise NoUpstream(ctx.alias)
         pick.replica.outstanding += 1
         try:
             opened = await _open(state, ctx, pick)
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
+        except UpstreamFailed as exc:
             pick.replica.outstanding -= 1
             tried.add(pick.replica.url)
-            if isinstance(exc, httpx.HTTPStatusError):
-                last_error = exc.response
-                if exc.response.status_code == 503:  # overloaded, not broken: no breaker count
-                    state.metrics.retries.labels(ctx.alias).inc()
-                    continue
-            pick.replica.record_failure(state.config.health.failure_threshold)
+            last_error = exc
+            if not exc.overloaded:  # overloaded (503) is not broken: no breaker count
+                pick.replica.record_failure(state.config.health.failure_threshold)
             state.metrics.retries.labels(ctx.alias).inc()
             continue
         except BaseException:
@@ -98,8 +100,9 @@ async def forward(state: GatewayState, ctx: RequestContext) -> Response:
             state.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
         if opened.lines is None:
             pick.replica.outstanding -= 1
-            return await _finish_plain(state, ctx, pick, opened.response)
-        return _stream(state, ctx, opened)
+            await opened.close()
+            return await _finish_plain(state, ctx, pick, opened.status, opened.content or b"")
+        return _stream(state, ctx, pick, opened)
 
 
 def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
@@ -109,10 +112,11 @@ def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
     return headers
 
 
-async def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | None, response: httpx.Response) -> Response:
-    status = response.status_code
+async def _finish_plain(
+    state: GatewayState, ctx: RequestContext, pick: Pick | None, status: int, content: bytes
+) -> Response:
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
         body = None
     if status == 200 and isinstance(body, dict) and pick is not None:
@@ -122,27 +126,27 @@ async def _finish_plain(state: GatewayState, ctx: RequestContext, pick: Pick | N
         ctx.used_tokens = 0  # nothing generated
     await state.finish(ctx, status)
     if body is None:
-        return Response(response.content, status_code=status, headers=_headers(ctx, pick))
+        return Response(content, status_code=status, headers=_headers(ctx, pick))
     return JSONResponse(body, status_code=status, headers=_headers(ctx, pick))
 
 
-def _stream(state: GatewayState, ctx: RequestContext, opened: _Opened) -> StreamingResponse:
+def _stream(state: GatewayState, ctx: RequestContext, pick: Pick, opened: Opened) -> StreamingResponse:
     ctx.used_tokens = ctx.reserved_tokens  # kept unless a chunk reports the real usage
     async def relay() -> AsyncIterator[str]:
         status = 200
         try:
-            yield _rewrite_model(opened.first, opened.pick.alias, ctx) + "\n"
+            yield _rewrite_model(opened.first, pick.alias, ctx) + "\n"
             async for line in opened.lines:
-                yield _rewrite_model(line, opened.pick.alias, ctx) + "\n"
+                yield _rewrite_model(line, pick.alias, ctx) + "\n"
         except BaseException:
             status = 499  # the client left (or the upstream broke mid-stream): nothing more to retry
             raise
         finally:
-            opened.pick.replica.outstanding -= 1
+            pick.replica.outstanding -= 1
             # closing the upstream response drops its connection, so the replica aborts the
             # request and frees its KV blocks; shielded, as this runs while being cancelled
             with anyio.CancelScope(shield=True):
-                await opened.response.aclose()
+                await opened.close()
                 await state.finish(ctx, status)
 
-    return StreamingResponse(relay(), media_type="text/event-stream", headers=_headers(ctx, opened.pick))
+    return StreamingResponse(relay(), media_type="text/event-stream", headers=_headers(ctx, pick))

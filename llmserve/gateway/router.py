@@ -7,8 +7,6 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-import httpx
-
 from llmserve.gateway.affinity import rendezvous_score
 from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
 
@@ -87,14 +85,12 @@ class Router:
         return [r for rs in self.replicas.values() for r in rs]
 
 
-async def health_loop(router: Router, health: HealthConfig, client: httpx.AsyncClient, on_change) -> None:
-    """Poll every replica's /health; the breaker opens after `failure_threshold` failures in a row."""
+async def health_loop(router: Router, health: HealthConfig, probe, on_change) -> None:
+    """Poll every replica (`probe(replica) -> bool`); the breaker opens after `failure_threshold`
+    failures in a row."""
+
     async def check(r: Replica) -> None:
-        try:
-            ok = (await client.get(f"{r.url}/health", timeout=health.timeout_s)).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        r.record_success() if ok else r.record_failure(health.failure_threshold)
+        r.record_success() if await probe(r) else r.record_failure(health.failure_threshold)
         on_change(r)
 
     while True:

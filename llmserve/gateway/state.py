@@ -15,6 +15,7 @@ from llmserve.gateway.keys import KeyStore
 from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.router import Replica, Router
+from llmserve.gateway.triton_upstream import TritonClients
 
 access_log = logging.getLogger("llmserve.gateway.access")
 
@@ -48,6 +49,7 @@ class GatewayState:
         self.admission = Admission(config.admission, [k.priority for k in config.keys])
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None  # opened in the app's lifespan
+        self.triton = TritonClients()  # gRPC clients of Triton replicas, opened on first use
         for r in self.router.all_replicas():
             self.on_health(r)
 

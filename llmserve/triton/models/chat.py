@@ -53,12 +53,29 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def parse_request(request):
-    """(prompt, SamplingParams keyword arguments, priority) from one Triton request."""
+def render_messages(tokenizer, messages_json: str) -> dict:
+    """A chat conversation (OpenAI `messages`, as JSON) as token ids, by the model's chat template."""
+    messages = json.loads(messages_json)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("the messages parameter must be a JSON list of {role, content} objects")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: send a prompt in text_input")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}  # the template wrote BOS
+
+
+def parse_request(request, tokenizer=None):
+    """(prompt, SamplingParams keyword arguments, priority) from one Triton request.
+
+    The prompt is `text_input`, or, when the request parameter `messages` holds a JSON chat
+    conversation, that conversation through the model's chat template (`text_input` unused)."""
     prompt = _input(request, "text_input")
     if prompt is None or prompt.size != 1:
         raise ValueError("text_input must hold exactly one string")
     params = json.loads(request.parameters() or "{}")
+    chat = None
+    if isinstance(params.get("messages"), str) and tokenizer is not None:
+        chat = render_messages(tokenizer, params["messages"])
     kwargs = {}
     for name, cast in SCALARS.items():
         value = _input(request, name)
@@ -74,7 +91,7 @@ def parse_request(request):
         kwargs["ignore_eos"] = bool(params["ignore_eos"])
     priority = _input(request, "priority")
     priority = int(params.get("priority", 0) if priority is None else priority[0])
-    return _text(prompt[0]), kwargs, priority
+    return chat or _text(prompt[0]), kwargs, priority
 
 
 def _response(text: str, finish_reason: str):
@@ -103,14 +120,13 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
-        return None
 
     async def _serve(self, request):
         from llmserve.sampling_params import SamplingParams
 
         sender = request.get_response_sender()
         try:
-            prompt, kwargs, priority = parse_request(request)
+            prompt, kwargs, priority = parse_request(request, self.engine.tokenizer)
             request_id = uuid.uuid4().hex
             stream = self.engine.generate(prompt, SamplingParams(**kwargs), request_id, priority)
             sent = ""

@@ -1,0 +1,25 @@
+"""What an upstream call gives back once it is committed to: a whole body, or a stream's lines."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+
+class UpstreamFailed(Exception):
+    """The replica failed before anything was passed on: another may be tried.
+
+    `status`/`content` hold its error reply when it sent one (a 5xx), else None."""
+
+    def __init__(self, message: str, status: int | None = None, content: bytes | None = None, overloaded: bool = False):
+        super().__init__(message)
+        self.status, self.content, self.overloaded = status, content, overloaded
+
+
+@dataclass
+class Opened:
+    status: int
+    content: bytes | None  # a whole (non-streamed) body
+    lines: AsyncIterator[str] | None  # a stream: what is left after `first`
+    first: str | None  # a stream's first line, read before committing to this replica
+    close: Callable[[], Awaitable[None]]  # drops the upstream call (the replica aborts the request)
