@@ -32,6 +32,7 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
     "enforce_eager": "never capture CUDA graphs",
     "attention_backend": "auto (triton on GPU, reference on CPU), reference or triton",
+    "async_scheduling": "schedule step N+1 while the device runs step N (reads N's tokens on the device); off with tensor parallelism",
     "tensor_parallel_size": "split the model over this many GPUs (gloo processes on CPU); one worker process per extra rank",
 }
 

@@ -93,6 +93,7 @@ class EngineConfig:
     attention_backend: str = "reference"  # resolved: reference | triton
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
     tensor_parallel_size: int = 1
+    async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
 
 
 @dataclass
@@ -119,6 +120,7 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
+    async_scheduling: bool = True  # schedule the next step while the device runs this one
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -159,7 +161,8 @@ class EngineArgs:
         backend = _resolve_backend(self.attention_backend, device)
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
         tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device)
-        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp)
+        overlap = self.async_scheduling and tp == 1  # tensor-parallel workers do not see sampled tokens
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap)
 
 
 def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.engine_core import EngineCore
+from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
@@ -84,7 +84,7 @@ class LLM:
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until done. The outputs of step N are detokenized while the device runs
-        step N+1; a stop string found there aborts its request one step later."""
+        the next step(s); a stop string found there aborts its request a step or two later."""
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
 
@@ -99,12 +99,16 @@ class LLM:
                     results[order[out.request_id]] = out
                     bar.update(1)
 
+        pipeline = StepPipeline(self.core)
         previous = None
-        while self.core.has_unfinished():
-            launched = self.core.launch()
+        while self.core.has_unfinished() or pipeline.busy:
+            pipeline.launch()
             if previous is not None:
-                collect(previous)
-            previous = self.core.finish(launched).outputs
+                collect(previous)  # while the device runs the launched step(s)
+                previous = None
+            done = pipeline.finish()
+            if done is not None:
+                previous = done.outputs
         if previous is not None:
             collect(previous)
         bar.close()

@@ -81,6 +81,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def clone(self, **changes: object) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
         values.update(changes)

@@ -32,6 +32,7 @@ def make_request(rid, prompt_len=6, max_tokens=4, priority=0, arrival=0.0, token
 def step(sched, token=7):
     out = sched.schedule()
     sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    sched.after_launch(out)
     return out, sched.update_from_output(out, sampled, {})
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.engine_core import EngineCore
+from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.request import EngineCoreOutputs
 
 logger = logging.getLogger(__name__)
@@ -77,9 +77,10 @@ class EngineCoreProc:
             self.out_sock.close(linger=1000)
 
     def _loop(self) -> None:
+        pipeline = StepPipeline(self.core)
         while True:
             handled = False
-            if not self.core.has_unfinished():
+            if not self.core.has_unfinished() and not pipeline.busy:
                 if not self._handle(self.inputs.get()):
                     return
                 handled = True
@@ -87,12 +88,14 @@ class EngineCoreProc:
                 if not self._handle(self.inputs.get_nowait()):
                     return
                 handled = True
-            if self.core.has_unfinished():
-                launched = self.core.launch()
+            if self.core.has_unfinished() or pipeline.busy:
+                pipeline.launch()
                 while not self.inputs.empty():  # new requests and aborts, while the device works
                     if not self._handle(self.inputs.get_nowait()):
                         return
-                self._send(("outputs", self.core.finish(launched)))
+                done = pipeline.finish()
+                if done is not None:
+                    self._send(("outputs", done))
             elif handled:  # e.g. an abort emptied the engine: report the freed blocks
                 self._send(("outputs", EngineCoreOutputs([], self.core.stats())))
 

@@ -9,6 +9,7 @@ Capture goes largest first, so the pool is sized by the largest graph.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -73,12 +74,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Inputs are host tensors of the real batch (n rows); returns hidden [n, H]."""
+            seq_lens: torch.Tensor, block_tables: torch.Tensor,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Inputs are host tensors of the real batch (n rows); `fill` completes the input
+        ids on the device (tokens of the previous step). Returns hidden [n, H]."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
         graph, out = self.graphs[size]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if fill is not None:
+            fill(self.input_ids[:n])
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)

@@ -95,15 +95,28 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> EngineCoreOutputs:
+        """One step, synchronously (tests and simple drivers; see `StepPipeline`)."""
         return self.finish(self.launch())
 
     def launch(self) -> tuple[SchedulerOutput, PendingStep | None]:
-        """Schedule and start a step on the device; the host is free until `finish`."""
+        """Schedule and start a step on the device; the host is free until `finish`.
+        With `can_overlap()`, this may be called once more before the previous step's
+        `finish`: the new step then reads that step's tokens on the device."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.sampler.forget(sched.finished_request_ids)
             return sched, None
-        return sched, self.runner.execute_async(sched)
+        pending = self.runner.execute_async(sched)
+        self.scheduler.after_launch(sched)
+        return sched, pending
+
+    def can_overlap(self) -> bool:
+        """May the next step be launched before the one in flight is finished? Not with
+        tensor parallelism (the workers do not see sampled tokens) nor for requests with
+        repetition/presence/frequency penalties (they need every earlier token's value)."""
+        if not self.config.async_scheduling:
+            return False
+        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
 
     def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
         """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""
@@ -119,3 +132,30 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+class StepPipeline:
+    """Drives an EngineCore with up to two steps on the device: `launch()` starts the
+    next step (while one is in flight only if the core allows the overlap), `finish()`
+    completes the older one. Host work placed between the two calls runs while the
+    device computes."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.in_flight: tuple[SchedulerOutput, PendingStep | None] | None = None
+        self._next: tuple[SchedulerOutput, PendingStep | None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    def launch(self) -> None:
+        if self.core.has_unfinished() and (self.in_flight is None or self.core.can_overlap()):
+            self._next = self.core.launch()
+
+    def finish(self) -> EngineCoreOutputs | None:
+        """The outputs of the step in flight (None if there was none); the step launched
+        since becomes the one in flight."""
+        done = self.core.finish(self.in_flight) if self.in_flight is not None else None
+        self.in_flight, self._next = self._next, None
+        return done

@@ -66,10 +66,11 @@ class KVCacheManager:
             self.prefix_hits += num_hit_tokens
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Offer the request's computed full blocks to the prefix cache."""
+        """Offer the request's computed full blocks to the prefix cache (only blocks whose
+        tokens are all known: a token still on the device cannot be hashed yet)."""
         if self._salt(req) is False:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return  # no block filled up since the last call: the common case, kept cheap
@@ -81,6 +82,10 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.register(blocks[i], keys[i])
         self._num_registered[req.request_id] = num_full
+
+    def num_cached_blocks(self, req: Request) -> int:
+        """How many of the request's blocks are registered in the prefix cache."""
+        return self._num_registered.get(req.request_id, 0)
 
     # -- allocation -------------------------------------------------------------------
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:

@@ -22,7 +22,8 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from llmserve.engine.request import TokenLogprobs
+from llmserve.engine.host_copy import to_device
+from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
@@ -42,11 +43,14 @@ class ModelRunnerOutput:
 
 
 class PendingStep:
-    """A launched step: its sampled tokens arrive with `result()`."""
+    """A launched step: its sampled tokens arrive with `result()`. Until then the next
+    step can read them on the device (`device_tokens`, row i = `sampling[i]`)."""
 
     def __init__(self, sampling: list, pending: PendingSample | None) -> None:
         self.sampling = sampling
         self.pending = pending
+        self.device_tokens = pending.device_tokens if pending is not None else None
+        self.row_of = {r.request_id: i for i, r in enumerate(sampling)}
 
     def result(self) -> ModelRunnerOutput:
         if self.pending is None:
@@ -70,16 +74,20 @@ class BatchInputs:
     block_tables: np.ndarray  # [B, max_blocks] int32
     logits_indices: list[int]  # rows of the hidden states that sample
     max_query_len: int
+    # input tokens sampled by the previous, still running step (PLACEHOLDER here): flat
+    # positions in input_ids and the rows of that step's device tokens that fill them
+    fill_positions: list[int]
+    fill_rows: list[int]
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(values, dtype, device)
 
         meta = AttentionMetadata(
             slot_mapping=t(self.slot_mapping, torch.long),
             query_start_loc=t(self.query_start_loc, torch.int32),
             seq_lens=t(self.seq_lens, torch.int32),
-            block_tables=torch.from_numpy(self.block_tables).to(device, non_blocking=True),
+            block_tables=t(self.block_tables, torch.int32),
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
         )
@@ -106,6 +114,11 @@ def on_every_rank(method: Callable) -> Callable:
         return method(self, *args)
 
     return call
+
+
+def _host(values: list[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory() if pin else t
 
 
 def select_attention_backend(name: str) -> AttentionBackend:
@@ -145,6 +158,7 @@ class ModelRunner:
         self.max_blocks = -(-mc.max_model_len // self.block_size)
         self.block_tables = BlockTableBuffer(sc.max_num_seqs, self.max_blocks)
         self.graphs: DecodeGraphs | None = None
+        self._last_step: PendingStep | None = None  # the latest launched step (driver)
 
     # -- KV cache sizing ----------------------------------------------------------------
     @property
@@ -212,7 +226,7 @@ class ModelRunner:
         with torch.inference_mode():
             input_ids, positions, meta = batch.to_device(self.device)
             hidden = self.model(input_ids, positions, meta)
-            self.model.compute_logits(hidden[torch.tensor(batch.logits_indices, device=self.device)])
+            self.model.compute_logits(hidden[to_device(batch.logits_indices, torch.long, self.device)])
 
     @on_every_rank
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
@@ -281,14 +295,16 @@ class ModelRunner:
                  s.request.all_token_ids, s.samples)
                 for s in sched.scheduled
             ]  # fmt: skip
-            batch = self._build_batch(items)
+            batch = self._build_batch(items, self._last_step.row_of if self._last_step else {})
         if batch is None and not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
             return PendingStep([], None)
         logits = self.run_step(StepInputs(sched.blocks_to_swap_out, sched.blocks_to_swap_in, batch))
-        if logits is None:
-            return PendingStep([], None)
-        sampling = [s.request for s in sched.scheduled if s.samples]
-        return PendingStep(sampling, self.sampler.sample_async(logits, sampling))
+        step = PendingStep([], None)
+        if logits is not None:
+            sampling = [s.request for s in sched.scheduled if s.samples]
+            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling))
+        self._last_step = step
+        return step
 
     @on_every_rank
     @torch.inference_mode()
@@ -301,26 +317,49 @@ class ModelRunner:
         hidden = self._forward(step.batch)
         if not step.batch.logits_indices:
             return None
-        rows = torch.tensor(step.batch.logits_indices, device=self.device)
+        rows = to_device(step.batch.logits_indices, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         n = len(batch.seq_lens)
         decode_only = batch.max_query_len == 1
+        fill = self._fill_from_last_step(batch)
         if self.graphs is not None and decode_only and self.graphs.padded_size(n) is not None:
+            pin = self.device.type == "cuda"  # pinned: the copies into the graph's buffers do not wait
             return self.graphs.run(
-                torch.tensor(batch.input_ids, dtype=torch.long),
-                torch.tensor(batch.positions, dtype=torch.long),
-                torch.tensor(batch.slot_mapping, dtype=torch.long),
-                torch.tensor(batch.seq_lens, dtype=torch.int32),
-                torch.from_numpy(batch.block_tables),
+                _host(batch.input_ids, torch.long, pin),
+                _host(batch.positions, torch.long, pin),
+                _host(batch.slot_mapping, torch.long, pin),
+                _host(batch.seq_lens, torch.int32, pin),
+                torch.from_numpy(batch.block_tables).pin_memory() if pin else torch.from_numpy(batch.block_tables),
+                fill,
             )
         input_ids, positions, meta = batch.to_device(self.device)
+        if fill is not None:
+            fill(input_ids)
         return self.model(input_ids, positions, meta)
 
-    def _build_batch(self, items: list[tuple[str, list[int], int, int, list[int], bool]]) -> BatchInputs:
+    def _fill_from_last_step(self, batch: BatchInputs) -> Callable[[torch.Tensor], None] | None:
+        """Tokens the previous step sampled and the host has not seen yet: copied on the
+        device from that step's output into this step's input ids."""
+        if not batch.fill_positions:
+            return None
+        source = self._last_step.device_tokens
+        positions = to_device(batch.fill_positions, torch.long, self.device)
+        rows = to_device(batch.fill_rows, torch.long, self.device)
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids[positions] = source[rows]
+
+        return fill
+
+    def _build_batch(
+        self, items: list[tuple[str, list[int], int, int, list[int], bool]], last_rows: dict[str, int] | None = None
+    ) -> BatchInputs:  # fmt: skip
         """items: (request id, block table, first new position, number of new tokens,
-        all tokens, samples). Decode rows take a fast path: one token, one slot."""
+        all tokens, samples). Decode rows take a fast path: one token, one slot.
+        `last_rows`: request id -> row of the still-running previous step's tokens, for
+        decode rows whose input token is a PLACEHOLDER."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -329,10 +368,16 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         max_query = 0
-        for _, table, start, count, tokens, samples in items:
+        fill_positions: list[int] = []
+        fill_rows: list[int] = []
+        for request_id, table, start, count, tokens, samples in items:
             end = start + count
             if count == 1:
-                input_ids.append(tokens[start])
+                token = tokens[start]
+                if token == PLACEHOLDER:
+                    fill_positions.append(len(input_ids))
+                    fill_rows.append(last_rows[request_id])
+                input_ids.append(token)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
@@ -349,7 +394,7 @@ class ModelRunner:
         width = max(len(it[1]) for it in items)  # copy only the columns this batch uses
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
-            self.block_tables.table[rows, :width], logits_indices, max_query,
+            self.block_tables.table[rows, :width], logits_indices, max_query, fill_positions, fill_rows,
         )  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:

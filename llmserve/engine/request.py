@@ -93,6 +93,9 @@ class EngineCoreOutputs:
     timestamp: float = field(default_factory=time.time)
 
 
+PLACEHOLDER = -1  # a token id sampled on the device, not yet known on the host
+
+
 class Request:
     """Mutable core-side state of one sequence."""
 
@@ -100,7 +103,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "first_scheduled_time",
+        "first_scheduled_time", "num_pending",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -120,6 +123,9 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hash of each full block, filled lazily
         self.first_scheduled_time: float | None = None
+        # tokens sampled by launched steps but not yet read back: the last `num_pending`
+        # entries of all_token_ids are PLACEHOLDER until the step's result arrives
+        self.num_pending = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -132,6 +138,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.engine.host_copy import to_device
+
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.sampling_params import SamplingParams
 
@@ -29,6 +31,7 @@ class PendingSample:
     def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]) -> None:
         self.raw_logprobs = raw_logprobs
         self.requests = requests
+        self.device_tokens = tokens  # read by the next step before the host has them
         self.event = None
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -78,9 +81,9 @@ class Sampler:
             tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
             random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
             if greedy:
-                idx = torch.tensor(greedy, device=logits.device)
+                idx = to_device(greedy, torch.long, logits.device)
                 tokens[idx] = logits[idx].argmax(dim=-1)
-            idx = torch.tensor(random, device=logits.device)
+            idx = to_device(random, torch.long, logits.device)
             tokens[idx] = self._sample(logits[idx], [requests[i] for i in random])
         return PendingSample(tokens, raw_logprobs, requests)
 
@@ -89,7 +92,7 @@ class Sampler:
     ) -> torch.Tensor:
         for i, req in enumerate(requests):
             p = req.sampling_params
-            if _has_penalty(p):
+            if p.has_penalties:
                 logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
             if req.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
@@ -98,9 +101,7 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor(
-            [r.sampling_params.temperature for r in requests], device=logits.device
-        )
+        temps = to_device([r.sampling_params.temperature for r in requests], torch.float32, logits.device)
         logits = logits / temps[:, None]
         logits = apply_top_k_top_p_min_p(
             logits,
@@ -118,7 +119,7 @@ class Sampler:
             else:
                 noise[i].exponential_(generator=gen)
         if unseeded:
-            idx = torch.tensor(unseeded, device=logits.device)
+            idx = to_device(unseeded, torch.long, logits.device)
             noise[idx] = torch.empty_like(noise[idx]).exponential_()
         return (probs / noise).argmax(dim=-1)
 
@@ -131,10 +132,6 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(seed)
             self.generators[req.request_id] = gen
         return gen
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def apply_penalties(
@@ -168,17 +165,17 @@ def apply_top_k_top_p_min_p(
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         if use_k:
-            k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+            k = to_device([k if k > 0 else vocab for k in top_k], torch.long, logits.device)
             ranks = torch.arange(vocab, device=logits.device)[None, :]
             sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
         if use_p:
-            p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+            p = to_device(top_p, logits.dtype, logits.device)
             probs = torch.softmax(sorted_logits, dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
             sorted_logits = sorted_logits.masked_fill(before > p[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     if any(m > 0.0 for m in min_p):
-        m = torch.tensor(min_p, device=logits.device, dtype=logits.dtype)
+        m = to_device(min_p, logits.dtype, logits.device)
         probs = torch.softmax(logits, dim=-1)
         threshold = m[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from llmserve.config import SchedulerConfig
 from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import (
+    PLACEHOLDER,
     EngineCoreOutput,
     Request,
     RequestStatus,
@@ -120,6 +121,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_by_length(req):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]  # lowest priority, latest arrival
@@ -177,9 +181,12 @@ class Scheduler:
                 prefilling_groups.add(req.share_group)
 
     def _fills_shared_blocks(self, req: Request) -> bool:
-        """Is this n > 1 sibling still computing the full prompt blocks its siblings share?"""
-        shared_tokens = req.num_prompt_tokens // self.block_size * self.block_size
-        return req.share_group is not None and req.num_computed_tokens < shared_tokens
+        """Is this n > 1 sibling still computing the full prompt blocks its siblings share?
+        (Counted by blocks in the cache: a step in flight has not registered its blocks.)"""
+        if req.share_group is None:
+            return False
+        shared_blocks = req.num_prompt_tokens // self.block_size
+        return self.kv.num_cached_blocks(req) < shared_blocks
 
     def _admit(
         self, req: Request, budget: int, reserve: int, out: SchedulerOutput
@@ -212,22 +219,39 @@ class Scheduler:
         return budget if self.config.enable_chunked_prefill else None
 
     # -- after the model ran ------------------------------------------------------------
+    def after_launch(self, out: SchedulerOutput) -> None:
+        """The step is on the device: its tokens count as computed, and each sampling
+        request holds a PLACEHOLDER for its token, so the next step can be scheduled
+        before this one's tokens are known (`update_from_output` fills them in)."""
+        for sched in out.scheduled:
+            req = sched.request
+            samples = sched.samples  # read before the count moves
+            req.num_computed_tokens += sched.num_new_tokens
+            if samples:
+                req.all_token_ids.append(PLACEHOLDER)
+                req.num_pending += 1
+
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict
     ) -> list[EngineCoreOutput]:
-        """Advance computed counts, append sampled tokens, finish what stopped."""
+        """Fill in the sampled tokens, cache newly full blocks, finish what stopped."""
         results = []
         for sched in out.scheduled:
             req = sched.request
-            if req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens += sched.num_new_tokens
-            self.kv.cache_full_blocks(req)
+            if req.status.finished:
+                continue  # aborted, or stopped by an earlier step while this one ran
             token = sampled.get(req.request_id)
-            if token is None:
-                continue  # a prefill chunk that did not reach the end
-            req.all_token_ids.append(token)
+            if token is None:  # a prefill chunk that did not reach the end
+                self.kv.cache_full_blocks(req)
+                continue
+            index = req.num_known_tokens
+            req.all_token_ids[index] = token
+            req.num_pending -= 1
+            self.kv.cache_full_blocks(req)
             self._check_stop(req, token)
+            if req.status.finished and req.num_pending:  # a later step sampled past the end
+                del req.all_token_ids[index + 1 :]
+                req.num_pending = 0
             results.append(
                 EngineCoreOutput(
                     request_id=req.request_id,
@@ -240,13 +264,21 @@ class Scheduler:
                 )
             )
             if req.status.finished:
-                self.running.remove(req)
+                if req in self.running:
+                    self.running.remove(req)
+                else:  # preempted while its token was in flight
+                    self.waiting.remove(req)
                 self._finish(req)
         return results
 
+    def _ends_by_length(self, req: Request) -> bool:
+        return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len
+
     def _check_stop(self, req: Request, token: int) -> None:
+        """`token` has just been filled in; later tokens may still be pending."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = req.num_known_tokens - req.num_prompt_tokens
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return
@@ -254,7 +286,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= req.max_tokens or req.num_known_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
 
     def stats(self) -> SchedulerStats:

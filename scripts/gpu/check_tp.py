@@ -24,6 +24,7 @@ OUT = Path(os.environ.get("OUT", "."))
 
 def greedy(path: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
+    print(f"--- engine {kw}", flush=True)
     with LLM(path, device="cuda", max_model_len=512, gpu_memory_utilization=0.3, **kw) as llm:
         outs = llm.generate(
             [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=48), use_tqdm=False
@@ -32,6 +33,9 @@ def greedy(path: str, prompts: list[list[int]], **kw) -> tuple[list[list[int]], 
 
 
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(3, 2000) for _ in range(n)] for n in (5, 19, 41, 70, 130, 250)]
     results = {}

@@ -1,0 +1,28 @@
+"""Host-to-device copies that do not wait for the GPU.
+
+A copy from ordinary (pageable) host memory synchronizes with the stream before it
+starts, so every small input tensor made with `torch.tensor(..., device="cuda")` would
+wait for the step already running on the GPU — and undo the overlap of host work with
+device work. Staging through pinned memory (torch's caching host allocator, which keeps
+a block until its copy has completed) makes the copy truly asynchronous.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, numpy array or CPU tensor) on `device`, without a stream sync."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values)
+    elif isinstance(values, torch.Tensor):
+        host = values
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    if host.dtype != dtype:
+        host = host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,105 @@
+"""Async scheduling: step N+1 is scheduled and launched before step N's tokens are known.
+
+The reference is the same engine with `async_scheduling=False` (one step at a time):
+every output — tokens, finish reasons, log-probabilities — must be identical, and the
+scheduler must neither lose nor invent a token when a request stops while the next step
+is already running.
+"""
+
+from __future__ import annotations
+
+import random
+
+from conftest import assert_no_leak
+from test_scheduler import make_request, make_scheduler
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.request import PLACEHOLDER, RequestStatus
+
+
+def _requests() -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(n)]} for n in (3, 17, 33, 60, 9, 25)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20),  # may stop at EOS
+        SamplingParams(temperature=0, max_tokens=1),  # one token: finishes by length at once
+        SamplingParams(temperature=0.8, seed=11, max_tokens=12, n=2, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),  # forces one step at a time
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+    ]
+    return prompts, params
+
+
+def _outputs(llm: LLM, prompts, params):
+    results = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        [(o.token_ids, o.finish_reason, o.stop_reason, [sorted(lp.items()) for lp in o.logprobs or []])
+         for o in r.outputs]
+        for r in results
+    ]  # fmt: skip
+
+
+def test_async_scheduling_gives_the_same_outputs(llama_dir):
+    prompts, params = _requests()
+    sync = LLM(llama_dir, async_scheduling=False)
+    overlapped = LLM(llama_dir)
+    assert overlapped.config.async_scheduling and not sync.config.async_scheduling
+    expected = _outputs(sync, prompts, params)
+    assert _outputs(overlapped, prompts, params) == expected
+    # a stop token met mid-stream, while the next step already runs
+    free = expected[0][0][0]
+    stop = free[len(free) // 2]
+    cut = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])
+    assert _outputs(overlapped, prompts[:1], [cut]) == _outputs(sync, prompts[:1], [cut])
+    assert_no_leak(sync)
+    assert_no_leak(overlapped)
+
+
+def test_async_scheduling_under_preemption(llama_dir):
+    """Few blocks: requests are preempted while their token is still on the device."""
+    prompts, _ = _requests()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    opts = {"block_size": 8, "num_gpu_blocks_override": 20, "max_model_len": 128}
+    for swap in (0, 0.001):
+        sync = LLM(llama_dir, async_scheduling=False, swap_space=swap, **opts)
+        overlapped = LLM(llama_dir, swap_space=swap, **opts)
+        assert _outputs(overlapped, prompts, params) == _outputs(sync, prompts, params)
+        assert overlapped.stats().num_preemptions > 0
+        assert_no_leak(overlapped)
+
+
+def test_scheduler_overlap_stop_while_next_step_runs():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", tokens=[1, 5, 6], max_tokens=10))
+    first = sched.schedule()
+    sched.after_launch(first)
+    req = sched.requests["a"]
+    assert req.all_token_ids[-1] == PLACEHOLDER and req.num_pending == 1
+    second = sched.schedule()  # before the first step's token is known
+    assert [s.num_new_tokens for s in second.scheduled] == [1]
+    sched.after_launch(second)
+    assert req.num_pending == 2
+    # the first step sampled EOS (2): the request stops; the second step's token is dropped
+    out = sched.update_from_output(first, {"a": 2}, {})
+    assert out[0].new_token_ids == [2] and out[0].finish_reason == "stop"
+    assert req.all_token_ids == [1, 5, 6, 2] and req.num_pending == 0
+    assert sched.update_from_output(second, {"a": 9}, {}) == []
+    assert not sched.has_unfinished() and sched.kv.pool.num_used == 0
+
+
+def test_scheduler_overlap_does_not_schedule_past_max_tokens():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", tokens=[1, 5, 6], max_tokens=2))
+    steps = []
+    for _ in range(2):
+        out = sched.schedule()
+        sched.after_launch(out)
+        steps.append(out)
+    assert len(steps[1].scheduled) == 1
+    third = sched.schedule()  # two tokens in flight = max_tokens: nothing more to run
+    assert third.scheduled == []
+    assert sched.update_from_output(steps[0], {"a": 7}, {})[0].finish_reason is None
+    last = sched.update_from_output(steps[1], {"a": 8}, {})
+    assert last[0].finish_reason == "length"
+    assert sched.requests == {} and RequestStatus.FINISHED_LENGTH.finished
