@@ -44,6 +44,7 @@ def _make_random_model(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from llmserve import up
     from llmserve.bench import add_bench_parsers
     from llmserve.gateway import cli as gateway_cli
     from llmserve.serve import server
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_parser(sub)
     triton_cli.add_parser(sub)
     gateway_cli.add_parser(sub)
+    up.add_parser(sub)
 
     gen = sub.add_parser("generate", help="offline generation demo on a model (default: the shipped one)")
     gen.add_argument("prompt", nargs="*", help="prompts (default: a few examples)")

