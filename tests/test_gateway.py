@@ -413,3 +413,27 @@ def test_gateway_metrics(platform):
     assert 'llmserve_gateway_fallbacks_total{alias="tiny",served_by="lite"} 2.0' in text
     b_url = platform["replicas"]["b"].base_url
     assert f'llmserve_gateway_upstream_healthy{{alias="tiny",replica="{b_url}"}} 0.0' in text
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/rerank"])
+def test_embeddings_and_rerank_refuse_hostile_input_before_any_upstream(platform, path):
+    url = platform["gateway"].base_url + path
+    body = {"model": "tiny", "input": "x", "query": "q", "documents": ["d"]}
+    before = _gateway_metric(platform, "llmserve_gateway_requests_total")
+
+    def post(key: str | None, **kwargs) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url, headers=headers, **(kwargs or {"json": body}))
+
+    cases = [
+        (post(None), 401, "invalid_api_key"),
+        (post("sk-wrong"), 401, "invalid_api_key"),
+        (post(KEYS["revoked"]), 401, "invalid_api_key"),
+        (post(KEYS["lite-only"]), 403, "model_not_allowed"),
+        (post(KEYS["good"], json={**body, "model": "tiny\x00;rm -rf"}), 404, "model_not_found"),
+        (post(KEYS["good"], json={**body, "input": "x" * 10_000}), 413, "body_too_large"),
+        (post(KEYS["good"], content=b"[1, 2"), 400, "invalid_json"),
+    ]  # fmt: skip
+    for resp, status, code in cases:
+        assert (resp.status_code, resp.json()["error"]["code"]) == (status, code), resp.text
+    assert _gateway_metric(platform, "llmserve_gateway_requests_total") == before  # none went upstream
