@@ -46,3 +46,36 @@ def test_span_point_after_a_restart_or_a_failed_scrape():
     failed = Sample(102.0, {})
     p = span_point(restarted, failed)
     assert p.tokens_per_s is None and p.running is None
+
+
+def test_sampler_over_unreachable_and_triton_upstreams():
+    """A down HTTP replica is sampled as empty; a Triton (gRPC) replica is not scraped at all;
+    neither stops the sampler."""
+    import asyncio
+
+    import httpx
+    from server_utils import free_port
+
+    from llmserve.gateway.config import GatewayConfig
+    from llmserve.gateway.dashboard import StatusSampler
+    from llmserve.gateway.state import GatewayState
+
+    down = f"http://127.0.0.1:{free_port()}"
+    config = GatewayConfig.model_validate({"models": {
+        "chat": {"replicas": [down]},
+        "embed": {"kind": "triton", "replicas": [f"grpc://127.0.0.1:{free_port()}"]},
+    }})  # fmt: skip
+    sampler = StatusSampler(GatewayState(config))
+
+    async def sample_twice() -> None:
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            await sampler.sample_once(client)
+            await sampler.sample_once(client)
+
+    asyncio.run(sample_twice())
+    data = sampler.data()
+    by_url = {u.url: u for u in data.upstreams}
+    assert not by_url[down].scraped and by_url[down].has_metrics and by_url[down].latest.tokens_per_s is None
+    triton = next(u for u in data.upstreams if u.url.startswith("grpc://"))
+    assert not triton.has_metrics and triton.series == []
+    assert [m.alias for m in data.models] == ["chat", "embed"]

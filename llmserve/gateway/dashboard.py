@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import re
 import time
 from collections import deque
@@ -23,6 +24,8 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from llmserve.gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
 
 INTERVAL_S = 1.0  # one scrape of every upstream a second
 HISTORY = 300  # samples kept: five minutes
@@ -75,6 +78,7 @@ class UpstreamStatus:
     aliases: list[str]
     model: str | None  # the model_name the upstream reports
     healthy: bool  # the gateway's breaker
+    has_metrics: bool  # an HTTP upstream with /metrics (a Triton gRPC upstream has none here)
     scraped: bool  # its last /metrics scrape worked
     outstanding: int  # requests the gateway has in flight there
     latest: Point | None
@@ -158,6 +162,7 @@ class StatusSampler:
     def __init__(self, state: GatewayState, interval_s: float = INTERVAL_S, history: int = HISTORY):
         self.state, self.interval_s = state, interval_s
         self.urls = sorted({r.url for r in state.router.all_replicas()})
+        self.scraped_urls = [u for u in self.urls if u.startswith(("http://", "https://"))]
         self.upstreams: dict[str, deque[Sample]] = {u: deque(maxlen=history) for u in self.urls}
         self.gateway: deque[tuple[float, dict[str, float]]] = deque(maxlen=history)  # (t, requests by alias)
 
@@ -166,12 +171,12 @@ class StatusSampler:
             resp = await client.get(f"{url}/metrics")
             resp.raise_for_status()
             return parse_metrics(resp.text)
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError):
             return Sample(time.time(), {})
 
     async def sample_once(self, client: httpx.AsyncClient) -> None:
-        samples = await asyncio.gather(*(self.scrape(client, u) for u in self.urls))
-        for url, sample in zip(self.urls, samples):
+        samples = await asyncio.gather(*(self.scrape(client, u) for u in self.scraped_urls))
+        for url, sample in zip(self.scraped_urls, samples):
             self.upstreams[url].append(sample)
         by_alias: dict[str, float] = {}
         for s in self.state.metrics.requests.collect()[0].samples:
@@ -182,7 +187,10 @@ class StatusSampler:
     async def run(self) -> None:
         async with httpx.AsyncClient(timeout=max(self.interval_s, 1.0)) as client:
             while True:
-                await self.sample_once(client)
+                try:
+                    await self.sample_once(client)
+                except Exception:  # a sampler that died would freeze the page: log, keep sampling
+                    logger.exception("status page: sampling failed")
                 await asyncio.sleep(self.interval_s)
 
     def _requests_per_s(self, alias: str | None) -> float | None:
@@ -201,7 +209,8 @@ class StatusSampler:
         return UpstreamStatus(
             url=url, aliases=sorted({r.alias for r in replicas}),
             model=next((s.model for s in reversed(samples) if s.model), None),
-            healthy=all(r.healthy for r in replicas), scraped=bool(samples and samples[-1].values),
+            healthy=all(r.healthy for r in replicas), has_metrics=url in self.scraped_urls,
+            scraped=bool(samples and samples[-1].values),
             outstanding=sum(r.outstanding for r in replicas), latest=latest, series=series,
         )  # fmt: skip
 
