@@ -65,9 +65,17 @@ def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGr
     return TPGroup(rank, world_size, cpu_group)
 
 
-def shutdown_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown_distributed(timeout: float = 10.0) -> None:
+    """Leave the process group. Every rank tears down at the same time (NCCL's teardown
+    waits for the peers); a teardown that a dead peer blocks is left behind after
+    `timeout` rather than hanging the caller."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    teardown = threading.Thread(target=dist.destroy_process_group, daemon=True, name="tp-teardown")
+    teardown.start()
+    teardown.join(timeout)
+    if teardown.is_alive():
+        logger.warning("process group teardown did not finish within %.0f s; left behind", timeout)
 
 
 def _free_port() -> int:
@@ -107,6 +115,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     finally:
         conn.close()
     shutdown_distributed()
+    os._exit(0)  # nothing left to run; skip interpreter teardown of the CUDA/NCCL state
 
 
 @dataclass
@@ -188,6 +197,7 @@ class TPDriver:
                 w.conn.send(None)
             except OSError:
                 pass
+        shutdown_distributed()  # together with the workers, which leave on the None
         deadline = time.monotonic() + 10.0
         for w in self.workers:
             w.process.join(max(0.1, deadline - time.monotonic()))
@@ -195,4 +205,3 @@ class TPDriver:
                 w.process.kill()
                 w.process.join(5.0)
             w.conn.close()
-        shutdown_distributed()
