@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.config import EngineConfig
+from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from llmserve.engine.host_copy import to_device
@@ -142,6 +142,7 @@ class ModelRunner:
         self.mirror = mirror
         mc = config.model_config
         self.device = rank_device(config.device, tp.rank)
+        self._gpu_used_at_start = self._check_free_gpu_memory() if self.device.type == "cuda" else 0
         self.dtype = mc.dtype
         self.block_size = config.cache_config.block_size
         self.arch = local_arch(mc.arch, tp.world_size)  # this rank's heads
@@ -185,6 +186,19 @@ class ModelRunner:
     def num_swap_blocks(self) -> int:
         return self.config.cache_config.swap_space_bytes // self.bytes_per_block
 
+    def _check_free_gpu_memory(self) -> int:
+        """Memory the GPU holds before this engine starts (other processes); refuses a
+        `gpu_memory_utilization` that would need more than is free."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        wanted = total * self.config.cache_config.gpu_memory_utilization
+        if wanted > free:
+            raise ConfigError(
+                f"gpu_memory_utilization {self.config.cache_config.gpu_memory_utilization} asks for "
+                f"{wanted / 2**30:.1f} GiB of {self.device}, but only {free / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB are free (other processes hold the rest): lower it"
+            )
+        return total - free
+
     @on_every_rank
     def profile_kv_budget(self) -> int:
         """Run the largest batch once; what is left under the utilization goes to KV
@@ -204,7 +218,9 @@ class ModelRunner:
         kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.kv_caches = []
         free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free) - torch.cuda.memory_reserved()
+        # this process's memory outside torch's allocator (CUDA context, NCCL buffers);
+        # what other processes held at start does not count: the fraction is this engine's
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device) - self._gpu_used_at_start
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
         # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
         sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
