@@ -49,11 +49,11 @@ def llmserve(args: list[str], log: str) -> Proc:
     return start(["-m", "llmserve", *args, "--port", str(port)], port, log)
 
 
-def gateway(config: dict, workdir: str, name: str = "gateway", extra: tuple[str, ...] = ()) -> Proc:
+def gateway(config: dict, workdir: str, name: str = "gateway", log_level: str = "warning") -> Proc:
     path = os.path.join(workdir, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
-    return llmserve(["gateway", "--config", path, "--log-level", "warning", *extra], os.path.join(workdir, f"{name}.log"))
+    return llmserve(["gateway", "--config", path, "--log-level", log_level], os.path.join(workdir, f"{name}.log"))
 
 
 def wait_healthy(*procs: Proc, timeout: float = 180.0) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import uuid
 
+import aiohttp
 import anyio
 import httpx
 from fastapi import FastAPI, Request
@@ -151,15 +153,23 @@ async def _unless_disconnected(request: Request, state: GatewayState, ctx: Reque
     return Response(status_code=499)  # nobody is listening
 
 
-def build_app(config: GatewayConfig) -> FastAPI:
+def build_app(config: GatewayConfig) -> ProxyFirst:
     state = GatewayState(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         timeout = httpx.Timeout(config.upstream_timeout_s, connect=2.0)
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            state.client = client
+        upstream = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=config.upstream_timeout_s)
+        connector = aiohttp.TCPConnector(limit=1000, keepalive_timeout=30)
+        async with (
+            httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+            aiohttp.ClientSession(connector=connector, timeout=upstream, auto_decompress=False) as session,
+        ):
+            state.client, state.session = client, session
+            # everything imported and built so far lives as long as the process: keep it out of
+            # the garbage collector's scans (a full scan of this heap stalls requests for ~1 s)
+            gc.freeze()
             probe = functools.partial(_probe, state)
             checker = asyncio.create_task(health_loop(state.router, config.health, probe, state.on_health))
             try:
@@ -195,9 +205,6 @@ def build_app(config: GatewayConfig) -> FastAPI:
                 ctx.slot.release()
             raise
 
-    # the proxied routes are plain Starlette routes: no FastAPI dependency solving on the hot path
-    for path in PROXIED_PATHS:
-        app.router.add_route(path, functools.partial(handle, path=path), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -224,4 +231,20 @@ def build_app(config: GatewayConfig) -> FastAPI:
         state.metrics.queueing_delay.set(state.admission.queueing_delay())
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return ProxyFirst(app, handle)
+
+
+class ProxyFirst:
+    """ASGI: the proxied POST routes go straight to their handler, past FastAPI's routing and
+    middleware stack (the gateway's hot path); everything else goes to the FastAPI app."""
+
+    def __init__(self, app: FastAPI, handle):
+        self.app, self.handle = app, handle
+        self.state = app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+            response = await self.handle(Request(scope, receive, send), scope["path"])
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+import aiohttp
 import anyio
-import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
@@ -35,6 +35,21 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
     return "data: " + json.dumps(chunk, separators=(",", ":"))
 
 
+async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    async for raw in response.content:
+        yield raw.decode().rstrip("\r\n")
+
+
+def _closer(response: aiohttp.ClientResponse):
+    async def close() -> None:
+        if response.content.at_eof():
+            response.release()  # read to the end: the connection goes back to the pool
+        else:
+            response.close()  # mid-answer: dropping the connection makes the replica abort the request
+
+    return close
+
+
 async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> Opened:
     """Send to one OpenAI-compatible replica and read up to the first byte we would pass on."""
     payload = dict(ctx.payload, model=pick.route.model or pick.alias)
@@ -42,26 +57,25 @@ async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> 
     if pick.route.send_priority and ctx.priority:
         payload["priority"] = -ctx.priority  # vLLM-style: lower is served first
     headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
-    request = state.client.build_request("POST", pick.replica.url + ctx.path, json=payload, headers=headers)
     try:
-        response = await state.client.send(request, stream=True)
-    except httpx.HTTPError as exc:
-        raise UpstreamFailed(str(exc)) from exc
+        response = await state.session.post(pick.replica.url + ctx.path, data=json.dumps(payload), headers=headers)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
+    close = _closer(response)
     try:
-        if response.status_code >= 500:
-            await response.aread()
-            raise UpstreamFailed("upstream error", response.status_code, response.content, response.status_code == 503)
-        if not ctx.stream or response.status_code != 200:
-            await response.aread()
-            return Opened(response.status_code, response.content, None, None, response.aclose)
-        lines = response.aiter_lines()
+        if response.status >= 500:
+            content = await response.read()
+            raise UpstreamFailed("upstream error", response.status, content, response.status == 503)
+        if not ctx.stream or response.status != 200:
+            return Opened(response.status, await response.read(), None, None, close)
+        lines = _lines(response)
         first = await anext(lines)  # a replica that dies now has sent the client nothing: retry
-        return Opened(200, None, lines, first, response.aclose)
-    except (httpx.HTTPError, StopAsyncIteration) as exc:
-        await response.aclose()
+        return Opened(200, None, lines, first, close)
+    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
+        response.close()
         raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
     except BaseException:
-        await response.aclose()
+        response.close()
         raise
 
 

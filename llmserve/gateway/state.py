@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 
 from llmserve.gateway.admission import Admission, Slot
@@ -48,7 +49,8 @@ class GatewayState:
         self.router = Router(config)
         self.admission = Admission(config.admission, [k.priority for k in config.keys])
         self.metrics = GatewayMetrics()
-        self.client: httpx.AsyncClient | None = None  # opened in the app's lifespan
+        self.client: httpx.AsyncClient | None = None  # health checks; opened in the app's lifespan
+        self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
         self.triton = TritonClients()  # gRPC clients of Triton replicas, opened on first use
         for r in self.router.all_replicas():
             self.on_health(r)
