@@ -21,8 +21,11 @@ import time
 import httpx
 from gateway_bench_lib import gateway, llmserve, metric, wait_healthy, wait_upstreams_up
 
-WORDS = ("the module returns a list of strings when the file is opened in text mode and each line ends with "
-         "a newline character unless the last line does not so callers should strip it before use").split()  # fmt: skip
+WORDS = [  # the recorded run used exactly this list, repeats included
+    "the", "module", "returns", "a", "list", "of", "strings", "when", "the", "file", "is", "opened", "in",
+    "text", "mode", "and", "each", "line", "ends", "with", "a", "newline", "character", "unless", "the",
+    "last", "line", "does", "not", "so", "callers", "should", "strip", "it", "before", "use",
+]  # fmt: skip
 
 
 def workload(args) -> list[list[dict]]:

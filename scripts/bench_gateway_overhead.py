@@ -16,7 +16,14 @@ import tempfile
 import time
 
 import httpx
-from gateway_bench_lib import Proc, free_port, gateway, start, wait_healthy, wait_upstreams_up
+from gateway_bench_lib import (
+    Proc,
+    free_port,
+    gateway,
+    start,
+    wait_healthy,
+    wait_upstreams_up,
+)
 
 KEY = "sk-bench"
 

@@ -18,7 +18,7 @@ HEADERS = [(b"content-type", b"application/json")]
 
 async def app(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
