@@ -1,11 +1,35 @@
-"""llmserve: serve large language models fast."""
+"""llmserve: serve large language models fast.
 
-from llmserve.config import EngineArgs
-from llmserve.engine.async_engine import AsyncEngine
-from llmserve.llm import LLM
-from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.sampling_params import SamplingParams
+The public names load on first use, so that light parts of the package (the gateway)
+start without importing torch and the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+_EXPORTS = {
+    "AsyncEngine": "llmserve.engine.async_engine",
+    "CompletionOutput": "llmserve.outputs",
+    "EngineArgs": "llmserve.config",
+    "LLM": "llmserve.llm",
+    "RequestOutput": "llmserve.outputs",
+    "SamplingParams": "llmserve.sampling_params",
+}
+
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llmserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -6,11 +6,13 @@ import argparse
 import logging
 import sys
 
-from llmserve.cli_args import add_engine_args, engine_args_from_cli
+# commands that must start fast and without torch (the gateway is a plain HTTP proxy)
+_LIGHT_COMMANDS = {"gateway"}
 
 
 def _generate(args: argparse.Namespace) -> None:
     from llmserve import LLM, SamplingParams
+    from llmserve.cli_args import engine_args_from_cli
 
     llm = LLM(**vars(engine_args_from_cli(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sampling)
@@ -43,15 +45,22 @@ def _make_random_model(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.family} model to {path}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from llmserve import up
-    from llmserve.bench import add_bench_parsers
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command; with `only` (a light command), just that one, importing nothing heavy."""
     from llmserve.gateway import cli as gateway_cli
-    from llmserve.serve import server
-    from llmserve.triton import cli as triton_cli
 
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    if only == "gateway":
+        gateway_cli.add_parser(sub)
+        return parser
+
+    from llmserve import up
+    from llmserve.bench import add_bench_parsers
+    from llmserve.cli_args import add_engine_args
+    from llmserve.serve import server
+    from llmserve.triton import cli as triton_cli
+
     server.add_parser(sub)
     triton_cli.add_parser(sub)
     gateway_cli.add_parser(sub)
@@ -88,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv and argv[0] in _LIGHT_COMMANDS else None).parse_args(argv)
     try:
         args.func(args)
     except (ValueError, TypeError) as exc:

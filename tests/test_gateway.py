@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures
 import json
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -437,3 +439,13 @@ def test_embeddings_and_rerank_refuse_hostile_input_before_any_upstream(platform
     for resp, status, code in cases:
         assert (resp.status_code, resp.json()["error"]["code"]) == (status, code), resp.text
     assert _gateway_metric(platform, "llmserve_gateway_requests_total") == before  # none went upstream
+
+
+def test_gateway_starts_without_torch():
+    """The front door is a plain HTTP proxy: importing it (and its CLI) must not pull in
+    torch and the engine (seconds of start-up and hundreds of MB per gateway process)."""
+    code = (
+        "import sys; import llmserve.gateway.app; from llmserve.cli import build_parser; "
+        "build_parser('gateway'); assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -19,12 +19,9 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_process import run_engine_core
+from llmserve.engine.errors import EngineDeadError  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone; no request can be served."""
 
 
 class EngineStartError(RuntimeError):

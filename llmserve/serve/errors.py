@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserve.engine.core_client import EngineDeadError
+from llmserve.engine.errors import EngineDeadError
 from llmserve.serve.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
