@@ -190,14 +190,15 @@ class ModelRunner:
         """Memory the GPU holds before this engine starts (other processes); refuses a
         `gpu_memory_utilization` that would need more than is free."""
         free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device)  # this process's, reusable (an earlier engine's)
         wanted = total * self.config.cache_config.gpu_memory_utilization
-        if wanted > free:
+        if wanted > free + cached:
             raise ConfigError(
                 f"gpu_memory_utilization {self.config.cache_config.gpu_memory_utilization} asks for "
-                f"{wanted / 2**30:.1f} GiB of {self.device}, but only {free / 2**30:.1f} GiB of "
+                f"{wanted / 2**30:.1f} GiB of {self.device}, but only {(free + cached) / 2**30:.1f} GiB of "
                 f"{total / 2**30:.1f} GiB are free (other processes hold the rest): lower it"
             )
-        return total - free
+        return total - free - cached
 
     @on_every_rank
     def profile_kv_budget(self) -> int:
