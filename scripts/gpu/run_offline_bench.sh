@@ -12,7 +12,7 @@ run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prom
 run b "${T_B:-90}" python3 -m llmserve bench latency --model $M --load-format dummy --max-model-len 2048 --max-num-seqs 8 \
   --batch-size 1 --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 2 --output-json "$OUT/b.json"
 run c "${T_C:-140}" python3 -m llmserve bench throughput $ENGINE --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$OUT/c.json"
-run check "${T_CHECK:-110}" python3 scripts/gpu/check_engine.py
+run check "${T_CHECK:-170}" python3 scripts/gpu/check_engine.py
 run hf "${T_HF:-110}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
   --input-len 512 --output-len 256 --batch-size 128 --output-json "$OUT/hf.json"
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run check_tp "${T_CHECK_TP:-150}" python3 scripts/gpu/check_tp.py
