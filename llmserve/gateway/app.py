@@ -7,6 +7,7 @@ import contextlib
 import functools
 import gc
 import json
+import math
 import uuid
 
 import aiohttp
@@ -42,7 +43,7 @@ class Rejected(Exception):
 def _reject_response(exc: Rejected, request_id: str) -> JSONResponse:
     headers = {"x-request-id": request_id}
     if exc.retry_after is not None:
-        headers["Retry-After"] = str(int(exc.retry_after))
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))  # whole seconds, never 0
     return JSONResponse(error_body(exc.status, exc.message, code=exc.reason), status_code=exc.status, headers=headers)
 
 
