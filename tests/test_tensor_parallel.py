@@ -7,10 +7,12 @@ dies must make the engine fail fast — an error, never a hang.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -121,3 +123,67 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (FileNotFoundError, IndexError):
         return "zombie"
+
+
+def test_biases_on_every_projection_match_transformers_and_split(tmp_path):
+    """Llama with attention_bias (q/k/v and o_proj) and mlp_bias: TP=1 equals transformers,
+    TP=2 equals TP=1 (row-parallel biases are added once, after the all-reduce)."""
+    from conftest import hf_greedy
+
+    model = str(make_random_model(tmp_path / "m", "llama", seed=9, attention_bias=True, mlp_bias=True))
+    single = _run(model, 1)
+    prompts = [p["prompt_token_ids"] for p in _prompts(7)]
+    assert [r.outputs[0].token_ids for r in single] == hf_greedy(model, prompts, 16)
+    _assert_same(single, _run(model, 2))
+
+
+def _edit_config(model: Path, **changes) -> None:
+    config = json.loads((model / "config.json").read_text())
+    config.update(changes)
+    (model / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_checkpoint_shapes_are_checked_whole_on_every_rank(tmp_path, tp):
+    """A checkpoint whose k/v projections hold fewer heads than the config says, or fewer
+    vocabulary rows, is refused — also when a rank's share happens to match it."""
+    heads = make_random_model(tmp_path / "heads", "llama", seed=1)
+    _edit_config(heads, num_key_value_heads=4)  # the weights hold 2
+    with pytest.raises(ValueError, match="k_proj.weight: checkpoint shape"):
+        LLM(str(heads), tensor_parallel_size=tp)
+    vocab = make_random_model(tmp_path / "vocab", "llama", seed=1)
+    _edit_config(vocab, vocab_size=600)  # the weights hold 512 rows
+    with pytest.raises(ValueError, match=r"(embed_tokens|lm_head).weight: checkpoint shape \(512, 64\) != \(600, 64\)"):
+        LLM(str(vocab), tensor_parallel_size=tp)
+
+
+def _spawned_children() -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                found.add(int(child))
+    return found
+
+
+def test_worker_dying_during_start_up_fails_the_engine_without_hanging(llama_dir):
+    before = _spawned_children()
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            LLM(llama_dir, tensor_parallel_size=2).shutdown()
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            errors.append(exc)
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not (_spawned_children() - before):
+        assert time.monotonic() < deadline, "no worker started"
+        time.sleep(0.05)
+    os.kill(next(iter(_spawned_children() - before)), signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive(), "the engine hung after its worker died"
+    assert errors and isinstance(errors[0], WorkerDiedError), errors

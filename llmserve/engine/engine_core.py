@@ -44,6 +44,7 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             self.tp_driver = TPDriver(config, exit_on_worker_death)
             self.runner = ModelRunner(config, progress, self.tp_driver.group, self.tp_driver.send)
+            self.tp_driver.wait_ready()
         else:
             self.runner = ModelRunner(config, progress=progress)
         num_blocks = self.runner.num_blocks_for_memory()

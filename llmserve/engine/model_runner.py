@@ -109,9 +109,14 @@ def on_every_rank(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def call(self: "ModelRunner", *args):
-        if self.mirror is not None:
-            self.mirror(method.__name__, args)
-        return method(self, *args)
+        if self.mirror is None or self._mirroring:  # a worker, or a call made inside a mirrored one
+            return method(self, *args)
+        self.mirror(method.__name__, args)
+        self._mirroring = True
+        try:
+            return method(self, *args)
+        finally:
+            self._mirroring = False
 
     return call
 
@@ -140,6 +145,7 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.mirror = mirror
+        self._mirroring = False  # inside a mirrored call (whose inner calls the workers make themselves)
         mc = config.model_config
         self.device = rank_device(config.device, tp.rank)
         self._gpu_used_at_start = self._check_free_gpu_memory() if self.device.type == "cuda" else 0

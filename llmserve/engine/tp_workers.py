@@ -17,6 +17,7 @@ disappears.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -98,8 +99,10 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     from llmserve.engine.model_runner import ModelRunner
 
     try:
+        conn.send(("joining", None))
         tp = init_distributed(rank, config.tensor_parallel_size, port, config.device)
         runner = ModelRunner(config, progress=False, tp=tp)
+        conn.send(("ready", None))
         while True:
             try:
                 msg = conn.recv()
@@ -109,8 +112,10 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
                 break
             name, args = msg
             getattr(runner, name)(*args)
-    except Exception:
+    except Exception as exc:
         logger.exception("tensor-parallel worker %d failed", rank)
+        with contextlib.suppress(OSError):
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         os._exit(1)
     finally:
         conn.close()
@@ -150,11 +155,33 @@ class TPDriver:
         threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
         atexit.register(self.close)  # an LLM nobody shut down must not keep its workers
         try:
+            self._await_all("joining")  # a worker that died before the rendezvous would hang it
             self.group = init_distributed(0, world, port, config.device)
         except Exception:
             self.close()
             raise
         logger.info("tensor parallel: %d ranks (workers %s)", world, [w.process.pid for w in self.workers])
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its shard (before the first collective: a worker
+        that failed to load would leave the driver waiting in it)."""
+        self._await_all("ready")
+
+    def _await_all(self, expected: str) -> None:
+        for w in self.workers:
+            while True:
+                ready = wait([w.conn, w.process.sentinel])
+                if w.conn in ready:
+                    try:
+                        kind, detail = w.conn.recv()
+                    except (EOFError, OSError):
+                        raise WorkerDiedError(self._death_message(w)) from None
+                    if kind == "failed":
+                        raise WorkerDiedError(f"tensor-parallel worker rank {w.rank} failed: {detail}")
+                    if kind == expected:
+                        break
+                elif w.process.sentinel in ready:
+                    raise WorkerDiedError(self._death_message(w))
 
     @property
     def worker_pids(self) -> list[int]:

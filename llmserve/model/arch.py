@@ -49,6 +49,7 @@ class ModelArch:
     rope: RopeConfig
     tie_word_embeddings: bool
     attention_bias: bool  # bias on q/k/v projections (Qwen2)
+    o_proj_bias: bool  # bias on the attention output projection (Llama/Qwen3 with attention_bias)
     qk_norm: bool  # RMSNorm on each head of q and k before rotary (Qwen3)
     mlp_bias: bool
     sliding_window: int | None
@@ -102,6 +103,7 @@ def parse_model_arch(cfg: dict) -> ModelArch:
         rope=_parse_rope(cfg),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=(family == "qwen2") or bool(cfg.get("attention_bias", False)),
+        o_proj_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
         qk_norm=family == "qwen3",
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         sliding_window=_sliding_window(cfg, family),

@@ -39,7 +39,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
         )
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, False, tp)
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.o_proj_bias, tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -136,6 +136,19 @@ _STACKED = {
 }
 
 
+def _is_vocab(target: str) -> bool:
+    return target in ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _split_dim(target: str) -> int | None:
+    """The dimension tensor parallelism splits this parameter along (None: replicated)."""
+    if ".qkv_proj." in target or ".gate_up_proj." in target or _is_vocab(target):
+        return 0  # column-parallel (weights and biases) and vocabulary rows
+    if target.endswith((".o_proj.weight", ".down_proj.weight")):
+        return 1  # row-parallel: their biases are whole on every rank
+    return None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
@@ -178,10 +191,14 @@ class LlamaForCausalLM(nn.Module):
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             param = params[target]
             dest = param.data if shard is None else self._shard_view(target, param, shard)
-            part = rank_slice(tensor, dest.shape, self.tp.rank, self.tp.world_size)
-            if part.shape != dest.shape and not self._padded_vocab(name, part, dest):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
-            if part.shape != dest.shape:
+            dim = _split_dim(target)
+            full = list(dest.shape)
+            if dim is not None:  # the checkpoint holds every rank's part (the vocabulary unpadded)
+                full[dim] = self.arch.vocab_size if _is_vocab(target) else dest.shape[dim] * self.tp.world_size
+            if list(tensor.shape) != full:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
+            part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
+            if part.shape != dest.shape:  # the last rank's padded vocabulary rows
                 dest.zero_()
             dest.narrow(0, 0, part.shape[0]).copy_(part)
             loaded.add(target if shard is None else f"{target}#{shard}")
@@ -204,11 +221,6 @@ class LlamaForCausalLM(nn.Module):
             if fragment in name:
                 return name.replace(fragment, fused), shard
         return name, None
-
-    def _padded_vocab(self, name: str, part: torch.Tensor, dest: torch.Tensor) -> bool:
-        """The last rank's vocabulary rows: fewer than its (padded) share."""
-        vocab_rows = "embed_tokens" in name or name == "lm_head.weight"
-        return vocab_rows and part.shape[1:] == dest.shape[1:] and part.shape[0] < dest.shape[0]
 
     def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
         a = self.shard

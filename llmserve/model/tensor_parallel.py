@@ -126,18 +126,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
 
-def rank_slice(tensor: torch.Tensor, local_shape: torch.Size, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's part of a checkpoint tensor whose shard has `local_shape`: the one
-    dimension that differs is cut into `world_size` equal, possibly padded, parts (the
-    last part may be shorter: the caller zero-fills the rest). Equal shapes pass through."""
-    if tensor.shape == local_shape or world_size == 1 or tensor.dim() != len(local_shape):
-        return tensor
-    dims = [d for d in range(tensor.dim()) if tensor.shape[d] != local_shape[d]]
-    if len(dims) != 1:
-        return tensor  # the caller reports the shape mismatch
-    d = dims[0]
-    per_rank = local_shape[d]
-    if -(-tensor.shape[d] // per_rank) != world_size:
-        return tensor
+def rank_slice(tensor: torch.Tensor, dim: int, per_rank: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s part of a whole checkpoint tensor split along `dim` into parts of
+    `per_rank` (the last part may be shorter: a padded vocabulary)."""
     start = rank * per_rank
-    return tensor.narrow(d, start, max(0, min(per_rank, tensor.shape[d] - start)))
+    return tensor.narrow(dim, start, max(0, min(per_rank, tensor.shape[dim] - start)))
