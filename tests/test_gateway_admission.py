@@ -14,6 +14,7 @@ from server_utils import free_port, metric, wait_healthy
 
 from llmserve.config import DEFAULT_MODEL_DIR
 from llmserve.gateway.admission import Admission, Refused
+from llmserve.gateway.dashboard import Sample, engine_queue_delay
 from llmserve.gateway.config import AdmissionConfig, hash_key
 
 KEYS = {"low": "sk-low", "high": "sk-high"}
@@ -44,9 +45,11 @@ def admission(tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     shed = {"max_concurrency": 1, "queue_timeout_s": 10, "target_queue_delay_ms": 300}
     capped = {"max_concurrency": 3, "queue_timeout_s": 0.3}
+    engine = {"target_queue_delay_ms": 300}  # no cap: only the engine's own queue can shed
     gateways = {
         "shed": spawn_gateway(_config(url, shed), free_port(), str(tmp), name="shed"),
         "capped": spawn_gateway(_config(url, capped), free_port(), str(tmp), name="capped"),
+        "engine": spawn_gateway(_config(url, engine), free_port(), str(tmp), name="engine"),
     }
     for server in (replica, *gateways.values()):  # started together, waited for in turn
         wait_healthy(server)
@@ -170,3 +173,42 @@ def test_client_leaving_a_non_streamed_request_cancels_it_upstream(admission):
     assert metric(replica.base_url, "vllm:num_kv_blocks_used") == 0
     assert metric(replica.base_url, "vllm:request_success_total") == done_before  # aborted, not finished
     _wait(lambda: metric(gw.base_url, "llmserve_gateway_in_flight") == 0, timeout=1)  # its slot is free
+
+
+def test_engine_queue_delay_from_two_scrapes():
+    base = {"waiting": 0.0, "queue_sum": 10.0, "queue_count": 4.0}
+    a = Sample(100.0, base)
+    assert engine_queue_delay(a, Sample(105.0, {**base, "queue_sum": 13.0, "queue_count": 6.0})) == 1.5
+    assert engine_queue_delay(a, Sample(105.0, {**base, "waiting": 3.0})) == 5.0  # none scheduled, some wait
+    assert engine_queue_delay(a, Sample(105.0, base)) == 0.0  # idle
+    assert engine_queue_delay(a, Sample(105.0, {})) is None  # the scrape failed
+
+
+def test_engine_delay_sheds_the_lowest_priority_without_a_cap():
+    async def scenario() -> None:
+        adm = Admission(AdmissionConfig(target_queue_delay_ms=300), [0, 10])
+        with pytest.raises(Refused) as refused:
+            await adm.acquire(0, engine_delay=0.5)
+        assert refused.value.reason == "queue_delay"
+        (await adm.acquire(0, engine_delay=0.1)).release()  # under the target
+        (await adm.acquire(10, engine_delay=5.0)).release()  # the top class is never shed for delay
+
+    asyncio.run(scenario())
+
+
+def test_queueing_in_the_engine_sheds_low_priority_through_the_gateway(admission):
+    """No concurrency cap: the gateway reads the delay from the replica's queue-time metric."""
+    gw = admission["engine"]
+    # idle (once the queueing of earlier tests has left the few-second window): served
+    _wait(lambda: _post(gw, "low", SHORT)[0].status_code == 200, timeout=15)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        holders = [pool.submit(_post, gw, "high", HOLD) for _ in range(2)]  # one runs, one queues
+        deadline = time.monotonic() + 15
+        while True:
+            resp, took, _ = _post(gw, "low", SHORT)
+            if resp.status_code == 503:
+                break
+            assert time.monotonic() < deadline, "never shed while the engine queued for seconds"
+            time.sleep(0.3)
+        assert resp.json()["error"]["code"] == "queue_delay" and took < 0.25, resp.text
+        assert all(h.result()[0].status_code == 200 for h in holders)  # the top class is served

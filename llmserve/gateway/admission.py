@@ -4,8 +4,9 @@ A request takes a slot before it is sent upstream and gives it back when its res
 (the last byte of a stream). With every slot taken, it waits in a queue ordered by priority
 (then arrival) for at most `queue_timeout_s`, then gets 503 `queue_timeout`.
 
-Shedding: the measured queueing delay is how long the oldest request now waiting for a slot has
-waited. Priority classes are the distinct key priorities, lowest first. While the delay is
+Shedding: the measured queueing delay is the larger of how long the oldest request now waiting
+for a slot has waited and how long requests for the alias waited in the upstream engines' own
+queues over the last few seconds (their `vllm:request_queue_time_seconds`, scraped each second). Priority classes are the distinct key priorities, lowest first. While the delay is
 above `(i + 1) x target`, class i is shed: refused at once with 503 `queue_delay`, and its
 requests already waiting are refused once their own wait crosses that line. So the lowest class
 goes first; the highest class (when there are several) is never shed for delay, only bounded by
@@ -76,10 +77,11 @@ class Admission:
     def waiting(self) -> int:
         return sum(1 for w in self._queue if not w.granted.done())
 
-    async def acquire(self, priority: int) -> Slot:
+    async def acquire(self, priority: int, engine_delay: float = 0.0) -> Slot:
+        """`engine_delay`: seconds requests now wait in the upstream engines' queues."""
         cap = self.config.max_concurrency
         limit = self.shed_after(priority)
-        if (delay := self.queueing_delay()) > limit:
+        if (delay := max(self.queueing_delay(), engine_delay)) > limit:
             raise Refused("queue_delay", max(1.0, math.ceil(delay)))
         if cap is None:
             self.in_flight += 1

@@ -109,7 +109,8 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
 async def _take_slot(state: GatewayState, ctx: RequestContext) -> None:
     """Wait for an admission slot; refused (shed or timed out): the reservation comes back."""
     try:
-        ctx.slot = await state.admission.acquire(ctx.priority)
+        sheds = state.config.admission.target_queue_delay_ms is not None
+        ctx.slot = await state.admission.acquire(ctx.priority, state.engine_delay(ctx.alias) if sheds else 0.0)
     except Refused as exc:
         if ctx.key is not None:
             await state.limiter.settle(ctx.key.name, ctx.reserved_tokens, 0)

@@ -44,6 +44,8 @@ _METRICS = {
     "itl_count": "vllm:inter_token_latency_seconds_count",
     "e2e_sum": "vllm:e2e_request_latency_seconds_sum",
     "e2e_count": "vllm:e2e_request_latency_seconds_count",
+    "queue_sum": "vllm:request_queue_time_seconds_sum",
+    "queue_count": "vllm:request_queue_time_seconds_count",
 }
 _NAMES = {metric: field for field, metric in _METRICS.items()}
 _MODEL_NAME = re.compile(r'model_name="((?:[^"\\]|\\.)*)"')
@@ -70,6 +72,7 @@ class Point:
     ttft_ms: float | None = None
     itl_ms: float | None = None
     e2e_ms: float | None = None
+    queue_ms: float | None = None  # mean wait in the engine's queue of the requests it scheduled
 
 
 @dataclass
@@ -153,7 +156,19 @@ def span_point(a: Sample, b: Sample) -> Point:
         ttft_ms=_ratio(delta("ttft_sum"), delta("ttft_count"), 1000.0),
         itl_ms=_ratio(delta("itl_sum"), delta("itl_count"), 1000.0),
         e2e_ms=_ratio(delta("e2e_sum"), delta("e2e_count"), 1000.0),
+        queue_ms=_ratio(delta("queue_sum"), delta("queue_count"), 1000.0),
     )  # fmt: skip
+
+
+def engine_queue_delay(a: Sample, b: Sample) -> float | None:
+    """Seconds requests waited in an upstream engine's queue between two samples: the mean
+    of those it scheduled, or — none scheduled while some wait — at least the whole span."""
+    point = span_point(a, b)
+    if point.queue_ms is not None:
+        return point.queue_ms / 1000.0
+    if not b.values:
+        return None  # the scrape failed
+    return b.t - a.t if (point.waiting or 0) > 0 else 0.0
 
 
 class StatusSampler:
@@ -201,6 +216,20 @@ class StatusSampler:
             return _ratio(sum(b.values()) - sum(a.values()), t1 - t0)
         return _ratio(b.get(alias, 0.0) - a.get(alias, 0.0), t1 - t0)
 
+    def engine_delay(self, alias: str) -> float:
+        """The queueing delay in the engines behind `alias` over the last few seconds: the
+        smallest over its healthy replicas (the router sends to the least busy), 0 when
+        nothing is known. Admission sheds by it as by the gateway's own queue."""
+        delays = []
+        for replica in self.state.router.replicas.get(alias, []):
+            samples = self.upstreams.get(replica.url)
+            if not replica.healthy or not samples or len(samples) < 2:
+                continue
+            delay = engine_queue_delay(samples[max(0, len(samples) - 1 - LATEST_SPAN)], samples[-1])
+            if delay is not None:
+                delays.append(delay)
+        return min(delays) if delays else 0.0
+
     def _upstream(self, url: str) -> UpstreamStatus:
         samples = list(self.upstreams[url])
         replicas = [r for r in self.state.router.all_replicas() if r.url == url]
@@ -239,6 +268,7 @@ class StatusSampler:
 def dashboard_router(state: GatewayState) -> APIRouter:
     """The routes of the status page; the sampler runs for the life of the app."""
     sampler = StatusSampler(state)
+    state.engine_delay = sampler.engine_delay  # admission sheds by the engines' queues too
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -48,6 +49,9 @@ class GatewayState:
         self.limiter = build_limiter(config.keys, config.limits)
         self.router = Router(config)
         self.admission = Admission(config.admission, [k.priority for k in config.keys])
+        # seconds requests for an alias now wait in the upstream engines' queues (set by the
+        # status sampler, which scrapes their /metrics)
+        self.engine_delay: Callable[[str], float] = lambda alias: 0.0
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None  # health checks; opened in the app's lifespan
         self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
