@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
+from llmserve.net import free_port  # noqa: F401 - the tests' import of it
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def children(pid: int, recursive: bool = False) -> list[int]:
+    """The process ids of `pid`'s children (with `recursive`, of all its descendants)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found += [child, *(children(child, True) if recursive else [])]
+    return found
 
 
 @dataclass

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,15 +14,7 @@ import uvicorn
 from llmserve import AsyncEngine, EngineArgs
 from llmserve.serve.app import build_app
 from llmserve.serve.state import ServerConfig
-from server_utils import free_port, start_server
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        kids.extend(int(x) for x in text)
-    return kids
+from server_utils import children, free_port, start_server
 
 
 def test_health_503_until_engine_ready(llama_dir):
@@ -64,7 +55,7 @@ def test_health_503_until_engine_ready(llama_dir):
 def test_dead_engine_core_gives_503(llama_dir, tmp_path):
     srv = start_server(["--model", llama_dir, "--max-model-len", "128"], str(tmp_path / "log"))
     try:
-        for child in _children(srv.proc.pid):
+        for child in children(srv.proc.pid):
             os.kill(child, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while httpx.get(f"{srv.base_url}/health").status_code != 503:

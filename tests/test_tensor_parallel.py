@@ -23,7 +23,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.tp_workers import WorkerDiedError
 from llmserve.model.random_model import make_random_model
-from server_utils import start_server
+from server_utils import children, start_server
 
 
 def _prompts(seed: int) -> list[dict]:
@@ -85,14 +85,6 @@ def test_dead_worker_fails_generate_without_hanging(llama_dir):
         assert time.monotonic() - start < 20
 
 
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            found += [int(child), *_descendants(int(child))]
-    return found
-
-
 def test_server_with_dead_worker_reports_unhealthy_and_core_exits(llama_dir, tmp_path):
     srv = start_server(["--model", llama_dir, "--max-model-len", "128", "--tensor-parallel-size", "2"],
                        str(tmp_path / "log"))  # fmt: skip
@@ -100,9 +92,9 @@ def test_server_with_dead_worker_reports_unhealthy_and_core_exits(llama_dir, tmp
         body = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
         assert httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30).status_code == 200
         worker = int(re.search(r"tensor parallel: 2 ranks \(workers \[(\d+)\]\)", srv.log()).group(1))
-        assert worker in _descendants(srv.proc.pid)
+        assert worker in children(srv.proc.pid, recursive=True)
         core = int(Path(f"/proc/{worker}/status").read_text().split("PPid:")[1].split()[0])
-        procs = [core, *_descendants(core)]
+        procs = [core, *children(core, recursive=True)]
         os.kill(worker, signal.SIGKILL)
         # the next step meets the dead rank: the request fails, the engine is reported dead
         resp = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60)
@@ -158,13 +150,7 @@ def test_checkpoint_shapes_are_checked_whole_on_every_rank(tmp_path, tp):
 
 
 def _spawned_children() -> set[int]:
-    found = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                found.add(int(child))
-    return found
+    return {c for c in children(os.getpid()) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()}
 
 
 def test_worker_dying_during_start_up_fails_the_engine_without_hanging(llama_dir):

@@ -138,6 +138,7 @@ class CoreClient:
         if self._closing:
             return
         self._closing = True
+        atexit.unregister(self.shutdown)  # registered only with tensor-parallel workers
         if self.proc.is_alive():
             try:
                 with self._send_lock:

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` (a list, numpy array or CPU tensor) on `device`, without a stream sync."""
+def staged(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` (a list, numpy array or CPU tensor) as a host tensor ready to copy to
+    `device` without a stream sync: in pinned memory when the device is a GPU."""
     if isinstance(values, np.ndarray):
         host = torch.from_numpy(values)
     elif isinstance(values, torch.Tensor):
@@ -23,6 +24,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         host = torch.tensor(values, dtype=dtype)
     if host.dtype != dtype:
         host = host.to(dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` on `device`, without a stream sync."""
+    return staged(values, dtype, device).to(device, non_blocking=True)

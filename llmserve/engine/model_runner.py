@@ -22,14 +22,14 @@ import torch
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from llmserve.engine.host_copy import to_device
+from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
-from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch
+from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,6 @@ def on_every_rank(method: Callable) -> Callable:
     return call
 
 
-def _host(values: list[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory() if pin else t
-
-
 def select_attention_backend(name: str) -> AttentionBackend:
     if name == "triton":
         from llmserve.kernels import triton_paged_attention
@@ -140,8 +135,6 @@ class ModelRunner:
         mirror: Callable[[str, tuple], None] | None = None,
     ) -> None:  # fmt: skip
         """`tp`: this rank's group; `mirror` (driver only): sends a call to the workers."""
-        from llmserve.engine.tp_workers import rank_device
-
         self.config = config
         self.tp = tp
         self.mirror = mirror
@@ -348,13 +341,12 @@ class ModelRunner:
         decode_only = batch.max_query_len == 1
         fill = self._fill_from_last_step(batch)
         if self.graphs is not None and decode_only and self.graphs.padded_size(n) is not None:
-            pin = self.device.type == "cuda"  # pinned: the copies into the graph's buffers do not wait
-            return self.graphs.run(
-                _host(batch.input_ids, torch.long, pin),
-                _host(batch.positions, torch.long, pin),
-                _host(batch.slot_mapping, torch.long, pin),
-                _host(batch.seq_lens, torch.int32, pin),
-                torch.from_numpy(batch.block_tables).pin_memory() if pin else torch.from_numpy(batch.block_tables),
+            return self.graphs.run(  # staged: the copies into the graph's buffers do not wait
+                staged(batch.input_ids, torch.long, self.device),
+                staged(batch.positions, torch.long, self.device),
+                staged(batch.slot_mapping, torch.long, self.device),
+                staged(batch.seq_lens, torch.int32, self.device),
+                staged(batch.block_tables, torch.int32, self.device),
                 fill,
             )
         input_ids, positions, meta = batch.to_device(self.device)

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import torch.distributed as dist
 
 from llmserve.config import EngineConfig
 from llmserve.model.tensor_parallel import TPGroup
+from llmserve.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +45,8 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Rank r of a tensor-parallel group uses GPU r."""
-    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
-
-
 def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGroup:
-    for key, value in NCCL_ENV.items():
-        os.environ.setdefault(key, value)
+    """Join the group (NCCL_ENV is already set: by the driver, and inherited by the workers)."""
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -77,12 +71,6 @@ def shutdown_distributed(timeout: float = 10.0) -> None:
     teardown.join(timeout)
     if teardown.is_alive():
         logger.warning("process group teardown did not finish within %.0f s; left behind", timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
@@ -137,7 +125,7 @@ class TPDriver:
         world = config.tensor_parallel_size
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         for key, value in NCCL_ENV.items():  # inherited by the workers
             os.environ.setdefault(key, value)

@@ -58,6 +58,11 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel group uses GPU r."""
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+
+
 def check_tp_shape(arch: ModelArch, world_size: int) -> str | None:
     """Why this model cannot be split over `world_size` ranks, or None."""
     if world_size < 1:
