@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -43,6 +44,14 @@ def test_models_and_version(client, server):
     assert httpx.get(f"{server.base_url}/version").json()["version"]
     assert httpx.get(f"{server.base_url}/docs").status_code == 200
     assert httpx.get(f"{server.base_url}/openapi.json").json()["paths"]["/v1/chat/completions"]
+
+
+def test_long_lived_processes_keep_their_start_up_heap_out_of_gc_scans(server):
+    """A full collection over the start-up heap stalls the step loop (a TTFT spike on the
+    GPU); the engine core and the API server freeze it once ready."""
+    for who in ("engine core", "API server"):
+        found = re.search(rf"{who}: (\d+) start-up objects kept out of garbage collection scans", server.log())
+        assert found and int(found.group(1)) > 50_000, (who, server.log()[-2000:])
 
 
 def test_completion_usage_and_stream_agree(client, server):

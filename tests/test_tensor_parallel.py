@@ -93,6 +93,7 @@ def test_server_with_dead_worker_reports_unhealthy_and_core_exits(llama_dir, tmp
         assert httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=30).status_code == 200
         worker = int(re.search(r"tensor parallel: 2 ranks \(workers \[(\d+)\]\)", srv.log()).group(1))
         assert worker in children(srv.proc.pid, recursive=True)
+        assert re.search(r"tensor-parallel rank 1: \d+ start-up objects kept out", srv.log())
         core = int(Path(f"/proc/{worker}/status").read_text().split("PPid:")[1].split()[0])
         procs = [core, *children(core, recursive=True)]
         os.kill(worker, signal.SIGKILL)

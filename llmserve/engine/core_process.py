@@ -23,6 +23,7 @@ import zmq
 from llmserve.config import EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.request import EngineCoreOutputs
+from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         ctx.term()
         raise SystemExit(1) from None
     proc = EngineCoreProc(core, ctx, input_addr, out_sock)
+    freeze_startup_objects("engine core")
     try:
         proc.run()
     finally:
+        unfreeze()
         core.shutdown()
 
 

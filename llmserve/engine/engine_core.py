@@ -68,6 +68,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the single-rank core holds nothing)."""
         if self.tp_driver is not None:
+            if hasattr(self, "runner"):
+                self.runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
             self.tp_driver.close()
             self.tp_driver = None
 

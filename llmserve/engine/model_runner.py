@@ -12,6 +12,7 @@ it in lockstep.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -298,6 +299,17 @@ class ModelRunner:
             captured = 0
         if not self.tp.min_over_ranks(captured):  # every rank takes the same path
             self.graphs = None
+
+    def release_cuda_graphs(self) -> None:
+        """Destroy the decode graphs. Called on every rank before it leaves the process
+        group: a graph that captured an NCCL collective holds a reference on the
+        communicator, and NCCL's teardown waits until every such graph is gone."""
+        if self.graphs is None:
+            return
+        self.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()

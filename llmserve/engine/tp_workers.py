@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.heap import freeze_startup_objects, unfreeze
 from llmserve.model.tensor_parallel import TPGroup
 from llmserve.net import free_port
 
@@ -86,10 +87,12 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     threading.Thread(target=orphan_watch, daemon=True, name="tp-orphan-watch").start()
     from llmserve.engine.model_runner import ModelRunner
 
+    runner = None
     try:
         conn.send(("joining", None))
         tp = init_distributed(rank, config.tensor_parallel_size, port, config.device)
         runner = ModelRunner(config, progress=False, tp=tp)
+        freeze_startup_objects(f"tensor-parallel rank {rank}")
         conn.send(("ready", None))
         while True:
             try:
@@ -107,6 +110,9 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
         os._exit(1)
     finally:
         conn.close()
+    unfreeze()
+    if runner is not None:
+        runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
     shutdown_distributed()
     os._exit(0)  # nothing left to run; skip interpreter teardown of the CUDA/NCCL state
 

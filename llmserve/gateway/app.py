@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import json
 import math
 import uuid
@@ -26,6 +25,7 @@ from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
 from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
+from llmserve.heap import freeze_startup_objects
 from llmserve.serve.errors import error_body
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
@@ -171,7 +171,7 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
             state.client, state.session = client, session
             # everything imported and built so far lives as long as the process: keep it out of
             # the garbage collector's scans (a full scan of this heap stalls requests for ~1 s)
-            gc.freeze()
+            freeze_startup_objects("gateway")
             probe = functools.partial(_probe, state)
             checker = asyncio.create_task(health_loop(state.router, config.health, probe, state.on_health))
             try:

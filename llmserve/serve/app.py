@@ -41,15 +41,18 @@ def _authorized(request: Request) -> ServerState:
 
 
 def build_app(
-    config: ServerConfig, engine_factory: EngineFactory, on_fatal: Callable[[str], None] | None = None
+    config: ServerConfig,
+    engine_factory: EngineFactory,
+    on_fatal: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app starts serving at once; the engine loads in the background (503 until then).
-    `on_fatal` is called if the engine cannot start."""
+    `on_fatal` is called if the engine cannot start, `on_ready` once it has."""
     state = ServerState(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(_load_engine(state, engine_factory, on_fatal))
+        loader = asyncio.create_task(_load_engine(state, engine_factory, on_fatal, on_ready))
         try:
             yield
         finally:
@@ -116,7 +119,10 @@ def build_app(
 
 
 async def _load_engine(
-    state: ServerState, factory: EngineFactory, on_fatal: Callable[[str], None] | None
+    state: ServerState,
+    factory: EngineFactory,
+    on_fatal: Callable[[str], None] | None,
+    on_ready: Callable[[], None] | None,
 ) -> None:
     try:
         engine = await asyncio.to_thread(factory)
@@ -128,4 +134,6 @@ async def _load_engine(
         return
     state.metrics = EngineMetrics(engine, state.config.served_model_names[0])
     state.engine = engine
+    if on_ready is not None:
+        on_ready()
     logger.info("engine ready: serving %s", ", ".join(state.config.served_model_names))

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> None:
     import uvicorn  # imported here so other subcommands do not need the server's packages
 
     from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.heap import freeze_startup_objects
     from llmserve.serve.app import build_app
     from llmserve.serve.state import ServerConfig
 
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = build_app(config, lambda: AsyncEngine(engine_config), on_fatal)
+    # this process is the server's alone: keep its start-up heap out of the collector's scans
+    app = build_app(config, lambda: AsyncEngine(engine_config), on_fatal, lambda: freeze_startup_objects("API server"))
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# One device call (H200): the 8B-shaped offline workloads (a) (b) (c) ((a) also with async
+# Device call(s) (H200): the 8B-shaped offline workloads (a) (b) (c) ((a) also with async
 # scheduling off), the engine's GPU correctness check (and tensor parallelism's, given two
 # GPUs), and the Hugging Face baseline. Results land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"; tail -n 4 "$OUT/$name.log"; grep "^RESULT" "$OUT/$name.log" || true; }
+[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run check_tp "${T_CHECK_TP:-240}" python3 scripts/gpu/check_tp.py
 run a "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --output-json "$OUT/a.json"
-run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --no-async-scheduling --output-json "$OUT/a_sync.json"
+run hf "${T_HF:-110}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
+  --input-len 512 --output-len 256 --batch-size 128 --output-json "$OUT/hf.json"
+run check "${T_CHECK:-170}" python3 scripts/gpu/check_engine.py
 run b "${T_B:-90}" python3 -m llmserve bench latency --model $M --load-format dummy --max-model-len 2048 --max-num-seqs 8 \
   --batch-size 1 --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 2 --output-json "$OUT/b.json"
 run c "${T_C:-140}" python3 -m llmserve bench throughput $ENGINE --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$OUT/c.json"
-run check "${T_CHECK:-170}" python3 scripts/gpu/check_engine.py
-run hf "${T_HF:-110}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
-  --input-len 512 --output-len 256 --batch-size 128 --output-json "$OUT/hf.json"
-[ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run check_tp "${T_CHECK_TP:-150}" python3 scripts/gpu/check_tp.py
+run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --no-async-scheduling --output-json "$OUT/a_sync.json"

@@ -4,11 +4,11 @@
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 setup_env
-run() { local name=$1 limit=$2; shift 2; echo "=== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"; tail -n 3 "$OUT/$name.log"; }
 run a "${T_A:-100}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --output-json "$OUT/a.json"
 run a_sync "${T_A:-100}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --no-async-scheduling --output-json "$OUT/a_sync.json"
 run b "${T_B:-60}" python3 -m llmserve bench latency --model $M --load-format dummy --max-model-len 2048 --max-num-seqs 8 \
   --batch-size 1 --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 2 --output-json "$OUT/b.json"
+want d || exit 0
 echo "=== d: llmserve serve $ENGINE"
 start_server
 for rate in 16 inf; do

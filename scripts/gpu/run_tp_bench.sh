@@ -7,7 +7,6 @@ source "$(dirname "$0")/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 setup_env
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-run() { local name=$1 limit=$2; shift 2; echo "=== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"; tail -n 3 "$OUT/$name.log"; grep "^RESULT" "$OUT/$name.log" || true; }
 run check_tp "${T_CHECK:-100}" python3 scripts/gpu/check_tp.py
 A="--num-prompts 512 --input-len 512 --output-len 256"
 run a_tp1 "${T_A1:-110}" python3 -m llmserve bench throughput $ENGINE $A --output-json "$OUT/a_tp1.json"

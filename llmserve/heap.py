@@ -1,0 +1,34 @@
+"""Keeping the start-up heap out of the garbage collector's way.
+
+A long-running process (engine core, tensor-parallel worker, API server, gateway) builds
+hundreds of thousands of objects at start-up (torch, transformers, the model, compiled
+kernels) that live as long as it does. CPython's full collections scan all of them: about
+0.17 s on this 2-core machine for the shipped model, and on an H200 serving the 8B shape a
+stall of ~0.5 s that showed up as a TTFT spike in `bench serve`. Freezing moves them to a
+generation that is never scanned; requests' own objects are collected as before.
+
+Only for processes that own their whole heap: an `LLM` inside a user's script does not
+freeze, since frozen objects that later become cyclic garbage are never freed.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_objects(what: str) -> int:
+    """Collect once, then keep every surviving object out of later scans; returns how many."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    logger.info("%s: %d start-up objects kept out of garbage collection scans", what, frozen)
+    return frozen
+
+
+def unfreeze() -> None:
+    """Before tearing down what was frozen (e.g. CUDA graphs that must really be destroyed
+    before NCCL's teardown): make it collectable again."""
+    gc.unfreeze()
