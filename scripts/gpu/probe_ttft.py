@@ -1,0 +1,45 @@
+"""Where batch-1 time to first token goes on the 8B shape (512-token prompt): generate()
+with max_tokens=1 timed for greedy and random sampling, then one such call under the torch
+profiler (top CUDA kernels, and the host time around them)."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+
+MODEL = os.environ.get("M", "/tmp/llama8b")
+
+
+def main() -> None:
+    llm = LLM(MODEL, load_format="dummy", max_model_len=int(os.environ.get("MAX_LEN", 2048)), max_num_seqs=8)
+    rng = random.Random(0)
+
+    def once(temperature: float) -> float:
+        prompt = [rng.randrange(10, llm.config.model_config.arch.vocab_size) for _ in range(512)]
+        params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return (time.perf_counter() - t) * 1000
+
+    for temperature in (1.0, 0.0, 1.0):
+        for _ in range(2):
+            once(temperature)
+        times = [once(temperature) for _ in range(5)]
+        print(f"RESULT ttft temperature={temperature}: " + " ".join(f"{x:.1f}" for x in times) + " ms", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once(1.0)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
