@@ -95,6 +95,16 @@ def test_serve_against_nothing_reports_failures(tmp_path, capsys):
     assert "ConnectError" in capsys.readouterr().err
 
 
+def test_serve_stops_when_the_server_refuses_its_requests(server, tmp_path):
+    """Prompt ids beyond the model's vocabulary: the warm-up's 400 ends the run at once,
+    saying why, instead of sending every request to the same refusal."""
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        bench_serve(server.base_url, str(out), "--vocab-size", "100000")
+    assert "refused the warm-up request" in str(exc.value) and "HTTP 400" in str(exc.value)
+    assert "vocab" in str(exc.value) and not out.exists()
+
+
 def test_latency(llama_dir, tmp_path):
     out = tmp_path / "lat.json"
     main([

@@ -169,7 +169,14 @@ async def _warmup(client: httpx.AsyncClient, target: Target, reqs: Sequence[Synt
     t0 = time.perf_counter()
     results = await asyncio.gather(*(send(client, target, p, r.prompt_len, r.output_len, t0)
                                      for r, p in zip(reqs, prompts)))
-    if failed := [r for r in results if not r.success]:
+    failed = [r for r in results if not r.success]
+    if failed and len(failed) == len(results) and failed[0].error.startswith("HTTP 4"):
+        # the server refuses the benchmark's own requests: every timed one would fail the same way
+        raise SystemExit(
+            f"llmserve bench serve: the server refused the warm-up request ({failed[0].error}); "
+            "check --vocab-size (prompt ids are drawn below it), --model, --input-len and --output-len"
+        )
+    if failed:
         print(f"warning: {len(failed)} warm-up request(s) failed: {failed[0].error}", file=sys.stderr)
 
 
