@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 
@@ -23,15 +25,75 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-queued-requests", type=int, default=None, help="503 above this many requests in flight")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--task", choices=["generate", "embed"], default="generate",
+                   help="generate: completions and chat (an llmserve engine); embed: /v1/embeddings and "
+                   "/v1/rerank from a sentence-transformers model (default all-MiniLM-L6-v2)")  # fmt: skip
+    p.add_argument("--max-batch-inputs", type=int, default=64, help="--task embed: texts encoded in one batch")
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 
 
+def _serve(build: Callable[[Callable[[str], None], Callable[[], None]], Any], args: argparse.Namespace,
+           what: str) -> None:  # fmt: skip
+    """Run the app `build(on_fatal, on_ready)` makes until SIGTERM; a model that cannot load
+    stops the server with its reason (exit status 1)."""
+    import uvicorn
+
+    from llmserve.heap import freeze_startup_objects
+
+    server = None
+    failed: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        failed.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    # this process is the server's alone: keep its start-up heap out of the collector's scans
+    app = build(on_fatal, lambda: freeze_startup_objects("API server"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
+        )
+    )  # fmt: skip
+    logger.info("serving %s on http://%s:%d (model loading in the background)", what, args.host, args.port)
+    server.run()
+    if failed:
+        raise SystemExit(f"llmserve serve: {failed[0]}")
+
+
+def run_embed(args: argparse.Namespace) -> None:
+    """`--task embed`: the model is a sentence-transformers folder; the engine flags do not apply."""
+    from llmserve.config import DEFAULT_MODEL_DIR, _default_served_name
+    from llmserve.pooling import SentenceEncoder, default_embedding_model_dir
+    from llmserve.serve.pooling_app import build_pooling_app
+    from llmserve.serve.state import ServerConfig
+
+    if args.max_batch_inputs < 1:
+        raise SystemExit("llmserve serve: --max-batch-inputs must be >= 1")
+    model = args.model_tag or (args.model if args.model != str(DEFAULT_MODEL_DIR) else None)
+    default_name = "all-MiniLM-L6-v2" if model is None else _default_served_name(model)
+    model = model or default_embedding_model_dir()
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and _cuda_available()) else "cpu"
+    name = args.served_model_name or default_name
+    config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key)
+    _serve(lambda on_fatal, on_ready: build_pooling_app(
+        config, lambda: SentenceEncoder(model, device), args.max_batch_inputs, on_fatal, on_ready,
+    ), args, f"embeddings of {model} as {name}")  # fmt: skip
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(args: argparse.Namespace) -> None:
-    import uvicorn  # imported here so other subcommands do not need the server's packages
+    if args.task == "embed":
+        return run_embed(args)
 
     from llmserve.engine.async_engine import AsyncEngine
-    from llmserve.heap import freeze_startup_objects
     from llmserve.serve.app import build_app
     from llmserve.serve.state import ServerConfig
 
@@ -43,23 +105,5 @@ def run(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
     )
-    server = None
-    failed: list[str] = []
-
-    def on_fatal(reason: str) -> None:
-        failed.append(reason)
-        if server is not None:
-            server.should_exit = True
-
-    # this process is the server's alone: keep its start-up heap out of the collector's scans
-    app = build_app(config, lambda: AsyncEngine(engine_config), on_fatal, lambda: freeze_startup_objects("API server"))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
-        )
-    )  # fmt: skip
-    logger.info("serving %s on http://%s:%d (model loading in the background)", mc.served_model_name, args.host, args.port)
-    server.run()
-    if failed:
-        raise SystemExit(f"llmserve serve: {failed[0]}")
+    _serve(lambda on_fatal, on_ready: build_app(config, lambda: AsyncEngine(engine_config), on_fatal, on_ready),
+           args, mc.served_model_name)  # fmt: skip

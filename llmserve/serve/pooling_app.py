@@ -1,0 +1,233 @@
+"""`llmserve serve --task embed`: an OpenAI-compatible embedding server.
+
+/v1/embeddings (OpenAI's API: float or base64 vectors, usage), /v1/rerank (also /rerank
+and /v2/rerank, the API vLLM, Cohere and Jina share), /v1/models, /health, /version and
+/metrics. Concurrent requests are batched together (`serve/batcher.py`). The model loads
+in the background; until then every endpoint but /version answers 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from llmserve import __version__
+from llmserve.pooling import SentenceEncoder, cosine_scores
+from llmserve.serve.batcher import MicroBatcher
+from llmserve.serve.errors import APIError, install_error_handlers
+from llmserve.serve.pooling_protocol import (
+    MAX_DOCUMENTS,
+    MAX_INPUTS,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+)
+from llmserve.serve.protocol import ModelCard, ModelList
+from llmserve.serve.state import ServerConfig, check_api_key
+
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class PoolingMetrics:
+    """vLLM's request and prompt-token names, plus the sizes of the batches run."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.success = Counter("vllm:request_success", "Finished requests.", labels + ["finished_reason"],
+                               registry=self.registry).labels(model_name, "stop")  # fmt: skip
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels,
+                                     registry=self.registry).labels(model_name)  # fmt: skip
+        self.latency = Histogram("vllm:e2e_request_latency_seconds", "Request latency.", labels,
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
+        self.batch_inputs = Histogram("llmserve:pooling_batch_inputs", "Texts encoded per batch.", labels,
+                                      buckets=_BATCH_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
+        self.batch_requests = Histogram("llmserve:pooling_batch_requests", "Requests served per batch.", labels,
+                                        buckets=_BATCH_BUCKETS, registry=self.registry).labels(model_name)  # fmt: skip
+
+    def on_batch(self, requests: int, inputs: int) -> None:
+        self.batch_requests.observe(requests)
+        self.batch_inputs.observe(inputs)
+
+    def finished(self, tokens: int, started: float) -> None:
+        self.success.inc()
+        self.prompt_tokens.inc(tokens)
+        self.latency.observe(time.perf_counter() - started)
+
+
+@dataclass
+class PoolingState:
+    config: ServerConfig
+    metrics: PoolingMetrics
+    encoder: SentenceEncoder | None = None
+    batcher: MicroBatcher | None = None
+    startup_error: str | None = None
+    draining: bool = False
+    max_batch: int = 64
+
+    def require_encoder(self) -> tuple[SentenceEncoder, MicroBatcher]:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.encoder is None or self.batcher is None:
+            why = self.startup_error or "the model is still loading"
+            raise APIError(503, f"the server is not ready: {why}", code="not_ready")
+        return self.encoder, self.batcher
+
+    def resolve_model(self, requested: str | None) -> str:
+        names = self.config.served_model_names
+        if not requested:
+            return names[0]
+        if requested not in names:
+            raise APIError(404, f"The model `{requested}` does not exist.", code="model_not_found", param="model")
+        return requested
+
+
+def _authorized(request: Request) -> PoolingState:
+    state: PoolingState = request.app.state.pooling
+    check_api_key(state, request)  # reads only .config.api_key
+    return state
+
+
+def build_pooling_app(
+    config: ServerConfig,
+    encoder_factory: Callable[[], SentenceEncoder],
+    max_batch: int = 64,
+    on_fatal: Callable[[str], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
+    state = PoolingState(config, PoolingMetrics(config.served_model_names[0]), max_batch=max_batch)
+
+    async def load() -> None:
+        try:
+            encoder = await asyncio.to_thread(encoder_factory)
+        except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
+            state.startup_error = f"the embedding model failed to load: {exc}"
+            if on_fatal is not None:
+                on_fatal(state.startup_error)
+            return
+        state.batcher = MicroBatcher(encoder.embed, max_items=state.max_batch, on_batch=state.metrics.on_batch)
+        state.encoder = encoder
+        if on_ready is not None:
+            on_ready()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            state.draining = True
+            loader.cancel()
+            if state.batcher is not None:
+                await state.batcher.close()
+
+    app = FastAPI(title="llmserve embeddings", version=__version__, lifespan=lifespan)
+    app.state.pooling = state
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.encoder is not None and not state.draining
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(s: PoolingState = Depends(_authorized)) -> ModelList:
+        limit = s.encoder.max_tokens if s.encoder is not None else None
+        return ModelList(data=[ModelCard(id=n, root=s.config.model_path, max_model_len=limit)
+                               for n in s.config.served_model_names])  # fmt: skip
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(req: EmbeddingRequest, s: PoolingState = Depends(_authorized)) -> EmbeddingResponse:
+        started = time.perf_counter()
+        encoder, batcher = s.require_encoder()
+        model = s.resolve_model(req.model)
+        texts = _input_texts(req.input)
+        if req.dimensions is not None and req.dimensions != encoder.dim:
+            raise APIError(400, f"this model's embeddings have {encoder.dim} dimensions; `dimensions` "
+                           f"cannot change that (got {req.dimensions})", param="dimensions")  # fmt: skip
+        tokens = _check_lengths(encoder, texts, "input")
+        vectors = await batcher.submit(texts)
+        b64 = req.encoding_format == "base64"
+        data = [EmbeddingData(index=i, embedding=_encode(v, b64)) for i, v in enumerate(vectors)]
+        s.metrics.finished(tokens, started)
+        return EmbeddingResponse(model=model, data=data, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+    async def rerank(req: RerankRequest, s: PoolingState = Depends(_authorized)) -> RerankResponse:
+        started = time.perf_counter()
+        encoder, batcher = s.require_encoder()
+        model = s.resolve_model(req.model)
+        docs = [d.text if isinstance(d, RerankDocument) else d for d in req.documents]
+        if not req.query:
+            raise APIError(400, "query must be a non-empty string", param="query")
+        if not docs or len(docs) > MAX_DOCUMENTS:
+            raise APIError(400, f"documents must hold 1 to {MAX_DOCUMENTS} texts, got {len(docs)}", param="documents")
+        if any(not d for d in docs):
+            raise APIError(400, "documents must not be empty strings", param="documents")
+        tokens = _check_lengths(encoder, [req.query], "query") + _check_lengths(encoder, docs, "documents")
+        vectors = np.stack(await batcher.submit([req.query, *docs]))
+        scores = cosine_scores(vectors[0], vectors[1:])
+        order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[: req.top_n]
+        results = [RerankResult(index=i, relevance_score=float(scores[i]),
+                                document=RerankDocument(text=docs[i]) if req.return_documents else None)
+                   for i in order]  # fmt: skip
+        s.metrics.finished(tokens, started)
+        return RerankResponse(model=model, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens),
+                              results=results)  # fmt: skip
+
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        app.post(path, response_model=RerankResponse, response_model_exclude_none=True)(rerank)
+    return app
+
+
+def _input_texts(value: str | list) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not texts:
+        raise APIError(400, "input must not be empty", param="input")
+    if not all(isinstance(t, str) for t in texts):
+        raise APIError(400, "input must be text (a string or a list of strings); token-id input is "
+                       "not supported by this server", param="input")  # fmt: skip
+    if len(texts) > MAX_INPUTS:
+        raise APIError(400, f"input holds {len(texts)} texts; at most {MAX_INPUTS} per request", param="input")
+    if any(not t for t in texts):
+        raise APIError(400, "input must not contain empty strings", param="input")
+    return texts
+
+
+def _check_lengths(encoder: SentenceEncoder, texts: list[str], param: str) -> int:
+    """Total tokens; a text longer than the model takes is refused, never silently cut."""
+    counts = encoder.token_counts(texts)
+    for i, n in enumerate(counts):
+        if n > encoder.max_tokens:
+            where = f"{param}[{i}]" if len(texts) > 1 or param != "query" else param
+            raise APIError(400, f"{where} is {n} tokens long; this model takes at most {encoder.max_tokens}",
+                           param=param)  # fmt: skip
+    return sum(counts)
+
+
+def _encode(vector: np.ndarray, b64: bool) -> list[float] | str:
+    if b64:
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return [float(x) for x in vector]
