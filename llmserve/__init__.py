@@ -17,9 +17,11 @@ _EXPORTS = {
     "LLM": "llmserve.llm",
     "RequestOutput": "llmserve.outputs",
     "SamplingParams": "llmserve.sampling_params",
+    "StructuredOutputsParams": "llmserve.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,40 @@ class SamplingParamsError(ValueError):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's names): exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of
+    several strings (`choice`) or an EBNF grammar (`grammar`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) == 1, f"structured outputs take exactly one of json, json_object, regex, choice, "
+               f"grammar; got {', '.join(given) or 'none'}")  # fmt: skip
+        _check(self.json is None or isinstance(self.json, (dict, str)), "the JSON schema must be an object")
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""), "regex must not be empty")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar != ""),
+               "grammar must not be empty")  # fmt: skip
+        _check(
+            self.choice is None or (isinstance(self.choice, list) and len(self.choice) > 0
+                                    and all(isinstance(c, str) and c for c in self.choice)),
+            "choice must be a non-empty list of non-empty strings",
+        )  # fmt: skip
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -28,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

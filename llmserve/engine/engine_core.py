@@ -16,6 +16,7 @@ from llmserve.engine.request import (
     SchedulerStats,
 )
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.structured_output import StructuredOutputError, StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class EngineCore:
             num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0)
+        mc = config.model_config
+        self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the single-rank core holds nothing)."""
@@ -86,9 +89,16 @@ class EngineCore:
             error = f"prompt token ids must be in [0, {vocab})"
         elif req.request_id in self.scheduler.requests:
             error = f"request id {req.request_id!r} is already in use"
+        request = Request(req)
+        spec = req.sampling_params.structured_outputs
+        if spec is not None and not error:
+            try:
+                request.matcher = self.structured.matcher(spec, req.eos_token_ids)
+            except StructuredOutputError as exc:
+                error = str(exc)
         if error:
             return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=error)
-        self.scheduler.add_request(Request(req))
+        self.scheduler.add_request(request)
         return None
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
@@ -116,10 +126,11 @@ class EngineCore:
     def can_overlap(self) -> bool:
         """May the next step be launched before the one in flight is finished? Not with
         tensor parallelism (the workers do not see sampled tokens) nor for requests with
-        repetition/presence/frequency penalties (they need every earlier token's value)."""
+        repetition/presence/frequency penalties (they need every earlier token's value) or
+        structured outputs (the grammar's mask needs the previous token)."""
         if not self.config.async_scheduling:
             return False
-        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+        return not any(r.sampling_params.has_penalties or r.matcher is not None for r in self.scheduler.running)
 
     def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
         """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from llmserve.config import ModelConfig
 from llmserve.engine.request import EngineCoreRequest
+from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
@@ -58,6 +59,9 @@ class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        # structured outputs are compiled here too, so a bad spec is the caller's error
+        # (a 400) before the request reaches the engine core
+        self.structured = StructuredOutputs(model_config.tokenizer, model_config.arch.vocab_size)
         self.eos_token_ids = eos_token_ids(model_config.model, tokenizer, model_config.arch.eos_token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -100,6 +104,8 @@ class InputProcessor:
                 f"(max_model_len) is {max_len} and at least one token must be generated: "
                 "shorten the prompt or raise --max-model-len"
             )
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -16,6 +16,7 @@ import torch
 from llmserve.engine.host_copy import to_device
 
 from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.engine.structured_output import apply_grammar_masks
 from llmserve.sampling_params import SamplingParams
 
 
@@ -98,6 +99,7 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
+        apply_grammar_masks(logits, requests)  # last: what the grammar allows is all there is
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -278,6 +278,13 @@ class Scheduler:
         """`token` has just been filled in; later tokens may still be pending."""
         params = req.sampling_params
         num_output = req.num_known_tokens - req.num_prompt_tokens
+        if req.matcher is not None:
+            if not req.matcher.accept_token(token):  # only if sampling bypassed the mask
+                req.status = RequestStatus.FINISHED_ABORTED
+                return
+            if req.matcher.is_terminated():  # the grammar is complete
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -48,6 +48,42 @@ class _SamplingFields(OpenAIModel):
     priority: int = 0
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request asks for, however it asks (ValueError: 400)."""
+        asked: list[StructuredOutputsParams] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                asked.append(StructuredOutputsParams(json_object=True))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+                asked.append(StructuredOutputsParams(json=schema))
+            elif kind != "text":
+                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+        if self.structured_outputs is not None:
+            fields = {"json", "regex", "choice", "grammar", "json_object"}
+            unknown = set(self.structured_outputs) - fields
+            if unknown:
+                raise ValueError(f"structured_outputs takes {', '.join(sorted(fields))}; unknown: {sorted(unknown)}")
+            asked.append(StructuredOutputsParams(**self.structured_outputs))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}  # fmt: skip
+        asked += [StructuredOutputsParams(**{k: v}) for k, v in guided.items() if v is not None]
+        if len(asked) > 1:
+            raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
+        return asked[0] if asked else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -68,6 +104,7 @@ class _SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 

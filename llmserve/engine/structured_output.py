@@ -1,0 +1,117 @@
+"""Structured outputs: grammars that constrain sampling (xgrammar).
+
+A request's spec (JSON schema, any JSON object, regex, choice or EBNF grammar) is compiled
+once per distinct spec (cached) into a grammar over the model's vocabulary; each request
+gets a matcher that follows its own output. Before sampling, the matcher's bitmask of
+allowed next tokens sets every other logit to -inf; after, the sampled token advances it;
+a matcher that reaches the end of its grammar finishes the request ("stop"). The matcher
+needs the previous token before the next step is sampled, so such requests turn off the
+overlap of async scheduling (as penalties do).
+
+The reference for the mask is `allowed_tokens` (ask the matcher token by token); the test
+compares it with the bitmask path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from llmserve.engine.request import Request
+
+
+class StructuredOutputError(ValueError):
+    """A spec that does not compile; the message says why."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as exc:  # pragma: no cover - a dependency of the serve extra
+        raise StructuredOutputError("structured outputs need the package xgrammar (pip install xgrammar)") from exc
+    return xgrammar
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's messages start with a time stamp and a C++ source location."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)
+
+
+def choice_regex(choices: list[str]) -> str:
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+class StructuredOutputs:
+    """The engine core's grammar compiler (built on first use) and the per-step masks."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                from transformers import AutoTokenizer
+
+                xgr = _xgrammar()
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams) -> "xgr.CompiledGrammar":
+        compiler = self._get_compiler()
+        try:
+            if spec.json is not None:
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if spec.json_object:  # OpenAI's JSON mode: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_regex(choice_regex(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for bad specs
+            raise StructuredOutputError(f"invalid structured output ({spec.kind}): {_clean(exc)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "xgr.GrammarMatcher":
+        """A matcher for one request; the request's own end-of-sequence ids end the grammar."""
+        return _xgrammar().GrammarMatcher(self.compile(spec), override_stop_tokens=list(stop_token_ids))
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"]) -> None:
+    """Set the logits of tokens each constrained request's grammar forbids next to -inf."""
+    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+    if not rows:
+        return
+    xgr = _xgrammar()
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(requests), vocab)
+    for i in rows:
+        requests[i].matcher.fill_next_token_bitmask(bitmask, i)
+    if logits.device.type != "cpu":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+
+
+def allowed_tokens(matcher: "xgr.GrammarMatcher", vocab_size: int) -> set[int]:
+    """Reference: the tokens the matcher accepts next, asked one by one (slow; tests)."""
+    allowed = set()
+    for token in range(vocab_size):
+        if matcher.accept_token(token):
+            allowed.add(token)
+            matcher.rollback(1)
+    return allowed

@@ -1,0 +1,181 @@
+"""Structured outputs (xgrammar): the bitmask path against asking the matcher token by token,
+constrained generation offline (JSON schema, JSON object, regex, choice, EBNF; with async
+scheduling, preemption and unconstrained neighbours), and through the OpenAI server."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams, StructuredOutputsParams
+from llmserve.config import DEFAULT_MODEL_DIR
+from llmserve.engine.structured_output import StructuredOutputs, allowed_tokens, apply_grammar_masks
+from llmserve.sampling_params import SamplingParamsError
+from server_utils import start_server
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"enum": ["yes", "no"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        "name": {"type": "string", "maxLength": 12},
+    },
+    "required": ["answer", "score", "name"],
+    "additionalProperties": False,
+}
+REGEX = r"\d{3}-[a-z]{2}"
+
+
+def check_schema(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"answer", "score", "name"}, value
+    assert value["answer"] in ("yes", "no") and 0 <= value["score"] <= 9 and len(value["name"]) <= 12
+
+
+class _Row:  # what apply_grammar_masks reads of a request
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+
+def test_bitmask_equals_the_matcher_asked_token_by_token():
+    structured = StructuredOutputs(str(DEFAULT_MODEL_DIR), 4096)
+    matcher = structured.matcher(StructuredOutputsParams(json=SCHEMA), [2])
+    free = structured.matcher(StructuredOutputsParams(regex=REGEX), [2])
+    for step in range(4):  # at the start and after a few accepted tokens
+        logits = torch.zeros(3, 4096)
+        apply_grammar_masks(logits, [_Row(matcher), _Row(None), _Row(free)])
+        assert torch.isfinite(logits[1]).all()  # an unconstrained row is untouched
+        for row, m in ((0, matcher), (2, free)):
+            fast = set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())
+            assert fast == allowed_tokens(m, 4096) and fast
+        for m, row in ((matcher, 0), (free, 2)):
+            assert m.accept_token(min(set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist())))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(DEFAULT_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60)
+
+
+def generate(llm, spec: StructuredOutputsParams, n: int = 4, max_tokens: int = 120, **kw):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured_outputs=spec, **kw)
+              for s in range(n)]  # fmt: skip
+    return [o.outputs[0] for o in llm.generate(["Describe a list in Python:"] * n, params, use_tqdm=False)]
+
+
+def test_json_schema(llm):
+    for out in generate(llm, StructuredOutputsParams(json=SCHEMA)):
+        assert out.finish_reason == "stop", out.text
+        check_schema(out.text)
+
+
+def test_json_schema_given_as_text(llm):
+    (out,) = generate(llm, StructuredOutputsParams(json=json.dumps(SCHEMA)), n=1)
+    check_schema(out.text)
+
+
+def test_regex_choice_and_grammar(llm):
+    for out in generate(llm, StructuredOutputsParams(regex=REGEX)):
+        assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
+    seen = set()
+    for out in generate(llm, StructuredOutputsParams(choice=["yes", "no", "maybe"]), n=8):
+        assert out.finish_reason == "stop" and out.text in ("yes", "no", "maybe")
+        seen.add(out.text)
+    assert len(seen) > 1  # sampling still chooses among what is allowed
+    grammar = 'root ::= "(" digit ("+" digit)* ")"\ndigit ::= [0-9]'
+    for out in generate(llm, StructuredOutputsParams(grammar=grammar)):
+        assert out.finish_reason == "stop" and re.fullmatch(r"\(\d(\+\d)*\)", out.text), out.text
+
+
+def test_json_object_is_an_object_when_it_finishes(llm):
+    finished = 0
+    for out in generate(llm, StructuredOutputsParams(json_object=True), n=6, max_tokens=200):
+        if out.finish_reason == "stop":
+            assert isinstance(json.loads(out.text), dict)
+            finished += 1
+        else:
+            assert out.finish_reason == "length" and out.text.startswith("{")
+    assert finished >= 2
+
+
+def test_constrained_and_free_requests_together_under_preemption(llm):
+    """60 blocks of 8 tokens cannot hold 12 requests of ~130 tokens: requests are preempted
+    and recomputed while their grammars hold their state."""
+    specs = [StructuredOutputsParams(regex=REGEX), None, StructuredOutputsParams(json=SCHEMA)] * 4
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120 if s else 100, structured_outputs=s,
+                             ignore_eos=s is None) for i, s in enumerate(specs)]  # fmt: skip
+    outs = llm.generate(["Describe a list in Python: " * 4] * len(specs), params, use_tqdm=False)
+    for spec, o in zip(specs, outs):
+        c = o.outputs[0]
+        if spec is None:
+            assert len(c.token_ids) == 100 and c.finish_reason == "length"
+        elif spec.regex:
+            assert re.fullmatch(REGEX, c.text)
+        else:
+            check_schema(c.text)
+    assert llm.core.scheduler.num_preemptions > 0
+
+
+def test_bad_specs_are_refused_before_the_engine(llm):
+    with pytest.raises(ValueError, match="invalid structured output \\(regex\\)"):
+        generate(llm, StructuredOutputsParams(regex="(unclosed"), n=1)
+    with pytest.raises(ValueError, match="invalid structured output \\(json\\)"):
+        generate(llm, StructuredOutputsParams(json={"type": "nonsense"}), n=1)
+    for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": [""]}, {"regex": ""}, {"json": 3}):
+        with pytest.raises(SamplingParamsError):
+            StructuredOutputsParams(**bad)
+    assert not llm.core.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("structured") / "server.log"
+    srv = start_server(["--max-model-len", "512", "--served-model-name", "tiny"], str(log))
+    yield srv
+    srv.stop()
+
+
+def test_openai_client_response_format_and_guided_fields(server):
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Is a list mutable?"}], max_tokens=100, seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason == "stop"
+    check_schema(chat.choices[0].message.content)
+    done = client.completions.create(model="tiny", prompt="Answer:", max_tokens=10,
+                                      extra_body={"guided_choice": ["alpha", "beta"]})  # fmt: skip
+    assert done.choices[0].text in ("alpha", "beta")
+    done = client.completions.create(model="tiny", prompt="Code:", max_tokens=20,
+                                      extra_body={"structured_outputs": {"regex": REGEX}})  # fmt: skip
+    assert re.fullmatch(REGEX, done.choices[0].text)
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, stream=True,
+        extra_body={"guided_regex": "[a-z]{3,6}!"},
+    )  # fmt: skip
+    assert re.fullmatch("[a-z]{3,6}!", "".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"guided_regex": "(unclosed"}, "invalid structured output (regex)"),
+    ({"guided_json": {"type": "nonsense"}}, "invalid structured output (json)"),
+    ({"response_format": {"type": "xml"}}, "response_format type"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "one output constraint"),
+    ({"structured_outputs": {"foo": 1}}, "unknown"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"guided_choice": []}, "choice"),
+    ({"guided_choice": "yes"}, None),
+])  # fmt: skip
+def test_bad_constraints_get_a_400(server, body, message):
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
+        r = httpx.post(server.base_url + path, json={**base, "max_tokens": 5, **body})
+        assert r.status_code == 400, r.text
+        assert message is None or message in r.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
