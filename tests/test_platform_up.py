@@ -4,7 +4,9 @@ in front), called through the gateway with the official openai client and httpx.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +75,21 @@ def test_chat_and_completions_through_the_gateway(client):
     comp = client.completions.create(model="chat", prompt="The json module", max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})  # fmt: skip
     assert comp.choices[0].text and comp.choices[0].finish_reason == "length"
+
+
+def test_structured_outputs_reach_the_triton_chat_model(client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}  # fmt: skip
+    chat = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Is a list mutable?"}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    assert json.loads(chat.choices[0].message.content)["answer"] in ("yes", "no")
+    comp = client.completions.create(model="chat", prompt="Pick:", max_tokens=8,
+                                     extra_body={"guided_regex": "[0-9]{2}[a-z]"})  # fmt: skip
+    assert re.fullmatch("[0-9]{2}[a-z]", comp.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="chat", prompt="x", max_tokens=4, extra_body={"guided_regex": "(oops"})
 
 
 def test_embeddings_equal_sentence_transformers(client, up, sbert):

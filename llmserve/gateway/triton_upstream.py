@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.serve.errors import error_body
+from llmserve.serve.protocol import STRUCTURED_FIELDS
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.router import Pick
@@ -135,6 +136,9 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
         params["stop"] = json.dumps([stop] if isinstance(stop, str) else stop)
     if pick.route.send_priority and ctx.priority:
         params["priority"] = -ctx.priority  # the engine's convention: lower first
+    constraint = {k: payload[k] for k in STRUCTURED_FIELDS if payload.get(k) is not None}
+    if constraint:  # structured outputs: the chat model reads them as the API server does
+        params["structured_outputs"] = json.dumps(constraint)
     if "messages" in payload:
         if not isinstance(payload["messages"], list):
             raise BadRequest("messages must be a list")

@@ -15,6 +15,43 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")  # fmt: skip
+
+
+def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams | None:
+    """The one output constraint a request asks for, however it asks: OpenAI's
+    `response_format`, vLLM's `structured_outputs` or one `guided_*` field (ValueError: a 400).
+    Also used where the fields arrive as plain JSON (the Triton chat model)."""
+    asked: list[StructuredOutputsParams] = []
+    fmt = fields.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(StructuredOutputsParams(json_object=True))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+            asked.append(StructuredOutputsParams(json=schema))
+        elif kind != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    so = fields.get("structured_outputs")
+    if so is not None:
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        if not isinstance(so, dict) or set(so) - known:
+            raise ValueError(f"structured_outputs is an object of {', '.join(sorted(known))}; got {so!r:.200}")
+        asked.append(StructuredOutputsParams(**so))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = fields.get(f"guided_{key}")
+        if value is not None:
+            asked.append(StructuredOutputsParams(**{key: value}))
+    if len(asked) > 1:
+        raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
+    return asked[0] if asked else None
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -57,33 +94,7 @@ class _SamplingFields(OpenAIModel):
     guided_grammar: str | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one output constraint the request asks for, however it asks (ValueError: 400)."""
-        asked: list[StructuredOutputsParams] = []
-        fmt = self.response_format
-        if fmt is not None:
-            kind = fmt.get("type")
-            if kind == "json_object":
-                asked.append(StructuredOutputsParams(json_object=True))
-            elif kind == "json_schema":
-                spec = fmt.get("json_schema")
-                schema = spec.get("schema") if isinstance(spec, dict) else None
-                if not isinstance(schema, dict):
-                    raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-                asked.append(StructuredOutputsParams(json=schema))
-            elif kind != "text":
-                raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
-        if self.structured_outputs is not None:
-            fields = {"json", "regex", "choice", "grammar", "json_object"}
-            unknown = set(self.structured_outputs) - fields
-            if unknown:
-                raise ValueError(f"structured_outputs takes {', '.join(sorted(fields))}; unknown: {sorted(unknown)}")
-            asked.append(StructuredOutputsParams(**self.structured_outputs))
-        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
-                  "grammar": self.guided_grammar}  # fmt: skip
-        asked += [StructuredOutputsParams(**{k: v}) for k, v in guided.items() if v is not None]
-        if len(asked) > 1:
-            raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
-        return asked[0] if asked else None
+        return structured_outputs_from({k: getattr(self, k) for k in STRUCTURED_FIELDS})
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

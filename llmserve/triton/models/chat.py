@@ -89,6 +89,10 @@ def parse_request(request, tokenizer=None):
         kwargs["stop"] = [params["stop"]] if isinstance(params["stop"], str) else list(params["stop"])
     if "ignore_eos" in params:
         kwargs["ignore_eos"] = bool(params["ignore_eos"])
+    if isinstance(params.get("structured_outputs"), str):  # the OpenAI request's constraint fields, as JSON
+        from llmserve.serve.protocol import structured_outputs_from
+
+        kwargs["structured_outputs"] = structured_outputs_from(json.loads(params["structured_outputs"]))
     priority = _input(request, "priority")
     priority = int(params.get("priority", 0) if priority is None else priority[0])
     return chat or _text(prompt[0]), kwargs, priority
