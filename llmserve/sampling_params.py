@@ -63,6 +63,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,12 @@ class SamplingParams:
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
         _check(all(s for s in self.stop_strings), "stop strings must not be empty")
+        _check(
+            self.logit_bias is None or all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                and -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()),
+            "logit_bias maps token ids (non-negative integers) to biases in [-100, 100]",
+        )  # fmt: skip
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids must be non-negative integers",

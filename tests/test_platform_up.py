@@ -77,7 +77,7 @@ def test_chat_and_completions_through_the_gateway(client):
     assert comp.choices[0].text and comp.choices[0].finish_reason == "length"
 
 
-def test_structured_outputs_reach_the_triton_chat_model(client):
+def test_structured_outputs_and_logit_bias_reach_the_triton_chat_model(client):
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
               "additionalProperties": False}  # fmt: skip
     chat = client.chat.completions.create(
@@ -90,6 +90,12 @@ def test_structured_outputs_reach_the_triton_chat_model(client):
     assert re.fullmatch("[0-9]{2}[a-z]", comp.choices[0].text)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="chat", prompt="x", max_tokens=4, extra_body={"guided_regex": "(oops"})
+    forced = client.completions.create(model="chat", prompt="x", max_tokens=3, temperature=0, logit_bias={"7": 100},
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    free = client.completions.create(model="chat", prompt="x", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text != free.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="chat", prompt="x", max_tokens=2, logit_bias={"x": 1})
 
 
 def test_embeddings_equal_sentence_transformers(client, up, sbert):

@@ -87,3 +87,19 @@ def test_sampling_follows_distribution():
     tokens = sampler(logits, [_req(str(i)) for i in range(4000)]).token_ids
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_logit_bias_is_added_to_its_tokens_only():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [0.0, 1.0, 5.0, 2.0]])
+    sampler = Sampler(torch.device("cpu"))
+    reqs = [_req("a", temperature=0, logit_bias={3: 3.5, 0: -1.0}), _req("b", temperature=0)]
+    biased = sampler._apply_penalties_and_masks(logits.clone(), reqs)
+    assert biased[0].tolist() == [-1.0, 1.0, 5.0, 5.5] and biased[1].tolist() == logits[1].tolist()
+    assert sampler(logits.clone(), reqs).token_ids == [3, 2]
+    assert sampler(logits[:1].clone(), [_req("c", temperature=0, logit_bias={2: -100})]).token_ids == [3]
+    for bad in ({-1: 1.0}, {1: 101.0}, {True: 1.0}, {"1": 1.0}):
+        try:
+            SamplingParams(logit_bias=bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} accepted")

@@ -103,6 +103,27 @@ def test_max_completion_tokens_and_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset) and all(v <= 0 for v in lp.token_logprobs)
 
 
+def test_logit_bias_forces_and_bans_tokens(client):
+    forced = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=0,
+                                       logit_bias={"7": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    free = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, temperature=0, logprobs=0)
+    top = free.choices[0].logprobs.tokens[0]
+    assert forced.choices[0].logprobs.tokens == [forced.choices[0].logprobs.tokens[0]] * 5
+    first_id = _token_id(client, free.choices[0].text)
+    banned = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, temperature=0, logprobs=0,
+                                       logit_bias={str(first_id): -100})  # fmt: skip
+    assert banned.choices[0].logprobs.tokens[0] != top
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={"7": 100}, extra_body={"ignore_eos": True})  # fmt: skip
+    assert chat.choices[0].message.content == forced.choices[0].text[: len(chat.choices[0].message.content)]
+
+
+def _token_id(client, text: str) -> int:
+    resp = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"prompt": text, "add_special_tokens": False},
+                      headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    return resp.json()["tokens"][0]
+
+
 def test_stop_strings(client):
     free = client.completions.create(model="tiny", prompt="Once upon", **GREEDY).choices[0].text
     stop = free[3:5]
@@ -226,6 +247,11 @@ BAD_REQUESTS = [
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("stream bad params", "/v1/completions", {"prompt": "x", "stream": True, "temperature": -2}, 400),
     ("detokenize bad ids", "/detokenize", {"tokens": [-1]}, 400),
+    ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ("logit_bias token out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),
+    ("logit_bias above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400),
+    ("logit_bias negative id", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, 400),
 ]
 
 

@@ -87,6 +87,8 @@ class EngineCore:
             error = f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_len}"
         elif not all(0 <= t < vocab for t in req.prompt_token_ids):
             error = f"prompt token ids must be in [0, {vocab})"
+        elif req.sampling_params.logit_bias and max(req.sampling_params.logit_bias) >= vocab:
+            error = f"logit_bias token ids must be in [0, {vocab})"
         elif req.request_id in self.scheduler.requests:
             error = f"request id {req.request_id!r} is already in use"
         request = Request(req)

@@ -104,6 +104,9 @@ class InputProcessor:
                 f"(max_model_len) is {max_len} and at least one token must be generated: "
                 "shorten the prompt or raise --max-model-len"
             )
+        vocab = self.model_config.arch.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
         room = max_len - len(ids)

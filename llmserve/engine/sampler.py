@@ -93,6 +93,9 @@ class Sampler:
     ) -> torch.Tensor:
         for i, req in enumerate(requests):
             p = req.sampling_params
+            if p.logit_bias:
+                ids = to_device(list(p.logit_bias), torch.long, logits.device)
+                logits[i].index_add_(0, ids, to_device(list(p.logit_bias.values()), logits.dtype, logits.device))
             if p.has_penalties:
                 logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
             if req.num_output_tokens < p.min_tokens:

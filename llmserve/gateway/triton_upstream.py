@@ -136,6 +136,11 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
         params["stop"] = json.dumps([stop] if isinstance(stop, str) else stop)
     if pick.route.send_priority and ctx.priority:
         params["priority"] = -ctx.priority  # the engine's convention: lower first
+    bias = payload.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest("logit_bias must map token ids to biases")
+        params["logit_bias"] = json.dumps(bias)
     constraint = {k: payload[k] for k in STRUCTURED_FIELDS if payload.get(k) is not None}
     if constraint:  # structured outputs: the chat model reads them as the API server does
         params["structured_outputs"] = json.dumps(constraint)

@@ -69,8 +69,6 @@ def chat_logprobs(out: CompletionOutput, start: int) -> ChatLogprobs:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
     engine = state.require_engine()
     model = state.resolve_model(req.model)
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
     ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)

@@ -52,8 +52,6 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     model = state.resolve_model(req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
     prompts = _prompts(req)

@@ -116,7 +116,17 @@ class _SamplingFields(OpenAIModel):
             max_tokens=max_tokens,
             logprobs=logprobs,
             structured_outputs=self.structured_outputs_params(),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, that is as strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError("logit_bias keys must be token ids (integers)") from None
 
 
 class CompletionRequest(_SamplingFields):

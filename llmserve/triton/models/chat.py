@@ -89,6 +89,11 @@ def parse_request(request, tokenizer=None):
         kwargs["stop"] = [params["stop"]] if isinstance(params["stop"], str) else list(params["stop"])
     if "ignore_eos" in params:
         kwargs["ignore_eos"] = bool(params["ignore_eos"])
+    if isinstance(params.get("logit_bias"), str):  # OpenAI's token id (as text) -> bias
+        try:
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in json.loads(params["logit_bias"]).items()}
+        except (ValueError, TypeError, AttributeError):
+            raise ValueError("logit_bias must map token ids (integers) to biases") from None
     if isinstance(params.get("structured_outputs"), str):  # the OpenAI request's constraint fields, as JSON
         from llmserve.serve.protocol import structured_outputs_from
 
