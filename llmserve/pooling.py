@@ -8,6 +8,7 @@ cosine similarity of the query's and each document's normalized embeddings.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ class SentenceEncoder:
     """One sentence-transformers model on one device; calls are not thread-safe (the
     server runs them one batch at a time)."""
 
-    def __init__(self, model_dir: str, device: str = "cpu") -> None:
+    def __init__(self, model_dir: str, device: str = "cpu", batch_size: int = 64) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from sentence_transformers import SentenceTransformer
 
@@ -43,15 +44,18 @@ class SentenceEncoder:
         # a tokenizer of its own for counting: a fast tokenizer used from two threads at
         # once (counting in the server's event loop, encoding in the batch thread) can fail
         self._counter = AutoTokenizer.from_pretrained(model_dir)
+        self._counter_lock = threading.Lock()
+        self.batch_size = batch_size  # texts per forward pass, however many one call brings
 
     def token_counts(self, texts: list[str]) -> list[int]:
         """Tokens each text becomes, special tokens included, before any truncation."""
-        ids = self._counter(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        with self._counter_lock:  # callers may count from several threads
+            ids = self._counter(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
         return [len(x) for x in ids]
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """[len(texts), dim] float32, L2-normalized (texts longer than max_tokens are cut)."""
-        vectors = self.model.encode(texts, batch_size=max(1, len(texts)), convert_to_numpy=True,
+        vectors = self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
                                     normalize_embeddings=True, show_progress_bar=False)  # fmt: skip
         return np.asarray(vectors, dtype=np.float32)
 

@@ -22,6 +22,7 @@ class StructuredOutputsParams:
     json_object: bool = False
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.json_object, bool), "json_object must be true or false")
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         _check(len(given) == 1, f"structured outputs take exactly one of json, json_object, regex, choice, "

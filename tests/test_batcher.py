@@ -80,3 +80,24 @@ def test_a_cancelled_request_is_skipped():
 
     assert asyncio.run(run()) == [4]
     assert [7] not in seen and all(7 not in s for s in seen)
+
+
+def test_close_fails_the_batch_in_flight_and_the_queued_ones():
+    started = __import__("threading").Event()
+
+    def slow(items: list[int]) -> list[int]:
+        started.set()
+        __import__("time").sleep(0.3)
+        return square_all(items)
+
+    async def run():
+        b = MicroBatcher(slow, max_items=1, max_wait_s=0.0)
+        running = asyncio.create_task(b.submit([1]))
+        queued = asyncio.create_task(b.submit([2]))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        await b.close()
+        return await asyncio.wait_for(asyncio.gather(running, queued, return_exceptions=True), 2)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RuntimeError) and "shutting down" in str(r) for r in results), results

@@ -92,6 +92,35 @@ def test_regex_choice_and_grammar(llm):
         assert out.finish_reason == "stop" and re.fullmatch(r"\(\d(\+\d)*\)", out.text), out.text
 
 
+def test_min_tokens_does_not_fight_the_grammar(llm):
+    """min_tokens bans EOS, but a finished grammar allows only EOS: the grammar decides."""
+    for out in generate(llm, StructuredOutputsParams(choice=["yes", "no"]), n=3, min_tokens=5):
+        assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+def test_a_slow_compile_does_not_hold_other_requests_and_can_be_aborted(llm):
+    core = llm.core
+    real = core.structured.matcher
+
+    def slow(*args, **kwargs):
+        __import__("time").sleep(0.5)
+        return real(*args, **kwargs)
+
+    core.structured.matcher = slow
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+        outs = llm.generate(["Describe a list in Python:"] * 2, params, use_tqdm=False)  # fmt: skip
+        assert len(outs[0].outputs[0].token_ids) == 8 and re.fullmatch(REGEX, outs[1].outputs[0].text)
+        from llmserve.engine.request import EngineCoreRequest
+
+        core.add_request(EngineCoreRequest("compiling", [1, 5, 9], params[1], 20, (2,)))
+        assert core.has_unfinished() and core.abort_requests(["compiling"]) == ["compiling"]
+        assert not core.has_unfinished()
+    finally:
+        core.structured.matcher = real
+
+
 def test_json_object_is_an_object_when_it_finishes(llm):
     finished = 0
     for out in generate(llm, StructuredOutputsParams(json_object=True), n=6, max_tokens=200):
@@ -161,6 +190,19 @@ def test_openai_client_response_format_and_guided_fields(server):
     assert re.fullmatch("[a-z]{3,6}!", "".join(c.choices[0].delta.content or "" for c in stream if c.choices))
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_a_deeply_nested_schema_is_served(server):
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                   json={"prompt": "x", "max_tokens": 4, "guided_json": _nested(300)})  # fmt: skip
+    assert r.status_code == 200, r.text[:300]
+
+
 @pytest.mark.parametrize("body,message", [
     ({"guided_regex": "(unclosed"}, "invalid structured output (regex)"),
     ({"guided_json": {"type": "nonsense"}}, "invalid structured output (json)"),
@@ -173,11 +215,21 @@ def test_openai_client_response_format_and_guided_fields(server):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"guided_choice": []}, "choice"),
     ({"guided_choice": "yes"}, None),
+    ({"structured_outputs": {"json_object": "no"}}, "json_object must be true or false"),
+    ({"logit_bias": {"1_0": 5}}, "logit_bias keys"),
+    ({"logit_bias": {"99999": 5}}, "logit_bias token ids"),
+    ('{"guided_json": ' + '{"type": "object", "properties": {"a": ' * 5000 + '{}' + '}}' * 5000 + '}', None),
 ])  # fmt: skip
 def test_bad_constraints_get_a_400(server, body, message):
     for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
                        {"messages": [{"role": "user", "content": "x"}]})):  # fmt: skip
-        r = httpx.post(server.base_url + path, json={**base, "max_tokens": 5, **body})
-        assert r.status_code == 400, r.text
-        assert message is None or message in r.json()["error"]["message"]
+        for stream in (False, True):  # a streamed request is refused before its stream starts
+            if isinstance(body, str):  # JSON text too deep for this side's json module
+                head = json.dumps({**base, "max_tokens": 5, "stream": stream})[:-1]
+                r = httpx.post(server.base_url + path, content=head + ", " + body[1:],
+                               headers={"content-type": "application/json"})  # fmt: skip
+            else:
+                r = httpx.post(server.base_url + path, json={**base, "max_tokens": 5, "stream": stream, **body})
+            assert r.status_code == 400, r.text
+            assert message is None or message in r.json()["error"]["message"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200

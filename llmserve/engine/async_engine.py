@@ -68,6 +68,11 @@ class AsyncEngine:
         if self.errored:
             raise EngineDeadError(self.dead_reason or "engine core process is not running")
 
+    async def check_params(self, sampling_params: SamplingParams) -> None:
+        """ValueError for what the engine would refuse; grammars compile in a worker thread
+        (then `generate` finds them cached)."""
+        await asyncio.to_thread(self.input_processor.check_params, sampling_params)
+
     async def generate(
         self,
         prompt: PromptType,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.kv_cache_manager import KVCacheManager
@@ -29,6 +30,9 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.tp_driver: TPDriver | None = None
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # structured outputs: grammar compiling
+        self._refused: list[EngineCoreOutput] = []  # their compile failed: reported by the next finish
+        self._grammar_pool: ThreadPoolExecutor | None = None
         try:
             self._start(config, progress, exit_on_worker_death)
         except BaseException:
@@ -69,7 +73,9 @@ class EngineCore:
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (the single-rank core holds nothing)."""
+        """Stop the tensor-parallel workers, if any, and the grammar compile thread."""
+        if self._grammar_pool is not None:
+            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if self.tp_driver is not None:
             if hasattr(self, "runner"):
                 self.runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
@@ -89,25 +95,48 @@ class EngineCore:
             error = f"prompt token ids must be in [0, {vocab})"
         elif req.sampling_params.logit_bias and max(req.sampling_params.logit_bias) >= vocab:
             error = f"logit_bias token ids must be in [0, {vocab})"
-        elif req.request_id in self.scheduler.requests:
+        elif req.request_id in self.scheduler.requests or req.request_id in self._compiling:
             error = f"request id {req.request_id!r} is already in use"
-        request = Request(req)
-        spec = req.sampling_params.structured_outputs
-        if spec is not None and not error:
-            try:
-                request.matcher = self.structured.matcher(spec, req.eos_token_ids)
-            except StructuredOutputError as exc:
-                error = str(exc)
         if error:
             return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=error)
-        self.scheduler.add_request(request)
+        request = Request(req)
+        spec = req.sampling_params.structured_outputs
+        if spec is None:
+            self.scheduler.add_request(request)
+        else:  # compiled off the step loop (a big schema takes long); scheduled once ready
+            self._compiling[req.request_id] = (request, self._compile_pool().submit(
+                self.structured.matcher, spec, req.eos_token_ids))  # fmt: skip
         return None
 
+    def _compile_pool(self) -> ThreadPoolExecutor:
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._grammar_pool
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the scheduler; failures are refused. If
+        nothing else can run, wait a little for a compile instead of spinning."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished():
+            wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                request.matcher = future.result()
+            except StructuredOutputError as exc:
+                self._refused.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(exc)))
+                continue
+            self.scheduler.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        waiting = [r for r in request_ids if self._compiling.pop(r, None) is not None]
+        return waiting + self.scheduler.abort_requests([r for r in request_ids if r not in waiting])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling) or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
         """One step, synchronously (tests and simple drivers; see `StepPipeline`)."""
@@ -117,6 +146,7 @@ class EngineCore:
         """Schedule and start a step on the device; the host is free until `finish`.
         With `can_overlap()`, this may be called once more before the previous step's
         `finish`: the new step then reads that step's tokens on the device."""
+        self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.runner.sampler.forget(sched.finished_request_ids)
@@ -137,11 +167,12 @@ class EngineCore:
     def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
         """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""
         sched, pending = launched
+        refused, self._refused = self._refused, []
         if pending is None:
-            return EngineCoreOutputs([], self.stats())
+            return EngineCoreOutputs(refused, self.stats())
         result = pending.result()
         outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
-        return EngineCoreOutputs(outputs, self.stats())
+        return EngineCoreOutputs(refused + outputs, self.stats())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -86,6 +86,14 @@ class InputProcessor:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return list(ids)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError (a 400) for sampling parameters this model cannot take."""
+        vocab = self.model_config.arch.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
+
     def process(
         self,
         request_id: str,
@@ -104,11 +112,7 @@ class InputProcessor:
                 f"(max_model_len) is {max_len} and at least one token must be generated: "
                 "shorten the prompt or raise --max-model-len"
             )
-        vocab = self.model_config.arch.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
-        if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
+        self.check_params(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -103,7 +103,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "first_scheduled_time", "num_pending", "matcher",
+        "first_scheduled_time", "num_pending", "matcher", "logit_bias",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -127,6 +127,7 @@ class Request:
         # entries of all_token_ids are PLACEHOLDER until the step's result arrives
         self.num_pending = 0
         self.matcher = None  # structured outputs: the grammar matcher following this output
+        self.logit_bias = None  # (token ids, biases) as device tensors, built on first use
 
     @property
     def num_prompt_tokens(self) -> int:

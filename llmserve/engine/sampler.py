@@ -94,11 +94,13 @@ class Sampler:
         for i, req in enumerate(requests):
             p = req.sampling_params
             if p.logit_bias:
-                ids = to_device(list(p.logit_bias), torch.long, logits.device)
-                logits[i].index_add_(0, ids, to_device(list(p.logit_bias.values()), logits.dtype, logits.device))
+                if req.logit_bias is None:  # built once per request, kept on the device
+                    req.logit_bias = (to_device(list(p.logit_bias), torch.long, logits.device),
+                                      to_device(list(p.logit_bias.values()), logits.dtype, logits.device))  # fmt: skip
+                logits[i].index_add_(0, *req.logit_bias)
             if p.has_penalties:
                 logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
-            if req.num_output_tokens < p.min_tokens:
+            if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")

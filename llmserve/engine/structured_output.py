@@ -47,8 +47,14 @@ def _clean(exc: Exception) -> str:
     return re.sub(r"^\[[\d:]+\] [^ ]+:\d+: ", "", text)
 
 
+_REGEX_SPECIAL = set("\\^$.|?*+()[]{}/")
+CACHE_BYTES = 256 << 20  # compiled grammars kept per process
+
+
 def choice_regex(choices: list[str]) -> str:
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+    """A regex matching exactly one of `choices` (only regex syntax escaped: xgrammar warns
+    about escapes such as a space's that Python's re.escape writes)."""
+    return "(" + "|".join("".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in c) for c in choices) + ")"
 
 
 class StructuredOutputs:
@@ -68,7 +74,8 @@ class StructuredOutputs:
                 xgr = _xgrammar()
                 tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                     cache_limit_bytes=CACHE_BYTES)  # fmt: skip
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> "xgr.CompiledGrammar":

@@ -33,6 +33,7 @@ class MicroBatcher(Generic[T, R]):
         self.max_wait_s = max_wait_s
         self.on_batch = on_batch
         self._queue: list[_Pending[T]] = []
+        self._running: list[_Pending[T]] = []  # the batch in the worker thread now
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
@@ -51,10 +52,11 @@ class MicroBatcher(Generic[T, R]):
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
-        for p in self._queue:
+        for p in self._queue + self._running:
             if not p.future.done():
                 p.future.set_exception(RuntimeError("the server is shutting down"))
         self._queue.clear()
+        self._running = []
 
     def _take(self) -> list[_Pending[T]]:
         """The oldest requests whose items fit in one batch (at least one request)."""
@@ -80,13 +82,16 @@ class MicroBatcher(Generic[T, R]):
                 items = [x for p in batch for x in p.items]
                 if self.on_batch is not None:
                     self.on_batch(len(batch), len(items))
+                self._running = batch
                 try:
                     results = await asyncio.to_thread(self.fn, items)
                 except Exception as exc:  # noqa: BLE001 - every request of the batch gets it
+                    self._running = []
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
+                self._running = []
                 start = 0
                 for p in batch:
                     if not p.future.done():

@@ -74,6 +74,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(), engine.model_config.max_model_len)
     params = req.to_sampling_params(max_tokens)
+    await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("chatcmpl")
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
     if req.stream:

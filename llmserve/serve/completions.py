@@ -67,6 +67,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         resolve_max_tokens(len(ids), req.max_tokens, max_len)
         tokenized.append((p if isinstance(p, str) else None, ids))
     params = req.to_sampling_params(req.max_tokens)
+    await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("cmpl")
     streams = [
         engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority)

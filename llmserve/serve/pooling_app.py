@@ -168,7 +168,7 @@ def build_pooling_app(
         if req.dimensions is not None and req.dimensions != encoder.dim:
             raise APIError(400, f"this model's embeddings have {encoder.dim} dimensions; `dimensions` "
                            f"cannot change that (got {req.dimensions})", param="dimensions")  # fmt: skip
-        tokens = _check_lengths(encoder, texts, "input")
+        tokens = await asyncio.to_thread(_check_lengths, encoder, texts, "input")  # off the event loop
         vectors = await batcher.submit(texts)
         b64 = req.encoding_format == "base64"
         data = [EmbeddingData(index=i, embedding=_encode(v, b64)) for i, v in enumerate(vectors)]
@@ -186,7 +186,8 @@ def build_pooling_app(
             raise APIError(400, f"documents must hold 1 to {MAX_DOCUMENTS} texts, got {len(docs)}", param="documents")
         if any(not d for d in docs):
             raise APIError(400, "documents must not be empty strings", param="documents")
-        tokens = _check_lengths(encoder, [req.query], "query") + _check_lengths(encoder, docs, "documents")
+        tokens = await asyncio.to_thread(_check_lengths, encoder, [req.query], "query")
+        tokens += await asyncio.to_thread(_check_lengths, encoder, docs, "documents")
         vectors = np.stack(await batcher.submit([req.query, *docs]))
         scores = cosine_scores(vectors[0], vectors[1:])
         order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[: req.top_n]

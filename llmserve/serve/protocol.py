@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -19,6 +21,14 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar")  # fmt: skip
 
 
+def _schema_text(schema: dict) -> str:
+    """A schema travels as JSON text (a deeply nested dict cannot be pickled to the core)."""
+    try:
+        return json.dumps(schema)
+    except (RecursionError, ValueError, TypeError):
+        raise ValueError("the JSON schema is nested too deeply or is not JSON") from None
+
+
 def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams | None:
     """The one output constraint a request asks for, however it asks: OpenAI's
     `response_format`, vLLM's `structured_outputs` or one `guided_*` field (ValueError: a 400).
@@ -34,7 +44,7 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-            asked.append(StructuredOutputsParams(json=schema))
+            asked.append(StructuredOutputsParams(json=_schema_text(schema)))
         elif kind != "text":
             raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
     so = fields.get("structured_outputs")
@@ -43,10 +53,13 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
         if not isinstance(so, dict) or set(so) - known:
             raise ValueError(f"structured_outputs is an object of {', '.join(sorted(known))}; got {so!r:.200}")
         asked.append(StructuredOutputsParams(**so))
+        if isinstance(so.get("json"), dict):
+            asked[-1].json = _schema_text(so["json"])
     for key in ("json", "regex", "choice", "grammar"):
         value = fields.get(f"guided_{key}")
         if value is not None:
-            asked.append(StructuredOutputsParams(**{key: value}))
+            asked.append(StructuredOutputsParams(**{key: _schema_text(value) if key == "json" and isinstance(value, dict)
+                                                    else value}))  # fmt: skip
     if len(asked) > 1:
         raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
     return asked[0] if asked else None
@@ -123,10 +136,9 @@ class _SamplingFields(OpenAIModel):
         """OpenAI sends token ids as JSON object keys, that is as strings."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): float(v) for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise ValueError("logit_bias keys must be token ids (integers)") from None
+        if not all(re.fullmatch(r"[0-9]+", k) for k in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingFields):
