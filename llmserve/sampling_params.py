@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_N = 128  # samples per request, OpenAI's limit: each is a request of its own in the engine
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter out of range; the message names it and its valid range."""
 
@@ -78,10 +81,11 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed must be a 64-bit integer")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        _check(0 <= self.top_k < 2**62, f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
             self.repetition_penalty > 0.0,
@@ -116,8 +120,8 @@ class SamplingParams:
             "logit_bias maps token ids (non-negative integers) to biases in [-100, 100]",
         )  # fmt: skip
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids must be non-negative integers",
+            all(isinstance(t, int) and 0 <= t < 2**62 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers (token ids)",
         )
 
     @property

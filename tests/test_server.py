@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import time
 
@@ -247,6 +248,12 @@ BAD_REQUESTS = [
     ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("stream bad params", "/v1/completions", {"prompt": "x", "stream": True, "temperature": -2}, 400),
     ("detokenize bad ids", "/detokenize", {"tokens": [-1]}, 400),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "x", "seed": 10**30}, 400),
+    ("n too many", "/v1/completions", {"prompt": "x", "n": 129}, 400),
+    ("n as a huge string", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": "9" * 50}, 400),
+    ("top_k huge", "/v1/completions", {"prompt": "x", "top_k": 10**30}, 400),
+    ("stop_token_ids huge", "/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [10**30]}, 400),
+    ("stop_token_ids out of vocab", "/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [99999]}, 400),
     ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
     ("logit_bias token out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),
     ("logit_bias above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400),
@@ -282,3 +289,31 @@ def test_openai_client_raises_typed_errors(server):
         good.completions.create(model="nope", prompt="x")
     with pytest.raises(openai.BadRequestError):
         good.completions.create(model="tiny", prompt="x", max_tokens=-1)
+
+
+FUZZ_VALUES = [None, True, False, 0, -1, 1.5, 129, 10**12, 10**30, -(10**30), 2**63, "", "x", "(", "9" * 50, [], [1],
+               ["a"], {}, {"a": 1}, {"type": "object"}, [[1]], "\u0000", -1e308]  # fmt: skip
+FUZZ_FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "logprobs",
+               "top_logprobs", "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
+               "guided_choice", "guided_grammar", "seed", "min_tokens", "stream", "stream_options", "echo",
+               "presence_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos", "priority",
+               "max_completion_tokens", "model", "best_of", "suffix"]  # fmt: skip
+
+
+def test_random_hostile_fields_never_get_a_5xx_nor_stop_the_engine(server):
+    """Seeded random values in random fields (this found a seed that killed the engine core
+    and an `n` that made the server allocate until the kernel killed it)."""
+    rng = random.Random(20261129)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=60, headers=headers) as http:
+        for _ in range(150):
+            chat = rng.random() < 0.5
+            body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+            body["max_tokens"] = 3
+            for _ in range(rng.randint(1, 3)):
+                body[rng.choice(FUZZ_FIELDS)] = rng.choice(FUZZ_VALUES)
+            resp = http.post(server.base_url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body)
+            assert resp.status_code < 500, (body, resp.text[:300])
+            if body.get("stream") is True and resp.status_code == 200:
+                assert '"error"' not in resp.text, (body, resp.text[:300])
+        assert http.get(f"{server.base_url}/health").status_code == 200

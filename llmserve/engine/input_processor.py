@@ -91,6 +91,8 @@ class InputProcessor:
         vocab = self.model_config.arch.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise PromptError(f"stop_token_ids must be in [0, {vocab})")
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
 
