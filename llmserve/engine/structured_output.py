@@ -14,7 +14,9 @@ compares it with the bitmask path.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import threading
 from typing import TYPE_CHECKING
@@ -99,6 +101,11 @@ class StructuredOutputs:
         return _xgrammar().GrammarMatcher(self.compile(spec), override_stop_tokens=list(stop_token_ids))
 
 
+@functools.cache
+def _batch_matcher():
+    return _xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
+
+
 def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"]) -> None:
     """Set the logits of tokens each constrained request's grammar forbids next to -inf."""
     rows = [i for i, r in enumerate(requests) if r.matcher is not None]
@@ -107,8 +114,10 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"]) -> None
     xgr = _xgrammar()
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(requests), vocab)
-    for i in rows:
-        requests[i].matcher.fill_next_token_bitmask(bitmask, i)
+    if len(rows) == 1:
+        requests[rows[0]].matcher.fill_next_token_bitmask(bitmask, rows[0])
+    else:  # ~0.5 ms a request at a 128k vocabulary: several threads (xgrammar releases the GIL)
+        _batch_matcher().batch_fill_next_token_bitmask([requests[i].matcher for i in rows], bitmask, rows)
     if logits.device.type != "cpu":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
