@@ -36,7 +36,7 @@ class LLM:
         self.config: EngineConfig = engine_args_from_kwargs(model, kwargs).create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model_config.tokenizer)
         self.core = EngineCore(self.config)
-        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(self.config.model_config, self.tokenizer, self.core.structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 

@@ -138,6 +138,16 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+def token_ids_outside(params: SamplingParams, vocab_size: int) -> str | None:
+    """Why the token ids these params name (logit_bias, stop_token_ids) do not fit a
+    vocabulary of `vocab_size`, or None. Checked by the front (a 400) and the engine core."""
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        return f"logit_bias token ids must be in [0, {vocab_size})"
+    if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+        return f"stop_token_ids must be in [0, {vocab_size})"
+    return None
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise SamplingParamsError(message)

@@ -19,6 +19,7 @@ from llmserve.engine.request import (
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.structured_output import StructuredOutputError, StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
+from llmserve.sampling_params import token_ids_outside
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,8 @@ class EngineCore:
             error = f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_len}"
         elif not all(0 <= t < vocab for t in req.prompt_token_ids):
             error = f"prompt token ids must be in [0, {vocab})"
-        elif req.sampling_params.logit_bias and max(req.sampling_params.logit_bias) >= vocab:
-            error = f"logit_bias token ids must be in [0, {vocab})"
+        elif outside := token_ids_outside(req.sampling_params, vocab):
+            error = outside
         elif req.request_id in self.scheduler.requests or req.request_id in self._compiling:
             error = f"request id {req.request_id!r} is already in use"
         if error:

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from llmserve.config import ModelConfig
 from llmserve.engine.request import EngineCoreRequest
 from llmserve.engine.structured_output import StructuredOutputs
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, token_ids_outside
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -56,12 +56,16 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, structured: StructuredOutputs | None = None
+    ) -> None:
+        """`structured`: the grammar compiler to check specs with (an in-process engine core's,
+        so that its cache serves both; the front of a core process has its own)."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         # structured outputs are compiled here too, so a bad spec is the caller's error
         # (a 400) before the request reaches the engine core
-        self.structured = StructuredOutputs(model_config.tokenizer, model_config.arch.vocab_size)
+        self.structured = structured or StructuredOutputs(model_config.tokenizer, model_config.arch.vocab_size)
         self.eos_token_ids = eos_token_ids(model_config.model, tokenizer, model_config.arch.eos_token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -88,11 +92,9 @@ class InputProcessor:
 
     def check_params(self, params: SamplingParams) -> None:
         """ValueError (a 400) for sampling parameters this model cannot take."""
-        vocab = self.model_config.arch.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
-        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
-            raise PromptError(f"stop_token_ids must be in [0, {vocab})")
+        error = token_ids_outside(params, self.model_config.arch.vocab_size)
+        if error:
+            raise PromptError(error)
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
 

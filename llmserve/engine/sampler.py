@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.engine.host_copy import to_device
-
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.structured_output import apply_grammar_masks
 from llmserve.sampling_params import SamplingParams
@@ -101,8 +100,7 @@ class Sampler:
             if p.has_penalties:
                 logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
             if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
-                banned = [t for t in p.stop_token_ids if t < logits.shape[-1]]  # others can never be sampled
-                banned += [] if p.ignore_eos else list(req.eos_token_ids)
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
         apply_grammar_masks(logits, requests)  # last: what the grammar allows is all there is

@@ -60,7 +60,8 @@ def choice_regex(choices: list[str]) -> str:
 
 
 class StructuredOutputs:
-    """The engine core's grammar compiler (built on first use) and the per-step masks."""
+    """A grammar compiler over one model's vocabulary (built on first use, cache bounded);
+    the engine core's, and the front's to check specs with."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
         self.tokenizer_dir = tokenizer_dir

@@ -22,7 +22,6 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 
 
 def _schema_text(schema: dict) -> str:
-    """A schema travels as JSON text (a deeply nested dict cannot be pickled to the core)."""
     try:
         return json.dumps(schema)
     except (RecursionError, ValueError, TypeError):
@@ -44,7 +43,7 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
-            asked.append(StructuredOutputsParams(json=_schema_text(schema)))
+            asked.append(StructuredOutputsParams(json=schema))
         elif kind != "text":
             raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
     so = fields.get("structured_outputs")
@@ -53,16 +52,17 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
         if not isinstance(so, dict) or set(so) - known:
             raise ValueError(f"structured_outputs is an object of {', '.join(sorted(known))}; got {so!r:.200}")
         asked.append(StructuredOutputsParams(**so))
-        if isinstance(so.get("json"), dict):
-            asked[-1].json = _schema_text(so["json"])
     for key in ("json", "regex", "choice", "grammar"):
         value = fields.get(f"guided_{key}")
         if value is not None:
-            asked.append(StructuredOutputsParams(**{key: _schema_text(value) if key == "json" and isinstance(value, dict)
-                                                    else value}))  # fmt: skip
+            asked.append(StructuredOutputsParams(**{key: value}))
     if len(asked) > 1:
         raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
-    return asked[0] if asked else None
+    if not asked:
+        return None
+    if isinstance(asked[0].json, dict):  # a schema travels as JSON text (a deeply nested dict cannot be pickled)
+        asked[0].json = _schema_text(asked[0].json)
+    return asked[0]
 
 
 class OpenAIModel(BaseModel):
