@@ -13,7 +13,6 @@ aborts the request in its engine.
 
 from __future__ import annotations
 
-import base64
 import json
 import time
 import uuid
@@ -27,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.serve.errors import error_body
+from llmserve.serve.pooling_protocol import embedding_json, rerank_order
 from llmserve.serve.protocol import STRUCTURED_FIELDS
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
@@ -97,9 +97,7 @@ async def _embeddings(client, ctx: RequestContext, model: str) -> dict:
         result = await client.infer(model, [_strings("text", part, [len(part), 1])])
         rows.extend(result.as_numpy("embedding"))
     b64 = ctx.payload.get("encoding_format") == "base64"
-    data = [{"object": "embedding", "index": i,
-             "embedding": base64.b64encode(np.asarray(v, dtype=np.float32).tobytes()).decode() if b64 else
-             [float(x) for x in v]} for i, v in enumerate(rows)]  # fmt: skip
+    data = [{"object": "embedding", "index": i, "embedding": embedding_json(v, b64)} for i, v in enumerate(rows)]
     return {"object": "list", "data": data, "model": ctx.alias}
 
 
@@ -111,10 +109,8 @@ async def _rerank(client, ctx: RequestContext, model: str) -> dict:
     docs = _texts(docs, "documents")
     inputs = [_strings("query", [query], [1, 1]), _strings("documents", docs, [1, len(docs)])]
     scores = (await client.infer(model, inputs)).as_numpy("scores")[0]
-    order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))
     top_n = ctx.payload.get("top_n")
-    if isinstance(top_n, int) and top_n > 0:
-        order = order[:top_n]
+    order = rerank_order(scores, top_n if isinstance(top_n, int) and top_n > 0 else None)
     results = [{"index": i, "relevance_score": float(scores[i]), "document": {"text": docs[i]}} for i in order]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "results": results}
 

@@ -9,7 +9,6 @@ in the background; until then every endpoint but /version answers 503.
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -35,9 +34,11 @@ from llmserve.serve.pooling_protocol import (
     RerankRequest,
     RerankResponse,
     RerankResult,
+    embedding_json,
+    rerank_order,
 )
 from llmserve.serve.protocol import ModelCard, ModelList
-from llmserve.serve.state import ServerConfig, check_api_key
+from llmserve.serve.state import ServerConfig, check_api_key, resolve_model
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -78,7 +79,6 @@ class PoolingState:
     batcher: MicroBatcher | None = None
     startup_error: str | None = None
     draining: bool = False
-    max_batch: int = 64
 
     def require_encoder(self) -> tuple[SentenceEncoder, MicroBatcher]:
         if self.draining:
@@ -89,12 +89,7 @@ class PoolingState:
         return self.encoder, self.batcher
 
     def resolve_model(self, requested: str | None) -> str:
-        names = self.config.served_model_names
-        if not requested:
-            return names[0]
-        if requested not in names:
-            raise APIError(404, f"The model `{requested}` does not exist.", code="model_not_found", param="model")
-        return requested
+        return resolve_model(self.config, requested)
 
 
 def _authorized(request: Request) -> PoolingState:
@@ -106,11 +101,10 @@ def _authorized(request: Request) -> PoolingState:
 def build_pooling_app(
     config: ServerConfig,
     encoder_factory: Callable[[], SentenceEncoder],
-    max_batch: int = 64,
     on_fatal: Callable[[str], None] | None = None,
     on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
-    state = PoolingState(config, PoolingMetrics(config.served_model_names[0]), max_batch=max_batch)
+    state = PoolingState(config, PoolingMetrics(config.served_model_names[0]))
 
     async def load() -> None:
         try:
@@ -120,7 +114,8 @@ def build_pooling_app(
             if on_fatal is not None:
                 on_fatal(state.startup_error)
             return
-        state.batcher = MicroBatcher(encoder.embed, max_items=state.max_batch, on_batch=state.metrics.on_batch)
+        # a batch holds as many texts as the encoder runs in one forward pass
+        state.batcher = MicroBatcher(encoder.embed, max_items=encoder.batch_size, on_batch=state.metrics.on_batch)
         state.encoder = encoder
         if on_ready is not None:
             on_ready()
@@ -171,7 +166,7 @@ def build_pooling_app(
         tokens = await asyncio.to_thread(_check_lengths, encoder, texts, "input")  # off the event loop
         vectors = await batcher.submit(texts)
         b64 = req.encoding_format == "base64"
-        data = [EmbeddingData(index=i, embedding=_encode(v, b64)) for i, v in enumerate(vectors)]
+        data = [EmbeddingData(index=i, embedding=embedding_json(v, b64)) for i, v in enumerate(vectors)]
         s.metrics.finished(tokens, started)
         return EmbeddingResponse(model=model, data=data, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
@@ -190,7 +185,7 @@ def build_pooling_app(
         tokens += await asyncio.to_thread(_check_lengths, encoder, docs, "documents")
         vectors = np.stack(await batcher.submit([req.query, *docs]))
         scores = cosine_scores(vectors[0], vectors[1:])
-        order = sorted(range(len(docs)), key=lambda i: -float(scores[i]))[: req.top_n]
+        order = rerank_order(scores, req.top_n)
         results = [RerankResult(index=i, relevance_score=float(scores[i]),
                                 document=RerankDocument(text=docs[i]) if req.return_documents else None)
                    for i in order]  # fmt: skip
@@ -227,8 +222,3 @@ def _check_lengths(encoder: SentenceEncoder, texts: list[str], param: str) -> in
                            param=param)  # fmt: skip
     return sum(counts)
 
-
-def _encode(vector: np.ndarray, b64: bool) -> list[float] | str:
-    if b64:
-        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
-    return [float(x) for x in vector]

@@ -3,9 +3,13 @@ the rerank API that vLLM, Cohere and Jina share (/v1/rerank)."""
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Literal
+
+import numpy as np
 
 from pydantic import BaseModel, Field
 
@@ -65,3 +69,15 @@ class RerankResponse(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     usage: PoolingUsage
     results: list[RerankResult]
+
+
+def embedding_json(vector: Sequence[float], b64: bool) -> list[float] | str:
+    """One embedding as OpenAI sends it: a list of floats, or base64 of little-endian float32."""
+    if b64:
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    return [float(x) for x in vector]
+
+
+def rerank_order(scores: Sequence[float], top_n: int | None) -> list[int]:
+    """Document indices, best score first, the first `top_n` (all when None)."""
+    return sorted(range(len(scores)), key=lambda i: -float(scores[i]))[:top_n]

@@ -79,8 +79,7 @@ def run_embed(args: argparse.Namespace) -> None:
     name = args.served_model_name or default_name
     config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key)
     _serve(lambda on_fatal, on_ready: build_pooling_app(
-        config, lambda: SentenceEncoder(model, device, args.max_batch_inputs), args.max_batch_inputs, on_fatal,
-        on_ready,
+        config, lambda: SentenceEncoder(model, device, args.max_batch_inputs), on_fatal, on_ready,
     ), args, f"embeddings of {model} as {name}")  # fmt: skip
 
 

@@ -52,12 +52,17 @@ class ServerState:
         return self.engine
 
     def resolve_model(self, requested: str | None) -> str:
-        names = self.config.served_model_names
-        if requested is None or requested == "":
-            return names[0]
-        if requested not in names:
-            raise APIError(404, f"The model `{requested}` does not exist.", code="model_not_found", param="model")
-        return requested
+        return resolve_model(self.config, requested)
+
+
+def resolve_model(config: ServerConfig, requested: str | None) -> str:
+    """The served name a request asks for (the first when it names none); 404 otherwise."""
+    names = config.served_model_names
+    if not requested:
+        return names[0]
+    if requested not in names:
+        raise APIError(404, f"The model `{requested}` does not exist.", code="model_not_found", param="model")
+    return requested
 
 
 def get_state(request: Request) -> ServerState:
