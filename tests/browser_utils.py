@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+from server_utils import stop_process
 from websockets.sync.client import connect
 
 # the flags this machine needs: no sandbox as root, and nothing that reaches for the network
@@ -92,9 +93,4 @@ class Browser:
         try:
             self._closing.close()
         finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 10)

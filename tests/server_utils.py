@@ -23,6 +23,18 @@ def children(pid: int, recursive: bool = False) -> list[int]:
     return found
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> int:
+    """SIGTERM, then SIGKILL after `timeout` seconds; the exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 @dataclass
 class ServerProcess:
     proc: subprocess.Popen
@@ -34,14 +46,7 @@ class ServerProcess:
             return f.read()
 
     def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def spawn(cmd: list[str], port: int, log_path: str) -> ServerProcess:
