@@ -65,7 +65,7 @@ def _serve(build: Callable[[Callable[[str], None], Callable[[], None]], Any], ar
 
 def run_embed(args: argparse.Namespace) -> None:
     """`--task embed`: the model is a sentence-transformers folder; the engine flags do not apply."""
-    from llmserve.config import DEFAULT_MODEL_DIR, _default_served_name
+    from llmserve.config import DEFAULT_MODEL_DIR, _default_served_name, _resolve_device
     from llmserve.pooling import SentenceEncoder, default_embedding_model_dir
     from llmserve.serve.pooling_app import build_pooling_app
     from llmserve.serve.state import ServerConfig
@@ -75,18 +75,12 @@ def run_embed(args: argparse.Namespace) -> None:
     model = args.model_tag or (args.model if args.model != str(DEFAULT_MODEL_DIR) else None)
     default_name = "all-MiniLM-L6-v2" if model is None else _default_served_name(model)
     model = model or default_embedding_model_dir()
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and _cuda_available()) else "cpu"
+    device = _resolve_device(args.device)  # as for the engine: a GPU asked for but absent fails here
     name = args.served_model_name or default_name
     config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key)
     _serve(lambda on_fatal, on_ready: build_pooling_app(
         config, lambda: SentenceEncoder(model, device, args.max_batch_inputs), on_fatal, on_ready,
     ), args, f"embeddings of {model} as {name}")  # fmt: skip
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run(args: argparse.Namespace) -> None:
