@@ -94,6 +94,7 @@ class EngineConfig:
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
     tensor_parallel_size: int = 1
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
+    max_mixed_graph_tokens: int = 0  # resolved: steps with prefill tokens up to this run piecewise graphs
 
 
 @dataclass
@@ -121,6 +122,7 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | reference | triton
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
     async_scheduling: bool = True  # schedule the next step while the device runs this one
+    max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -162,7 +164,10 @@ class EngineArgs:
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
         tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device)
         overlap = self.async_scheduling and tp == 1  # tensor-parallel workers do not see sampled tokens
-        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap)
+        if self.max_mixed_graph_tokens < 0:
+            raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
+        mixed = 0 if eager else self.max_mixed_graph_tokens
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed)
 
 
 def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:

@@ -1,9 +1,18 @@
-"""CUDA graphs for decode-only batches: one graph per padded batch size.
+"""CUDA graphs: whole-model graphs for decode-only batches, piecewise graphs for the rest.
 
-All graphs share one memory pool and one set of static input buffers; a batch is
-copied into the buffers of the smallest captured size that holds it. Padded rows write
-no KV (slot -1) and attend to one position of block 0; their outputs are ignored.
-Capture goes largest first, so the pool is sized by the largest graph.
+`DecodeGraphs`: one graph per padded batch size. All graphs share one memory pool and one
+set of static input buffers; a batch is copied into the buffers of the smallest captured
+size that holds it. Padded rows write no KV (slot -1) and attend to one position of block
+0; their outputs are ignored. Capture goes largest first, so the pool is sized by the
+largest graph.
+
+`PiecewiseGraphs`: batches with prefill tokens (a prompt, a chunk, mixed with decodes).
+The attention launch depends on the batch's shape beyond its token count (sequences, query
+lengths), so attention runs eagerly with the real metadata, and the pieces between the
+attention calls (norms, projections, rotary, MLP: row-wise, so padding rows cannot change
+real ones) replay from graphs captured per padded token count. Without graphs (CPU, or
+before capture) the same pieces run eagerly through the same buffers: the reference the
+tests compare against the model's plain forward.
 """
 
 from __future__ import annotations
@@ -95,3 +104,95 @@ class DecodeGraphs:
             self.block_tables[n:size].zero_()
         graph.replay()
         return out[:n]
+
+
+def mixed_capture_sizes(top: int) -> list[int]:
+    """Token counts of the piecewise graphs, up to `top`: every 16 up to 128, every 32 up
+    to 512, then every 64 (padding stays under ~12 %)."""
+    if top <= 0:
+        return []
+    sizes = list(range(16, 129, 16)) + list(range(160, 513, 32)) + list(range(576, top + 1, 64))
+    sizes = [s for s in sizes if s <= top]
+    if not sizes or sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: torch.nn.Module, max_tokens: int, device: torch.device) -> None:
+        """`model`: a causal LM whose `.model` has first/middle/last pieces and `.layers`;
+        its `shard` gives this rank's head counts."""
+        self.inner = model.model
+        self.layers = [layer.self_attn for layer in self.inner.layers]
+        a = model.shard
+        dtype = self.inner.norm.weight.dtype
+        self.num_heads, self.head_dim = a.num_heads, a.head_dim
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.q = torch.zeros((max_tokens, a.num_heads, a.head_dim), dtype=dtype, device=device)
+        self.k = torch.zeros((max_tokens, a.num_kv_heads, a.head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros((max_tokens, a.num_heads * a.head_dim), dtype=dtype, device=device)
+        self.residual = torch.zeros((max_tokens, a.hidden_size), dtype=dtype, device=device)
+        self.hidden = torch.zeros_like(self.residual)
+        self.sizes = mixed_capture_sizes(max_tokens)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+
+    def _piece(self, i: int, n: int) -> None:
+        """Piece i over the first n rows of the buffers: its outputs are copied into them."""
+        if i == 0:
+            q, k, v, residual = self.inner.first_piece(self.input_ids[:n], self.positions[:n])
+        elif i < len(self.layers):
+            q, k, v, residual = self.inner.middle_piece(i, self.attn_out[:n], self.residual[:n], self.positions[:n])
+        else:
+            self.hidden[:n].copy_(self.inner.last_piece(self.attn_out[:n], self.residual[:n]))
+            return
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+        self.residual[:n].copy_(residual)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        for n in sorted(self.sizes, reverse=True):
+            graphs = []
+            for i in range(len(self.layers) + 1):
+                self._piece(i, n)  # warm up: compile kernels, pick GEMM algorithms
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._piece(i, n)
+                pool = graph.pool()
+                graphs.append(graph)
+            self.graphs[n] = graphs
+        logger.info("captured piecewise CUDA graphs for %d token counts up to %d (%d graphs)",
+                    len(self.sizes), self.sizes[-1], len(self.sizes) * (len(self.layers) + 1))
+
+    def padded_size(self, n: int) -> int | None:
+        for size in self.sizes:
+            if size >= n:
+                return size
+        return None
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Inputs of the real batch (n tokens, on the device); `fill` completes the input
+        ids. Returns hidden [n, H]. Pieces replay their graphs when captured, else run."""
+        n = input_ids.shape[0]
+        size = self.padded_size(n)
+        graphs = self.graphs.get(size)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        if fill is not None:
+            fill(self.input_ids[:n])
+        self.positions[:n].copy_(positions, non_blocking=True)
+        for i in range(len(self.layers) + 1):
+            if i > 0:  # attention of layer i-1, on the real rows only, into the next piece's input
+                out = self.attn_out[:n].view(n, self.num_heads, self.head_dim)
+                self.layers[i - 1].attend(self.q[:n], self.k[:n], self.v[:n], meta, out=out)
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._piece(i, size)
+        return self.hidden[:n]

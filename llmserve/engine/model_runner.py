@@ -22,7 +22,7 @@ import torch
 
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.block_table import BlockTableBuffer
-from llmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
@@ -81,10 +81,13 @@ class BatchInputs:
     fill_rows: list[int]
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
         def t(values, dtype):
             return to_device(values, dtype, device)
 
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=t(self.slot_mapping, torch.long),
             query_start_loc=t(self.query_start_loc, torch.int32),
             seq_lens=t(self.seq_lens, torch.int32),
@@ -92,7 +95,6 @@ class BatchInputs:
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
         )
-        return t(self.input_ids, torch.long), t(self.positions, torch.long), meta
 
 
 @dataclass(slots=True)
@@ -159,6 +161,7 @@ class ModelRunner:
         self.max_blocks = -(-mc.max_model_len // self.block_size)
         self.block_tables = BlockTableBuffer(sc.max_num_seqs, self.max_blocks)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
 
     # -- KV cache sizing ----------------------------------------------------------------
@@ -299,14 +302,26 @@ class ModelRunner:
             captured = 0
         if not self.tp.min_over_ranks(captured):  # every rank takes the same path
             self.graphs = None
+        mixed_tokens = min(self.config.max_mixed_graph_tokens, sc.max_num_batched_tokens)
+        if self.graphs is None or mixed_tokens <= 0:
+            return
+        self.mixed_graphs = PiecewiseGraphs(self.model, mixed_tokens, self.device)
+        try:
+            self.mixed_graphs.capture()
+            captured = 1
+        except Exception:  # noqa: BLE001 - as above
+            logger.exception("piecewise CUDA graph capture failed; mixed steps run eagerly")
+            captured = 0
+        if not self.tp.min_over_ranks(captured):
+            self.mixed_graphs = None
 
     def release_cuda_graphs(self) -> None:
         """Destroy the decode graphs. Called on every rank before it leaves the process
         group: a graph that captured an NCCL collective holds a reference on the
         communicator, and NCCL's teardown waits until every such graph is gone."""
-        if self.graphs is None:
+        if self.graphs is None and self.mixed_graphs is None:
             return
-        self.graphs = None
+        self.graphs = self.mixed_graphs = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -359,6 +374,13 @@ class ModelRunner:
                 staged(batch.slot_mapping, torch.long, self.device),
                 staged(batch.seq_lens, torch.int32, self.device),
                 staged(batch.block_tables, torch.int32, self.device),
+                fill,
+            )
+        if self.mixed_graphs is not None and self.mixed_graphs.padded_size(len(batch.input_ids)) is not None:
+            return self.mixed_graphs.run(
+                staged(batch.input_ids, torch.long, self.device),
+                staged(batch.positions, torch.long, self.device),
+                batch.metadata(self.device),
                 fill,
             )
         input_ids, positions, meta = batch.to_device(self.device)

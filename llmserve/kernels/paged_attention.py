@@ -467,6 +467,7 @@ def triton_paged_attention(
     *,
     num_splits: int | None = None,
     config: AttnLaunchConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for `reference_paged_attention`: write the new K/V, then attend.
 
@@ -475,7 +476,7 @@ def triton_paged_attention(
     reference's.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config)
+    return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out)
 
 
 __all__ = [

@@ -36,6 +36,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
+        out: torch.Tensor | None = None,  # [T, Hq, D] to write the result into
     ) -> torch.Tensor: ...
 
 
@@ -70,14 +72,18 @@ def reference_paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the new K/V, then attend each sequence's new queries over its whole context.
 
-    q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D]. Causal: the query at position p
-    sees keys at positions <= p. One SDPA call per sequence keeps it obviously correct.
+    q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D] (`out`, if given). Causal: the query
+    at position p sees keys at positions <= p. One SDPA call per sequence keeps it obviously
+    correct.
     """
     write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     for i, seq_len in enumerate(seq_lens):

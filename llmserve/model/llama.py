@@ -46,9 +46,10 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # shared by every layer; a list keeps it out of this module's state
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D], rotated: everything before the cache."""
         a = self.arch
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
@@ -58,8 +59,14 @@ class Attention(nn.Module):
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
-        out = self.backend(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(-1, a.q_size))
+        return q, k, v
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Write k/v to the cache and attend over it: [T, q_size] (into `out` if given)."""
+        return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out).reshape(-1, self.arch.q_size)
 
 
 class MLP(nn.Module):
@@ -92,13 +99,23 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.begin(positions, x, residual)
+        return self.finish(self.self_attn.attend(q, k, v, meta), residual)
+
+    def begin(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before attention: norm (adding the residual), project: (q, k, v, residual)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return (*self.self_attn.project(positions, x), residual)
+
+    def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention: output projection, norm (adding the residual), MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 
@@ -124,6 +141,25 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    # The forward cut at its attention calls, for piecewise CUDA graphs (attention, whose
+    # launch depends on the batch's shape beyond its token count, runs between pieces):
+    # piece 0 = embedding + layer 0 before attention; piece i = layer i-1 after attention
+    # + layer i before it; the last piece = the last layer after attention + final norm.
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.layers[0].begin(positions, self.embed_tokens(input_ids), None)
+
+    def middle_piece(
+        self, i: int, attn_out: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, residual = self.layers[i - 1].finish(attn_out, residual)
+        return self.layers[i].begin(positions, x, residual)
+
+    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        x, residual = self.layers[-1].finish(attn_out, residual)
+        return self.norm(x, residual)[0]
 
 
 # Hugging Face name fragment -> (fused parameter fragment, shard index)

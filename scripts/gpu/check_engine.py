@@ -1,7 +1,8 @@
 """GPU correctness of the whole engine (run on the device machine).
 
 1. Small float32 random models of every architecture: greedy tokens from the GPU path
-   (Triton attention + CUDA graphs) must equal the PyTorch reference path and
+   (Triton attention + CUDA graphs: whole graphs for decode steps, piecewise graphs for
+   steps with prefill tokens, or those eager) must equal the PyTorch reference path and
    transformers' generate().
 2. bf16: a ~1B-shaped random model; the fraction of generated positions where the
    engine's token equals transformers' bf16 argmax under teacher forcing.
@@ -74,6 +75,7 @@ def check_float32(tmp: Path) -> list[dict]:
             "triton-eager": dict(dtype="float32", attention_backend="triton", enforce_eager=True),
             "triton-graphs": dict(dtype="float32", attention_backend="triton"),
             "triton-graphs-chunked16": dict(dtype="float32", attention_backend="triton", max_num_batched_tokens=16),
+            "triton-graphs-no-piecewise": dict(dtype="float32", attention_backend="triton", max_mixed_graph_tokens=0),
         }
         for name, kw in variants.items():
             try:

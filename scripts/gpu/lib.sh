@@ -22,7 +22,8 @@ setup_env() {  # packages the GPU image lacks travel as wheels in .whl
 }
 
 start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (prints the start-up time)
-  python3 -m llmserve serve $ENGINE --port 8000 --log-level warning > "$OUT/server.log" 2>&1 &
+  # $SERVER_ARGS: extra engine flags; $TAG: suffix of this server's files
+  python3 -m llmserve serve $ENGINE ${SERVER_ARGS:-} --port 8000 --log-level warning > "$OUT/server${TAG:-}.log" 2>&1 &
   server=$!
   python3 - "$server" "${1:-200}" <<'PY' | tee "$OUT/server_startup.txt" || return 1
 import os, sys, time, urllib.request
@@ -40,13 +41,15 @@ while time.time() - start < limit:
     time.sleep(0.25)
 print(f"server not healthy after {limit:.0f} s"); sys.exit(1)
 PY
+  grep -i "captured" "$OUT/server${TAG:-}.log" | head -3
 }
 
-bench_serve() {  # bench_serve RATE: workload (d), 400 requests of 512/256
-  local rate=$1
+bench_serve() {  # bench_serve RATE [NAME]: workload (d), 400 requests of 512/256
+  local rate=$1 name=${2:-d_rate$1}
   timeout 150 python3 -m llmserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 400 \
     --input-len 512 --output-len 256 --ignore-eos --request-rate "$rate" --vocab-size 128256 \
-    --percentiles 50,90,99 --output-json "$OUT/d_rate$rate.json" --plot "$OUT/d_rate$rate.png" \
-    --disable-tqdm > "$OUT/d_rate$rate.log" 2>&1
-  grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed" "$OUT/d_rate$rate.log" | head -24
+    --percentiles 50,90,99 --output-json "$OUT/$name.json" --plot "$OUT/$name.png" \
+    --disable-tqdm > "$OUT/$name.log" 2>&1
+  echo "--- $name"
+  grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed" "$OUT/$name.log" | head -24
 }

@@ -1,6 +1,7 @@
 """Where batch-1 time to first token goes on the 8B shape (512-token prompt): generate()
 with max_tokens=1 timed for greedy and random sampling, then one such call under the torch
-profiler (top CUDA kernels, and the host time around them)."""
+profiler (top CUDA kernels, and the host time around them). MIXED=0: the prefill step eager
+(no piecewise CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ MODEL = os.environ.get("M", "/tmp/llama8b")
 
 
 def main() -> None:
-    llm = LLM(MODEL, load_format="dummy", max_model_len=int(os.environ.get("MAX_LEN", 2048)), max_num_seqs=8)
+    llm = LLM(MODEL, load_format="dummy", max_model_len=int(os.environ.get("MAX_LEN", 2048)), max_num_seqs=8,
+              max_mixed_graph_tokens=int(os.environ.get("MIXED", 1024)))
     rng = random.Random(0)
 
     def once(temperature: float) -> float:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call(s) (H200): the 8B-shaped offline workloads (a) (b) (c) ((a) also with async
 # scheduling off), the engine's GPU correctness check (and tensor parallelism's, given two
-# GPUs), the Hugging Face baseline and the structured-outputs check. Results land in $OUT.
+# GPUs), the Hugging Face baseline, the structured-outputs check, and batch-1 TTFT with and
+# without piecewise CUDA graphs. Results land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,3 +18,5 @@ run b "${T_B:-90}" python3 -m llmserve bench latency --model $M --load-format du
 run c "${T_C:-140}" python3 -m llmserve bench throughput $ENGINE --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$OUT/c.json"
 run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --no-async-scheduling --output-json "$OUT/a_sync.json"
 run structured "${T_STRUCT:-150}" python3 scripts/gpu/check_structured.py
+run ttft "${T_TTFT:-120}" python3 scripts/gpu/probe_ttft.py
+run ttft_eager "${T_TTFT:-120}" env MIXED=0 python3 scripts/gpu/probe_ttft.py

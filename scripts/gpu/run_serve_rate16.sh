@@ -4,6 +4,5 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 setup_env
 start_server
-grep -i "compiled\|captured" "$OUT/server.log" | head -3
 bench_serve 16
 kill -TERM $server; wait $server; true
