@@ -115,6 +115,8 @@ def test_latency(llama_dir, tmp_path):
     r = json.loads(out.read_text())
     assert r["batch_size"] == 2 and len(r["latencies"]) == 3 and len(r["ttfts"]) == 3
     assert 0 < r["ttft_ms"] and 0 < r["tpot_ms"] and r["weight_bandwidth_gb_s"] > 0
+    ttft, whole = sorted(r["ttfts"])[1], sorted(r["latencies"])[1]  # medians: one stall moves neither
+    assert r["ttft_ms"] == pytest.approx(ttft * 1000) and r["tpot_ms"] == pytest.approx((whole - ttft) / 5 * 1000)
     assert r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
     assert min(r["latencies"]) <= r["percentiles"]["50"] <= r["percentiles"]["90"] <= r["percentiles"]["99"]
 
