@@ -18,6 +18,7 @@ from conftest import hf_greedy
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.cuda_graphs import PiecewiseGraphs, mixed_capture_sizes
+from llmserve.engine.model_runner import graph_memory_reserve
 
 
 def test_capture_sizes_cover_every_count_up_to_the_top():
@@ -88,3 +89,14 @@ def test_mixed_graph_tokens_flag():
     assert EngineArgs(device="cpu").create_engine_config().max_mixed_graph_tokens == 0  # no graphs on CPU
     with pytest.raises(ConfigError, match="max_mixed_graph_tokens"):
         EngineArgs(device="cpu", max_mixed_graph_tokens=-1).create_engine_config()
+
+
+def test_graph_memory_comes_out_of_the_kv_budget():
+    config = EngineArgs(device="cpu").create_engine_config()
+    assert graph_memory_reserve(config, activations=16 << 30, num_tokens=16384) == 0  # eager: no graphs
+    config.enforce_eager, config.max_mixed_graph_tokens = False, 1024
+    assert graph_memory_reserve(config, activations=16 << 30, num_tokens=16384) == (1 << 30) + (1 << 30)
+    config.max_mixed_graph_tokens = 0
+    assert graph_memory_reserve(config, activations=16 << 30, num_tokens=16384) == 1 << 30
+    config.max_mixed_graph_tokens = 4096  # beyond the step budget: capped by it
+    assert graph_memory_reserve(config, activations=3 << 30, num_tokens=2048) == (1 << 30) + (3 << 30)

@@ -17,6 +17,7 @@ tests compare against the model's plain forward.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 
@@ -25,6 +26,12 @@ import torch
 from llmserve.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+def padded_size(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` that holds n (None: n is beyond them all)."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
@@ -76,10 +83,7 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def padded_size(self, n: int) -> int | None:
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return padded_size(self.sizes, n)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -170,10 +174,7 @@ class PiecewiseGraphs:
                     len(self.sizes), self.sizes[-1], len(self.sizes) * (len(self.layers) + 1))
 
     def padded_size(self, n: int) -> int | None:
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
+        return padded_size(self.sizes, n)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -124,6 +124,16 @@ def on_every_rank(method: Callable) -> Callable:
     return call
 
 
+def graph_memory_reserve(config: EngineConfig, activations: int, num_tokens: int) -> int:
+    """Bytes the CUDA graphs will hold, kept out of the KV budget: 1 GiB for the decode
+    graphs, plus the piecewise graphs' pool, which holds the activations of their largest
+    token count (a share of the `activations` the profile run needed for `num_tokens`)."""
+    if config.enforce_eager:
+        return 0
+    mixed_tokens = min(config.max_mixed_graph_tokens, num_tokens)
+    return (1 << 30) + activations * mixed_tokens // num_tokens
+
+
 def select_attention_backend(name: str) -> AttentionBackend:
     if name == "triton":
         from llmserve.kernels import triton_paged_attention
@@ -228,7 +238,8 @@ class ModelRunner:
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
         # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
         sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
-        graphs = 0 if self.config.enforce_eager else 1 << 30
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        graphs = graph_memory_reserve(self.config, activations=max(0, peak - kv_bytes - weights), num_tokens=num_tokens)
         budget = budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
         return self.tp.min_over_ranks(budget)
 
