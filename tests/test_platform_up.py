@@ -96,6 +96,9 @@ def test_structured_outputs_and_logit_bias_reach_the_triton_chat_model(client):
     assert forced.choices[0].text != free.choices[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="chat", prompt="x", max_tokens=2, logit_bias={"x": 1})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tool calling is served by llmserve"):
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "x"}], tools=[tool])
 
 
 def test_embeddings_equal_sentence_transformers(client, up, sbert):

@@ -119,6 +119,8 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
     payload = ctx.payload
     if (payload.get("n") or 1) != 1:
         raise BadRequest("n > 1 is not supported by Triton chat models")
+    if payload.get("tools") and payload.get("tool_choice", "auto") != "none":
+        raise BadRequest("tool calling is served by llmserve (OpenAI API) upstreams, not by Triton chat models")
     params: dict = {}
     for name, cast in SAMPLING.items():
         value = payload.get("max_completion_tokens" if name == "max_tokens" and "max_completion_tokens" in payload

@@ -15,6 +15,7 @@ from llmserve import __version__
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.serve.chat import create_chat_completion, render_chat
+from llmserve.serve.tools import template_messages
 from llmserve.serve.completions import create_completion
 from llmserve.serve.errors import APIError, install_error_handlers
 from llmserve.serve.protocol import (
@@ -101,7 +102,7 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if req.messages is not None:
-            ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt)
+            ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt)
         else:
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len, tokens=ids)

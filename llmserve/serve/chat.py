@@ -17,30 +17,35 @@ from llmserve.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
 from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
+from llmserve.serve.tools import ToolPlan, plan_tools, template_messages
 
 
 def render_chat(
-    tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage], add_generation_prompt: bool = True,
-    template_kwargs: dict | None = None,
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None, tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids of the conversation as the model's chat template writes it."""
+    """Token ids of the conversation (`tools.template_messages`) as the model's chat template
+    writes it, with the tools the request offers."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template: use /v1/completions", code="no_chat_template")
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    kwargs = dict(template_kwargs or {})
+    if tools:
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
-            plain, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
     except Exception as exc:  # a template may reject a conversation (e.g. role order)
         raise APIError(400, f"the chat template rejected the messages: {exc}") from None
@@ -71,16 +76,21 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     model = state.resolve_model(req.model)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
-    ids = render_chat(engine.tokenizer, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    tools = plan_tools(req, state.config.tool_call_parser)
+    ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs,
+                      tools.template_tools if tools else None)  # fmt: skip
     max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(), engine.model_config.max_model_len)
     params = req.to_sampling_params(max_tokens)
+    if tools is not None and tools.constraint is not None:
+        params.structured_outputs = tools.constraint
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("chatcmpl")
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
     if req.stream:
-        return StreamingResponse(sse_stream(_stream(req, model, request_id, stream)), media_type="text/event-stream")
+        events = _stream(req, model, request_id, stream, tools)
+        return StreamingResponse(sse_stream(events), media_type="text/event-stream")
     final = await run_until_disconnect(request, _last(stream))
-    return JSONResponse(_response(req, model, request_id, final).model_dump())
+    return JSONResponse(_response(req, model, request_id, final, tools).model_dump())
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -90,17 +100,19 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _response(req: ChatCompletionRequest, model: str, request_id: str, final: RequestOutput) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
+def _response(
+    req: ChatCompletionRequest, model: str, request_id: str, final: RequestOutput, tools: ToolPlan | None
+) -> ChatCompletionResponse:  # fmt: skip
+    choices = []
+    for out in final.outputs:
+        content, calls = tools.parse(out.text) if tools else (out.text, [])
+        choices.append(ChatChoice(
             index=out.index,
-            message=ChatResponseMessage(content=out.text),
+            message=ChatResponseMessage(content=content, tool_calls=calls),
             logprobs=chat_logprobs(out, 0) if req.logprobs else None,
-            finish_reason=out.finish_reason,
+            finish_reason=tools.finish_reason(calls, out.finish_reason) if tools else out.finish_reason,
             stop_reason=out.stop_reason,
-        )
-        for out in final.outputs
-    ]
+        ))  # fmt: skip
     prompt = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)
     usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
@@ -108,8 +120,12 @@ def _response(req: ChatCompletionRequest, model: str, request_id: str, final: Re
 
 
 async def _stream(
-    req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput]
+    req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput],
+    tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
+    """Text deltas as they come; a named tool's arguments as deltas of its call; with
+    "required" or "auto" tools the whole message in one delta at the end (whether the text
+    holds calls is known only then)."""
     created = int(time.time())
     deltas = DeltaTracker()
     role_sent: set[int] = set()
@@ -128,10 +144,30 @@ async def _stream(
             delta = deltas.next(i, comp)
             if delta is None:
                 continue
+            if tools is not None and tools.buffered:
+                if comp.finish_reason is None:
+                    continue
+                content, calls = tools.parse(comp.text)
+                message = DeltaMessage(content=content, tool_calls=[
+                    DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
+                    for k, c in enumerate(calls)
+                ] or None)  # fmt: skip
+                yield chunk([ChatStreamChoice(
+                    index=i, delta=message, logprobs=chat_logprobs(comp, 0) if req.logprobs else None,
+                    finish_reason=tools.finish_reason(calls, comp.finish_reason), stop_reason=comp.stop_reason,
+                )])  # fmt: skip
+                continue
             logprobs = chat_logprobs(comp, delta.token_from) if req.logprobs else None
+            message = DeltaMessage(content=delta.text)
+            if tools is not None and tools.mode == "named":  # the text is the call's arguments
+                first = delta.token_from == 0
+                message = DeltaMessage(tool_calls=[DeltaToolCall(
+                    index=0, id=random_id("chatcmpl-tool") if first else None, type="function" if first else None,
+                    function=DeltaFunctionCall(name=tools.function if first else None, arguments=delta.text),
+                )])  # fmt: skip
             yield chunk([
                 ChatStreamChoice(
-                    index=i, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
+                    index=i, delta=message, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                 )
             ])  # fmt: skip

@@ -29,6 +29,10 @@ def add_parser(subparsers) -> None:
                    help="generate: completions and chat (an llmserve engine); embed: /v1/embeddings and "
                    "/v1/rerank from a sentence-transformers model (default all-MiniLM-L6-v2)")  # fmt: skip
     p.add_argument("--max-batch-inputs", type=int, default=64, help="--task embed: texts encoded in one batch")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model\'s output is read for tool calls (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,  # serve/tools.TOOL_CALL_PARSERS
+                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)")
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 
@@ -91,6 +95,8 @@ def run(args: argparse.Namespace) -> None:
     from llmserve.serve.app import build_app
     from llmserve.serve.state import ServerConfig
 
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise SystemExit("llmserve serve: --enable-auto-tool-choice and --tool-call-parser go together")
     engine_config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, fast
     mc = engine_config.model_config
     config = ServerConfig(
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> None:
         model_path=mc.model,
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
+        tool_call_parser=args.tool_call_parser,
     )
     _serve(lambda on_fatal, on_ready: build_app(config, lambda: AsyncEngine(engine_config), on_fatal, on_ready),
            args, mc.served_model_name)  # fmt: skip

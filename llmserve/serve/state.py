@@ -24,6 +24,7 @@ class ServerConfig:
     model_path: str
     api_key: str | None = None
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
 
 
 @dataclass

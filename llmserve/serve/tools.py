@@ -1,0 +1,168 @@
+"""Tool calling in `/v1/chat/completions`: OpenAI's `tools` and `tool_choice`, as vLLM does it.
+
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is
+  constrained (structured outputs) to that function's parameters schema; the output is the
+  call's arguments. finish_reason "stop".
+- "required": constrained to a JSON array of `{"name": ..., "parameters": ...}` objects, each
+  one of the tools (a single call when `parallel_tool_calls` is false). finish_reason
+  "tool_calls".
+- "auto" (the default when tools are given): the model decides; the server's tool-call parser
+  reads its output (`--enable-auto-tool-choice --tool-call-parser hermes`: `<tool_call>{"name":
+  ..., "arguments": ...}</tool_call>` blocks, the format Hermes and Qwen 2.5/3 models are trained
+  to write). Without a parser "auto" is a 400, as in vLLM.
+- "none": the tools only reach the chat template.
+
+The tools always reach the chat template (`tools=`), except with "none".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.serve.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice, ToolCall
+
+TOOL_CALL_PARSERS = ("hermes",)
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request's tools are served."""
+
+    mode: Literal["none", "auto", "required", "named"]
+    template_tools: list[dict] | None  # what the chat template gets as `tools`
+    constraint: StructuredOutputsParams | None  # the output constraint the mode needs
+    function: str | None = None  # the named function
+    parser: str | None = None  # "auto": the tool-call parser
+
+    @property
+    def buffered(self) -> bool:
+        """Does a stream hold its text back until the end (calls are known only then)?"""
+        return self.mode in ("required", "auto")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a finished output."""
+        if self.mode == "named":
+            return None, [ToolCall(function=FunctionCall(name=self.function, arguments=text))]
+        if self.mode == "required":
+            return _parse_required(text)
+        if self.mode == "auto":
+            return parse_hermes(text)
+        return text, []
+
+    def finish_reason(self, calls: list[ToolCall], finish_reason: str | None) -> str | None:
+        """OpenAI's and vLLM's: "tool_calls" when the model chose to call (auto, required)."""
+        if calls and self.mode in ("auto", "required") and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
+
+
+def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
+    """The request's tool plan (None: no tools involved); ValueError: a 400."""
+    tools = req.tools or []
+    choice = req.tool_choice
+    if not tools:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools")
+        return None
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise ValueError("tool function names must be unique")
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan("none", None, None)
+    if choice != "auto" and req.structured_outputs_params() is not None:  # they constrain the output themselves
+        raise ValueError("a named or required tool_choice cannot be combined with response_format, "
+                         "structured_outputs or guided_* fields")  # fmt: skip
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
+        params = tools[names.index(name)].function.parameters or {"type": "object"}
+        return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(params)), function=name)
+    if choice == "required":
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                              "parameters": t.function.parameters or {"type": "object"}},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in tools
+        ]}}  # fmt: skip
+        if req.parallel_tool_calls is False:
+            calls["maxItems"] = 1
+        return ToolPlan("required", template_tools, StructuredOutputsParams(json=_schema(calls)))
+    if parser is None:
+        raise ValueError('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
+                         '--tool-call-parser; use tool_choice "required" or a named function instead')  # fmt: skip
+    return ToolPlan("auto", template_tools, None, parser=parser)
+
+
+def _schema(schema: dict) -> str:
+    try:
+        return json.dumps(schema)
+    except (RecursionError, ValueError, TypeError):
+        raise ValueError("a tool's parameters schema is nested too deeply or is not JSON") from None
+
+
+def _arguments(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
+    try:
+        items = json.loads(text)
+    except ValueError:  # cut short (max_tokens): no calls, the text as content
+        return text, []
+    calls = [ToolCall(function=FunctionCall(name=i["name"], arguments=_arguments(i.get("parameters", {}))))
+             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]  # fmt: skip
+    return None, calls
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> calls; the text
+    around them is the content. A block that is not such JSON leaves the whole text as
+    content, with no calls (the model did not make a well-formed call)."""
+    if "<tool_call>" not in text:
+        return text, []
+    calls = []
+    for block in _HERMES_BLOCK.findall(text):
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, []
+        calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {})))))
+    content = text[: text.index("<tool_call>")].strip()
+    return content or None, calls
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The conversation as chat templates take it: assistant tool calls (their arguments as
+    objects, which templates render with `tojson`) and tool results with their call ids."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _as_object(c.function.arguments)}}
+                for c in m.tool_calls
+            ]  # fmt: skip
+        out.append(msg)
+    return out
+
+
+def _as_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

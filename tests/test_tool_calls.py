@@ -1,0 +1,190 @@
+"""Tool calling in /v1/chat/completions (`serve/tools.py`): named, required and auto
+(hermes parser), streamed and not, through the official openai client against a real
+server on the shipped model; the parser and the plans on their own; bad requests get 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from llmserve.serve.protocol import ChatCompletionRequest
+from llmserve.serve.tools import TOOL_CALL_PARSERS, parse_hermes, plan_tools
+from server_utils import start_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+    assert args["unit"] in ("c", "f")
+
+
+def request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=MESSAGES, **kw)
+
+
+def test_hermes_parser():
+    content, calls = parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    assert content == "Sure." and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    content, calls = parse_hermes(two)
+    assert content is None and [c.function.name for c in calls] == ["a", "b"] and calls[0].id != calls[1].id
+    unterminated = '<tool_call>{"name": "a", "arguments": {"k": "v"}}'
+    assert parse_hermes(unterminated)[1][0].function.arguments == '{"k": "v"}'
+    for text in ("no calls here", '<tool_call>{"name": "a", "argu', "<tool_call>[1, 2]</tool_call>"):
+        assert parse_hermes(text) == (text, [])  # not a well-formed call: the text stays content
+
+
+def test_plans():
+    assert plan_tools(request(), None) is None
+    assert plan_tools(request(tools=[WEATHER], tool_choice="none"), None).template_tools is None
+    named = plan_tools(request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None)
+    assert named.mode == "named" and json.loads(named.constraint.json) == TIME["function"]["parameters"]
+    assert [t["function"]["name"] for t in named.template_tools] == ["get_weather", "get_time"]
+    required = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None)
+    schema = json.loads(required.constraint.json)
+    assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert plan_tools(request(tools=[WEATHER]), "hermes").mode == "auto"  # the default with tools
+    assert TOOL_CALL_PARSERS == ("hermes",)  # the serve CLI's --tool-call-parser choices
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(tool_choice="required"), "tool_choice needs tools"),
+    (dict(tools=[WEATHER]), '"auto" tool choice needs a server started with'),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
+    (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "unique"),
+    (dict(tools=[WEATHER], tool_choice="required", guided_regex="a"), "cannot be combined"),
+])  # fmt: skip
+def test_bad_plans(kw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        plan_tools(request(**kw), None)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("tools") / "server.log"
+    srv = start_server(["--max-model-len", "512", "--served-model-name", "tiny",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], str(log))  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+
+
+def test_named_function_streamed_and_not(client):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60, temperature=0)
+    done = client.chat.completions.create(**kw)
+    msg = done.choices[0].message
+    assert done.choices[0].finish_reason == "stop" and not msg.content
+    assert len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather" and msg.tool_calls[0].id
+    check_weather(msg.tool_calls[0].function.arguments)
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].id and calls[0].function.name == "get_weather" and all(t.index == 0 for t in calls)
+    assert "".join(t.function.arguments or "" for t in calls) == msg.tool_calls[0].function.arguments
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_streamed_and_not(client, parallel):
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=150,
+              temperature=0, parallel_tool_calls=parallel)  # fmt: skip
+    done = client.chat.completions.create(**kw)
+    calls = done.choices[0].message.tool_calls
+    assert done.choices[0].finish_reason == "tool_calls" and calls and (parallel or len(calls) == 1)
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            check_weather(call.function.arguments)
+        else:
+            assert set(json.loads(call.function.arguments)) == {"zone"}
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(c.function.name, c.function.arguments) for c in calls]
+    assert [t.index for t in streamed] == list(range(len(calls))) and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_parses_hermes_calls(client):
+    """The shipped model does not write tool calls by itself: a regex holds it to the hermes
+    format, which the parser must then read back (as it would from a Qwen model)."""
+    call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}</tool_call>'
+    for stream in (False, True):
+        kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+                  extra_body={"guided_regex": "(Let me check\\. )?" + call})  # fmt: skip
+        if stream:
+            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+            calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            done = client.chat.completions.create(**kw)
+            calls, reason = done.choices[0].message.tool_calls, done.choices[0].finish_reason
+            assert done.choices[0].message.content in (None, "Let me check.")
+        assert reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_time"
+        assert len(json.loads(calls[0].function.arguments)["zone"]) == 3
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason == "length"
+
+
+def test_a_conversation_with_calls_and_results(client):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": '{"temperature": 21}'},
+    ]  # fmt: skip
+    done = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    assert done.choices[0].message.content is not None and done.usage.prompt_tokens > 20
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "not among the tools"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, None),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
+    ({"tools": [{"type": "function"}]}, None),
+    ({"tools": "get_weather"}, None),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+     "invalid structured output (json)"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+])  # fmt: skip
+def test_bad_tool_requests_get_a_400(server, body, message):
+    for stream in (False, True):
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, "stream": stream, **body})
+        assert r.status_code == 400, r.text
+        assert message is None or message in r.json()["error"]["message"]
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_auto_without_a_parser_is_a_400(tmp_path):
+    srv = start_server(["--max-model-len", "256"], str(tmp_path / "server.log"))
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER]})
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions",
+                       json={"messages": MESSAGES, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+    finally:
+        srv.stop()
