@@ -4,6 +4,7 @@
     llm = LLM(model="path/to/hf-folder")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     print(outputs[0].outputs[0].text)
+    replies = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=32))
 
 The engine core runs in this process: offline use has no HTTP thread to protect it from.
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
@@ -81,6 +83,25 @@ class LLM:
             for p in processed:
                 self.core.abort_requests(self.output_processor.abort(p.request_id))
             raise
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or several (OpenAI-shaped message dicts),
+        each written out by the model's chat template (with `tools`, OpenAI-shaped function
+        definitions, if given); vLLM's `LLM.chat`. One output per conversation, in order."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": render_chat(self.tokenizer, list(c), add_generation_prompt, chat_template_kwargs, tools)}
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         """Step until done. The outputs of step N are detokenized while the device runs

@@ -216,3 +216,22 @@ def test_shipped_default_model_matches_transformers_and_reads_as_text():
     chat = tok.apply_chat_template([{"role": "user", "content": "What does `os.getcwd` do?"}], add_generation_prompt=True, tokenize=False)
     answer = llm.generate([ids(*tok.encode(chat, add_special_tokens=False))], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     assert answer.outputs[0].finish_reason == "stop" and answer.outputs[0].text.strip()
+    # vLLM's LLM.chat: the same conversation through the template gives the same reply
+    question = [{"role": "user", "content": "What does `os.getcwd` do?"}]
+    replies = llm.chat([question, question + [{"role": "assistant", "content": "It returns a path."},
+                                              {"role": "user", "content": "Which one?"}]],
+                       SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)  # fmt: skip
+    assert replies[0].outputs[0].token_ids == answer.outputs[0].token_ids and len(replies) == 2
+    assert len(replies[1].prompt_token_ids) > len(replies[0].prompt_token_ids)
+    assert llm.chat(question, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text == answer.outputs[0].text
+
+
+def test_chat_without_a_template_is_a_clear_error(llm):
+    import copy
+
+    from llmserve.chat_template import NoChatTemplateError, render_chat
+
+    tok = copy.copy(llm.get_tokenizer())
+    tok.chat_template = None
+    with pytest.raises(NoChatTemplateError, match="no chat template"):
+        render_chat(tok, [{"role": "user", "content": "hi"}])

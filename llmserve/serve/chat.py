@@ -9,6 +9,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
+from llmserve import chat_template
+from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.serve.errors import APIError
 from llmserve.serve.protocol import (
@@ -35,21 +37,12 @@ from llmserve.serve.tools import ToolPlan, plan_tools, template_messages
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
     template_kwargs: dict | None = None, tools: list[dict] | None = None,
-) -> list[int]:
-    """Token ids of the conversation (`tools.template_messages`) as the model's chat template
-    writes it, with the tools the request offers."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions", code="no_chat_template")
-    kwargs = dict(template_kwargs or {})
-    if tools:
-        kwargs["tools"] = tools
+) -> list[int]:  # fmt: skip
+    """`chat_template.render_chat`, its errors as 400s."""
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-        )
-    except Exception as exc:  # a template may reject a conversation (e.g. role order)
-        raise APIError(400, f"the chat template rejected the messages: {exc}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return chat_template.render_chat(tokenizer, messages, add_generation_prompt, template_kwargs, tools)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), code="no_chat_template" if isinstance(exc, NoChatTemplateError) else None) from None
 
 
 def chat_logprobs(out: CompletionOutput, start: int) -> ChatLogprobs:
