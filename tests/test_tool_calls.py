@@ -45,19 +45,28 @@ def request(**kw) -> ChatCompletionRequest:
 
 def test_hermes_parser():
     content, calls = parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
-    assert content == "Sure." and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    assert content == "Sure.\n" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
     content, calls = parse_hermes(two)
     assert content is None and [c.function.name for c in calls] == ["a", "b"] and calls[0].id != calls[1].id
     unterminated = '<tool_call>{"name": "a", "arguments": {"k": "v"}}'
     assert parse_hermes(unterminated)[1][0].function.arguments == '{"k": "v"}'
-    for text in ("no calls here", '<tool_call>{"name": "a", "argu', "<tool_call>[1, 2]</tool_call>"):
+    for text in ("no calls here", '<tool_call>{"name": "a", "argu', "<tool_call>[1, 2]</tool_call>",
+                 "<tool_call>" + "[" * 100_000):  # nested past the JSON parser's recursion limit
         assert parse_hermes(text) == (text, [])  # not a well-formed call: the text stays content
+
+
+def test_streamable_text_holds_back_what_may_be_a_call():
+    auto = plan_tools(request(tools=[WEATHER]), "hermes")
+    assert auto.streamable_text("Let me check.") == len("Let me check.")
+    assert auto.streamable_text("Let me check. <tool_c") == len("Let me check. ")  # a tag half written
+    assert auto.streamable_text("Hi <tool_call>{") == 3 and auto.streamable_text("a <b") == 4
+    assert plan_tools(request(tools=[WEATHER], tool_choice="required"), None).streamable_text("[{") == 0
 
 
 def test_plans():
     assert plan_tools(request(), None) is None
-    assert plan_tools(request(tools=[WEATHER], tool_choice="none"), None).template_tools is None
+    assert plan_tools(request(tools=[WEATHER], tool_choice="none"), None).template_tools  # as vLLM: still shown
     named = plan_tools(request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None)
     assert named.mode == "named" and json.loads(named.constraint.json) == TIME["function"]["parameters"]
     assert [t["function"]["name"] for t in named.template_tools] == ["get_weather", "get_time"]
@@ -65,6 +74,12 @@ def test_plans():
     schema = json.loads(required.constraint.json)
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
     assert plan_tools(request(tools=[WEATHER]), "hermes").mode == "auto"  # the default with tools
+    defs = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+        "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}}}}}  # fmt: skip
+    schema = json.loads(plan_tools(request(tools=[defs, WEATHER], tool_choice="required"), None).constraint.json)
+    assert schema["$defs"] == {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     assert TOOL_CALL_PARSERS == ("hermes",)  # the serve CLI's --tool-call-parser choices
 
 
@@ -74,6 +89,10 @@ def test_plans():
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
     (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "unique"),
     (dict(tools=[WEATHER], tool_choice="required", guided_regex="a"), "cannot be combined"),
+    (dict(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], tool_choice="required"),
+     "at most 128 tools"),
+    (dict(tools=[{"type": "function", "function": {"name": n, "parameters": {"$defs": {"A": {"type": t}}}}}
+                 for n, t in (("a", "string"), ("b", "integer"))], tool_choice="required"), "differently"),
 ])  # fmt: skip
 def test_bad_plans(kw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -132,19 +151,24 @@ def test_auto_parses_hermes_calls(client):
     """The shipped model does not write tool calls by itself: a regex holds it to the hermes
     format, which the parser must then read back (as it would from a Qwen model)."""
     call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}</tool_call>'
-    for stream in (False, True):
-        kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
-                  extra_body={"guided_regex": "(Let me check\\. )?" + call})  # fmt: skip
-        if stream:
-            chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-            calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            done = client.chat.completions.create(**kw)
-            calls, reason = done.choices[0].message.tool_calls, done.choices[0].finish_reason
-            assert done.choices[0].message.content in (None, "Let me check.")
-        assert reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_time"
-        assert len(json.loads(calls[0].function.arguments)["zone"]) == 3
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
+              extra_body={"guided_regex": "Let me check\\. " + call})  # fmt: skip
+    done = client.chat.completions.create(**kw)
+    calls, reason = done.choices[0].message.tool_calls, done.choices[0].finish_reason
+    assert done.choices[0].message.content == "Let me check. "
+    assert reason == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_time"
+    assert len(json.loads(calls[0].function.arguments)["zone"]) == 3
+    chunks = [c for c in client.chat.completions.create(**kw, stream=True, logprobs=True) if c.choices]
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert len(texts) > 1 and "".join(texts) == "Let me check. "  # the content streamed before the call
+    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(calls[0].function.name, calls[0].function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    logprobs = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert len(logprobs) == done.usage.completion_tokens  # every token's logprob, once
+    two = client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": call + call}, "parallel_tool_calls": False})
+    assert len(two.choices[0].message.tool_calls) == 1  # parallel_tool_calls false: the first call only
+    assert len(client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": call + call}}).choices[0].message.tool_calls) == 2
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason == "length"
 
@@ -157,6 +181,9 @@ def test_a_conversation_with_calls_and_results(client):
     ]  # fmt: skip
     done = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=5)
     assert done.choices[0].message.content is not None and done.usage.prompt_tokens > 20
+    deep = [MESSAGES[0], {"role": "assistant", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]  # fmt: skip
+    assert client.chat.completions.create(model="tiny", messages=deep, max_tokens=3).choices  # kept as text, not a 500
 
 
 @pytest.mark.parametrize("body,message", [

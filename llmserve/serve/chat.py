@@ -76,6 +76,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = req.to_sampling_params(max_tokens)
     if tools is not None and tools.constraint is not None:
         params.structured_outputs = tools.constraint
+    if tools is not None and tools.mode == "auto":  # the parser reads the call tags, special tokens or not
+        params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("chatcmpl")
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
@@ -112,15 +114,41 @@ def _response(
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
+def _held_delta(
+    tools: ToolPlan, comp: CompletionOutput, sent: list[int], logprobs: bool
+) -> tuple[DeltaMessage, ChatLogprobs | None, str | None] | None:  # fmt: skip
+    """The next delta of a choice whose text may hold tool calls: the text a stream may send
+    now (`ToolPlan.streamable_text`), and at the end the calls. `sent`: [chars, tokens]
+    already sent, advanced here. None: nothing to send yet."""
+    done = comp.finish_reason is not None
+    calls: list = []
+    end = tools.streamable_text(comp.text)
+    if done:
+        calls = tools.parse(comp.text)[1]
+        end = end if calls else len(comp.text)  # no calls: the whole text is content
+    text = comp.text[sent[0]:end]
+    if not text and not done:
+        return None
+    sent[0] = max(sent[0], end)
+    message = DeltaMessage(content=text or None, tool_calls=[
+        DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
+        for k, c in enumerate(calls)
+    ] or None)  # fmt: skip
+    lp = chat_logprobs(comp, sent[1]) if logprobs else None
+    sent[1] = len(comp.token_ids)
+    return message, lp, tools.finish_reason(calls, comp.finish_reason) if done else None
+
+
 async def _stream(
     req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput],
     tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
     """Text deltas as they come; a named tool's arguments as deltas of its call; with
-    "required" or "auto" tools the whole message in one delta at the end (whether the text
-    holds calls is known only then)."""
+    "auto" tools text up to a `<tool_call>`, the calls when the output ends ("required": the
+    calls at the end)."""
     created = int(time.time())
     deltas = DeltaTracker()
+    held_sent: dict[int, list[int]] = {}  # "auto"/"required": choice -> [chars, tokens] sent
     role_sent: set[int] = set()
     prompt_tokens = 0
 
@@ -137,18 +165,12 @@ async def _stream(
             delta = deltas.next(i, comp)
             if delta is None:
                 continue
-            if tools is not None and tools.buffered:
-                if comp.finish_reason is None:
-                    continue
-                content, calls = tools.parse(comp.text)
-                message = DeltaMessage(content=content, tool_calls=[
-                    DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
-                    for k, c in enumerate(calls)
-                ] or None)  # fmt: skip
-                yield chunk([ChatStreamChoice(
-                    index=i, delta=message, logprobs=chat_logprobs(comp, 0) if req.logprobs else None,
-                    finish_reason=tools.finish_reason(calls, comp.finish_reason), stop_reason=comp.stop_reason,
-                )])  # fmt: skip
+            if tools is not None and tools.mode in ("auto", "required"):  # the text may hold calls
+                held = _held_delta(tools, comp, held_sent.setdefault(i, [0, 0]), req.logprobs)
+                if held is not None:
+                    message, logprobs, finish = held
+                    yield chunk([ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=finish,
+                                                  stop_reason=comp.stop_reason)])  # fmt: skip
                 continue
             logprobs = chat_logprobs(comp, delta.token_from) if req.logprobs else None
             message = DeltaMessage(content=delta.text)

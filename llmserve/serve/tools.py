@@ -12,7 +12,10 @@
   to write). Without a parser "auto" is a 400, as in vLLM.
 - "none": the tools only reach the chat template.
 
-The tools always reach the chat template (`tools=`), except with "none".
+The tools always reach the chat template (`tools=`), as in vLLM. At most MAX_TOOLS tools (OpenAI's
+limit). A stream sends text as it comes; with "auto" it holds text back from the first
+`<tool_call>` on, and sends the calls when the output ends; with "required" the calls come at
+the end too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.serve.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice, ToolCall
 
 TOOL_CALL_PARSERS = ("hermes",)
+MAX_TOOLS = 128
+_HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -38,11 +43,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None  # the output constraint the mode needs
     function: str | None = None  # the named function
     parser: str | None = None  # "auto": the tool-call parser
-
-    @property
-    def buffered(self) -> bool:
-        """Does a stream hold its text back until the end (calls are known only then)?"""
-        return self.mode in ("required", "auto")
+    single_call: bool = False  # parallel_tool_calls false
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output."""
@@ -51,8 +52,25 @@ class ToolPlan:
         if self.mode == "required":
             return _parse_required(text)
         if self.mode == "auto":
-            return parse_hermes(text)
+            content, calls = parse_hermes(text)
+            return content, calls[:1] if self.single_call else calls
         return text, []
+
+    def streamable_text(self, text: str) -> int:
+        """How much of a still-growing output a stream may send as content now: all of it
+        without tools or with "none"; with "auto" what comes before a (possibly partial)
+        `<tool_call>`; nothing with "required" (its text is the calls)."""
+        if self.mode == "required":
+            return 0
+        if self.mode != "auto":
+            return len(text)
+        start = text.find(_HERMES_START)
+        if start >= 0:
+            return start
+        for keep in range(min(len(_HERMES_START) - 1, len(text)), 0, -1):  # a tag may be half written
+            if _HERMES_START.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
 
     def finish_reason(self, calls: list[ToolCall], finish_reason: str | None) -> str | None:
         """OpenAI's and vLLM's: "tool_calls" when the model chose to call (auto, required)."""
@@ -69,6 +87,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
         if choice not in (None, "none"):
             raise ValueError("tool_choice needs tools")
         return None
+    if len(tools) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools; got {len(tools)}")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ValueError("tool function names must be unique")
@@ -76,7 +96,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     if choice is None:
         choice = "auto"
     if choice == "none":
-        return ToolPlan("none", None, None)
+        return ToolPlan("none", template_tools, None)
     if choice != "auto" and req.structured_outputs_params() is not None:  # they constrain the output themselves
         raise ValueError("a named or required tool_choice cannot be combined with response_format, "
                          "structured_outputs or guided_* fields")  # fmt: skip
@@ -87,19 +107,35 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
         params = tools[names.index(name)].function.parameters or {"type": "object"}
         return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(params)), function=name)
     if choice == "required":
-        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                              "parameters": t.function.parameters or {"type": "object"}},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for t in tools
-        ]}}  # fmt: skip
-        if req.parallel_tool_calls is False:
-            calls["maxItems"] = 1
-        return ToolPlan("required", template_tools, StructuredOutputsParams(json=_schema(calls)))
+        return ToolPlan("required", template_tools, StructuredOutputsParams(json=_schema(
+            _required_schema(tools, single=req.parallel_tool_calls is False))))  # fmt: skip
     if parser is None:
         raise ValueError('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
                          '--tool-call-parser; use tool_choice "required" or a named function instead')  # fmt: skip
-    return ToolPlan("auto", template_tools, None, parser=parser)
+    return ToolPlan("auto", template_tools, None, parser=parser, single_call=req.parallel_tool_calls is False)
+
+
+def _required_schema(tools: list, single: bool) -> dict:
+    """A JSON array of calls, each `{"name": <a tool>, "parameters": <its schema>}`. The
+    tools' `$defs` move to the top, where their `#/$defs/...` references resolve."""
+    defs: dict[str, Any] = {}
+    choices = []
+    for t in tools:
+        params = dict(t.function.parameters or {"type": "object"})
+        for key in ("$defs", "definitions"):
+            for name, definition in (params.pop(key, None) or {}).items():
+                if defs.setdefault(name, definition) != definition:
+                    raise ValueError(f"tools define $defs {name!r} differently: give one of them another name")
+        choices.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                         "parameters": params},
+                        "required": ["name", "parameters"], "additionalProperties": False})  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
+    if single:
+        schema["maxItems"] = 1
+    if defs:  # both spellings resolve: "#/$defs/X" and "#/definitions/X"
+        schema["$defs"] = defs
+        schema["definitions"] = defs
+    return schema
 
 
 def _schema(schema: dict) -> str:
@@ -116,7 +152,7 @@ def _arguments(value: Any) -> str:
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
     try:
         items = json.loads(text)
-    except ValueError:  # cut short (max_tokens): no calls, the text as content
+    except (ValueError, RecursionError):  # cut short (max_tokens), or nested past the parser: the text as content
         return text, []
     calls = [ToolCall(function=FunctionCall(name=i["name"], arguments=_arguments(i.get("parameters", {}))))
              for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]  # fmt: skip
@@ -125,21 +161,22 @@ def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> calls; the text
-    around them is the content. A block that is not such JSON leaves the whole text as
+    before the first is the content (None if blank), the text between and after them is
+    dropped (as vLLM does). A block that is not such JSON leaves the whole text as
     content, with no calls (the model did not make a well-formed call)."""
-    if "<tool_call>" not in text:
+    if _HERMES_START not in text:
         return text, []
     calls = []
     for block in _HERMES_BLOCK.findall(text):
         try:
             call = json.loads(block)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, []
         calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {})))))
-    content = text[: text.index("<tool_call>")].strip()
-    return content or None, calls
+    content = text[: text.index(_HERMES_START)]
+    return content if content.strip() else None, calls
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -164,5 +201,5 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def _as_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
