@@ -5,11 +5,13 @@ server on the shipped model; the parser and the plans on their own; bad requests
 from __future__ import annotations
 
 import json
+import shutil
 
 import httpx
 import openai
 import pytest
 
+from llmserve.config import DEFAULT_MODEL_DIR
 from llmserve.serve.protocol import ChatCompletionRequest
 from llmserve.serve.tools import TOOL_CALL_PARSERS, parse_hermes, plan_tools
 from server_utils import start_server
@@ -101,11 +103,26 @@ def test_bad_plans(kw, message):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools") / "server.log"
-    srv = start_server(["--max-model-len", "512", "--served-model-name", "tiny",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], str(log))  # fmt: skip
+    """The shipped model, its chat template taught to show the tools (as Qwen's does)."""
+    root = tmp_path_factory.mktemp("tools")
+    model = root / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{%- if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>{%- endif %}" + config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    srv = start_server([str(model), "--max-model-len", "1024", "--served-model-name", "tiny",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], str(root / "server.log"))  # fmt: skip
     yield srv
     srv.stop()
+
+
+def test_the_tools_reach_the_template_and_tokenize_counts_them(server, client):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    without = client.chat.completions.create(**body).usage.prompt_tokens
+    shown = client.chat.completions.create(**body, tools=[WEATHER, TIME], tool_choice="none").usage.prompt_tokens
+    assert shown > without + 50  # the functions' JSON is in the prompt
+    counted = httpx.post(f"{server.base_url}/tokenize", json={"messages": MESSAGES, "tools": [WEATHER, TIME]}).json()
+    assert counted["count"] == shown
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +147,7 @@ def test_named_function_streamed_and_not(client):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_streamed_and_not(client, parallel):
-    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=150,
+    kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", max_tokens=400,
               temperature=0, parallel_tool_calls=parallel)  # fmt: skip
     done = client.chat.completions.create(**kw)
     calls = done.choices[0].message.tool_calls

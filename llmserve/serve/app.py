@@ -102,7 +102,9 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if req.messages is not None:
-            ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt,
+                              req.chat_template_kwargs, tools)  # fmt: skip
         else:
             ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len, tokens=ids)

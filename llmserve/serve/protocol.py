@@ -345,6 +345,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None  # with messages: counted as the chat request would
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
