@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -110,8 +111,12 @@ class EngineCore:
         return None
 
     def _compile_pool(self) -> ThreadPoolExecutor:
+        """Grammar compiles (xgrammar works mostly outside the GIL): half the CPU cores,
+        1 to 8 threads (vLLM's sizing), so one huge schema does not hold every other
+        constrained request where cores allow."""
         if self._grammar_pool is None:
-            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            workers = max(1, min((os.cpu_count() or 2) // 2, 8))
+            self._grammar_pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         return self._grammar_pool
 
     def _admit_compiled(self) -> None:
