@@ -48,7 +48,7 @@ bench_serve() {  # bench_serve RATE [NAME]: workload (d), 400 requests of 512/25
   local rate=$1 name=${2:-d_rate$1}
   timeout 150 python3 -m llmserve bench serve --base-url http://127.0.0.1:8000 --num-prompts 400 \
     --input-len 512 --output-len 256 --ignore-eos --request-rate "$rate" --vocab-size 128256 \
-    --percentiles 50,90,99 --output-json "$OUT/$name.json" --plot "$OUT/$name.png" \
+    --percentiles 50,90,99 --save-detailed --output-json "$OUT/$name.json" --plot "$OUT/$name.png" \
     --disable-tqdm > "$OUT/$name.log" 2>&1
   echo "--- $name"
   grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed" "$OUT/$name.log" | head -24
