@@ -90,6 +90,7 @@ def test_plans():
     (dict(tools=[WEATHER]), '"auto" tool choice needs a server started with'),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among the tools"),
     (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "unique"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), "of an object"),
     (dict(tools=[WEATHER], tool_choice="required", guided_regex="a"), "cannot be combined"),
     (dict(tools=[{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], tool_choice="required"),
      "at most 128 tools"),

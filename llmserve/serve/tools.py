@@ -92,6 +92,9 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ValueError("tool function names must be unique")
+    for t in tools:  # arguments are a JSON object (OpenAI's rule)
+        if (t.function.parameters or {}).get("type", "object") != "object":
+            raise ValueError(f"the parameters of tool {t.function.name!r} must be a JSON schema of an object")
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if choice is None:
         choice = "auto"
