@@ -13,7 +13,7 @@ import pytest
 
 from llmserve.config import DEFAULT_MODEL_DIR
 from llmserve.serve.protocol import ChatCompletionRequest
-from llmserve.serve.tools import TOOL_CALL_PARSERS, parse_hermes, plan_tools
+from llmserve.serve.tools import TOOL_CALL_PARSERS, parse_hermes, plan_tools, scan_calls
 from server_utils import start_server
 
 WEATHER = {
@@ -160,9 +160,28 @@ def test_required_streamed_and_not(client, parallel):
         else:
             assert set(json.loads(call.function.arguments)) == {"zone"}
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-    streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == [(c.function.name, c.function.arguments) for c in calls]
-    assert [t.index for t in streamed] == list(range(len(calls))) and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assembled: dict[int, list[str]] = {}
+    for delta in (t for c in chunks for t in (c.choices[0].delta.tool_calls or [])):
+        if delta.index not in assembled:  # a call's first delta names it and gives its id
+            assert delta.id and delta.function.name and delta.index == len(assembled)
+            assembled[delta.index] = [delta.function.name, ""]
+        else:
+            assert delta.id is None and delta.function.name is None
+        assembled[delta.index][1] += delta.function.arguments or ""
+    assert [tuple(v) for v in assembled.values()] == [(c.function.name, c.function.arguments) for c in calls]
+    deltas = sum(len(c.choices[0].delta.tool_calls or []) for c in chunks)
+    assert deltas > 2 * len(calls)  # the arguments came piece by piece, not at the end
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_scan_calls_reads_any_prefix():
+    text = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "u": [1, {"x": "}"}]}}, {"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    final = [(c.name, c.arguments, c.done) for c in scan_calls(text)]
+    assert final == [("get_weather", '{"city": "Pa\\"ris}", "u": [1, {"x": "}"}]}', True), ("get_time", '{"zone": "UTC"}', True)]
+    for k in range(len(text)):  # every prefix: names once whole, arguments a prefix of the final ones
+        for got, (name, arguments, _) in zip(scan_calls(text[:k]), final):
+            assert got.name in (None, name) and arguments.startswith(got.arguments)
+            assert not got.arguments or got.name == name
 
 
 def test_auto_parses_hermes_calls(client):
@@ -211,7 +230,7 @@ def test_a_conversation_with_calls_and_results(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
     ({"tools": [{"type": "function"}]}, None),
     ({"tools": "get_weather"}, None),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"},
      "invalid structured output (json)"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
 ])  # fmt: skip

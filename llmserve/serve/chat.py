@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -31,7 +32,7 @@ from llmserve.serve.protocol import (
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
 from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
-from llmserve.serve.tools import ToolPlan, plan_tools, template_messages
+from llmserve.serve.tools import ToolPlan, plan_tools, scan_calls, template_messages
 
 
 def render_chat(
@@ -114,41 +115,70 @@ def _response(
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
+@dataclass
+class _Sent:
+    """What a stream sent of one choice whose text may hold tool calls."""
+
+    chars: int = 0  # of the text, as content ("auto")
+    tokens: int = 0  # whose logprobs went out
+    calls: list[list] = field(default_factory=list)  # "required": per call [id, chars of arguments]
+
+
 def _held_delta(
-    tools: ToolPlan, comp: CompletionOutput, sent: list[int], logprobs: bool
+    tools: ToolPlan, comp: CompletionOutput, sent: _Sent, logprobs: bool
 ) -> tuple[DeltaMessage, ChatLogprobs | None, str | None] | None:  # fmt: skip
-    """The next delta of a choice whose text may hold tool calls: the text a stream may send
-    now (`ToolPlan.streamable_text`), and at the end the calls. `sent`: [chars, tokens]
-    already sent, advanced here. None: nothing to send yet."""
+    """The next delta of a choice whose text may hold tool calls. "auto": the text a stream
+    may send now (`ToolPlan.streamable_text`), the calls at the end. "required": each call's
+    id and name once known, then its arguments as they grow. Output that holds no readable
+    calls at the end goes out as content, as in the reply. None: nothing to send yet."""
     done = comp.finish_reason is not None
-    calls: list = []
-    end = tools.streamable_text(comp.text)
-    if done:
-        calls = tools.parse(comp.text)[1]
-        end = end if calls else len(comp.text)  # no calls: the whole text is content
-    text = comp.text[sent[0]:end]
-    if not text and not done:
+    final_calls = tools.parse(comp.text)[1] if done else []
+    if tools.mode == "required":
+        text = comp.text if done and not final_calls else ""
+        calls = _call_deltas(comp.text, sent.calls)
+    else:
+        end = tools.streamable_text(comp.text) if final_calls or not done else len(comp.text)
+        text, sent.chars = comp.text[sent.chars : end], max(sent.chars, end)
+        calls = [DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
+                 for k, c in enumerate(final_calls)]  # fmt: skip
+    if not text and not calls and not done:
         return None
-    sent[0] = max(sent[0], end)
-    message = DeltaMessage(content=text or None, tool_calls=[
-        DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
-        for k, c in enumerate(calls)
-    ] or None)  # fmt: skip
-    lp = chat_logprobs(comp, sent[1]) if logprobs else None
-    sent[1] = len(comp.token_ids)
-    return message, lp, tools.finish_reason(calls, comp.finish_reason) if done else None
+    lp = chat_logprobs(comp, sent.tokens) if logprobs else None
+    sent.tokens = len(comp.token_ids)
+    finish = tools.finish_reason(final_calls, comp.finish_reason) if done else None
+    return DeltaMessage(content=text or None, tool_calls=calls or None), lp, finish
+
+
+def _call_deltas(text: str, sent: list[list]) -> list[DeltaToolCall]:
+    """What is new of each call of a "required" output (`scan_calls`) since `sent`."""
+    out = []
+    for k, call in enumerate(scan_calls(text)):
+        if call.name is None:
+            break
+        head = k == len(sent)
+        if head:
+            sent.append([random_id("chatcmpl-tool"), 0])
+        new = call.arguments[sent[k][1] :]
+        if not head and not new:
+            continue
+        sent[k][1] = len(call.arguments)
+        out.append(DeltaToolCall(
+            index=k, id=sent[k][0] if head else None, type="function" if head else None,
+            function=DeltaFunctionCall(name=call.name if head else None, arguments=new),
+        ))  # fmt: skip
+    return out
 
 
 async def _stream(
     req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput],
     tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
-    """Text deltas as they come; a named tool's arguments as deltas of its call; with
-    "auto" tools text up to a `<tool_call>`, the calls when the output ends ("required": the
-    calls at the end)."""
+    """Text deltas as they come; a named tool's arguments as deltas of its call; "required"
+    calls as deltas of each; with "auto" tools text up to a `<tool_call>`, the calls when the
+    output ends."""
     created = int(time.time())
     deltas = DeltaTracker()
-    held_sent: dict[int, list[int]] = {}  # "auto"/"required": choice -> [chars, tokens] sent
+    held_sent: dict[int, _Sent] = {}  # "auto"/"required": per choice
     role_sent: set[int] = set()
     prompt_tokens = 0
 
@@ -166,7 +196,7 @@ async def _stream(
             if delta is None:
                 continue
             if tools is not None and tools.mode in ("auto", "required"):  # the text may hold calls
-                held = _held_delta(tools, comp, held_sent.setdefault(i, [0, 0]), req.logprobs)
+                held = _held_delta(tools, comp, held_sent.setdefault(i, _Sent()), req.logprobs)
                 if held is not None:
                     message, logprobs, finish = held
                     yield chunk([ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=finish,

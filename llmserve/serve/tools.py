@@ -153,13 +153,80 @@ def _arguments(value: Any) -> str:
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
+    """The calls of a finished "required" output; their arguments are the model's own text
+    of each `parameters` object (what a stream sent, piece by piece)."""
     try:
-        items = json.loads(text)
+        json.loads(text)
     except (ValueError, RecursionError):  # cut short (max_tokens), or nested past the parser: the text as content
         return text, []
-    calls = [ToolCall(function=FunctionCall(name=i["name"], arguments=_arguments(i.get("parameters", {}))))
-             for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]  # fmt: skip
+    calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in scan_calls(text) if c.name]
     return None, calls
+
+
+@dataclass
+class CallProgress:
+    """One call of a (possibly unfinished) "required" output."""
+
+    name: str | None = None
+    arguments: str = ""  # the `parameters` value's text so far
+    done: bool = False  # its `parameters` value is complete
+
+
+def scan_calls(text: str) -> list[CallProgress]:
+    """The calls of a "required" output so far, `[{"name": ..., "parameters": {...}}, ...]`,
+    read from a prefix that may stop anywhere: each call's name once its string is complete,
+    and its `parameters` text as far as it goes. A character scan (strings and escapes,
+    container depth), since no JSON parser reads a prefix."""
+    calls: list[CallProgress] = []
+    depth = 0  # 1: in the array, 2: in a call object, deeper: in a value
+    in_string = escaped = False
+    string_start = 0
+    key: str | None = None  # a call-level key read, before its ':'
+    value_of: str | None = None  # the call-level key whose value is being read
+    value_start: int | None = None
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                if depth == 2:
+                    literal = _string(text[string_start : i + 1])
+                    if value_of is None:
+                        key = literal
+                    elif value_of == "name" and value_start == string_start:
+                        calls[-1].name, value_of = literal, None
+            continue
+        at_value = depth == 2 and value_of is not None and value_start is None and not ch.isspace()
+        if at_value:
+            value_start = i
+        if ch == '"':
+            in_string, string_start = True, i
+        elif ch in "[{":
+            if depth == 1 and ch == "{":
+                calls.append(CallProgress())
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 2 and value_of == "parameters" and value_start is not None:
+                calls[-1].arguments, calls[-1].done = text[value_start : i + 1], True
+                value_of = value_start = None
+        elif depth == 2 and ch == ":" and key is not None:
+            value_of, key, value_start = key, None, None
+        elif depth == 2 and ch == ",":
+            value_of = value_start = None
+    if calls and value_of == "parameters" and value_start is not None:
+        calls[-1].arguments = text[value_start:]
+    return calls
+
+
+def _string(literal: str) -> str | None:
+    try:
+        return json.loads(literal)
+    except ValueError:
+        return None
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
