@@ -215,3 +215,19 @@ def test_prompts_exact_and_shared_with_throughput():
     prompts, out_lens = make_prompts(5, 32, 8, 0.0, 512, 3)
     assert [p["prompt_token_ids"] for p in prompts] == [r.prompt_token_ids for r in reqs] and out_lens == [8] * 5
     assert random_requests(5, 32, 8, 512, seed=None) != random_requests(5, 32, 8, 512, seed=None)
+
+
+def test_gpu_summary_table(tmp_path):
+    """scripts/gpu/summary.py (the one table of a device call) reads what the bench commands write."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "a.json").write_text(json.dumps({"output_tokens_per_s": 10150.0, "startup_s": 30.0}))
+    (tmp_path / "hf.json").write_text(json.dumps({"output_tokens_per_s": 2030.0}))
+    (tmp_path / "b.json").write_text(json.dumps({"tpot_ms": 4.9, "ttft_ms": 14.0}))
+    (tmp_path / "kernels.json").write_text(json.dumps({"checks": [{"ok": True}, {"ok": False}]}))
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/gpu/summary.py"), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    assert "| (a) 512 x 512/256, output tok/s | 10,150.0 | >= 10,150 | 1.00 |" in out
+    assert "| (a) / HF of the same call | 5.00x | >= 5x | 1.00 |" in out and "| 1/2 within tolerance | all | FAIL |" in out
+    assert "(b) batch 1" in out and "(c)" not in out and (tmp_path / "summary.md").read_text() == out

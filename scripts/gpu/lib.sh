@@ -5,8 +5,9 @@ mkdir -p "$OUT"
 M=/tmp/llama8b
 ENGINE="--model $M --load-format dummy --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 
-# ONLY="check_tp a hf" runs just those steps (in the calling script's order)
-want() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+# ONLY="check_tp a hf" runs just those steps (in the calling script's order); without ONLY,
+# the script's DEFAULT_STEPS (every step when it sets none)
+want() { local steps=${ONLY:-${DEFAULT_STEPS:-}}; [ -z "$steps" ] || [[ " $steps " == *" $1 "* ]]; }
 run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, print its tail and RESULT lines
   local name=$1 limit=$2; shift 2; want "$name" || return 0
   echo "=== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Device call(s) (H200): the 8B-shaped offline workloads (a) (b) (c) ((a) also with async
-# scheduling off), the engine's GPU correctness check (and tensor parallelism's, given two
-# GPUs), the Hugging Face baseline, the structured-outputs check, and batch-1 TTFT with and
-# without piecewise CUDA graphs. Results land in $OUT.
+# One device call (H200), under 9 minutes by default: every Triton kernel checked against its
+# PyTorch reference (and timed), then the 8B-shaped offline workloads (a) (b) (c) and the
+# Hugging Face baseline on (a); then one table (scripts/gpu/summary.py; also $OUT/summary.md).
+# More steps on request, e.g. ONLY="check structured ttft ttft_eager a_sync": the engine's GPU
+# correctness check, tensor parallelism's (given two GPUs: check_tp), structured outputs,
+# batch-1 TTFT with and without piecewise CUDA graphs, (a) without async scheduling.
 set -uo pipefail
+DEFAULT_STEPS="kernels a hf b c"
 source "$(dirname "$0")/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run kernels "${T_KERNELS:-200}" python3 scripts/gpu/bench_kernels.py
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run check_tp "${T_CHECK_TP:-240}" python3 scripts/gpu/check_tp.py
 run a "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --output-json "$OUT/a.json"
 run hf "${T_HF:-110}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
@@ -20,3 +24,4 @@ run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prom
 run structured "${T_STRUCT:-150}" python3 scripts/gpu/check_structured.py
 run ttft "${T_TTFT:-120}" python3 scripts/gpu/probe_ttft.py
 run ttft_eager "${T_TTFT:-120}" env MIXED=0 python3 scripts/gpu/probe_ttft.py
+python3 scripts/gpu/summary.py "$OUT"

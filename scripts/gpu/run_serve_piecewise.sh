@@ -11,8 +11,10 @@ bench_serve 16 d_rate16_piecewise_1
 bench_serve 16 d_rate16_piecewise_2
 want unlimited && bench_serve inf d_rateinf_piecewise
 kill -TERM $server; wait $server
-want eager || exit 0
-echo "=== d without: llmserve serve $ENGINE --max-mixed-graph-tokens 0"
-SERVER_ARGS="--max-mixed-graph-tokens 0" TAG=_eager start_server
-bench_serve 16 d_rate16_eager
-kill -TERM $server; wait $server; true
+if want eager; then
+  echo "=== d without: llmserve serve $ENGINE --max-mixed-graph-tokens 0"
+  SERVER_ARGS="--max-mixed-graph-tokens 0" TAG=_eager start_server
+  bench_serve 16 d_rate16_eager
+  kill -TERM $server; wait $server
+fi
+python3 scripts/gpu/summary.py "$OUT"
