@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,16 +22,14 @@ from llmserve.serve.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
 from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
-from llmserve.serve.tools import ToolPlan, plan_tools, scan_calls, template_messages
+from llmserve.serve.tools import ToolPlan, ToolStream, plan_tools, template_messages
 
 
 def render_chat(
@@ -115,71 +112,16 @@ def _response(
     return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
 
-@dataclass
-class _Sent:
-    """What a stream sent of one choice whose text may hold tool calls."""
-
-    chars: int = 0  # of the text, as content ("auto")
-    tokens: int = 0  # whose logprobs went out
-    calls: list[list] = field(default_factory=list)  # "required": per call [id, chars of arguments]
-
-
-def _held_delta(
-    tools: ToolPlan, comp: CompletionOutput, sent: _Sent, logprobs: bool
-) -> tuple[DeltaMessage, ChatLogprobs | None, str | None] | None:  # fmt: skip
-    """The next delta of a choice whose text may hold tool calls. "auto": the text a stream
-    may send now (`ToolPlan.streamable_text`), the calls at the end. "required": each call's
-    id and name once known, then its arguments as they grow. Output that holds no readable
-    calls at the end goes out as content, as in the reply. None: nothing to send yet."""
-    done = comp.finish_reason is not None
-    final_calls = tools.parse(comp.text)[1] if done else []
-    if tools.mode == "required":
-        text = comp.text if done and not final_calls else ""
-        calls = _call_deltas(comp.text, sent.calls)
-    else:
-        end = tools.streamable_text(comp.text) if final_calls or not done else len(comp.text)
-        text, sent.chars = comp.text[sent.chars : end], max(sent.chars, end)
-        calls = [DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
-                 for k, c in enumerate(final_calls)]  # fmt: skip
-    if not text and not calls and not done:
-        return None
-    lp = chat_logprobs(comp, sent.tokens) if logprobs else None
-    sent.tokens = len(comp.token_ids)
-    finish = tools.finish_reason(final_calls, comp.finish_reason) if done else None
-    return DeltaMessage(content=text or None, tool_calls=calls or None), lp, finish
-
-
-def _call_deltas(text: str, sent: list[list]) -> list[DeltaToolCall]:
-    """What is new of each call of a "required" output (`scan_calls`) since `sent`."""
-    out = []
-    for k, call in enumerate(scan_calls(text)):
-        if call.name is None:
-            break
-        head = k == len(sent)
-        if head:
-            sent.append([random_id("chatcmpl-tool"), 0])
-        new = call.arguments[sent[k][1] :]
-        if not head and not new:
-            continue
-        sent[k][1] = len(call.arguments)
-        out.append(DeltaToolCall(
-            index=k, id=sent[k][0] if head else None, type="function" if head else None,
-            function=DeltaFunctionCall(name=call.name if head else None, arguments=new),
-        ))  # fmt: skip
-    return out
-
-
 async def _stream(
     req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput],
     tools: ToolPlan | None,
 ) -> AsyncIterator[str]:
-    """Text deltas as they come; a named tool's arguments as deltas of its call; "required"
-    calls as deltas of each; with "auto" tools text up to a `<tool_call>`, the calls when the
-    output ends."""
+    """Each choice's message as `ToolStream` cuts it (text, tool calls), with the logprobs
+    of the tokens since its previous chunk."""
     created = int(time.time())
     deltas = DeltaTracker()
-    held_sent: dict[int, _Sent] = {}  # "auto"/"required": per choice
-    role_sent: set[int] = set()
+    messages: dict[int, ToolStream] = {}
+    tokens_sent: dict[int, int] = {}
     prompt_tokens = 0
 
     def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
@@ -189,33 +131,21 @@ async def _stream(
         prompt_tokens = len(out.prompt_token_ids)
         for comp in out.outputs:
             i = comp.index
-            if i not in role_sent:
-                role_sent.add(i)
+            if i not in messages:
+                messages[i], tokens_sent[i] = ToolStream(tools), 0
                 yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-            delta = deltas.next(i, comp)
-            if delta is None:
+            if deltas.next(i, comp) is None:
                 continue
-            if tools is not None and tools.mode in ("auto", "required"):  # the text may hold calls
-                held = _held_delta(tools, comp, held_sent.setdefault(i, _Sent()), req.logprobs)
-                if held is not None:
-                    message, logprobs, finish = held
-                    yield chunk([ChatStreamChoice(index=i, delta=message, logprobs=logprobs, finish_reason=finish,
-                                                  stop_reason=comp.stop_reason)])  # fmt: skip
+            step = messages[i].step(comp.text, comp.finish_reason)
+            if step is None:
                 continue
-            logprobs = chat_logprobs(comp, delta.token_from) if req.logprobs else None
-            message = DeltaMessage(content=delta.text)
-            if tools is not None and tools.mode == "named":  # the text is the call's arguments
-                first = delta.token_from == 0
-                message = DeltaMessage(tool_calls=[DeltaToolCall(
-                    index=0, id=random_id("chatcmpl-tool") if first else None, type="function" if first else None,
-                    function=DeltaFunctionCall(name=tools.function if first else None, arguments=delta.text),
-                )])  # fmt: skip
-            yield chunk([
-                ChatStreamChoice(
-                    index=i, delta=message, logprobs=logprobs,
-                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
-                )
-            ])  # fmt: skip
+            content, calls, finish = step
+            logprobs = chat_logprobs(comp, tokens_sent[i]) if req.logprobs else None
+            tokens_sent[i] = len(comp.token_ids)
+            yield chunk([ChatStreamChoice(
+                index=i, delta=DeltaMessage(content=content if content is not None or calls else "", tool_calls=calls or None),
+                logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason,
+            )])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
         completion = deltas.completion_tokens
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)

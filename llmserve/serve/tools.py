@@ -26,7 +26,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmserve.sampling_params import StructuredOutputsParams
-from llmserve.serve.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, NamedToolChoice, ToolCall
+from llmserve.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    random_id,
+)
 
 TOOL_CALL_PARSERS = ("hermes",)
 MAX_TOOLS = 128
@@ -77,6 +86,63 @@ class ToolPlan:
         if calls and self.mode in ("auto", "required") and finish_reason == "stop":
             return "tool_calls"
         return finish_reason
+
+
+class ToolStream:
+    """The stream of one choice's message from its growing text: plain text as content
+    deltas; a named tool's text as argument deltas of one call; "required" calls each as its
+    id and name once the name is complete, then its arguments as they grow; "auto" text as
+    content up to a (possibly half-written) `<tool_call>`, the calls when the output ends.
+    Output that holds no readable calls at its end goes out as content, as in the reply."""
+
+    def __init__(self, plan: ToolPlan | None) -> None:
+        self.plan = plan or ToolPlan("none", None, None)
+        self.chars = 0  # of the text sent as content (or as a named call's arguments)
+        self.calls: list[list] = []  # "required": per call [id, chars of its arguments sent]
+        self.call_id = random_id("chatcmpl-tool")  # a named call's
+
+    def step(self, text: str, finish_reason: str | None) -> tuple[str | None, list[DeltaToolCall], str | None] | None:
+        """(content, tool call deltas, finish reason) new since the last step, for the
+        cumulative `text`; None when there is nothing to send yet."""
+        plan, done = self.plan, finish_reason is not None
+        final_calls = plan.parse(text)[1] if done and plan.mode in ("auto", "required") else []
+        calls: list[DeltaToolCall] = []
+        content = ""
+        if plan.mode == "named":
+            first = self.chars == 0
+            new, self.chars = text[self.chars :], len(text)
+            if new or first:
+                calls = [DeltaToolCall(index=0, id=self.call_id if first else None, type="function" if first else None,
+                                       function=DeltaFunctionCall(name=plan.function if first else None, arguments=new))]  # fmt: skip
+        elif plan.mode == "required":
+            content = text if done and not final_calls else ""
+            calls = self._call_deltas(text)
+        else:  # none, auto
+            end = plan.streamable_text(text) if final_calls or not done else len(text)
+            content, self.chars = text[self.chars : end], max(self.chars, end)
+            calls = [DeltaToolCall(index=k, id=c.id, type="function", function=DeltaFunctionCall(**c.function.model_dump()))
+                     for k, c in enumerate(final_calls)]  # fmt: skip
+        if not content and not calls and not done:
+            return None
+        return content or None, calls, plan.finish_reason(final_calls, finish_reason) if done else None
+
+    def _call_deltas(self, text: str) -> list[DeltaToolCall]:
+        out = []
+        for k, call in enumerate(scan_calls(text)):
+            if call.name is None:
+                break
+            head = k == len(self.calls)
+            if head:
+                self.calls.append([random_id("chatcmpl-tool"), 0])
+            new = call.arguments[self.calls[k][1] :]
+            if not head and not new:
+                continue
+            self.calls[k][1] = len(call.arguments)
+            out.append(DeltaToolCall(
+                index=k, id=self.calls[k][0] if head else None, type="function" if head else None,
+                function=DeltaFunctionCall(name=call.name if head else None, arguments=new),
+            ))  # fmt: skip
+        return out
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
