@@ -96,8 +96,28 @@ def test_structured_outputs_and_logit_bias_reach_the_triton_chat_model(client):
     assert forced.choices[0].text != free.choices[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="chat", prompt="x", max_tokens=2, logit_bias={"x": 1})
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tool calling is served by llmserve"):
+
+
+def test_tool_calls_through_the_gateway_from_the_triton_chat_model(client):
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+        "additionalProperties": False}}}  # fmt: skip
+    ask = dict(model="chat", messages=[{"role": "user", "content": "Is a list mutable?"}], tools=[tool], max_tokens=200,
+               temperature=0, parallel_tool_calls=False)  # fmt: skip
+    named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "pick"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["answer"] in ("yes", "no")
+    required = client.chat.completions.create(**ask, tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls]
+    assert len(calls) == 1 and calls[0][0] == "pick" and json.loads(calls[0][1])["answer"] in ("yes", "no")
+    streamed: dict[int, list[str]] = {}
+    chunks = [c for c in client.chat.completions.create(**ask, tool_choice="required", stream=True) if c.choices]
+    for delta in (t for c in chunks for t in (c.choices[0].delta.tool_calls or [])):
+        entry = streamed.setdefault(delta.index, [delta.function.name, ""])
+        entry[1] += delta.function.arguments or ""
+    assert [tuple(v) for v in streamed.values()] == calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError, match="served by llmserve upstreams started with --enable-auto-tool-choice"):
         client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "x"}], tools=[tool])
 
 

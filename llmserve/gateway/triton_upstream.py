@@ -27,7 +27,8 @@ from tritonclient.utils import InferenceServerException
 from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.serve.errors import error_body
 from llmserve.serve.pooling_protocol import embedding_json, rerank_order
-from llmserve.serve.protocol import STRUCTURED_FIELDS
+from llmserve.serve.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
+from llmserve.serve.tools import ToolPlan, ToolStream, plan_tools
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.router import Pick
@@ -119,8 +120,6 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
     payload = ctx.payload
     if (payload.get("n") or 1) != 1:
         raise BadRequest("n > 1 is not supported by Triton chat models")
-    if payload.get("tools") and payload.get("tool_choice", "auto") != "none":
-        raise BadRequest("tool calling is served by llmserve (OpenAI API) upstreams, not by Triton chat models")
     params: dict = {}
     for name, cast in SAMPLING.items():
         value = payload.get("max_completion_tokens" if name == "max_tokens" and "max_completion_tokens" in payload
@@ -140,8 +139,13 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
             raise BadRequest("logit_bias must map token ids to biases")
         params["logit_bias"] = json.dumps(bias)
     constraint = {k: payload[k] for k in STRUCTURED_FIELDS if payload.get(k) is not None}
+    tools = tool_plan(payload)
+    if tools is not None and tools.constraint is not None:  # a named or required tool choice
+        constraint = {"structured_outputs": {"json": tools.constraint.json}}
     if constraint:  # structured outputs: the chat model reads them as the API server does
         params["structured_outputs"] = json.dumps(constraint)
+    if tools is not None and tools.template_tools:
+        params["tools"] = json.dumps(tools.template_tools)
     if "messages" in payload:
         if not isinstance(payload["messages"], list):
             raise BadRequest("messages must be a list")
@@ -154,6 +158,21 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
         if not isinstance(prompt, str):
             raise BadRequest("a Triton chat model takes one text prompt")
     return {"model_name": model, "inputs": [_strings("text_input", [prompt], [1])], "parameters": params}
+
+
+def tool_plan(payload: dict) -> ToolPlan | None:
+    """A chat request's tools as the API server plans them (serve/tools.py); "auto", which
+    needs a parser of the model's own call format, is not offered by Triton chat models."""
+    if "messages" not in payload or (not payload.get("tools") and payload.get("tool_choice") in (None, "none")):
+        return None
+    try:
+        plan = plan_tools(ChatCompletionRequest.model_validate(payload), parser="triton")
+    except ValueError as exc:
+        raise BadRequest(str(exc).split("\n")[0][:500]) from None
+    if plan is not None and plan.mode == "auto":
+        raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
+                         '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"')
+    return plan
 
 
 async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
@@ -178,17 +197,31 @@ async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
 
 
 class _Chunks:
-    """OpenAI response objects for the text a Triton chat model streams."""
+    """OpenAI response objects for the text a Triton chat model streams (tool calls cut
+    from it as the API server does: `ToolStream`, `ToolPlan.parse`)."""
 
     def __init__(self, ctx: RequestContext):
         self.chat = "messages" in ctx.payload
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.alias = ctx.alias
+        self.tools = tool_plan(ctx.payload) if self.chat else None
+        self.message = ToolStream(self.tools)
+        self.text = ""
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str | None:
+        """The event for the next piece of text (None: nothing to send yet)."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            delta: dict = {"role": "assistant", "content": ""}
+            if not role:
+                self.text += text or ""
+                step = self.message.step(self.text, finish or None)
+                if step is None:
+                    return None
+                content, calls, finish = step
+                delta = {"content": content} if content else {}
+                if calls:
+                    delta["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
             choice = {"index": 0, "delta": delta, "finish_reason": finish or None}
             obj = "chat.completion.chunk"
         else:
@@ -199,7 +232,10 @@ class _Chunks:
 
     def whole(self, text: str, finish: str) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            content, calls = self.tools.parse(text) if self.tools else (text, [])
+            message = {"role": "assistant", "content": content, "tool_calls": [c.model_dump() for c in calls]}
+            finish = self.tools.finish_reason(calls, finish) if self.tools else finish
+            choice = {"index": 0, "message": message, "finish_reason": finish}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -229,9 +265,11 @@ async def _generate(client, ctx: RequestContext, pick: Pick, model: str) -> Open
 
     async def lines() -> AsyncIterator[str]:
         if first[0] or first[1]:
-            yield chunks.chunk(first[0], first[1])
+            if (line := chunks.chunk(first[0], first[1])) is not None:
+                yield line
         async for text, reason in deltas:
-            yield chunks.chunk(text, reason)
+            if (line := chunks.chunk(text, reason)) is not None:
+                yield line
         yield "data: [DONE]"
 
     rest = lines()

@@ -53,15 +53,23 @@ def _text(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def render_messages(tokenizer, messages_json: str) -> dict:
-    """A chat conversation (OpenAI `messages`, as JSON) as token ids, by the model's chat template."""
+def render_messages(tokenizer, messages_json: str, tools_json: str | None = None) -> dict:
+    """A chat conversation (OpenAI `messages`, as JSON) as token ids, by the model's chat
+    template, with the tools (OpenAI function definitions, as JSON) it offers, as the API
+    server renders them (assistant tool calls and tool results included)."""
+    from llmserve.chat_template import render_chat
+    from llmserve.serve.protocol import ChatMessage
+    from llmserve.serve.tools import template_messages
+
     messages = json.loads(messages_json)
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ValueError("the messages parameter must be a JSON list of {role, content} objects")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template: send a prompt in text_input")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}  # the template wrote BOS
+    tools = json.loads(tools_json) if tools_json else None
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("the tools parameter must be a JSON list of function tools")
+    conversation = template_messages([ChatMessage.model_validate(m) for m in messages])
+    # the template writes BOS; its errors (and a model without one) are ValueErrors: the client's
+    return {"prompt_token_ids": render_chat(tokenizer, conversation, True, None, tools)}
 
 
 def parse_request(request, tokenizer=None):
@@ -75,7 +83,8 @@ def parse_request(request, tokenizer=None):
     params = json.loads(request.parameters() or "{}")
     chat = None
     if isinstance(params.get("messages"), str) and tokenizer is not None:
-        chat = render_messages(tokenizer, params["messages"])
+        tools = params.get("tools") if isinstance(params.get("tools"), str) else None
+        chat = render_messages(tokenizer, params["messages"], tools)
     kwargs = {}
     for name, cast in SCALARS.items():
         value = _input(request, name)
