@@ -13,7 +13,7 @@ import pytest
 
 from llmserve.config import DEFAULT_MODEL_DIR
 from llmserve.serve.protocol import ChatCompletionRequest
-from llmserve.serve.tools import TOOL_CALL_PARSERS, parse_hermes, plan_tools, scan_calls
+from llmserve.serve.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
 from server_utils import start_server
 
 WEATHER = {
@@ -56,6 +56,21 @@ def test_hermes_parser():
     for text in ("no calls here", '<tool_call>{"name": "a", "argu', "<tool_call>[1, 2]</tool_call>",
                  "<tool_call>" + "[" * 100_000):  # nested past the JSON parser's recursion limit
         assert parse_hermes(text) == (text, [])  # not a well-formed call: the text stays content
+
+
+def test_tool_stream_cuts_text_into_deltas():
+    named = ToolStream(plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}), None))
+    first = named.step("", None)[1][0]  # a first step with no text yet still names the call, once
+    assert first.id and first.function.name == "get_weather" and first.function.arguments == ""
+    later = named.step('{"city"', None)[1][0]
+    assert later.id is None and later.function.name is None and later.function.arguments == '{"city"'
+    assert named.step('{"city"', None) is None and named.step('{"city": "X"}', "stop")[2] == "stop"
+    plain = ToolStream(None)
+    assert plain.step("Hel", None) == ("Hel", [], None) and plain.step("Hello", "length") == ("lo", [], "length")
+    auto = ToolStream(plan_tools(request(tools=[WEATHER]), "hermes"))
+    assert auto.step("Ok <tool", None) == ("Ok ", [], None) and auto.step("Ok <tool_call>{", None) is None
+    content, calls, finish = auto.step('Ok <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}</tool_call>', "stop")
+    assert content is None and calls[0].function.name == "get_weather" and finish == "tool_calls"
 
 
 def test_streamable_text_holds_back_what_may_be_a_call():

@@ -13,9 +13,7 @@
 - "none": the tools only reach the chat template.
 
 The tools always reach the chat template (`tools=`), as in vLLM. At most MAX_TOOLS tools (OpenAI's
-limit). A stream sends text as it comes; with "auto" it holds text back from the first
-`<tool_call>` on, and sends the calls when the output ends; with "required" the calls come at
-the end too.
+limit). How a stream sends each mode: `ToolStream`.
 """
 
 from __future__ import annotations
@@ -100,6 +98,7 @@ class ToolStream:
         self.chars = 0  # of the text sent as content (or as a named call's arguments)
         self.calls: list[list] = []  # "required": per call [id, chars of its arguments sent]
         self.call_id = random_id("chatcmpl-tool")  # a named call's
+        self.named_started = False  # its first delta (id, name) went out
 
     def step(self, text: str, finish_reason: str | None) -> tuple[str | None, list[DeltaToolCall], str | None] | None:
         """(content, tool call deltas, finish reason) new since the last step, for the
@@ -109,7 +108,7 @@ class ToolStream:
         calls: list[DeltaToolCall] = []
         content = ""
         if plan.mode == "named":
-            first = self.chars == 0
+            first, self.named_started = not self.named_started, True
             new, self.chars = text[self.chars :], len(text)
             if new or first:
                 calls = [DeltaToolCall(index=0, id=self.call_id if first else None, type="function" if first else None,
