@@ -155,6 +155,14 @@ def test_rerank_scores_and_order(up, sbert):
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400),
     ("/v1/completions", {"model": "chat", "prompt": [[1, 2]]}, 400),
     ("/v1/completions", {"model": "chat", "prompt": "x", "max_tokens": "many"}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "wizard", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                  "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, 400),
 ])  # fmt: skip
 def test_bad_input_is_a_clear_4xx(up, path, body, status):
     resp = httpx.post(up["url"] + path, json=body, timeout=30)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+from pydantic import ValidationError
 from tritonclient.utils import InferenceServerException
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
@@ -167,8 +168,11 @@ def tool_plan(payload: dict) -> ToolPlan | None:
         return None
     try:
         plan = plan_tools(ChatCompletionRequest.model_validate(payload), parser="triton")
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise BadRequest(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"[:500]) from None
     except ValueError as exc:
-        raise BadRequest(str(exc).split("\n")[0][:500]) from None
+        raise BadRequest(str(exc)[:500]) from None
     if plan is not None and plan.mode == "auto":
         raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
                          '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"')
