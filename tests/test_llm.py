@@ -224,6 +224,29 @@ def test_shipped_default_model_matches_transformers_and_reads_as_text():
     assert replies[0].outputs[0].token_ids == answer.outputs[0].token_ids and len(replies) == 2
     assert len(replies[1].prompt_token_ids) > len(replies[0].prompt_token_ids)
     assert llm.chat(question, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text == answer.outputs[0].text
+    # read as the OpenAI server reads messages: text parts joined
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What does "}, {"type": "text", "text": "`os.getcwd` do?"}]}]
+    assert llm.chat(parts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].prompt_token_ids == answer.prompt_token_ids
+    with pytest.raises(ValueError):
+        llm.chat([])
+    with pytest.raises(ValueError):
+        llm.chat([{"role": "wizard", "content": "hi"}])
+
+
+def test_chat_history_tool_calls_reach_the_template_as_objects(llm):
+    """As vLLM's LLM.chat: an earlier call's arguments (JSON text in the OpenAI shape) reach
+    the template as an object, which templates render with `tojson`."""
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                         "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}")  # fmt: skip
+    try:
+        history = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
+        out = llm.chat(history, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    finally:
+        tok.chat_template = saved
+    assert tok.decode(out.prompt_token_ids) == '{"a": 1}'  # an object, not the string "{\"a\": 1}"
 
 
 def test_chat_without_a_template_is_a_clear_error(llm):

@@ -317,3 +317,34 @@ def test_random_hostile_fields_never_get_a_5xx_nor_stop_the_engine(server):
             if body.get("stream") is True and resp.status_code == 200:
                 assert '"error"' not in resp.text, (body, resp.text[:300])
         assert http.get(f"{server.base_url}/health").status_code == 200
+
+
+
+def test_chat_stream_sends_a_chunk_per_output_even_without_text():
+    """Each engine output that brings tokens gets its chunk, with those tokens' logprobs,
+    even when the tokens add no text (a special token, half a character), as vLLM does;
+    deltas carry no `tool_calls` key when there are none."""
+    import asyncio
+    import json as json_
+
+    from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from llmserve.serve.chat import _stream
+    from llmserve.serve.protocol import ChatCompletionRequest
+
+    texts = ["", "", "Hi", "Hi", "Hi!"]  # cumulative text after each of five tokens
+
+    async def outputs():
+        for k, text in enumerate(texts, 1):
+            lps = [{7: Logprob(-0.5, 1, "")} for _ in range(k)]
+            comp = CompletionOutput(0, text, [7] * k, logprobs=lps, finish_reason="length" if k == 5 else None)
+            yield RequestOutput("r", None, [1, 2], [comp], finished=k == 5)
+
+    async def collect():
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True)
+        return [e async for e in _stream(req, "tiny", "chatcmpl-1", outputs(), None)]
+
+    events = [json_.loads(e.removeprefix("data: ")) for e in asyncio.run(collect())]
+    deltas = [e["choices"][0] for e in events[1:]]  # after the role chunk
+    assert [d["delta"]["content"] for d in deltas] == ["", "", "Hi", "", "!"]
+    assert [len(d["logprobs"]["content"]) for d in deltas] == [1] * 5 and deltas[-1]["finish_reason"] == "length"
+    assert all("tool_calls" not in e["choices"][0]["delta"] for e in events)

@@ -73,6 +73,18 @@ def test_tool_stream_cuts_text_into_deltas():
     assert content is None and calls[0].function.name == "get_weather" and finish == "tool_calls"
 
 
+def test_a_required_stream_cut_short():
+    plan = plan_tools(request(tools=[WEATHER], tool_choice="required"), None)
+    partial = ToolStream(plan)
+    assert partial.step('[{"name": "get_weather", "parameters": {"ci', None)[1][0].function.name == "get_weather"
+    content, calls, finish = partial.step('[{"name": "get_weather", "parameters": {"city": "Par', "length")
+    assert content is None and calls[0].function.arguments == 'ty": "Par' and finish == "length"  # not sent twice
+    early = ToolStream(plan)
+    assert early.step('[{"na', None) is None
+    assert early.step('[{"nam', "length") == ('[{"nam', [], "length")  # no call went out: the text, as in the reply
+    assert plan.parse('[{"nam') == ('[{"nam', [])
+
+
 def test_streamable_text_holds_back_what_may_be_a_call():
     auto = plan_tools(request(tools=[WEATHER]), "hermes")
     assert auto.streamable_text("Let me check.") == len("Let me check.")
@@ -97,6 +109,9 @@ def test_plans():
     schema = json.loads(plan_tools(request(tools=[defs, WEATHER], tool_choice="required"), None).constraint.json)
     assert schema["$defs"] == {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}}}
     assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    loose = {"type": "function", "function": {"name": "loose", "parameters": {"description": "no type"}}}
+    named = plan_tools(request(tools=[loose], tool_choice={"type": "function", "function": {"name": "loose"}}), None)
+    assert json.loads(named.constraint.json)["type"] == "object"  # arguments are always an object
     assert TOOL_CALL_PARSERS == ("hermes",)  # the serve CLI's --tool-call-parser choices
 
 

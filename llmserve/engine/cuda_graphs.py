@@ -179,8 +179,9 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """Inputs of the real batch (n tokens, on the device); `fill` completes the input
-        ids. Returns hidden [n, H]. Pieces replay their graphs when captured, else run."""
+        """Input ids and positions of the real batch (n tokens; host tensors, pinned on a
+        GPU, or device tensors); `fill` completes the input ids on the device. Returns
+        hidden [n, H]. Pieces replay their graphs when captured, else run."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
         graphs = self.graphs.get(size)

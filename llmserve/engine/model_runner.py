@@ -302,10 +302,10 @@ class ModelRunner:
             return
         sc = self.config.scheduler_config
         sizes = capture_sizes(sc.max_num_seqs)
-        self.graphs = DecodeGraphs(
-            self.model, sizes[-1], self.max_blocks, self.config.model_config.max_model_len, self.device
-        )
-        try:
+        try:  # buffers and capture: a failure (memory, a collective) falls back to eager steps
+            self.graphs = DecodeGraphs(
+                self.model, sizes[-1], self.max_blocks, self.config.model_config.max_model_len, self.device
+            )
             self.graphs.capture(sizes)
             captured = 1
         except Exception:  # noqa: BLE001 - e.g. a collective that cannot be captured
@@ -316,8 +316,8 @@ class ModelRunner:
         mixed_tokens = min(self.config.max_mixed_graph_tokens, sc.max_num_batched_tokens)
         if self.graphs is None or mixed_tokens <= 0:
             return
-        self.mixed_graphs = PiecewiseGraphs(self.model, mixed_tokens, self.device)
         try:
+            self.mixed_graphs = PiecewiseGraphs(self.model, mixed_tokens, self.device)
             self.mixed_graphs.capture()
             captured = 1
         except Exception:  # noqa: BLE001 - as above
@@ -327,9 +327,9 @@ class ModelRunner:
             self.mixed_graphs = None
 
     def release_cuda_graphs(self) -> None:
-        """Destroy the decode graphs. Called on every rank before it leaves the process
-        group: a graph that captured an NCCL collective holds a reference on the
-        communicator, and NCCL's teardown waits until every such graph is gone."""
+        """Destroy the CUDA graphs (decode and piecewise). Called on every rank before it
+        leaves the process group: a graph that captured an NCCL collective holds a reference
+        on the communicator, and NCCL's teardown waits until every such graph is gone."""
         if self.graphs is None and self.mixed_graphs is None:
             return
         self.graphs = self.mixed_graphs = None

@@ -138,7 +138,9 @@ async def _stream(
                 continue
             step = messages[i].step(comp.text, comp.finish_reason)
             if step is None:
-                continue
+                if tools is not None and tools.mode != "none":
+                    continue  # text held back: its tokens' logprobs go with the next chunk
+                step = (None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
             content, calls, finish = step
             logprobs = chat_logprobs(comp, tokens_sent[i]) if req.logprobs else None
             tokens_sent[i] = len(comp.token_ids)

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -306,6 +306,13 @@ class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler):  # as vLLM: a delta without calls has no such key
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatStreamChoice(BaseModel):

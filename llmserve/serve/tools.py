@@ -114,8 +114,9 @@ class ToolStream:
                 calls = [DeltaToolCall(index=0, id=self.call_id if first else None, type="function" if first else None,
                                        function=DeltaFunctionCall(name=plan.function if first else None, arguments=new))]  # fmt: skip
         elif plan.mode == "required":
-            content = text if done and not final_calls else ""
             calls = self._call_deltas(text)
+            # unreadable at the end (cut short): the text as content, unless parts of calls went out
+            content = text if done and not final_calls and not self.calls else ""
         else:  # none, auto
             end = plan.streamable_text(text) if final_calls or not done else len(text)
             content, self.chars = text[self.chars : end], max(self.chars, end)
@@ -172,7 +173,7 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
         name = choice.function.name
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
-        params = tools[names.index(name)].function.parameters or {"type": "object"}
+        params = _object_schema(tools[names.index(name)].function.parameters)
         return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(params)), function=name)
     if choice == "required":
         return ToolPlan("required", template_tools, StructuredOutputsParams(json=_schema(
@@ -189,7 +190,7 @@ def _required_schema(tools: list, single: bool) -> dict:
     defs: dict[str, Any] = {}
     choices = []
     for t in tools:
-        params = dict(t.function.parameters or {"type": "object"})
+        params = _object_schema(t.function.parameters)
         for key in ("$defs", "definitions"):
             for name, definition in (params.pop(key, None) or {}).items():
                 if defs.setdefault(name, definition) != definition:
@@ -204,6 +205,12 @@ def _required_schema(tools: list, single: bool) -> dict:
         schema["$defs"] = defs
         schema["definitions"] = defs
     return schema
+
+
+def _object_schema(parameters: dict | None) -> dict:
+    """A function's parameters schema, held to an object (a schema without "type" would let
+    the grammar write any JSON value as the arguments)."""
+    return {**(parameters or {}), "type": "object"}
 
 
 def _schema(schema: dict) -> str:

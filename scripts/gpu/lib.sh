@@ -5,9 +5,12 @@ mkdir -p "$OUT"
 M=/tmp/llama8b
 ENGINE="--model $M --load-format dummy --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 
-# ONLY="check_tp a hf" runs just those steps (in the calling script's order); without ONLY,
-# the script's DEFAULT_STEPS (every step when it sets none)
-want() { local steps=${ONLY:-${DEFAULT_STEPS:-}}; [ -z "$steps" ] || [[ " $steps " == *" $1 "* ]]; }
+# ONLY="check_tp a hf" runs just those steps (in the calling script's order), ONLY=all every
+# step; without ONLY, the script's DEFAULT_STEPS (every step when it sets none)
+want() {
+  local steps=${ONLY:-${DEFAULT_STEPS:-all}}
+  [ "$steps" = all ] || [[ " $steps " == *" $1 "* ]]
+}
 run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, print its tail and RESULT lines
   local name=$1 limit=$2; shift 2; want "$name" || return 0
   echo "=== $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
@@ -26,7 +29,7 @@ start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (pri
   # $SERVER_ARGS: extra engine flags; $TAG: suffix of this server's files
   python3 -m llmserve serve $ENGINE ${SERVER_ARGS:-} --port 8000 --log-level warning > "$OUT/server${TAG:-}.log" 2>&1 &
   server=$!
-  python3 - "$server" "${1:-200}" <<'PY' | tee "$OUT/server_startup.txt" || return 1
+  python3 - "$server" "${1:-200}" <<'PY' | tee "$OUT/server_startup${TAG:-}.txt" || return 1
 import os, sys, time, urllib.request
 pid, limit, start = int(sys.argv[1]), float(sys.argv[2]), time.time()
 while time.time() - start < limit:
@@ -42,7 +45,7 @@ while time.time() - start < limit:
     time.sleep(0.25)
 print(f"server not healthy after {limit:.0f} s"); sys.exit(1)
 PY
-  grep -i "captured" "$OUT/server${TAG:-}.log" | head -3
+  grep -i "compiled\|captured" "$OUT/server${TAG:-}.log" | head -3
 }
 
 bench_serve() {  # bench_serve RATE [NAME]: workload (d), 400 requests of 512/256

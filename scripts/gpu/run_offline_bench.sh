@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200), under 9 minutes by default: every Triton kernel checked against its
+# One device call (H200), under 9 minutes by default (the default steps' limits add up to 530 s): every Triton kernel checked against its
 # PyTorch reference (and timed), then the 8B-shaped offline workloads (a) (b) (c) and the
 # Hugging Face baseline on (a); then one table (scripts/gpu/summary.py; also $OUT/summary.md).
 # More steps on request, e.g. ONLY="check structured ttft ttft_eager a_sync": the engine's GPU
@@ -11,15 +11,15 @@ source "$(dirname "$0")/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-run kernels "${T_KERNELS:-200}" python3 scripts/gpu/bench_kernels.py
+run kernels "${T_KERNELS:-150}" python3 scripts/gpu/bench_kernels.py --budget-s 100
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && run check_tp "${T_CHECK_TP:-240}" python3 scripts/gpu/check_tp.py
-run a "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --output-json "$OUT/a.json"
-run hf "${T_HF:-110}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
+run a "${T_A:-100}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --output-json "$OUT/a.json"
+run hf "${T_HF:-100}" python3 -m llmserve bench hf-baseline --model $M --load-format dummy --num-prompts 512 \
   --input-len 512 --output-len 256 --batch-size 128 --output-json "$OUT/hf.json"
 run check "${T_CHECK:-170}" python3 scripts/gpu/check_engine.py
-run b "${T_B:-90}" python3 -m llmserve bench latency --model $M --load-format dummy --max-model-len 2048 --max-num-seqs 8 \
+run b "${T_B:-80}" python3 -m llmserve bench latency --model $M --load-format dummy --max-model-len 2048 --max-num-seqs 8 \
   --batch-size 1 --input-len 512 --output-len 256 --num-iters 5 --num-iters-warmup 2 --output-json "$OUT/b.json"
-run c "${T_C:-140}" python3 -m llmserve bench throughput $ENGINE --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$OUT/c.json"
+run c "${T_C:-100}" python3 -m llmserve bench throughput $ENGINE --num-prompts 1000 --input-len 1024 --output-len 128 --output-json "$OUT/c.json"
 run a_sync "${T_A:-130}" python3 -m llmserve bench throughput $ENGINE --num-prompts 512 --input-len 512 --output-len 256 --no-async-scheduling --output-json "$OUT/a_sync.json"
 run structured "${T_STRUCT:-150}" python3 scripts/gpu/check_structured.py
 run ttft "${T_TTFT:-120}" python3 scripts/gpu/probe_ttft.py

@@ -2,15 +2,20 @@
 # One device call (H200): workload (d) with piecewise CUDA graphs for steps with prefill
 # tokens (the default) and without them (--max-mixed-graph-tokens 0): 400 requests of 512/256
 # at 16 req/s (twice with, once without) and unlimited (with). Results land in $OUT.
+# Steps: piecewise, unlimited, eager (ONLY picks some).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 setup_env
 echo "=== d with piecewise graphs: llmserve serve $ENGINE"
-start_server
-bench_serve 16 d_rate16_piecewise_1
-bench_serve 16 d_rate16_piecewise_2
-want unlimited && bench_serve inf d_rateinf_piecewise
-kill -TERM $server; wait $server
+if want piecewise || want unlimited; then
+  start_server
+  if want piecewise; then
+    bench_serve 16 d_rate16_piecewise_1
+    bench_serve 16 d_rate16_piecewise_2
+  fi
+  want unlimited && bench_serve inf d_rateinf_piecewise
+  kill -TERM $server; wait $server
+fi
 if want eager; then
   echo "=== d without: llmserve serve $ENGINE --max-mixed-graph-tokens 0"
   SERVER_ARGS="--max-mixed-graph-tokens 0" TAG=_eager start_server

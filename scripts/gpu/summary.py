@@ -43,7 +43,7 @@ def rows(out: Path) -> list[tuple[str, str, str, str]]:
             table.append(("(a) / HF of the same call", f"{tps / base:.2f}x", f">= {A_HF_RATIO:.0f}x", f"{tps / base / A_HF_RATIO:.2f}"))
         table.append(("(a) / HF anchor (1,918 tok/s)", f"{tps / HF_ANCHOR:.2f}x", "", ""))
     b = _load(out, "b.json")
-    if b is not None:
+    if b is not None and b.get("tpot_ms") is not None:
         table.append(("(b) batch 1, 512/256: ms per output token", f"{b['tpot_ms']:.2f}", f"<= {B_TARGET_MS}", f"{B_TARGET_MS / b['tpot_ms']:.2f}"))
         table.append(("(b) TTFT, median (ms)", f"{b['ttft_ms']:.1f}", "", ""))
     c = _load(out, "c.json")
@@ -59,11 +59,13 @@ def rows(out: Path) -> list[tuple[str, str, str, str]]:
         if "bf16_agree_frac" in bf16:
             table.append(("bf16 agreement with transformers", f"{bf16['bf16_agree_frac']:.1%}", "report", ""))
     for path in sorted(out.glob("d_rate16*.json")):
-        d = json.loads(path.read_text())
+        if (d := _load(out, path.name)) is None:
+            continue
         table.append((f"(d) 16 req/s TTFT p99 ms ({path.stem})", f"{d['p99_ttft_ms']:.1f}", f"<= {D_TTFT_P99_MS:.0f}", f"{D_TTFT_P99_MS / d['p99_ttft_ms']:.2f}"))
         table.append((f"(d) 16 req/s TPOT p99 ms ({path.stem})", f"{d['p99_tpot_ms']:.2f}", f"<= {D_TPOT_P99_MS}", f"{D_TPOT_P99_MS / d['p99_tpot_ms']:.2f}"))
     for path in sorted(out.glob("d_rateinf*.json")):
-        d = json.loads(path.read_text())
+        if (d := _load(out, path.name)) is None:
+            continue
         tps = d["output_throughput"]
         table.append((f"(d) unlimited, output tok/s ({path.stem})", f"{tps:,.1f}", f">= {D_UNLIMITED:,.0f}", f"{tps / D_UNLIMITED:.2f}"))
     return table
