@@ -3,6 +3,7 @@ in front), called through the gateway with the official openai client and httpx.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -16,7 +17,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import free_port
+from server_utils import children, free_port, stop_process
 
 QUERY, DOCS = "where is the cat?", ["stock prices fell today", "a cat sleeps on the mat", "cats and dogs"]
 
@@ -42,9 +43,12 @@ def up(tmp_path_factory):
             pass
         time.sleep(0.3)
     yield {"url": url, "proc": proc, "workdir": workdir, "ports": ports}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    if proc.poll() is None:  # a test failed before the SIGTERM test: stop it the same way, leave nothing behind
+        descendants = children(proc.pid, recursive=True)
+        stop_process(proc, 60)
+        for pid in descendants:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
