@@ -13,6 +13,7 @@ aborts the request in its engine.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -180,12 +181,18 @@ def tool_plan(payload: dict) -> ToolPlan | None:
 
 
 async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
-    """(new text, finish reason) as the model streams them; cancelled when closed."""
+    """(new text, finish reason) as the model streams them; cancelled when closed early.
+
+    A finished request's call is left for the server to end, not cancelled: Triton 2.51
+    can crash (SIGSEGV) when a cancellation races the completion of a request, a race
+    fixed only in later releases (triton-inference-server/server#7840, #8034), and a CI
+    run here hit it."""
 
     async def one_request():
         yield request
 
     stream = client.stream_infer(one_request())
+    ended = False
     try:
         async for result, error in stream:
             if error is not None:
@@ -193,11 +200,26 @@ async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
             if result.get_response().outputs:
                 text = result.as_numpy("text_output")[0].decode()
                 finish = result.as_numpy("finish_reason")[0].decode()
+                if finish:
+                    ended = await _call_ended(stream)
                 yield text, finish
                 if finish:
                     return
     finally:
-        stream.cancel()
+        if not ended:  # the client went away mid-stream (or the call would not end): abort it
+            stream.cancel()
+
+
+async def _call_ended(stream, timeout: float = 2.0) -> bool:
+    """Wait for the server to end a call whose request has finished (we sent one request,
+    and the server ends the call after its final response); False if it did not."""
+    try:
+        async with asyncio.timeout(timeout):
+            async for _ in stream:
+                pass
+        return True
+    except (TimeoutError, grpc.RpcError, InferenceServerException):
+        return False
 
 
 class _Chunks:
