@@ -97,16 +97,14 @@ class LLM:
         as the OpenAI server reads them: text parts joined, earlier tool calls' arguments as
         objects), each written out by the model's chat template (with `tools`, OpenAI-shaped
         function definitions, if given); vLLM's `LLM.chat`. One output per conversation."""
-        from llmserve.serve.protocol import ChatMessage
-        from llmserve.serve.tools import template_messages
+        from llmserve.serve.tools import conversation as read_conversation
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or not all(conversations):
             raise ValueError("chat needs at least one conversation of at least one message")
         prompts = []
         for conversation in conversations:  # read as the OpenAI server reads `messages`
-            parsed = [ChatMessage.model_validate(m) for m in conversation]
-            ids = render_chat(self.tokenizer, template_messages(parsed), add_generation_prompt, chat_template_kwargs, tools)
+            ids = render_chat(self.tokenizer, read_conversation(conversation), add_generation_prompt, chat_template_kwargs, tools)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -30,7 +30,7 @@ from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.serve.errors import error_body
 from llmserve.serve.pooling_protocol import embedding_json, rerank_order
 from llmserve.serve.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
-from llmserve.serve.tools import ToolPlan, ToolStream, plan_tools
+from llmserve.serve.tools import NO_TOOLS, AutoToolChoiceUnavailable, ToolPlan, ToolStream, plan_tools
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.router import Pick
@@ -168,16 +168,15 @@ def tool_plan(payload: dict) -> ToolPlan | None:
     if "messages" not in payload or (not payload.get("tools") and payload.get("tool_choice") in (None, "none")):
         return None
     try:
-        plan = plan_tools(ChatCompletionRequest.model_validate(payload), parser="triton")
+        return plan_tools(ChatCompletionRequest.model_validate(payload), parser=None)
+    except AutoToolChoiceUnavailable:
+        raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
+                         '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"') from None
     except ValidationError as exc:
         first = exc.errors()[0]
         raise BadRequest(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"[:500]) from None
     except ValueError as exc:
         raise BadRequest(str(exc)[:500]) from None
-    if plan is not None and plan.mode == "auto":
-        raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
-                         '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"')
-    return plan
 
 
 async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
@@ -258,9 +257,8 @@ class _Chunks:
 
     def whole(self, text: str, finish: str) -> dict:
         if self.chat:
-            content, calls = self.tools.parse(text) if self.tools else (text, [])
+            content, calls, finish = (self.tools or NO_TOOLS).reply(text, finish)
             message = {"role": "assistant", "content": content, "tool_calls": [c.model_dump() for c in calls]}
-            finish = self.tools.finish_reason(calls, finish) if self.tools else finish
             choice = {"index": 0, "message": message, "finish_reason": finish}
             obj = "chat.completion"
         else:

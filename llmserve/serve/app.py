@@ -15,7 +15,6 @@ from llmserve import __version__
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.serve.chat import create_chat_completion, render_chat
-from llmserve.serve.tools import template_messages
 from llmserve.serve.completions import create_completion
 from llmserve.serve.errors import APIError, install_error_handlers
 from llmserve.serve.protocol import (
@@ -29,6 +28,7 @@ from llmserve.serve.protocol import (
     TokenizeResponse,
 )
 from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
+from llmserve.serve.tools import template_messages, template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
         if req.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            tools = template_tools(req.tools) if req.tools else None
             ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt,
                               req.chat_template_kwargs, tools)  # fmt: skip
         else:

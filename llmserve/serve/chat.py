@@ -29,7 +29,7 @@ from llmserve.serve.protocol import (
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
 from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
-from llmserve.serve.tools import ToolPlan, ToolStream, plan_tools, template_messages
+from llmserve.serve.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 
 
 def render_chat(
@@ -98,13 +98,10 @@ def _response(
 ) -> ChatCompletionResponse:  # fmt: skip
     choices = []
     for out in final.outputs:
-        content, calls = tools.parse(out.text) if tools else (out.text, [])
+        content, calls, finish = (tools or NO_TOOLS).reply(out.text, out.finish_reason)
         choices.append(ChatChoice(
-            index=out.index,
-            message=ChatResponseMessage(content=content, tool_calls=calls),
-            logprobs=chat_logprobs(out, 0) if req.logprobs else None,
-            finish_reason=tools.finish_reason(calls, out.finish_reason) if tools else out.finish_reason,
-            stop_reason=out.stop_reason,
+            index=out.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            logprobs=chat_logprobs(out, 0) if req.logprobs else None, finish_reason=finish, stop_reason=out.stop_reason,
         ))  # fmt: skip
     prompt = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)

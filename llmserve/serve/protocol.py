@@ -21,11 +21,12 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar")  # fmt: skip
 
 
-def _schema_text(schema: dict) -> str:
+def schema_text(schema: dict, what: str = "the JSON schema") -> str:
+    """A schema as JSON text (ValueError, a 400, for one too deep or not JSON)."""
     try:
         return json.dumps(schema)
     except (RecursionError, ValueError, TypeError):
-        raise ValueError("the JSON schema is nested too deeply or is not JSON") from None
+        raise ValueError(f"{what} is nested too deeply or is not JSON") from None
 
 
 def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -61,7 +62,7 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
     if not asked:
         return None
     if isinstance(asked[0].json, dict):  # a schema travels as JSON text (a deeply nested dict cannot be pickled)
-        asked[0].json = _schema_text(asked[0].json)
+        asked[0].json = schema_text(asked[0].json)
     return asked[0]
 
 

@@ -33,12 +33,17 @@ from llmserve.serve.protocol import (
     NamedToolChoice,
     ToolCall,
     random_id,
+    schema_text,
 )
 
 TOOL_CALL_PARSERS = ("hermes",)
 MAX_TOOLS = 128
 _HERMES_START = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+class AutoToolChoiceUnavailable(ValueError):
+    """tool_choice "auto" where no tool-call parser reads the model's output."""
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,7 @@ class ToolPlan:
     template_tools: list[dict] | None  # what the chat template gets as `tools`
     constraint: StructuredOutputsParams | None  # the output constraint the mode needs
     function: str | None = None  # the named function
-    parser: str | None = None  # "auto": the tool-call parser
-    single_call: bool = False  # parallel_tool_calls false
+    single_call: bool = False  # parallel_tool_calls false ("auto": the first call only)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output."""
@@ -85,6 +89,11 @@ class ToolPlan:
             return "tool_calls"
         return finish_reason
 
+    def reply(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a finished output."""
+        content, calls = self.parse(text)
+        return content, calls, self.finish_reason(calls, finish_reason)
+
 
 class ToolStream:
     """The stream of one choice's message from its growing text: plain text as content
@@ -94,7 +103,7 @@ class ToolStream:
     Output that holds no readable calls at its end goes out as content, as in the reply."""
 
     def __init__(self, plan: ToolPlan | None) -> None:
-        self.plan = plan or ToolPlan("none", None, None)
+        self.plan = plan or NO_TOOLS
         self.chars = 0  # of the text sent as content (or as a named call's arguments)
         self.calls: list[list] = []  # "required": per call [id, chars of its arguments sent]
         self.call_id = random_id("chatcmpl-tool")  # a named call's
@@ -104,7 +113,7 @@ class ToolStream:
         """(content, tool call deltas, finish reason) new since the last step, for the
         cumulative `text`; None when there is nothing to send yet."""
         plan, done = self.plan, finish_reason is not None
-        final_calls = plan.parse(text)[1] if done and plan.mode in ("auto", "required") else []
+        _, final_calls, finish_reason = plan.reply(text, finish_reason) if done else (None, [], None)
         calls: list[DeltaToolCall] = []
         content = ""
         if plan.mode == "named":
@@ -124,7 +133,7 @@ class ToolStream:
                      for k, c in enumerate(final_calls)]  # fmt: skip
         if not content and not calls and not done:
             return None
-        return content or None, calls, plan.finish_reason(final_calls, finish_reason) if done else None
+        return content or None, calls, finish_reason
 
     def _call_deltas(self, text: str) -> list[DeltaToolCall]:
         out = []
@@ -145,6 +154,14 @@ class ToolStream:
         return out
 
 
+NO_TOOLS = ToolPlan("none", None, None)  # a request without tools: its text is its content
+
+
+def template_tools(tools: list) -> list[dict]:
+    """Function tools as chat templates take them (`tools=`)."""
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
     """The request's tool plan (None: no tools involved); ValueError: a 400."""
     tools = req.tools or []
@@ -161,11 +178,11 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     for t in tools:  # arguments are a JSON object (OpenAI's rule)
         if (t.function.parameters or {}).get("type", "object") != "object":
             raise ValueError(f"the parameters of tool {t.function.name!r} must be a JSON schema of an object")
-    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    shown = template_tools(tools)
     if choice is None:
         choice = "auto"
     if choice == "none":
-        return ToolPlan("none", template_tools, None)
+        return ToolPlan("none", shown, None)
     if choice != "auto" and req.structured_outputs_params() is not None:  # they constrain the output themselves
         raise ValueError("a named or required tool_choice cannot be combined with response_format, "
                          "structured_outputs or guided_* fields")  # fmt: skip
@@ -174,14 +191,14 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(names)})")
         params = _object_schema(tools[names.index(name)].function.parameters)
-        return ToolPlan("named", template_tools, StructuredOutputsParams(json=_schema(params)), function=name)
+        return ToolPlan("named", shown, StructuredOutputsParams(json=_schema(params)), function=name)
     if choice == "required":
-        return ToolPlan("required", template_tools, StructuredOutputsParams(json=_schema(
+        return ToolPlan("required", shown, StructuredOutputsParams(json=_schema(
             _required_schema(tools, single=req.parallel_tool_calls is False))))  # fmt: skip
     if parser is None:
-        raise ValueError('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
-                         '--tool-call-parser; use tool_choice "required" or a named function instead')  # fmt: skip
-    return ToolPlan("auto", template_tools, None, parser=parser, single_call=req.parallel_tool_calls is False)
+        raise AutoToolChoiceUnavailable('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
+                                        '--tool-call-parser; use tool_choice "required" or a named function instead')  # fmt: skip
+    return ToolPlan("auto", shown, None, single_call=req.parallel_tool_calls is False)
 
 
 def _required_schema(tools: list, single: bool) -> dict:
@@ -214,10 +231,7 @@ def _object_schema(parameters: dict | None) -> dict:
 
 
 def _schema(schema: dict) -> str:
-    try:
-        return json.dumps(schema)
-    except (RecursionError, ValueError, TypeError):
-        raise ValueError("a tool's parameters schema is nested too deeply or is not JSON") from None
+    return schema_text(schema, "a tool's parameters schema")
 
 
 def _arguments(value: Any) -> str:
@@ -319,6 +333,12 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {})))))
     content = text[: text.index(_HERMES_START)]
     return content if content.strip() else None, calls
+
+
+def conversation(messages: list[dict]) -> list[dict]:
+    """OpenAI-shaped message dicts, checked and written out as `template_messages` does
+    (pydantic's ValidationError, a ValueError, for a bad one)."""
+    return template_messages([ChatMessage.model_validate(m) for m in messages])
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -58,8 +58,7 @@ def render_messages(tokenizer, messages_json: str, tools_json: str | None = None
     template, with the tools (OpenAI function definitions, as JSON) it offers, as the API
     server renders them (assistant tool calls and tool results included)."""
     from llmserve.chat_template import render_chat
-    from llmserve.serve.protocol import ChatMessage
-    from llmserve.serve.tools import template_messages
+    from llmserve.serve.tools import conversation
 
     messages = json.loads(messages_json)
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -67,9 +66,8 @@ def render_messages(tokenizer, messages_json: str, tools_json: str | None = None
     tools = json.loads(tools_json) if tools_json else None
     if tools is not None and not isinstance(tools, list):
         raise ValueError("the tools parameter must be a JSON list of function tools")
-    conversation = template_messages([ChatMessage.model_validate(m) for m in messages])
     # the template writes BOS; its errors (and a model without one) are ValueErrors: the client's
-    return {"prompt_token_ids": render_chat(tokenizer, conversation, True, None, tools)}
+    return {"prompt_token_ids": render_chat(tokenizer, conversation(messages), True, None, tools)}
 
 
 def parse_request(request, tokenizer=None):
