@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,17 @@ def freeze_startup_objects(what: str) -> int:
     frozen = gc.get_freeze_count()
     logger.info("%s: %d start-up objects kept out of garbage collection scans", what, frozen)
     return frozen
+
+
+@contextmanager
+def frozen(what: str) -> Iterator[None]:
+    """The heap as it is now kept out of collection scans for the block (a benchmark
+    measuring an engine it built), then made collectable again."""
+    freeze_startup_objects(what)
+    try:
+        yield
+    finally:
+        unfreeze()
 
 
 def unfreeze() -> None:

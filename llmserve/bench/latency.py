@@ -18,7 +18,7 @@ import numpy as np
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import banner, parse_percentiles, percentile_word, row, write_json
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
-from llmserve.heap import freeze_startup_objects, unfreeze
+from llmserve.heap import frozen
 
 
 def add_parser(subparsers) -> None:
@@ -52,11 +52,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     engine_args = engine_args_from_cli(args)
     llm = LLM(**vars(engine_args))
-    freeze_startup_objects("bench latency")  # no full GC pass over the engine mid-measurement
-    try:
+    with frozen("bench latency"):  # no full GC pass over the engine mid-measurement
         return _measure(args, llm, percentiles)
-    finally:
-        unfreeze()
 
 
 def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:

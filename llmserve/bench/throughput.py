@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from llmserve.bench.prompts import random_requests
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
-from llmserve.heap import freeze_startup_objects, unfreeze
+from llmserve.heap import frozen
 
 
 @dataclass
@@ -61,13 +61,10 @@ def run(args: argparse.Namespace) -> ThroughputResult:
     )
     params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    freeze_startup_objects("bench throughput")  # no full GC pass over the engine mid-measurement
-    try:
+    with frozen("bench throughput"):  # no full GC pass over the engine mid-measurement
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
-    finally:
-        unfreeze()
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     result = ThroughputResult(
