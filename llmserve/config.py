@@ -94,7 +94,7 @@ class EngineConfig:
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
     tensor_parallel_size: int = 1
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
-    max_mixed_graph_tokens: int = 0  # resolved: steps with prefill tokens up to this run piecewise graphs
+    max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
 
 
 @dataclass
@@ -166,7 +166,7 @@ class EngineArgs:
         overlap = self.async_scheduling and tp == 1  # tensor-parallel workers do not see sampled tokens
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
-        mixed = 0 if eager else self.max_mixed_graph_tokens
+        mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed)
 
 

@@ -313,7 +313,7 @@ class ModelRunner:
             captured = 0
         if not self.tp.min_over_ranks(captured):  # every rank takes the same path
             self.graphs = None
-        mixed_tokens = min(self.config.max_mixed_graph_tokens, sc.max_num_batched_tokens)
+        mixed_tokens = self.config.max_mixed_graph_tokens
         if self.graphs is None or mixed_tokens <= 0:
             return
         try:
