@@ -33,7 +33,6 @@ _HELP = {
     "enforce_eager": "never capture CUDA graphs",
     "attention_backend": "auto (triton on GPU, reference on CPU), reference or triton",
     "async_scheduling": "schedule step N+1 while the device runs step N (reads N's tokens on the device); off with tensor parallelism",
-    "overlap_prefill_steps": "with async scheduling, schedule the next step also while a step with prefill tokens runs and no request waits; off, a request that arrives during such a (long) step joins the next step instead of the one after it",
     "max_mixed_graph_tokens": "steps with prefill tokens (prompts, chunks, mixed with decodes) of up to this many tokens replay piecewise CUDA graphs between eager attention calls; 0: such steps run eagerly",
     "tensor_parallel_size": "split the model over this many GPUs (gloo processes on CPU); one worker process per extra rank",
 }

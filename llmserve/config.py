@@ -94,7 +94,6 @@ class EngineConfig:
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
     tensor_parallel_size: int = 1
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
-    overlap_prefill_steps: bool = False  # with async scheduling: also behind a step with prefill tokens when none waits
     max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
 
 
@@ -123,7 +122,6 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto | reference | triton
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
     async_scheduling: bool = True  # schedule the next step while the device runs this one
-    overlap_prefill_steps: bool = False  # async scheduling behind prefill steps too, when no request waits
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
 
     @classmethod
@@ -169,8 +167,7 @@ class EngineArgs:
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
-        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap,
-                            self.overlap_prefill_steps, mixed)
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed)
 
 
 def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:

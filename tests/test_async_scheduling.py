@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 from conftest import assert_no_leak
 from test_scheduler import make_request, make_scheduler
 
@@ -41,11 +40,10 @@ def _outputs(llm: LLM, prompts, params):
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("behind_prefill", [False, True])
-def test_async_scheduling_gives_the_same_outputs(llama_dir, behind_prefill):
+def test_async_scheduling_gives_the_same_outputs(llama_dir):
     prompts, params = _requests()
     sync = LLM(llama_dir, async_scheduling=False)
-    overlapped = LLM(llama_dir, overlap_prefill_steps=behind_prefill)
+    overlapped = LLM(llama_dir)
     assert overlapped.config.async_scheduling and not sync.config.async_scheduling
     expected = _outputs(sync, prompts, params)
     assert _outputs(overlapped, prompts, params) == expected
@@ -69,41 +67,6 @@ def test_async_scheduling_under_preemption(llama_dir):
         assert _outputs(overlapped, prompts, params) == _outputs(sync, prompts, params)
         assert overlapped.stats().num_preemptions > 0
         assert_no_leak(overlapped)
-
-
-def test_no_overlap_behind_a_prefill_step_while_no_request_waits(llama_dir):
-    """A request that arrives while a (long) step with prefill tokens runs joins the next
-    step: that step is not scheduled early unless a request already waits for it (then
-    it would be the same step anyway) or `overlap_prefill_steps` asks for it."""
-    def add(llm: LLM, rid: str, n: int) -> None:
-        ids = [1] + [3 + i % 400 for i in range(n)]
-        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        for core_req in llm.input_processor.process(rid, {"prompt_token_ids": ids}, params, 0).core_requests:
-            assert llm.core.add_request(core_req) is None
-
-    for behind_prefill in (False, True):
-        llm = LLM(llama_dir, max_num_batched_tokens=32, overlap_prefill_steps=behind_prefill)
-        core = llm.core
-        add(llm, "a", 20)
-        add(llm, "b", 40)  # a chunk of b fits in the first step; the rest of it comes next
-        first = core.launch()
-        assert first[0].has_prefill and [s.request.request_id for s in first[0].scheduled] == ["a", "b"]
-        assert not core.scheduler.waiting
-        assert core.can_overlap(first[0]) is behind_prefill  # an arrival would join the next step
-        add(llm, "c", 5)
-        assert core.can_overlap(first[0])  # c waits: the next step takes it either way
-        second = core.launch()
-        core.finish(first)
-        core.finish(second)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running):
-            core.step()
-        decode = core.launch()
-        assert decode[0].scheduled and not decode[0].has_prefill
-        assert core.can_overlap(decode[0])  # decode steps always overlap
-        core.finish(decode)
-        while core.has_unfinished():
-            core.step()
-        assert_no_leak(llm)
 
 
 def test_scheduler_overlap_stop_while_next_step_runs():

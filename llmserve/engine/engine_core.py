@@ -150,7 +150,7 @@ class EngineCore:
 
     def launch(self) -> tuple[SchedulerOutput, PendingStep | None]:
         """Schedule and start a step on the device; the host is free until `finish`.
-        With `can_overlap(...)`, this may be called once more before the previous step's
+        With `can_overlap()`, this may be called once more before the previous step's
         `finish`: the new step then reads that step's tokens on the device."""
         self._admit_compiled()
         sched = self.scheduler.schedule()
@@ -161,19 +161,12 @@ class EngineCore:
         self.scheduler.after_launch(sched)
         return sched, pending
 
-    def can_overlap(self, in_flight: SchedulerOutput) -> bool:
-        """May the next step be launched before `in_flight` is finished? Not with tensor
-        parallelism (the workers do not see sampled tokens) nor for requests with
+    def can_overlap(self) -> bool:
+        """May the next step be launched before the one in flight is finished? Not with
+        tensor parallelism (the workers do not see sampled tokens) nor for requests with
         repetition/presence/frequency penalties (they need every earlier token's value) or
-        structured outputs (the grammar's mask needs the previous token). Nor, unless
-        `overlap_prefill_steps`, behind a step with prefill tokens while no request waits:
-        such a step is long, and a request arriving during it would otherwise miss the
-        step already scheduled and wait for the one after (one more step of TTFT), while
-        one unhidden host gap after a long step costs little."""
+        structured outputs (the grammar's mask needs the previous token)."""
         if not self.config.async_scheduling:
-            return False
-        if (not self.config.overlap_prefill_steps and in_flight.has_prefill
-                and not self.scheduler.waiting and not self._compiling):
             return False
         return not any(r.sampling_params.has_penalties or r.matcher is not None for r in self.scheduler.running)
 
@@ -210,7 +203,7 @@ class StepPipeline:
         return self.in_flight is not None
 
     def launch(self) -> None:
-        if self.core.has_unfinished() and (self.in_flight is None or self.core.can_overlap(self.in_flight[0])):
+        if self.core.has_unfinished() and (self.in_flight is None or self.core.can_overlap()):
             self._next = self.core.launch()
 
     def finish(self) -> EngineCoreOutputs | None:

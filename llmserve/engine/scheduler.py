@@ -50,11 +50,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
-    @property
-    def has_prefill(self) -> bool:
-        """Does some request compute more than one token (a prompt or a chunk of one)?"""
-        return self.num_batched_tokens > len(self.scheduled)
-
 
 class Scheduler:
     def __init__(
