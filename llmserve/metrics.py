@@ -75,6 +75,15 @@ class EngineMetrics:
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
         )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds", "From first scheduled to the first token.", _LATENCY_BUCKETS
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds", "From the first token to the last.", _LATENCY_BUCKETS
+        )
+        self.inference_time = histogram(
+            "vllm:request_inference_time_seconds", "From first scheduled to the last token.", _LATENCY_BUCKETS
+        )
         self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt length of finished requests.", _LENGTH_BUCKETS)
         self.generation_len = histogram(
             "vllm:request_generation_tokens", "Generated length of finished requests.", _LENGTH_BUCKETS
@@ -83,7 +92,8 @@ class EngineMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time, self.prompt_len, self.generation_len):
+                       self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
+                       self.prompt_len, self.generation_len):
             metric.labels(model_name)
         reg.register(_EngineStateCollector(engine, model_name))
         engine.add_stats_listener(self.observe)
@@ -102,5 +112,8 @@ class EngineMetrics:
             self.request_success.labels(name, f.finish_reason).inc()
             self.e2e.labels(name).observe(f.e2e_latency)
             self.queue_time.labels(name).observe(f.queue_time)
+            self.prefill_time.labels(name).observe(f.prefill_time)
+            self.decode_time.labels(name).observe(f.decode_time)
+            self.inference_time.labels(name).observe(f.prefill_time + f.decode_time)
             self.prompt_len.labels(name).observe(f.num_prompt_tokens)
             self.generation_len.labels(name).observe(f.num_generation_tokens)

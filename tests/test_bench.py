@@ -11,6 +11,7 @@ import pytest
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import parse_percentiles, summarize
 from llmserve.bench.serve import arrival_offsets
+from llmserve.bench.server_metrics import parse, server_side
 from llmserve.bench.serve_client import RequestResult, Target, _carries_tokens
 from llmserve.bench.serve_metrics import compute_metrics, parse_goodput, peak_concurrency
 from llmserve.bench.throughput import make_prompts
@@ -63,12 +64,45 @@ def test_serve_all_at_once_with_plot(server, llama_dir, tmp_path, capsys):
     assert_consistent(r)
     assert r["request_rate"] == "inf" and r["seed"] == 1 and r["model_id"] == llama_dir  # the first of /v1/models
     assert r["request_goodput"] == pytest.approx(r["request_throughput"])  # a 10-minute TTFT SLO: all good
-    # a lagging stream gets several tokens in one chunk: at most one gap per token after the first
-    assert len(r["ttfts"]) == NUM and all(1 <= len(gaps) <= OUT_LEN - 1 for gaps in r["itls"])
+    # a lagging stream gets several tokens in one chunk (the tiny model can finish all six before
+    # the server's streaming catches up): at most one gap per token after the first
+    assert len(r["ttfts"]) == NUM and all(len(gaps) <= OUT_LEN - 1 for gaps in r["itls"])
+    assert sum(map(len, r["itls"])) > 0
     assert png.read_bytes()[:8] == PNG_MAGIC
     text = capsys.readouterr().out
     assert "============ Serving Benchmark Result ============" in text
     assert "Successful requests:                     12" in text
+    # the server's own view of the same 12 requests (its /metrics before and after the load)
+    srv = r["server_metrics"]
+    assert srv["ttft_count"] == srv["queue_count"] == srv["prefill_count"] == NUM
+    # the server's TTFT lies inside the client's (after the request's arrival, before its bytes left)
+    assert 0 < srv["mean_ttft_ms"] <= r["mean_ttft_ms"]
+    assert srv["mean_queue_ms"] + srv["mean_prefill_ms"] == pytest.approx(srv["mean_ttft_ms"], rel=0.05, abs=0.5)
+    assert srv["mean_e2el_ms"] <= r["mean_e2el_ms"]
+    assert 0 < srv["p50_ttft_bucket_ms"] <= srv["p99_ttft_bucket_ms"]
+    assert "Server side (/metrics)" in text and "Mean queue time (ms):" in text
+
+
+def test_serve_keeps_its_start_up_heap_out_of_gc_scans_while_measuring(server, tmp_path, monkeypatch):
+    """The client's own full collections stalled every stream at once for ~0.1 s on the
+    GPU host (read as the server's TTFT and ITL): its heap is frozen during the load."""
+    import gc
+
+    from llmserve.bench import serve as bench_serve_module
+
+    seen = []
+    real = bench_serve_module.run_load
+
+    async def watched(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_serve_module, "run_load", watched)
+    assert gc.get_freeze_count() == 0
+    r = bench_serve(server.base_url, str(tmp_path / "r.json"), "--request-rate", "100")
+    assert r["completed"] == NUM
+    assert len(seen) == 1 and seen[0] > 10_000  # the imported modules, the prompts, the client
+    assert gc.get_freeze_count() == 0  # and collectable again afterwards
 
 
 def test_serve_finite_rate_and_concurrency_cap(server, tmp_path):
@@ -89,7 +123,7 @@ def test_serve_chat_endpoint(server, tmp_path):
 def test_serve_against_nothing_reports_failures(tmp_path, capsys):
     r = bench_serve(f"http://127.0.0.1:{free_port()}", str(tmp_path / "r.json"), "--model", "m", "--plot",
                     str(tmp_path / "p.png"))  # fmt: skip
-    assert r["completed"] == 0 and r["failed"] == NUM
+    assert r["completed"] == 0 and r["failed"] == NUM and r["server_metrics"] is None
     assert r["total_output_tokens"] == 0 and r["request_throughput"] == 0 and r["mean_ttft_ms"] == 0
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
     assert "ConnectError" in capsys.readouterr().err
@@ -145,6 +179,37 @@ def result(start: float, ttft: float, latency: float, tokens: int, ok: bool = Tr
         success=ok, prompt_len=10 if ok else 0, output_tokens=tokens if ok else 0, start=start,
         ttft=ttft, latency=latency, itl=gaps, token_times=times, error="" if ok else "boom",
     )  # fmt: skip
+
+
+def test_server_side_metrics_from_prometheus_text():
+    """Two scrapes of vLLM-named histograms (two models, so label sets are summed): the
+    observations in between, their means and the bucket holding each percentile."""
+    def text(ttft_sum: float, buckets: dict[str, float], queue_sum: float) -> str:
+        lines = ["# HELP vllm:time_to_first_token_seconds Time to first token.",
+                 "# TYPE vllm:time_to_first_token_seconds histogram"]
+        for model in ("a", "b"):
+            for le, n in buckets.items():
+                lines.append(f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="{model}"}} {n / 2}')
+            lines.append(f'vllm:time_to_first_token_seconds_count{{model_name="{model}"}} {buckets["+Inf"] / 2}')
+            lines.append(f'vllm:time_to_first_token_seconds_sum{{model_name="{model}"}} {ttft_sum / 2}')
+            lines.append(f'vllm:request_queue_time_seconds_count{{model_name="{model}"}} {buckets["+Inf"] / 2}')
+            lines.append(f'vllm:request_queue_time_seconds_sum{{model_name="{model}"}} {queue_sum / 2}')
+            lines.append(f'vllm:num_requests_running{{model_name="{model}"}} 3.0')
+        return "\n".join(lines) + "\n"
+
+    before = parse(text(1.0, {"0.04": 4, "0.1": 10, "0.25": 10, "+Inf": 10}, 0.5))
+    # 100 more requests: 90 within 40 ms, 8 more within 100 ms, 2 more within 250 ms; 5 s of TTFT, 1 s queued
+    after = parse(text(6.0, {"0.04": 94, "0.1": 108, "0.25": 110, "+Inf": 110}, 1.5))
+    assert before["vllm:time_to_first_token_seconds_bucket|0.1"] == 10
+    assert "vllm:num_requests_running" not in before  # not a histogram of ours
+    got = server_side(before, after, [50, 90, 99, 99.9])
+    assert got["ttft_count"] == got["queue_count"] == 100
+    assert got["mean_ttft_ms"] == pytest.approx(50.0) and got["mean_queue_ms"] == pytest.approx(10.0)
+    assert got["p50_ttft_bucket_ms"] == got["p90_ttft_bucket_ms"] == pytest.approx(40.0)
+    assert got["p99_ttft_bucket_ms"] == pytest.approx(250.0) and got["p99.9_ttft_bucket_ms"] == pytest.approx(250.0)
+    assert "mean_prefill_ms" not in got  # a server without that histogram
+    assert server_side(None, after, [99]) is None and server_side(before, before, [99]) is None
+    assert parse("vllm:time_to_first_token_seconds_sum{model_name=\"a\"} not-a-number\n") == {}
 
 
 def test_metrics_definitions():

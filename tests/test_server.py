@@ -156,11 +156,20 @@ def test_metrics_move(client, server):
     before_gen = metric(server.base_url, "vllm:generation_tokens_total")
     before_prompt = metric(server.base_url, "vllm:prompt_tokens_total")
     before_ttft = metric(server.base_url, "vllm:time_to_first_token_seconds_count")
+    phases = ("queue", "prefill", "decode", "inference")
+    sums = {p: metric(server.base_url, f"vllm:request_{p}_time_seconds_sum") for p in phases}
+    before_e2e = metric(server.base_url, "vllm:e2e_request_latency_seconds_sum")
     resp = client.completions.create(model="tiny", prompt="metrics please", **GREEDY)
     assert metric(server.base_url, "vllm:request_success_total") == before_ok + 1
     assert metric(server.base_url, "vllm:generation_tokens_total") == before_gen + 12
     assert metric(server.base_url, "vllm:prompt_tokens_total") == before_prompt + resp.usage.prompt_tokens
     assert metric(server.base_url, "vllm:time_to_first_token_seconds_count") == before_ttft + 1
+    # the phases of this one request: queue + prefill + decode = end to end, inference = prefill + decode
+    took = {p: metric(server.base_url, f"vllm:request_{p}_time_seconds_sum") - sums[p] for p in phases}
+    e2e = metric(server.base_url, "vllm:e2e_request_latency_seconds_sum") - before_e2e
+    assert all(v >= 0 for v in took.values()) and took["prefill"] > 0 and took["decode"] > 0
+    assert took["queue"] + took["prefill"] + took["decode"] == pytest.approx(e2e, abs=1e-6)
+    assert took["inference"] == pytest.approx(took["prefill"] + took["decode"], abs=1e-6)
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
         "vllm:gpu_cache_usage_perc", "vllm:inter_token_latency_seconds_count",

@@ -25,9 +25,11 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from llmserve import heap
 from llmserve.bench.prompts import SyntheticRequest, random_requests
-from llmserve.bench.report import banner, metric_rows, parse_percentiles, row, write_json
+from llmserve.bench.report import banner, metric_rows, parse_percentiles, percentile_word, row, write_json
 from llmserve.bench.serve_client import RequestResult, Target, send
+from llmserve.bench.server_metrics import PHASES, scrape, server_side
 from llmserve.bench.serve_metrics import LATENCY_METRICS, compute_metrics, parse_goodput
 
 METRIC_TITLES = {  # name -> (section header, label), as vLLM prints them
@@ -84,11 +86,11 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--request-rate and --burstiness must be > 0")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
-    target, results, duration = asyncio.run(_benchmark(args, seed))
+    target, results, duration, server = asyncio.run(_benchmark(args, seed, percentiles))
     metrics = compute_metrics(results, duration, percentiles, slos)
-    print(format_report(metrics, args, shown, percentiles, bool(slos)))
+    print(format_report(metrics, args, shown, percentiles, bool(slos), server))
     _print_errors(results)
-    result = _result_json(args, target, seed, percentiles, slos, metrics, results)
+    result = _result_json(args, target, seed, percentiles, slos, metrics, results) | {"server_metrics": server}
     if args.output_json:
         write_json(args.output_json, result)
     if args.plot:
@@ -99,7 +101,8 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-async def _benchmark(args: argparse.Namespace, seed: int) -> tuple[Target, list[RequestResult], float]:
+async def _benchmark(args: argparse.Namespace, seed: int,
+                     percentiles: Sequence[float]) -> tuple[Target, list[RequestResult], float, dict | None]:
     timeout = httpx.Timeout(args.request_timeout, connect=min(30.0, args.request_timeout))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no silent cap at 100
     # trust_env=False: no proxy between the client and the server being measured
@@ -117,9 +120,15 @@ async def _benchmark(args: argparse.Namespace, seed: int) -> tuple[Target, list[
         print(f"Traffic request rate: {args.request_rate}, burstiness factor: {args.burstiness}"
               f"{' (Poisson process)' if args.burstiness == 1.0 else ''}, "
               f"maximum request concurrency: {args.max_concurrency}, seed: {seed}")
-        results, duration = await run_load(client, target, reqs, prompts, offsets, args.max_concurrency,
-                                           progress=not args.disable_tqdm)
-    return target, results, duration
+        # the client's own full collections would stall every stream at once (~0.1 s with
+        # 190k start-up objects on the GPU host), read as the server's latency: keep the
+        # heap built so far out of their scans while measuring
+        before = await scrape(client, target.base_url, target.headers())
+        with heap.frozen("bench serve client"):
+            results, duration = await run_load(client, target, reqs, prompts, offsets, args.max_concurrency,
+                                               progress=not args.disable_tqdm)
+        server = server_side(before, await scrape(client, target.base_url, target.headers()), percentiles)
+    return target, results, duration, server
 
 
 async def first_model(client: httpx.AsyncClient, target: Target) -> str | None:
@@ -208,7 +217,7 @@ async def run_load(client: httpx.AsyncClient, target: Target, reqs: Sequence[Syn
 
 
 def format_report(m: dict, args: argparse.Namespace, shown: Sequence[str], percentiles: Sequence[float],
-                  goodput: bool) -> str:
+                  goodput: bool, server: dict | None = None) -> str:
     lines = [banner("Serving Benchmark Result"), row("Successful requests:", m["completed"]),
              row("Failed requests:", m["failed"])]
     if args.max_concurrency is not None:
@@ -233,6 +242,14 @@ def format_report(m: dict, args: argparse.Namespace, shown: Sequence[str], perce
         header, label = METRIC_TITLES[name]
         lines.append(banner(header, "-"))
         lines += metric_rows(m, name, label, percentiles)
+    if server:  # the same run as the server's /metrics saw it
+        lines.append(banner("Server side (/metrics)", "-"))
+        for key, _, label in PHASES:
+            if f"mean_{key}_ms" in server:
+                lines.append(row(f"Mean {label} (ms):", server[f"mean_{key}_ms"]))
+        for p in percentiles:
+            if (bound := server.get(f"p{percentile_word(p)}_ttft_bucket_ms")) is not None:
+                lines.append(row(f"P{percentile_word(p)} TTFT at most (ms, bucket):", bound))
     lines.append("=" * 50)
     return "\n".join(lines)
 

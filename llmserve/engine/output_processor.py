@@ -26,7 +26,9 @@ class RequestFailedError(RuntimeError):
 class FinishedRequestStats:
     finish_reason: str
     e2e_latency: float
-    queue_time: float
+    queue_time: float  # arrival -> first scheduled
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> finished
     num_prompt_tokens: int
     num_generation_tokens: int
 
@@ -168,10 +170,14 @@ class OutputProcessor:
     def _finished_stats(state: _RequestState) -> FinishedRequestStats:
         m = state.metrics
         reasons = {s.finish_reason for s in state.samples}
+        scheduled = max(m.arrival_time, m.first_scheduled_time or m.arrival_time)
+        first_token = min(m.finished_time, max(scheduled, m.first_token_time or m.finished_time))
         return FinishedRequestStats(
             finish_reason="stop" if reasons == {"stop"} else next(iter(reasons - {"stop"})),
             e2e_latency=m.finished_time - m.arrival_time,
-            queue_time=max(0.0, (m.first_scheduled_time or m.arrival_time) - m.arrival_time),
+            queue_time=scheduled - m.arrival_time,
+            prefill_time=first_token - scheduled,
+            decode_time=m.finished_time - first_token,
             num_prompt_tokens=len(state.processed.prompt_token_ids),
             num_generation_tokens=sum(len(s.token_ids) for s in state.samples),
         )
