@@ -296,3 +296,32 @@ def test_gpu_summary_table(tmp_path):
     assert "| (a) 512 x 512/256, output tok/s | 10,150.0 | >= 10,150 | 1.00 |" in out
     assert "| (a) / HF of the same call | 5.00x | >= 5x | 1.00 |" in out and "| 1/2 within tolerance | all | FAIL |" in out
     assert "(b) batch 1" in out and "(c)" not in out and (tmp_path / "summary.md").read_text() == out
+
+
+def test_serve_stalls_finds_a_stall_of_every_stream(tmp_path):
+    """scripts/gpu/serve_stalls.py on hand-built per-request detail: three streams share a
+    0.12 s gap (then tokens back to back), a fourth has an ordinary one; the slowest first
+    token is the one that arrived behind two others."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = {
+        "seed": 7, "p99_ttft_ms": 90.0, "mean_ttft_ms": 40.0, "p99_tpot_ms": 8.0,
+        "start_times": [0.0, 0.01, 0.02, 1.0],
+        "ttfts": [0.03, 0.035, 0.09, 0.02],
+        # streams 0-2: tokens every 7 ms, one 120 ms gap around t=0.5 s, then three back to back
+        "itls": [[0.007] * 60 + [0.12, 0.0002, 0.0003, 0.0001, 0.007] for _ in range(3)] + [[0.007, 0.065, 0.007]],
+    }  # fmt: skip
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    script = Path(__file__).parents[1] / "scripts/gpu/serve_stalls.py"
+    out = subprocess.run([sys.executable, str(script), str(path), "--summary", str(tmp_path / "s.json")],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    summary = json.loads((tmp_path / "s.json").read_text())[0]
+    shared = [s for s in summary["stalls"] if s["streams"] >= 3]
+    assert len(shared) == 1 and shared[0]["max_gap_ms"] == pytest.approx(120.0)
+    assert shared[0]["max_back_to_back"] == 3 and shared[0]["at_s"] == pytest.approx(0.45)
+    assert len(summary["stalls"]) == 2  # the fourth stream's 65 ms gap, alone
+    assert summary["worst_ttft"][0] == {"at_s": 0.02, "ttft_ms": 90.0, "arrived_before": 2}
+    assert "stalls: 120 ms at 0.5 s (3 streams)" in out
