@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
     log_path = os.path.join(workdir, "triton.log")
     triton = TritonServer(
         str(repo), http_port=args.triton_http_port, grpc_port=args.triton_grpc_port,
-        metrics_port=args.triton_metrics_port, exit_timeout_secs=10, log_path=log_path,
+        metrics_port=args.triton_metrics_port, exit_timeout_secs=10, log_path=log_path, stop_with_parent=True,
     )  # fmt: skip
     # Ctrl-C or SIGTERM end the process through `finally` below, which stops Triton. While the
     # gateway serves, uvicorn takes the signals, drains, and raises them again once it has put

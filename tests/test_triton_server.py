@@ -369,3 +369,50 @@ def _ready(client, model) -> bool:
         return client.is_model_ready(model)
     except Exception:  # noqa: BLE001 - not listening yet
         return False
+
+
+LAUNCHER = """
+import sys, time
+from llmserve.triton.server import TritonServer
+ports = [int(p) for p in sys.argv[2:5]]
+server = TritonServer(sys.argv[1], *ports, load_models=[], stop_with_parent=sys.argv[5] == "1").start()
+print(server.proc.pid, flush=True)
+server.wait_ready(120)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("stop_with_parent", [True, False])
+def test_triton_stops_when_its_launcher_is_killed(tmp_path, stop_with_parent):
+    """`llmserve up` SIGKILLed (no chance to stop Triton): with stop_with_parent, the kernel
+    sends Triton SIGTERM; without it (the reference), Triton would keep running."""
+    repo = tmp_path / "empty_repository"
+    repo.mkdir()
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(repo), str(free_port()), str(free_port()), str(free_port()),
+         "1" if stop_with_parent else "0"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    triton_pid = None
+    try:
+        triton_pid = int(launcher.stdout.readline())
+        assert launcher.stdout.readline().strip() == "ready"
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + (20 if stop_with_parent else 3)  # the reference: alive 3 s on
+        while _pid_alive(triton_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _pid_alive(triton_pid) is not stop_with_parent
+    finally:
+        launcher.kill()
+        if triton_pid is not None and _pid_alive(triton_pid):
+            os.killpg(triton_pid, signal.SIGKILL)

@@ -23,6 +23,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminate_with(parent_pid: int):
+    """For Popen's preexec_fn (in the child, before exec): SIGTERM when the parent dies;
+    exit at once if it already has. A no-op where prctl does not exist."""
+    import ctypes
+
+    def arm() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent_pid:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
 
 
 def triton_home() -> Path:
@@ -83,6 +101,9 @@ class TritonServer:
     workdir: str | None = None
     proc: subprocess.Popen | None = None
     shm_prefix: str = ""
+    # Linux: the server gets SIGTERM when the thread that started it dies, even by SIGKILL
+    # (`llmserve up`: no Triton left running after its launcher is gone)
+    stop_with_parent: bool = False
 
     def command(self, tree: Path) -> list[str]:
         cmd = [
@@ -108,7 +129,7 @@ class TritonServer:
         out = open(self.log_path, "w") if self.log_path else None
         self.proc = subprocess.Popen(
             self.command(tree), env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=_terminate_with(os.getpid()) if self.stop_with_parent else None,
         )  # fmt: skip
         return self
 
