@@ -123,3 +123,43 @@ def test_admission_limit_gives_503_overloaded():
     assert exc.value.status == 503 and exc.value.code == "overloaded"
     engine.num_unfinished = 1
     assert state.require_engine() is engine
+
+
+@pytest.mark.parametrize("kind", ["generate", "embed"])
+def test_a_model_that_cannot_load_is_a_503_saying_why(llama_dir, kind):
+    """Both servers load their model in the background (serve/common.py): when it fails,
+    /health and the endpoints answer 503 with the reason, on_fatal hears it, /version and
+    /metrics still answer, and the server shuts down cleanly."""
+    from llmserve.serve.pooling_app import build_pooling_app
+
+    def broken():
+        raise RuntimeError("no weights here")
+
+    fatal = []
+    config = ServerConfig(["m"], llama_dir)
+    builder = build_app if kind == "generate" else build_pooling_app
+    app = builder(config, broken, on_fatal=fatal.append)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not fatal:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "failed to start: no weights here" in fatal[0]
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and "no weights here" in health.json()["error"]["message"]
+        path, body = ("/v1/completions", {"prompt": "x"}) if kind == "generate" else ("/v1/embeddings", {"input": "x"})
+        resp = httpx.post(base + path, json=body)
+        assert resp.status_code == 503 and "no weights here" in resp.json()["error"]["message"]
+        assert httpx.get(f"{base}/version").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+        models = httpx.get(f"{base}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["m"] and models[0]["max_model_len"] is None
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()

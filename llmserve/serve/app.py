@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve import __version__
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.serve.chat import create_chat_completion, render_chat
+from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.completions import create_completion
 from llmserve.serve.errors import APIError, install_error_handlers
 from llmserve.serve.protocol import (
@@ -22,8 +20,6 @@ from llmserve.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -51,41 +47,28 @@ def build_app(
     `on_fatal` is called if the engine cannot start, `on_ready` once it has."""
     state = ServerState(config)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(_load_engine(state, engine_factory, on_fatal, on_ready))
-        try:
-            yield
-        finally:
-            state.draining = True
-            loader.cancel()
-            if state.engine is not None:
-                await asyncio.to_thread(state.engine.shutdown)
+    def loaded(engine: EngineClient) -> None:
+        state.metrics = EngineMetrics(engine, config.served_model_names[0])
+        state.engine = engine
+        if on_ready is not None:
+            on_ready()
+        logger.info("engine ready: serving %s", ", ".join(config.served_model_names))
 
-    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
+    async def stop() -> None:
+        if state.engine is not None:
+            await asyncio.to_thread(state.engine.shutdown)
+
+    app = FastAPI(title="llmserve", version=__version__,
+                  lifespan=background_loader(engine_factory, "engine", state, loaded, on_fatal, stop))  # fmt: skip
     app.state.server = state
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not state.ready:
-            raise APIError(503, state.startup_error or "not ready", code="not_ready")
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        body = generate_latest(state.metrics.registry) if state.metrics else b""
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models(s: ServerState = Depends(_authorized)) -> ModelList:
-        max_len = s.engine.model_config.max_model_len if s.engine else None
-        cards = [ModelCard(id=name, root=s.config.model_path, max_model_len=max_len) for name in s.config.served_model_names]
-        return ModelList(data=cards)
+    add_common_routes(
+        app, config,
+        not_ready=lambda: None if state.ready else (state.startup_error or "not ready"),
+        registry=lambda: state.metrics.registry if state.metrics else None,
+        max_model_len=lambda: state.engine.model_config.max_model_len if state.engine else None,
+        authorized=_authorized,
+    )  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
@@ -120,23 +103,3 @@ def build_app(
 
     return app
 
-
-async def _load_engine(
-    state: ServerState,
-    factory: EngineFactory,
-    on_fatal: Callable[[str], None] | None,
-    on_ready: Callable[[], None] | None,
-) -> None:
-    try:
-        engine = await asyncio.to_thread(factory)
-    except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
-        state.startup_error = f"engine failed to start: {exc}"
-        logger.error(state.startup_error)
-        if on_fatal is not None:
-            on_fatal(state.startup_error)
-        return
-    state.metrics = EngineMetrics(engine, state.config.served_model_names[0])
-    state.engine = engine
-    if on_ready is not None:
-        on_ready()
-    logger.info("engine ready: serving %s", ", ".join(state.config.served_model_names))

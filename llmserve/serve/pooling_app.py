@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llmserve import __version__
 from llmserve.pooling import SentenceEncoder, cosine_scores
 from llmserve.serve.batcher import MicroBatcher
+from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.errors import APIError, install_error_handlers
 from llmserve.serve.pooling_protocol import (
     MAX_DOCUMENTS,
@@ -37,7 +36,6 @@ from llmserve.serve.pooling_protocol import (
     embedding_json,
     rerank_order,
 )
-from llmserve.serve.protocol import ModelCard, ModelList
 from llmserve.serve.state import ServerConfig, check_api_key, resolve_model
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -106,53 +104,30 @@ def build_pooling_app(
 ) -> FastAPI:
     state = PoolingState(config, PoolingMetrics(config.served_model_names[0]))
 
-    async def load() -> None:
-        try:
-            encoder = await asyncio.to_thread(encoder_factory)
-        except Exception as exc:  # noqa: BLE001 - reported by /health and every endpoint
-            state.startup_error = f"the embedding model failed to load: {exc}"
-            if on_fatal is not None:
-                on_fatal(state.startup_error)
-            return
+    def loaded(encoder: SentenceEncoder) -> None:
         # a batch holds as many texts as the encoder runs in one forward pass
         state.batcher = MicroBatcher(encoder.embed, max_items=encoder.batch_size, on_batch=state.metrics.on_batch)
         state.encoder = encoder
         if on_ready is not None:
             on_ready()
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        loader = asyncio.create_task(load())
-        try:
-            yield
-        finally:
-            state.draining = True
-            loader.cancel()
-            if state.batcher is not None:
-                await state.batcher.close()
+    async def stop() -> None:
+        if state.batcher is not None:
+            await state.batcher.close()
 
-    app = FastAPI(title="llmserve embeddings", version=__version__, lifespan=lifespan)
+    def not_ready() -> str | None:
+        if state.draining:
+            return "the server is shutting down"
+        return None if state.encoder is not None else (state.startup_error or "the model is still loading")
+
+    app = FastAPI(title="llmserve embeddings", version=__version__,
+                  lifespan=background_loader(encoder_factory, "the embedding model", state, loaded, on_fatal, stop))  # fmt: skip
     app.state.pooling = state
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        ok = state.encoder is not None and not state.draining
-        return Response(status_code=200 if ok else 503)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models(s: PoolingState = Depends(_authorized)) -> ModelList:
-        limit = s.encoder.max_tokens if s.encoder is not None else None
-        return ModelList(data=[ModelCard(id=n, root=s.config.model_path, max_model_len=limit)
-                               for n in s.config.served_model_names])  # fmt: skip
+    add_common_routes(
+        app, config, not_ready=not_ready, registry=lambda: state.metrics.registry,
+        max_model_len=lambda: state.encoder.max_tokens if state.encoder is not None else None, authorized=_authorized,
+    )  # fmt: skip
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(req: EmbeddingRequest, s: PoolingState = Depends(_authorized)) -> EmbeddingResponse:
