@@ -292,10 +292,16 @@ def test_gpu_summary_table(tmp_path):
     (tmp_path / "hf.json").write_text(json.dumps({"output_tokens_per_s": 2030.0}))
     (tmp_path / "b.json").write_text(json.dumps({"tpot_ms": 4.9, "ttft_ms": 14.0}))
     (tmp_path / "kernels.json").write_text(json.dumps({"checks": [{"ok": True}, {"ok": False}]}))
+    (tmp_path / "d_rate16_x.json").write_text(json.dumps({
+        "p99_ttft_ms": 90.0, "p99_tpot_ms": 8.0, "mean_ttft_ms": 41.0,
+        "server_metrics": {"mean_ttft_ms": 30.0, "mean_queue_ms": 12.5, "mean_prefill_ms": 17.5},
+    }))  # fmt: skip
     out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/gpu/summary.py"), str(tmp_path)], capture_output=True, text=True, check=True).stdout
     assert "| (a) 512 x 512/256, output tok/s | 10,150.0 | >= 10,150 | 1.00 |" in out
     assert "| (a) / HF of the same call | 5.00x | >= 5x | 1.00 |" in out and "| 1/2 within tolerance | all | FAIL |" in out
     assert "(b) batch 1" in out and "(c)" not in out and (tmp_path / "summary.md").read_text() == out
+    assert "| (d) 16 req/s TTFT p99 ms (d_rate16_x) | 90.0 | <= 99 | 1.10 |" in out
+    assert "| (d) server side: mean TTFT / queue / prefill ms (d_rate16_x) | 30.0 / 12.5 / 17.5 | client mean TTFT 41.0 |" in out
 
 
 def test_serve_stalls_finds_a_stall_of_every_stream(tmp_path):

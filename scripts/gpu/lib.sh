@@ -55,5 +55,5 @@ bench_serve() {  # bench_serve RATE [NAME [SEED]]: workload (d), 400 requests of
     --percentiles 50,90,99 --save-detailed --output-json "$OUT/$name.json" --plot "$OUT/$name.png" \
     --disable-tqdm > "$OUT/$name.log" 2>&1
   echo "--- $name"
-  grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed" "$OUT/$name.log" | head -24
+  grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed|queue|prefill|decode|E2EL" "$OUT/$name.log" | head -36
 }

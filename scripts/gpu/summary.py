@@ -63,6 +63,10 @@ def rows(out: Path) -> list[tuple[str, str, str, str]]:
             continue
         table.append((f"(d) 16 req/s TTFT p99 ms ({path.stem})", f"{d['p99_ttft_ms']:.1f}", f"<= {D_TTFT_P99_MS:.0f}", f"{D_TTFT_P99_MS / d['p99_ttft_ms']:.2f}"))
         table.append((f"(d) 16 req/s TPOT p99 ms ({path.stem})", f"{d['p99_tpot_ms']:.2f}", f"<= {D_TPOT_P99_MS}", f"{D_TPOT_P99_MS / d['p99_tpot_ms']:.2f}"))
+        if srv := d.get("server_metrics"):  # the server's /metrics: where the client's mean TTFT went
+            parts = [f"{srv[k]:.1f}" if k in srv else "-" for k in ("mean_ttft_ms", "mean_queue_ms", "mean_prefill_ms")]
+            table.append((f"(d) server side: mean TTFT / queue / prefill ms ({path.stem})", " / ".join(parts),
+                          f"client mean TTFT {d['mean_ttft_ms']:.1f}", ""))
     for path in sorted(out.glob("d_rateinf*.json")):
         if (d := _load(out, path.name)) is None:
             continue
