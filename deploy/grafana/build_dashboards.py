@@ -61,6 +61,8 @@ ENGINE_PANELS = [
           quantiles("vllm:inter_token_latency_seconds", ENGINE), "s"),
     Panel("End-to-end request latency", quantiles("vllm:e2e_request_latency_seconds", ENGINE), "s"),
     Panel("Queue time (before first scheduled)", quantiles("vllm:request_queue_time_seconds", ENGINE), "s"),
+    Panel("Prefill time (first scheduled to first token)", quantiles("vllm:request_prefill_time_seconds", ENGINE), "s",
+          description="With queue time, where TTFT goes: waiting for a slot, or computing the prompt."),
     Panel("Prefix-cache hit rate", [
         (mean_per("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", ENGINE, "model_name"),
          "{{model_name}}")], "percentunit", max=1,
