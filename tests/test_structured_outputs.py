@@ -15,7 +15,7 @@ import torch
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from llmserve.config import DEFAULT_MODEL_DIR
 from llmserve.engine.structured_output import StructuredOutputs, allowed_tokens, apply_grammar_masks
-from llmserve.sampling_params import SamplingParamsError
+from llmserve.sampling_params import MAX_STRUCTURED_SPEC_CHARS, SamplingParamsError
 from server_utils import start_server
 
 SCHEMA = {
@@ -158,6 +158,19 @@ def test_bad_specs_are_refused_before_the_engine(llm):
     for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"choice": [""]}, {"regex": ""}, {"json": 3}):
         with pytest.raises(SamplingParamsError):
             StructuredOutputsParams(**bad)
+    # size: the limit itself is accepted, one character more is not, for every kind of constraint
+    limit = MAX_STRUCTURED_SPEC_CHARS
+    assert StructuredOutputsParams(regex="a" * limit).size == limit
+    assert StructuredOutputsParams(choice=["ab"] * (limit // 2)).size == limit
+    for kind, value in (("regex", "a" * (limit + 1)), ("grammar", "b" * (limit + 1)), ("choice", ["c"] * (limit + 1)),
+                        ("json", '"' + "d" * (limit - 1) + '"'), ("json", {"description": "e" * limit})):
+        with pytest.raises(SamplingParamsError, match=f"the {kind} constraint is [0-9,]+ characters long; at most"):
+            StructuredOutputsParams(**{kind: value})
+    deep: dict = {}
+    for _ in range(5000):
+        deep = {"items": deep}
+    with pytest.raises(SamplingParamsError, match="cannot be read: RecursionError"):
+        StructuredOutputsParams(json=deep)
     assert not llm.core.has_unfinished()
 
 
@@ -219,6 +232,9 @@ def test_a_deeply_nested_schema_is_served(server):
     ({"logit_bias": {"1_0": 5}}, "logit_bias keys"),
     ({"logit_bias": {"99999": 5}}, "logit_bias token ids"),
     ('{"guided_json": ' + '{"type": "object", "properties": {"a": ' * 5000 + '{}' + '}}' * 5000 + '}', None),
+    ({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 100}
+                                                       for i in range(2000)}}}, "at most 262,144"),
+    ({"guided_choice": ["x" * 1000] * 300}, "the choice constraint is 300,000 characters long"),
 ])  # fmt: skip
 def test_bad_constraints_get_a_400(server, body, message):
     for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions",
