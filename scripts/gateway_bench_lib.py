@@ -14,6 +14,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # llmserve from this checkout, as the processes started below use
 from llmserve.net import free_port  # noqa: E402
+from llmserve.processes import stop_process  # noqa: E402
 
 
 @dataclass
@@ -23,13 +24,7 @@ class Proc:
     log: str
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
 
 
 def start(args: list[str], port: int, log: str) -> Proc:

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from llmserve.net import free_port  # noqa: F401 - the tests' import of it
+from llmserve.processes import stop_process
 
 
 def children(pid: int, recursive: bool = False) -> list[int]:
@@ -21,18 +22,6 @@ def children(pid: int, recursive: bool = False) -> list[int]:
         for child in map(int, (task / "children").read_text().split()):
             found += [child, *(children(child, True) if recursive else [])]
     return found
-
-
-def stop_process(proc: subprocess.Popen, timeout: float) -> int:
-    """SIGTERM, then SIGKILL after `timeout` seconds; the exit status."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 @dataclass
