@@ -331,3 +331,35 @@ def test_serve_stalls_finds_a_stall_of_every_stream(tmp_path):
     assert len(summary["stalls"]) == 2  # the fourth stream's 65 ms gap, alone
     assert summary["worst_ttft"][0] == {"at_s": 0.02, "ttft_ms": 90.0, "arrived_before": 2}
     assert "stalls: 120 ms at 0.5 s (3 streams)" in out
+
+
+def test_stub_server_streams_like_an_engine(tmp_path):
+    """scripts/stub_openai_server.py (for measuring the client's own overhead): bench serve
+    reads every token of every request from it, and its first token takes two ticks."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    from llmserve.processes import stop_process
+    from server_utils import free_port
+
+    port = free_port()
+    script = Path(__file__).parents[1] / "scripts/stub_openai_server.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--tick-ms", "20"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        r = bench_serve(f"http://127.0.0.1:{port}", str(tmp_path / "r.json"), "--request-rate", "50")
+        assert_consistent(r)
+        assert r["model_id"] == "stub" and r["p50_ttft_ms"] >= 20  # at least one whole tick, then the first token
+    finally:
+        stop_process(proc, 10)
