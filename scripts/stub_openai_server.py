@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 
@@ -38,6 +38,9 @@ def build(tick_s: float) -> Starlette:
         fut = asyncio.get_running_loop().create_future()
         waiters.append(fut)
         await fut
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)
 
     async def models(request: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
@@ -67,7 +70,7 @@ def build(tick_s: float) -> Starlette:
         yield
         task.cancel()
 
-    routes = [Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

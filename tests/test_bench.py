@@ -336,30 +336,18 @@ def test_serve_stalls_finds_a_stall_of_every_stream(tmp_path):
 def test_stub_server_streams_like_an_engine(tmp_path):
     """scripts/stub_openai_server.py (for measuring the client's own overhead): bench serve
     reads every token of every request from it, and its first token takes two ticks."""
-    import subprocess
     import sys
-    import time
     from pathlib import Path
 
-    import httpx
-
-    from llmserve.processes import stop_process
-    from server_utils import free_port
+    from server_utils import spawn, wait_healthy
 
     port = free_port()
     script = Path(__file__).parents[1] / "scripts/stub_openai_server.py"
-    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--tick-ms", "20"])
+    stub = wait_healthy(spawn([sys.executable, str(script), "--port", str(port), "--tick-ms", "20"], port,
+                              str(tmp_path / "stub.log")), timeout=30)  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models")
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
-        r = bench_serve(f"http://127.0.0.1:{port}", str(tmp_path / "r.json"), "--request-rate", "50")
+        r = bench_serve(stub.base_url, str(tmp_path / "r.json"), "--request-rate", "50")
         assert_consistent(r)
         assert r["model_id"] == "stub" and r["p50_ttft_ms"] >= 20  # at least one whole tick, then the first token
     finally:
-        stop_process(proc, 10)
+        stub.stop(10)

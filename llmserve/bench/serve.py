@@ -120,10 +120,10 @@ async def _benchmark(args: argparse.Namespace, seed: int,
         print(f"Traffic request rate: {args.request_rate}, burstiness factor: {args.burstiness}"
               f"{' (Poisson process)' if args.burstiness == 1.0 else ''}, "
               f"maximum request concurrency: {args.max_concurrency}, seed: {seed}")
+        before = await scrape(client, target.base_url, target.headers())
         # the client's own full collections would stall every stream at once (~0.1 s with
         # 190k start-up objects on the GPU host), read as the server's latency: keep the
         # heap built so far out of their scans while measuring
-        before = await scrape(client, target.base_url, target.headers())
         with heap.frozen("bench serve client"):
             results, duration = await run_load(client, target, reqs, prompts, offsets, args.max_concurrency,
                                                progress=not args.disable_tqdm)

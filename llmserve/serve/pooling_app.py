@@ -78,11 +78,18 @@ class PoolingState:
     startup_error: str | None = None
     draining: bool = False
 
+    def not_ready(self) -> str | None:
+        """Why requests cannot be served now; None when they can."""
+        if self.draining:
+            return "the server is shutting down"
+        if self.encoder is None or self.batcher is None:
+            return self.startup_error or "the model is still loading"
+        return None
+
     def require_encoder(self) -> tuple[SentenceEncoder, MicroBatcher]:
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if self.encoder is None or self.batcher is None:
-            why = self.startup_error or "the model is still loading"
+        if (why := self.not_ready()) is not None:
             raise APIError(503, f"the server is not ready: {why}", code="not_ready")
         return self.encoder, self.batcher
 
@@ -115,17 +122,12 @@ def build_pooling_app(
         if state.batcher is not None:
             await state.batcher.close()
 
-    def not_ready() -> str | None:
-        if state.draining:
-            return "the server is shutting down"
-        return None if state.encoder is not None else (state.startup_error or "the model is still loading")
-
     app = FastAPI(title="llmserve embeddings", version=__version__,
                   lifespan=background_loader(encoder_factory, "the embedding model", state, loaded, on_fatal, stop))  # fmt: skip
     app.state.pooling = state
     install_error_handlers(app)
     add_common_routes(
-        app, config, not_ready=not_ready, registry=lambda: state.metrics.registry,
+        app, config, not_ready=state.not_ready, registry=lambda: state.metrics.registry,
         max_model_len=lambda: state.encoder.max_tokens if state.encoder is not None else None, authorized=_authorized,
     )  # fmt: skip
 
