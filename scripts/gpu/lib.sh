@@ -57,3 +57,10 @@ bench_serve() {  # bench_serve RATE [NAME [SEED]]: workload (d), 400 requests of
   echo "--- $name"
   grep -E "throughput|TTFT|TPOT|ITL|Successful|Failed|queue|prefill|decode|E2EL" "$OUT/$name.log" | head -36
 }
+
+pack_out() {  # pack_out [KEEP...]: at most 8 files come back from a device call, so every file in
+  # $OUT goes into $OUT/runs.tgz and only runs.tgz, summary.md and the KEEP names stay beside it
+  local keep=(! -name runs.tgz ! -name summary.md) name
+  for name in "$@"; do keep+=(! -name "$name"); done
+  (cd "$OUT" && tar czf runs.tgz --exclude=runs.tgz . && find . -maxdepth 1 -type f "${keep[@]}" -delete)
+}

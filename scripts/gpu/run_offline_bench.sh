@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (H200), under 9 minutes by default (the default steps' limits add up to 530 s): every Triton kernel checked against its
 # PyTorch reference (and timed), then the 8B-shaped offline workloads (a) (b) (c) and the
-# Hugging Face baseline on (a); then one table (scripts/gpu/summary.py; also $OUT/summary.md).
+# Hugging Face baseline on (a); then one table (scripts/gpu/summary.py; also $OUT/summary.md; every
+# log and JSON in $OUT/runs.tgz).
 # More steps on request, e.g. ONLY="check structured ttft ttft_eager a_sync": the engine's GPU
 # correctness check, tensor parallelism's (given two GPUs: check_tp), structured outputs,
 # batch-1 TTFT with and without piecewise CUDA graphs, (a) without async scheduling.
@@ -25,3 +26,4 @@ run structured "${T_STRUCT:-150}" python3 scripts/gpu/check_structured.py
 run ttft "${T_TTFT:-120}" python3 scripts/gpu/probe_ttft.py
 run ttft_eager "${T_TTFT:-120}" env MIXED=0 python3 scripts/gpu/probe_ttft.py
 python3 scripts/gpu/summary.py "$OUT"
+pack_out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (H200): workload (d), `llmserve serve` on the 8B shape and `llmserve bench
 # serve` sending 400 requests of 512/256 (ignore_eos, a fresh seed per run) at 16 req/s and at
-# an unlimited rate; then one table (scripts/gpu/summary.py). ONLY="a a_sync b d" adds the
+# an unlimited rate; then one table (scripts/gpu/summary.py; logs and JSON in $OUT/runs.tgz). ONLY="a a_sync b d" adds the
 # offline (a), (a) without async scheduling and (b) first.
 set -uo pipefail
 DEFAULT_STEPS="d"
@@ -20,3 +20,4 @@ if want d; then
   kill -TERM $server; wait $server
 fi
 python3 scripts/gpu/summary.py "$OUT"
+pack_out

@@ -5,7 +5,7 @@
 # (read by scripts/gpu/serve_stalls.py here); then prefill steps just under and over
 # --max-mixed-graph-tokens, eager and with piecewise graphs up to 2048
 # (scripts/gpu/probe_mixed_steps.py). Steps: serve, stalls, mixed (ONLY picks some).
-# Results: $OUT/summary.md, $OUT/stalls.txt, $OUT/mixed.log and $OUT/runs.tgz.
+# Results: $OUT/summary.md, $OUT/stalls.txt, $OUT/stalls.png and $OUT/runs.tgz (every JSON, log, plot).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 setup_env
@@ -17,4 +17,4 @@ fi
 want stalls && python3 scripts/gpu/serve_stalls.py "$OUT"/d_rate16_diag_*.json --plot "$OUT/stalls.png" | tee "$OUT/stalls.txt"
 run mixed "${T_MIXED:-200}" python3 scripts/gpu/probe_mixed_steps.py
 python3 scripts/gpu/summary.py "$OUT"
-(cd "$OUT" && tar czf runs.tgz $(ls *.json *.log *.txt 2>/dev/null) && rm -f d_rate16_diag_*.json)
+pack_out stalls.txt stalls.png
