@@ -95,6 +95,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
     max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
+    step_timing_log: str | None = None  # the engine core process appends one JSON line per step (engine/step_log.py)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
+    step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -167,7 +169,15 @@ class EngineArgs:
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
-        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed)
+        return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
+                            _check_writable(self.step_timing_log))  # fmt: skip
+
+
+def _check_writable(path: str | None) -> str | None:
+    """A log file must be creatable in a folder that exists: say so now, not in the core."""
+    if path is not None and not Path(path).expanduser().parent.is_dir():
+        raise ConfigError(f"step_timing_log {path!r}: the folder {str(Path(path).parent)!r} does not exist")
+    return path
 
 
 def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:

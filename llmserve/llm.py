@@ -19,6 +19,7 @@ from tqdm import tqdm
 from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
+from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
@@ -125,16 +126,22 @@ class LLM:
                     results[order[out.request_id]] = out
                     bar.update(1)
 
-        pipeline = StepPipeline(self.core)
+        path = self.core.config.step_timing_log
+        step_log = StepTimingLog(path) if path else None
+        pipeline = StepPipeline(self.core, step_log)
         previous = None
-        while self.core.has_unfinished() or pipeline.busy:
-            pipeline.launch()
-            if previous is not None:
-                collect(previous)  # while the device runs the launched step(s)
-                previous = None
-            done = pipeline.finish()
-            if done is not None:
-                previous = done.outputs
+        try:
+            while self.core.has_unfinished() or pipeline.busy:
+                pipeline.launch()
+                if previous is not None:
+                    collect(previous)  # while the device runs the launched step(s)
+                    previous = None
+                done = pipeline.finish()
+                if done is not None:
+                    previous = done.outputs
+        finally:
+            if step_log is not None:
+                step_log.close()
         if previous is not None:
             collect(previous)
         bar.close()

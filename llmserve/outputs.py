@@ -32,8 +32,17 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
+    """Wall-clock times of one request: `arrival_time` on the front (the HTTP handler's
+    entry when served), `sent_time` when the front sent it to the engine core,
+    `queued_time` when the core process read it, `first_scheduled_time` its first step,
+    `first_token_core_time` when the core finished the step with its first token,
+    `first_token_time` when the front had that token."""
+
     arrival_time: float
+    sent_time: float | None = None
+    queued_time: float | None = None
     first_scheduled_time: float | None = None
+    first_token_core_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None

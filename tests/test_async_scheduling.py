@@ -103,3 +103,36 @@ def test_scheduler_overlap_does_not_schedule_past_max_tokens():
     last = sched.update_from_output(steps[1], {"a": 8}, {})
     assert last[0].finish_reason == "length"
     assert sched.requests == {} and RequestStatus.FINISHED_LENGTH.finished
+
+
+def test_step_timing_log(llama_dir, tmp_path):
+    """`step_timing_log`: one line per step, in order; the first step holds every prompt
+    (all new, all prefill), the rest one-token decodes; each step's times ascend, and
+    with the overlap a step is launched before the one ahead of it is done."""
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    llm = LLM(llama_dir, max_model_len=256, max_num_batched_tokens=256, step_timing_log=str(path))
+    lens, new_tokens = (5, 9, 14), 6
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in lens]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    steps = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(steps) == new_tokens  # the prompts' step samples the first token, then 5 decodes
+    assert steps[0] | {"launch": 0, "launched": 0, "done": 0} == {
+        "launch": 0, "launched": 0, "done": 0, "reqs": 3, "new": 3, "tokens": sum(lens), "prefill": sum(lens), "waiting": 0}
+    for s in steps[1:]:
+        assert (s["reqs"], s["new"], s["tokens"], s["prefill"], s["waiting"]) == (3, 0, 3, 0, 0)
+    assert all(s["launch"] <= s["launched"] <= s["done"] for s in steps)
+    assert all(a["launch"] <= b["launch"] and a["done"] <= b["done"] for a, b in zip(steps, steps[1:]))
+    assert any(b["launched"] <= a["done"] for a, b in zip(steps, steps[1:]))  # overlapped
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # appends to the same file
+    assert len(path.read_text().splitlines()) == new_tokens + 2
+
+
+def test_step_timing_log_in_a_missing_folder_is_a_config_error(llama_dir, tmp_path):
+    import pytest
+
+    from llmserve.config import ConfigError, EngineArgs
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        EngineArgs(llama_dir, step_timing_log=str(tmp_path / "nope" / "steps.jsonl")).create_engine_config()

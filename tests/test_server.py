@@ -164,11 +164,13 @@ def test_metrics_move(client, server):
     assert metric(server.base_url, "vllm:generation_tokens_total") == before_gen + 12
     assert metric(server.base_url, "vllm:prompt_tokens_total") == before_prompt + resp.usage.prompt_tokens
     assert metric(server.base_url, "vllm:time_to_first_token_seconds_count") == before_ttft + 1
-    # the phases of this one request: queue + prefill + decode = end to end, inference = prefill + decode
+    # the phases of this one request, split as vLLM splits them: queue and prefill in the engine
+    # core (from its intake), decode on the front, end to end from the HTTP handler; what
+    # queue + prefill + decode leave out is the way to the core and back (tokenization, IPC)
     took = {p: metric(server.base_url, f"vllm:request_{p}_time_seconds_sum") - sums[p] for p in phases}
     e2e = metric(server.base_url, "vllm:e2e_request_latency_seconds_sum") - before_e2e
     assert all(v >= 0 for v in took.values()) and took["prefill"] > 0 and took["decode"] > 0
-    assert took["queue"] + took["prefill"] + took["decode"] == pytest.approx(e2e, abs=1e-6)
+    assert 0 <= e2e - (took["queue"] + took["prefill"] + took["decode"]) < min(0.5, e2e / 2)
     assert took["inference"] == pytest.approx(took["prefill"] + took["decode"], abs=1e-6)
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

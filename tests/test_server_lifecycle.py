@@ -163,3 +163,18 @@ def test_a_model_that_cannot_load_is_a_503_saying_why(llama_dir, kind):
         server.should_exit = True
         thread.join(30)
     assert not thread.is_alive()
+
+
+def test_an_unwritable_request_timing_log_stops_the_server_at_once(llama_dir, tmp_path):
+    """`--request-timing-log` into a folder that does not exist: exit status 1 with the
+    flag and the reason, before any model loads."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "no-such-folder" / "timing.jsonl"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "llmserve", "serve", "--model", llama_dir, "--port", str(free_port()),
+                           "--request-timing-log", str(bad)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 1
+    assert "--request-timing-log" in proc.stderr and "No such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - start < 30

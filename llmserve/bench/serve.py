@@ -294,5 +294,7 @@ def _result_json(args: argparse.Namespace, target: Target, seed: int, percentile
             "e2els": [r.latency for r in results],
             "itls": [r.itl for r in results],
             "errors": [r.error for r in results],
+            "sent_wall_times": [r.sent_wall_time for r in results],
+            "response_ids": [r.response_id for r in results],
         }
     return result

@@ -63,6 +63,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between token-carrying chunks
     token_times: list[float] = field(default_factory=list)  # chunk arrivals, since the benchmark started
     error: str = ""
+    sent_wall_time: float = 0.0  # time.time() when sent: to line it up with a server's own log
+    response_id: str = ""  # the "id" of the stream's chunks, as the server named the request
 
     @property
     def end(self) -> float:
@@ -98,6 +100,7 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int] | st
     `t0` is the benchmark's start on the perf_counter clock."""
     res = RequestResult(prompt_len=prompt_len)
     sent = time.perf_counter()
+    res.sent_wall_time = time.time()
     res.start = sent - t0
     try:
         await _stream(client, target, prompt, max_tokens, res, sent, t0)
@@ -133,6 +136,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, prompt: list[int] |
                 res.error = f"stream error: {json.dumps(msg['error'])[:300]}"
                 return
             usage = msg.get("usage") or usage
+            res.response_id = res.response_id or str(msg.get("id") or "")
             choices = msg.get("choices") or []
             if not choices or not _carries_tokens(choices[0], target.chat):
                 continue

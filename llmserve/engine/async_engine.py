@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -79,22 +80,25 @@ class AsyncEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes. Bad input raises a
-        ValueError before anything is queued."""
+        ValueError before anything is queued. `arrival_time` (wall clock; default: now) is
+        where time to first token and end-to-end latency start, e.g. when the HTTP request came."""
         self._bind_loop()
         await self.check_health()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process(
-            request_id, prompt, sampling_params or SamplingParams(), priority
+            request_id, prompt, sampling_params or SamplingParams(), priority, arrival_time
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self.output_processor.add_request(processed)
         finished = False
         try:
+            self.output_processor.mark_sent(request_id, time.time())  # before: the core may read it at once
             for core_req in processed.core_requests:
                 self.client.send("add", core_req)
             while not finished:
@@ -167,7 +171,7 @@ class AsyncEngine:
         if kind != "outputs":
             return
         outputs: EngineCoreOutputs = payload
-        processed = self.output_processor.process(outputs.outputs)
+        processed = self.output_processor.process(outputs.outputs, core_time=outputs.timestamp)
         if processed.core_ids_to_abort and not self.errored:
             self.client.send("abort", processed.core_ids_to_abort)
         for request_id, error in processed.errors.items():

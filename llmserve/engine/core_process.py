@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -23,6 +24,7 @@ import zmq
 from llmserve.config import EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.request import EngineCoreOutputs
+from llmserve.engine.step_log import StepTimingLog
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,15 @@ class EngineCoreProc:
             self.out_sock.close(linger=1000)
 
     def _loop(self) -> None:
-        pipeline = StepPipeline(self.core)
+        path = self.core.config.step_timing_log
+        step_log = StepTimingLog(path) if path else None
+        try:
+            self._steps(StepPipeline(self.core, step_log))
+        finally:
+            if step_log is not None:
+                step_log.close()
+
+    def _steps(self, pipeline: StepPipeline) -> None:
         while True:
             handled = False
             if not self.core.has_unfinished() and not pipeline.busy:
@@ -133,6 +143,8 @@ class EngineCoreProc:
         while True:
             if poller.poll(1000):
                 msg = pickle.loads(sock.recv())
+                if msg[0] == "add":
+                    msg[1].received_time = time.time()
                 self.inputs.put(msg)
                 if msg[0] == "shutdown":
                     break

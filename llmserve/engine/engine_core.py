@@ -18,6 +18,7 @@ from llmserve.engine.request import (
     SchedulerStats,
 )
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.structured_output import StructuredOutputError, StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
 from llmserve.sampling_params import token_ids_outside
@@ -193,8 +194,9 @@ class StepPipeline:
     completes the older one. Host work placed between the two calls runs while the
     device computes."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, step_log: StepTimingLog | None = None) -> None:
         self.core = core
+        self.step_log = step_log
         self.in_flight: tuple[SchedulerOutput, PendingStep | None] | None = None
         self._next: tuple[SchedulerOutput, PendingStep | None] | None = None
 
@@ -204,11 +206,18 @@ class StepPipeline:
 
     def launch(self) -> None:
         if self.core.has_unfinished() and (self.in_flight is None or self.core.can_overlap()):
+            began = time.time()
             self._next = self.core.launch()
+            if self.step_log is not None:
+                self.step_log.launched(self._next[0], began, len(self.core.scheduler.waiting))
 
     def finish(self) -> EngineCoreOutputs | None:
         """The outputs of the step in flight (None if there was none); the step launched
         since becomes the one in flight."""
-        done = self.core.finish(self.in_flight) if self.in_flight is not None else None
+        done = None
+        if self.in_flight is not None:
+            done = self.core.finish(self.in_flight)
+            if self.step_log is not None:
+                self.step_log.finished()
         self.in_flight, self._next = self._next, None
         return done

@@ -24,13 +24,18 @@ class RequestFailedError(RuntimeError):
 
 @dataclass(slots=True)
 class FinishedRequestStats:
+    """As vLLM splits it: queue and prefill time are the core's view, end to end and
+    decode time the front's."""
+
+    request_id: str
     finish_reason: str
-    e2e_latency: float
-    queue_time: float  # arrival -> first scheduled
-    prefill_time: float  # first scheduled -> first token
+    e2e_latency: float  # arrival -> finished
+    queue_time: float  # queued in the core -> first scheduled
+    prefill_time: float  # first scheduled -> the core's step with the first token
     decode_time: float  # first token -> finished
     num_prompt_tokens: int
     num_generation_tokens: int
+    timeline: RequestMetrics  # every wall-clock time (the request timing log writes them)
 
 
 @dataclass(slots=True)
@@ -103,6 +108,11 @@ class OutputProcessor:
         arrival = processed.core_requests[0].arrival_time
         self.states[processed.request_id] = _RequestState(processed, samples, RequestMetrics(arrival))
 
+    def mark_sent(self, request_id: str, when: float) -> None:
+        """The front sent the request to the core at `when` (wall clock)."""
+        if (state := self.states.get(request_id)) is not None:
+            state.metrics.sent_time = when
+
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
@@ -115,10 +125,14 @@ class OutputProcessor:
             self.core_to_request.pop(s.core_id, None)
         return [s.core_id for s in state.samples if s.finish_reason is None]
 
-    def process(self, outputs: list[EngineCoreOutput], only_finished: bool = False) -> ProcessedOutputs:
+    def process(
+        self, outputs: list[EngineCoreOutput], only_finished: bool = False, core_time: float | None = None
+    ) -> ProcessedOutputs:
         """`only_finished`: build RequestOutputs just for finished requests (offline use,
-        where nobody reads the partial ones)."""
+        where nobody reads the partial ones). `core_time`: when the core finished the step
+        that made these outputs (default: now)."""
         now = time.time()
+        core_time = now if core_time is None else core_time
         touched: dict[str, _RequestState] = {}
         to_abort: list[str] = []
         errors: dict[str, str] = {}
@@ -135,7 +149,7 @@ class OutputProcessor:
                 continue
             sample = state.samples[index]
             self._update_sample(sample, out, to_abort)
-            self._record_timing(state, sample, out, now, stats)
+            self._record_timing(state, sample, out, now, core_time, stats)
             touched[request_id] = state
         results = []
         for request_id, state in touched.items():
@@ -150,14 +164,15 @@ class OutputProcessor:
 
     @staticmethod
     def _record_timing(
-        state: _RequestState, sample: _Sample, out: EngineCoreOutput, now: float, stats: IterationStats
+        state: _RequestState, sample: _Sample, out: EngineCoreOutput, now: float, core_time: float,
+        stats: IterationStats,
     ) -> None:
         m = state.metrics
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if m.first_scheduled_time is None:
-            m.first_scheduled_time = out.first_scheduled_time
+            m.first_scheduled_time, m.queued_time = out.first_scheduled_time, out.queued_time
         if m.first_token_time is None:
-            m.first_token_time = now
+            m.first_token_time, m.first_token_core_time = now, core_time
             stats.time_to_first_tokens.append(now - m.arrival_time)
             stats.num_prompt_tokens += len(state.processed.prompt_token_ids)
         if sample.last_token_time is not None:
@@ -170,16 +185,22 @@ class OutputProcessor:
     def _finished_stats(state: _RequestState) -> FinishedRequestStats:
         m = state.metrics
         reasons = {s.finish_reason for s in state.samples}
-        scheduled = max(m.arrival_time, m.first_scheduled_time or m.arrival_time)
-        first_token = min(m.finished_time, max(scheduled, m.first_token_time or m.finished_time))
+        # clamped so that each phase is >= 0 whatever the clocks did (and for requests that
+        # finished without a token); the core's times fall back to the front's
+        queued = max(m.arrival_time, m.queued_time or m.arrival_time)
+        scheduled = max(queued, m.first_scheduled_time or queued)
+        first_token = min(m.finished_time, max(m.arrival_time, m.first_token_time or m.finished_time))
+        core_first_token = max(scheduled, m.first_token_core_time or first_token)
         return FinishedRequestStats(
+            request_id=state.processed.request_id,
             finish_reason="stop" if reasons == {"stop"} else next(iter(reasons - {"stop"})),
             e2e_latency=m.finished_time - m.arrival_time,
-            queue_time=scheduled - m.arrival_time,
-            prefill_time=first_token - scheduled,
+            queue_time=scheduled - queued,
+            prefill_time=core_first_token - scheduled,
             decode_time=m.finished_time - first_token,
             num_prompt_tokens=len(state.processed.prompt_token_ids),
             num_generation_tokens=sum(len(s.token_ids) for s in state.samples),
+            timeline=m,
         )
 
     def _update_sample(self, sample: _Sample, out: EngineCoreOutput, to_abort: list[str]) -> None:

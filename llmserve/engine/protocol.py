@@ -30,6 +30,7 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def check_params(self, sampling_params: SamplingParams) -> None:

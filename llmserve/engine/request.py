@@ -48,6 +48,7 @@ class EngineCoreRequest:
     priority: int = 0  # lower runs first, as in vLLM and Triton
     arrival_time: float = field(default_factory=time.time)
     share_group: str | None = None  # siblings of an n > 1 request share prompt blocks
+    received_time: float | None = None  # wall clock: the core process read it (its input thread sets it)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # wall clock, for queue-time metrics
+    queued_time: float | None = None  # wall clock: when the core process read the request
     error: str | None = None
 
 
@@ -103,7 +105,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "first_scheduled_time", "num_pending", "matcher", "logit_bias",
+        "first_scheduled_time", "queued_time", "num_pending", "matcher", "logit_bias",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -123,6 +125,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hash of each full block, filled lazily
         self.first_scheduled_time: float | None = None
+        self.queued_time = req.received_time or time.time()  # in the core (the front stamped arrival_time)
         # tokens sampled by launched steps but not yet read back: the last `num_pending`
         # entries of all_token_ids are PLACEHOLDER until the step's result arrives
         self.num_pending = 0

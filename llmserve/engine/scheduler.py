@@ -261,6 +261,7 @@ class Scheduler:
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
                     first_scheduled_time=req.first_scheduled_time,
+                    queued_time=req.queued_time,
                 )
             )
             if req.status.finished:

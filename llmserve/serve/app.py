@@ -24,6 +24,7 @@ from llmserve.serve.protocol import (
     TokenizeResponse,
 )
 from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
+from llmserve.serve.timing_log import RequestTimingLog
 from llmserve.serve.tools import template_messages, template_tools
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,15 @@ def build_app(
     on_ready: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The app starts serving at once; the engine loads in the background (503 until then).
-    `on_fatal` is called if the engine cannot start, `on_ready` once it has."""
+    `on_fatal` is called if the engine cannot start, `on_ready` once it has. An unwritable
+    `config.request_timing_log` raises OSError here."""
     state = ServerState(config)
+    timing_log = RequestTimingLog(config.request_timing_log) if config.request_timing_log else None
 
     def loaded(engine: EngineClient) -> None:
         state.metrics = EngineMetrics(engine, config.served_model_names[0])
+        if timing_log is not None:
+            engine.add_stats_listener(timing_log.observe)
         state.engine = engine
         if on_ready is not None:
             on_ready()
@@ -57,6 +62,8 @@ def build_app(
     async def stop() -> None:
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
+        if timing_log is not None:
+            timing_log.close()
 
     app = FastAPI(title="llmserve", version=__version__,
                   lifespan=background_loader(engine_factory, "engine", state, loaded, on_fatal, stop))  # fmt: skip

@@ -63,6 +63,7 @@ def chat_logprobs(out: CompletionOutput, start: int) -> ChatLogprobs:
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+    arrival = time.time()  # TTFT and latency count the template and tokenization too
     engine = state.require_engine()
     model = state.resolve_model(req.model)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -78,7 +79,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("chatcmpl")
-    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority)
+    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival)
     if req.stream:
         events = _stream(req, model, request_id, stream, tools)
         return StreamingResponse(sse_stream(events), media_type="text/event-stream")

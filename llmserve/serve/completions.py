@@ -48,6 +48,7 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
+    arrival = time.time()  # TTFT and latency count tokenization too
     engine = state.require_engine()
     model = state.resolve_model(req.model)
     if req.suffix is not None:
@@ -70,7 +71,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("cmpl")
     streams = [
-        engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority)
+        engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority, arrival)
         for i, (text, ids) in enumerate(tokenized)
     ]
     if req.stream:

@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
                    help='serve tool_choice "auto": the model\'s output is read for tool calls (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,  # serve/tools.TOOL_CALL_PARSERS
                    help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)")
+    p.add_argument("--request-timing-log", default=None, metavar="PATH",
+                   help="append one JSON line per finished request with its wall-clock times (HTTP arrival, "
+                   "core queue, first step, first token in the core and in the API, finish) to PATH")
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 
@@ -105,6 +108,13 @@ def run(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
+        request_timing_log=args.request_timing_log,
     )
-    _serve(lambda on_fatal, on_ready: build_app(config, lambda: AsyncEngine(engine_config), on_fatal, on_ready),
-           args, mc.served_model_name)  # fmt: skip
+
+    def build(on_fatal, on_ready):
+        try:
+            return build_app(config, lambda: AsyncEngine(engine_config), on_fatal, on_ready)
+        except OSError as exc:
+            raise SystemExit(f"llmserve serve: --request-timing-log: {exc}") from None
+
+    _serve(build, args, mc.served_model_name)

@@ -25,6 +25,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
+    request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
 
 
 @dataclass
