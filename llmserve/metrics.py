@@ -72,11 +72,13 @@ class EngineMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
-        self.queue_time = histogram(
-            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", _LATENCY_BUCKETS
+        self.queue_time = histogram(  # vLLM's split: queue and prefill are the engine core's view
+            "vllm:request_queue_time_seconds", "Time in the engine core's queue before first scheduled.",
+            _LATENCY_BUCKETS,
         )
         self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "From first scheduled to the first token.", _LATENCY_BUCKETS
+            "vllm:request_prefill_time_seconds", "From first scheduled to the engine core's first token.",
+            _LATENCY_BUCKETS,
         )
         self.decode_time = histogram(
             "vllm:request_decode_time_seconds", "From the first token to the last.", _LATENCY_BUCKETS

@@ -88,7 +88,7 @@ def test_serve_all_at_once_with_plot(server, llama_dir, tmp_path, capsys):
     assert "Server side (/metrics)" in text and "Mean queue time (ms):" in text
     # the server's request timing log, joined with the client's detail by response id
     # (scripts/gpu/request_timeline.py): every request's phases add up to the client's TTFT
-    timeline = _timeline_script()
+    timeline = gpu_script("request_timeline")
     records = timeline.read_log(Path(f"{server.log_path}.timing.jsonl"))
     rows = timeline.join(r, records)
     assert len(rows) == NUM and {row["index"] for row in rows} == set(range(NUM))
@@ -118,11 +118,12 @@ def test_serve_all_at_once_with_plot(server, llama_dir, tmp_path, capsys):
         assert len(first) == 1 and first[0]["new"] >= 1 and first[0]["prefill"] >= IN_LEN
 
 
-def _timeline_script():
+def gpu_script(name: str):
+    """scripts/gpu/NAME.py as a module (the scripts are not a package)."""
     import importlib.util
 
-    path = Path(__file__).parents[1] / "scripts/gpu/request_timeline.py"
-    spec = importlib.util.spec_from_file_location("request_timeline", path)
+    path = Path(__file__).parents[1] / f"scripts/gpu/{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -396,3 +397,30 @@ def test_stub_server_streams_like_an_engine(tmp_path):
         assert r["model_id"] == "stub" and r["p50_ttft_ms"] >= 20  # at least one whole tick, then the first token
     finally:
         stub.stop(10)
+
+
+def test_step_times_from_a_step_log(tmp_path):
+    """scripts/gpu/step_times.py: a step's device time starts when both its launch and the
+    step before it are done; steps go into buckets by their prefill tokens."""
+    import subprocess
+    import sys
+
+    mod = gpu_script("step_times")
+    steps = [  # times in s: a decode, a prefill launched while it runs, a decode launched late
+        {"launch": 10.000, "launched": 10.001, "done": 10.007, "prefill": 0},
+        {"launch": 10.002, "launched": 10.004, "done": 10.040, "prefill": 1024},
+        {"launch": 10.050, "launched": 10.052, "done": 10.058, "prefill": 0},
+    ]
+    timed = mod.device_times(list(reversed(steps)))  # any order in: launch order out
+    assert [round(s["device_ms"], 3) for s in timed] == [6.0, 33.0, 6.0]
+    assert [mod.bucket_of(n) for n in (0, 1, 512, 513, 1536, 2048, 5000)] == [
+        "decode only", "1-512", "1-512", "513-1024", "1025-1536", "1537-2048", "> 2048"]
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    out = subprocess.run([sys.executable, mod.__file__, str(log), "--split-s", "0.03"], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    assert "3 steps over 0.1 s" in out
+    assert "decode only           2      6.0      6.0      6.0" in out
+    assert "513-1024              1     33.0     33.0     33.0" in out
+    early, late = out.split("the first 0.03 s of each busy period:")[1].split("the rest:")
+    assert "513-1024" in early and "decode only           1" in early and "513-1024" not in late

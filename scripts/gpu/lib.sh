@@ -62,5 +62,7 @@ pack_out() {  # pack_out [KEEP...]: at most 8 files come back from a device call
   # $OUT goes into $OUT/runs.tgz and only runs.tgz, summary.md and the KEEP names stay beside it
   local keep=(! -name runs.tgz ! -name summary.md) name
   for name in "$@"; do keep+=(! -name "$name"); done
-  (cd "$OUT" && tar czf runs.tgz --exclude=runs.tgz . && find . -maxdepth 1 -type f "${keep[@]}" -delete)
+  # (the archive is written outside $OUT first: tar fails on a folder that changes as it reads)
+  local tmp; tmp=$(mktemp /tmp/runs.XXXXXX.tgz)
+  (cd "$OUT" && tar czf "$tmp" --exclude=runs.tgz . && mv "$tmp" runs.tgz && find . -maxdepth 1 -type f "${keep[@]}" -delete)
 }
