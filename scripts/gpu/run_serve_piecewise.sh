@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (H200): workload (d) with piecewise CUDA graphs for steps with prefill
 # tokens (the default) and without them (--max-mixed-graph-tokens 0): 400 requests of 512/256
-# at 16 req/s (twice with, once without) and unlimited (with). Results land in $OUT.
+# at 16 req/s (twice with, once without) and unlimited (with). Results: $OUT/summary.md and
+# $OUT/runs.tgz (every JSON, log and plot).
 # Steps: piecewise, unlimited, eager (ONLY picks some).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
@@ -23,3 +24,4 @@ if want eager; then
   kill -TERM $server; wait $server
 fi
 python3 scripts/gpu/summary.py "$OUT"
+pack_out

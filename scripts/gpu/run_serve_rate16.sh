@@ -5,4 +5,5 @@ source "$(dirname "$0")/lib.sh"
 setup_env
 start_server
 bench_serve 16
-kill -TERM $server; wait $server; true
+kill -TERM $server; wait $server
+pack_out

@@ -30,3 +30,4 @@ start_server 240 && {
   kill -TERM $server; wait $server
 }
 tail -n 20 "$OUT/server.log"
+pack_out
