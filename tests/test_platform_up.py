@@ -160,6 +160,12 @@ def test_rerank_scores_and_order(up, sbert):
     ("/v1/completions", {"model": "chat", "prompt": [[1, 2]]}, 400),
     ("/v1/completions", {"model": "chat", "prompt": "x", "max_tokens": "many"}, 400),
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),
+    # without tools, malformed messages are refused alike (the API server's schema)
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"content": "x"}]}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": []}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": 7}]}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
                               "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400),
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "wizard", "content": "x"}],
