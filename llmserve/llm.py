@@ -19,10 +19,10 @@ from tqdm import tqdm
 from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
-from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
+from llmserve.engine.step_log import step_timing_log
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -126,11 +126,9 @@ class LLM:
                     results[order[out.request_id]] = out
                     bar.update(1)
 
-        path = self.core.config.step_timing_log
-        step_log = StepTimingLog(path) if path else None
-        pipeline = StepPipeline(self.core, step_log)
         previous = None
-        try:
+        with step_timing_log(self.core.config.step_timing_log) as step_log:
+            pipeline = StepPipeline(self.core, step_log)
             while self.core.has_unfinished() or pipeline.busy:
                 pipeline.launch()
                 if previous is not None:
@@ -139,9 +137,6 @@ class LLM:
                 done = pipeline.finish()
                 if done is not None:
                     previous = done.outputs
-        finally:
-            if step_log is not None:
-                step_log.close()
         if previous is not None:
             collect(previous)
         bar.close()

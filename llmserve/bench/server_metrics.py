@@ -1,7 +1,8 @@
 """What the server says about the same run: its `/metrics` (vLLM's `vllm:*` histograms)
 read before and after the load, so a report can split the client's TTFT into the server's
-queue time (arrival to first scheduled), prefill time (to the first token) and the rest
-(HTTP, streaming, the client itself).
+queue time (in the engine core's queue until first scheduled), prefill time (to the core's
+first token) and the rest (tokenization and IPC inside the server; HTTP, streaming and the
+client itself outside it).
 
 Only HTTP and the Prometheus text format: works against any server with vLLM's metric
 names (ours or vLLM's), and quietly yields nothing against one without them.

@@ -24,7 +24,7 @@ import zmq
 from llmserve.config import EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.request import EngineCoreOutputs
-from llmserve.engine.step_log import StepTimingLog
+from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
@@ -82,13 +82,8 @@ class EngineCoreProc:
             self.out_sock.close(linger=1000)
 
     def _loop(self) -> None:
-        path = self.core.config.step_timing_log
-        step_log = StepTimingLog(path) if path else None
-        try:
+        with step_timing_log(self.core.config.step_timing_log) as step_log:
             self._steps(StepPipeline(self.core, step_log))
-        finally:
-            if step_log is not None:
-                step_log.close()
 
     def _steps(self, pipeline: StepPipeline) -> None:
         while True:

@@ -14,9 +14,11 @@ step with nothing to run (the requests it would continue had just finished) is l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 from llmserve.engine.scheduler import SchedulerOutput
@@ -44,3 +46,16 @@ class StepTimingLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+@contextlib.contextmanager
+def step_timing_log(path: str | None) -> Iterator[StepTimingLog | None]:
+    """The log at `path` (EngineConfig.step_timing_log), closed on exit; None without a path."""
+    if path is None:
+        yield None
+        return
+    log = StepTimingLog(path)
+    try:
+        yield log
+    finally:
+        log.close()

@@ -15,7 +15,6 @@ plus request_id, finish_reason, prompt_tokens and output_tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -29,17 +28,15 @@ class RequestTimingLog:
     """A stats listener (AsyncEngine.add_stats_listener) that appends to `path`."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._file = self.path.open("a", buffering=1, encoding="utf-8")  # line-buffered: survives a kill
+        self._file = Path(path).open("a", buffering=1, encoding="utf-8")  # line-buffered: survives a kill
 
     def observe(self, it: IterationStats) -> None:
         if self._file.closed:
             return
         for f in it.finished:
-            times = dataclasses.asdict(f.timeline)
             line = {"request_id": f.request_id, "finish_reason": f.finish_reason,
                     "prompt_tokens": f.num_prompt_tokens, "output_tokens": f.num_generation_tokens}  # fmt: skip
-            line |= {k: times.get(k) for k in TIMES}
+            line |= {k: getattr(f.timeline, k) for k in TIMES}
             self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:

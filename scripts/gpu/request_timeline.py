@@ -25,6 +25,8 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
+
 PHASES = (("to_server", None, "arrival_time"), ("to_stream", "arrival_time", "sent_time"),
           ("to_core", "sent_time", "queued_time"),
           ("queue", "queued_time", "first_scheduled_time"), ("prefill", "first_scheduled_time", "first_token_core_time"),
@@ -62,19 +64,11 @@ def join(run: dict, records: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
-
-
 def table(rows: list[dict]) -> list[str]:
     lines = [f"{'phase (ms)':<12}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}"]
     for name in [p[0] for p in PHASES] + ["ttft_ms"]:
         v = [r[name] for r in rows]
-        lines.append(f"{name:<12}" + "".join(f"{percentile(v, q):9.1f}" for q in (50, 90, 99, 100)))
+        lines.append(f"{name:<12}" + "".join(f"{q:9.1f}" for q in np.percentile(v, (50, 90, 99, 100))))
     return lines
 
 
