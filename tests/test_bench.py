@@ -202,7 +202,7 @@ def test_latency(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
-def test_hf_baseline(llama_dir, tmp_path, load_format):
+def test_hf_baseline(llama_dir, tmp_path, load_format, capsys):
     out = tmp_path / "hf.json"
     main([
         "bench", "hf-baseline", "--model", llama_dir, "--num-prompts", "5", "--batch-size", "2",
@@ -213,6 +213,10 @@ def test_hf_baseline(llama_dir, tmp_path, load_format):
     assert r["dtype"] == "float32" and r["device"] == "cpu"
     assert r["total_output_tokens"] == 5 * 5 and r["total_input_tokens"] == 5 * 12  # EOS ignored, 3 batches
     assert r["output_tokens_per_s"] == pytest.approx(r["total_output_tokens"] / r["elapsed_s"])
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[hf-baseline]")]
+    assert [line.split(":")[0] for line in progress] == [
+        "[hf-baseline] warm-up batch (2 requests)", "[hf-baseline] batch 1/3 (2 requests)",
+        "[hf-baseline] batch 2/3 (2 requests)", "[hf-baseline] batch 3/3 (1 request)"]  # fmt: skip
 
 
 # ---- the definitions, on hand-built results ----

@@ -10,6 +10,7 @@ padding and the attention mask is all ones.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from llmserve.bench.prompts import random_requests
@@ -95,14 +96,18 @@ def run(args: argparse.Namespace) -> dict:
         # warm-up: one whole batch, untimed. The first pass at full length pays for lazy kernel
         # loading, GEMM heuristics and the allocator growing with the KV cache; on an H200 a
         # short warm-up left the first timed batch twice as slow as the next ones.
+        t = time.perf_counter()
         generate(batches[0], args.output_len)
+        _sync(device)
+        _progress(f"warm-up batch ({_requests(len(batches[0]))}): {time.perf_counter() - t:.2f} s")
         batch_times, out_tokens = [], 0
-        for batch in batches:
+        for i, batch in enumerate(batches):
             _sync(device)
             t = time.perf_counter()
             out_tokens += generate(batch, args.output_len)
             _sync(device)
             batch_times.append(time.perf_counter() - t)
+            _progress(f"batch {i + 1}/{len(batches)} ({_requests(len(batch))}): {batch_times[-1]:.2f} s")
         elapsed = sum(batch_times)
     in_tokens = sum(r.prompt_len for r in reqs)
     result = {
@@ -126,6 +131,15 @@ def run(args: argparse.Namespace) -> dict:
     if args.output_json:
         write_json(args.output_json, result)
     return result
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
+
+
+def _progress(line: str) -> None:
+    """One line a batch on stderr: a baseline at 8B takes minutes."""
+    print(f"[hf-baseline] {line}", file=sys.stderr, flush=True)
 
 
 def _sync(device) -> None:
