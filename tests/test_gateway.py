@@ -19,7 +19,7 @@ from server_utils import free_port, metric, wait_healthy
 
 from llmserve.gateway.affinity import prefix_key, rendezvous_score
 from llmserve.gateway.config import ApiKey, GatewayConfig, LimitsConfig, hash_key
-from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, build_limiter
+from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapacity, build_limiter
 
 KEYS = {
     "good": "sk-good", "revoked": "sk-revoked", "lite-only": "sk-lite-only", "limited": "sk-limited",
@@ -122,9 +122,9 @@ def test_rate_limiter_takes_both_buckets_or_neither_and_settles(backend, request
             assert info.value.reason == "tokens_per_minute" and info.value.retry_after >= 1
             await limiter.settle("k", reserved=60, used=10)  # 50 come back
             await limiter.reserve("k", 85)
-            with pytest.raises(LimitExceeded) as info:
+            with pytest.raises(OverCapacity) as info:
                 await limiter.reserve("k", 101)  # more than the bucket holds: never admissible
-            assert info.value.retry_after == 60
+            assert info.value.retry_after is None and (info.value.asked, info.value.capacity) == (101, 100)
             await limiter.reserve("k", 1)  # the refused ones took no request: this is the 3rd
             with pytest.raises(LimitExceeded) as info:
                 await limiter.reserve("k", 1)

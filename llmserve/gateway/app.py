@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import uuid
 
 import aiohttp
@@ -15,13 +16,14 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.gateway.admission import Refused
 from llmserve.gateway.affinity import prefix_key
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
-from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable
+from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapacity
 from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
@@ -75,21 +77,44 @@ def _estimate_tokens(payload: dict, path: str, default_max_tokens: int) -> int:
     return prompt + max_tokens
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+# a JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _parse_body(body: bytes) -> dict:
+    """The request's JSON object: strict JSON (no NaN or Infinity), nested within reason, and
+    text that is valid Unicode (JSON may escape a lone surrogate, which no UTF-8 can carry)."""
+    try:
+        payload = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise Rejected(400, "invalid_json", "the request body is not valid JSON (or is nested too deeply)") from None
+    if not isinstance(payload, dict):
+        raise Rejected(400, "invalid_json", "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body):  # rare: pairs (emoji escaped by ASCII-only writers) pass
+        try:
+            json.dumps(payload, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise Rejected(400, "invalid_json", "the request holds a lone UTF-16 surrogate (such as \\ud800), "
+                           "which is not valid Unicode text") from None  # fmt: skip
+    return payload
+
+
 async def _admit(state: GatewayState, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
     key = None
     if not state.keys.open:
         key = state.keys.authenticate(request.headers.get("authorization"))
         if key is None:
             raise Rejected(401, "invalid_api_key", "missing, wrong or revoked API key")
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise Rejected(400, "invalid_json", "the request body is not valid JSON") from None
-    if not isinstance(payload, dict):
-        raise Rejected(400, "invalid_json", "the request body must be a JSON object")
+    payload = _parse_body(body)
     alias = payload.get("model")
-    if not isinstance(alias, str) or alias not in state.config.models:
-        raise Rejected(404, "model_not_found", f"the model {str(alias)[:100]!r} does not exist")
+    if not isinstance(alias, str):
+        raise Rejected(400, "invalid_request", "model is required: the name of a model (a string), see /v1/models")
+    if alias not in state.config.models:
+        raise Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist")
     if key is not None and not may_call(key, alias):
         raise Rejected(403, "model_not_allowed", f"this key may not call {alias!r}")
     ctx = RequestContext(request_id, path, alias, payload, payload.get("stream") is True, key)
@@ -99,6 +124,10 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
     if key is not None:
         try:
             await state.limiter.reserve(key.name, ctx.reserved_tokens)
+        except OverCapacity as exc:
+            raise Rejected(400, "over_token_limit", f"this request may take {exc.asked} tokens (its input and "
+                           f"max_tokens), more than this key's {exc.reason} ({exc.capacity}): it can never be "
+                           "admitted; lower max_tokens or send less") from None  # fmt: skip
         except LimitExceeded as exc:
             raise Rejected(429, exc.reason, f"rate limit reached ({exc.reason})", exc.retry_after) from None
         except LimitsUnavailable:
@@ -145,11 +174,12 @@ async def _unless_disconnected(request: Request, state: GatewayState, ctx: Reque
     finally:
         watcher.cancel()
         if not work.done():
-            work.cancel()
-    if not work.cancelled():
-        return work.result()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work  # let the cancelled call close its upstream connection
+            work.cancel()  # asks; the call ends (closing its upstream connection) when awaited
+    try:
+        return await work  # done, or cancelled just now (CancelledError), or done before the cancel landed
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # this handler itself is being cancelled
     ctx.used_tokens = ctx.reserved_tokens  # what was generated before the abort is unknown: kept
     await state.finish(ctx, 499)
     return Response(status_code=499)  # nobody is listening
@@ -183,6 +213,12 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
 
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown paths and methods answer in OpenAI's error format too."""
+        message = {404: "no such path", 405: "method not allowed on this path"}.get(exc.status_code, str(exc.detail))
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
     app.include_router(dashboard_router(state))  # /dashboard: the live status page
 
     async def handle(request: Request, path: str) -> Response:
@@ -219,10 +255,31 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
         cards = [{"id": a, "object": "model", "owned_by": "llmserve"} for a in names]
         return JSONResponse({"object": "list", "data": cards})
 
+    @app.get("/v1/models/{alias:path}")
+    async def model(alias: str, request: Request) -> Response:
+        key = None
+        if not state.keys.open:
+            key = state.keys.authenticate(request.headers.get("authorization"))
+            if key is None:
+                return _reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
+        if alias not in config.models or (key is not None and not may_call(key, alias)):
+            return _reject_response(Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist"), "")
+        return JSONResponse({"id": alias, "object": "model", "owned_by": "llmserve"})
+
     @app.get("/health")
     async def health() -> Response:
-        up = {r.url: r.healthy for r in state.router.all_replicas()}
-        return JSONResponse({"status": "ok" if any(up.values()) else "degraded", "upstreams": up})
+        """Each replica's health per alias (`models`; aliases may share one Triton server), each
+        address's (`upstreams`: healthy only if every alias it serves is); "ok" when every
+        alias has a healthy replica, else "degraded"."""
+        models: dict[str, dict[str, bool]] = {}
+        for r in state.router.all_replicas():
+            models.setdefault(r.alias, {})[r.url] = r.healthy
+        upstreams: dict[str, bool] = {}
+        for replicas in models.values():
+            for url, ok in replicas.items():
+                upstreams[url] = upstreams.get(url, True) and ok
+        status = "ok" if all(any(replicas.values()) for replicas in models.values()) else "degraded"
+        return JSONResponse({"status": status, "upstreams": upstreams, "models": models})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,10 +17,18 @@ RPM, TPM = "requests_per_minute", "tokens_per_minute"
 
 
 class LimitExceeded(Exception):
-    def __init__(self, reason: str, retry_after: float):
+    def __init__(self, reason: str, retry_after: float | None):
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class OverCapacity(LimitExceeded):
+    """One request asks more than the bucket holds: it can never be admitted (no retry helps)."""
+
+    def __init__(self, reason: str, asked: int, capacity: int):
+        super().__init__(reason, None)
+        self.asked, self.capacity = asked, capacity
 
 
 class LimitsUnavailable(Exception):
@@ -59,7 +67,7 @@ class KeyCapacities:
             out.append(Demand(RPM, self.rpm[key], 1))
         if key in self.tpm:
             if tokens > self.tpm[key]:
-                raise LimitExceeded(TPM, 60.0)  # more than the bucket holds: never admissible
+                raise OverCapacity(TPM, tokens, self.tpm[key])  # more than the bucket holds: never admissible
             out.append(Demand(TPM, self.tpm[key], tokens))
         return out
 

@@ -13,6 +13,7 @@ from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.gateway.router import Pick
 from llmserve.gateway.state import GatewayState, RequestContext
 from llmserve.gateway.triton_upstream import open_triton
+from llmserve.serve.errors import sse_error
 
 
 class NoUpstream(Exception):
@@ -150,10 +151,20 @@ def _stream(state: GatewayState, ctx: RequestContext, pick: Pick, opened: Opened
         status = 200
         try:
             yield _rewrite_model(opened.first, pick.alias, ctx) + "\n"
+            done = opened.first == "data: [DONE]"
             async for line in opened.lines:
+                done = done or line == "data: [DONE]"
                 yield _rewrite_model(line, pick.alias, ctx) + "\n"
+            if not done:
+                raise UpstreamFailed("the stream ended without [DONE]")
+        except Exception as exc:  # noqa: BLE001 - the upstream broke mid-stream: too late to retry
+            status = 502
+            pick.replica.record_failure(state.config.health.failure_threshold)
+            # the client learns it from a last event, as vLLM's server ends a failed stream
+            yield "\n" + sse_error(502, f"the upstream failed mid-stream: {str(exc) or type(exc).__name__}")
+            yield "data: [DONE]\n\n"
         except BaseException:
-            status = 499  # the client left (or the upstream broke mid-stream): nothing more to retry
+            status = 499  # the client left
             raise
         finally:
             pick.replica.outstanding -= 1

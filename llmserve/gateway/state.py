@@ -55,7 +55,7 @@ class GatewayState:
         self.metrics = GatewayMetrics()
         self.client: httpx.AsyncClient | None = None  # health checks; opened in the app's lifespan
         self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
-        self.triton = TritonClients()  # gRPC clients of Triton replicas, opened on first use
+        self.triton = TritonClients(config.upstream_timeout_s)  # gRPC clients of Triton replicas, opened on first use
         for r in self.router.all_replicas():
             self.on_health(r)
 

@@ -23,10 +23,16 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from pydantic import ValidationError
 from tritonclient.utils import InferenceServerException
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
+from llmserve.gateway.triton_checks import (
+    BadRequest,
+    embeddings_call,
+    generation_request,
+    rerank_call,
+    sampling_parameters,
+)
 from llmserve.serve.errors import error_body
 from llmserve.serve.pooling_protocol import embedding_json, rerank_order
 from llmserve.serve.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
@@ -37,17 +43,15 @@ if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.state import RequestContext
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
-SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "ignore_eos": bool}
-
-
-class BadRequest(Exception):
-    """The request cannot be put to a Triton model (400)."""
+CLIENT_ERROR_MARK = "invalid request: "  # how the chat model marks the errors that are the request's fault
 
 
 class TritonClients:
-    """One gRPC client per Triton replica address, opened on first use."""
+    """One gRPC client per Triton replica address, opened on first use; `timeout` bounds each
+    call, and the wait for each next response of a stream."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float = 600.0) -> None:
+        self.timeout = timeout
         self._clients: dict[str, grpcclient.InferenceServerClient] = {}
 
     def get(self, url: str) -> grpcclient.InferenceServerClient:
@@ -73,16 +77,19 @@ def _strings(name: str, texts: list[str], shape: list[int]) -> grpcclient.InferI
     return tensor
 
 
-def _texts(value, what: str) -> list[str]:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(t, str) for t in items):
-        raise BadRequest(f"{what} must be a string or a non-empty list of strings")
-    return items
+def _message(exc: InferenceServerException) -> str:
+    """Triton's message without the Python backend's traceback ("At: /path/model.py(17)...")."""
+    return (exc.message() or str(exc)).split("\n\nAt:\n")[0].strip()
 
 
-def _unavailable(exc: InferenceServerException) -> bool:
+def _client_fault(exc: InferenceServerException) -> bool:
+    """The model refused the request itself (a 400), as opposed to failing (a 5xx: retried on
+    another replica). Unary calls carry a gRPC status; a stream's errors carry only a message,
+    which the llmserve chat model starts with CLIENT_ERROR_MARK for the request's faults."""
     status = str(exc.status() or "")
-    return "UNAVAILABLE" in status or "DEADLINE" in status or "Connect" in str(exc)
+    if status:  # a bad value; a call this model does not take (an embedding call to a chat model)
+        return any(name in status for name in ("INVALID_ARG", "UNIMPLEMENTED", "OUT_OF_RANGE"))
+    return _message(exc).startswith(CLIENT_ERROR_MARK)
 
 
 def _json(status: int, body: dict) -> Opened:
@@ -92,95 +99,84 @@ def _json(status: int, body: dict) -> Opened:
     return Opened(status, json.dumps(body).encode(), None, None, nothing)
 
 
-async def _embeddings(client, ctx: RequestContext, model: str) -> dict:
-    texts = _texts(ctx.payload.get("input"), "input")
+async def _embeddings(clients: TritonClients, client, ctx: RequestContext, model: str) -> dict:
+    call = embeddings_call(ctx.payload)
     rows = []
-    for start in range(0, len(texts), EMBED_BATCH):
-        part = texts[start:start + EMBED_BATCH]
-        result = await client.infer(model, [_strings("text", part, [len(part), 1])])
+    for start in range(0, len(call.texts), EMBED_BATCH):
+        part = call.texts[start:start + EMBED_BATCH]
+        result = await client.infer(model, [_strings("text", part, [len(part), 1])], client_timeout=clients.timeout)
         rows.extend(result.as_numpy("embedding"))
-    b64 = ctx.payload.get("encoding_format") == "base64"
-    data = [{"object": "embedding", "index": i, "embedding": embedding_json(v, b64)} for i, v in enumerate(rows)]
+    if call.dimensions is not None and rows and call.dimensions != len(rows[0]):
+        raise BadRequest(f"this model's embeddings have {len(rows[0])} dimensions; `dimensions` cannot change "
+                         f"that (got {call.dimensions})")  # fmt: skip
+    data = [{"object": "embedding", "index": i, "embedding": embedding_json(v, call.base64)}
+            for i, v in enumerate(rows)]  # fmt: skip
     return {"object": "list", "data": data, "model": ctx.alias}
 
 
-async def _rerank(client, ctx: RequestContext, model: str) -> dict:
-    query = ctx.payload.get("query")
-    if not isinstance(query, str):
-        raise BadRequest("query must be a string")
-    docs = [d.get("text") if isinstance(d, dict) else d for d in (ctx.payload.get("documents") or [])]
-    docs = _texts(docs, "documents")
-    inputs = [_strings("query", [query], [1, 1]), _strings("documents", docs, [1, len(docs)])]
-    scores = (await client.infer(model, inputs)).as_numpy("scores")[0]
-    top_n = ctx.payload.get("top_n")
-    order = rerank_order(scores, top_n if isinstance(top_n, int) and top_n > 0 else None)
-    results = [{"index": i, "relevance_score": float(scores[i]), "document": {"text": docs[i]}} for i in order]
+async def _rerank(clients: TritonClients, client, ctx: RequestContext, model: str) -> dict:
+    call = rerank_call(ctx.payload)
+    docs = call.documents
+    inputs = [_strings("query", [call.query], [1, 1]), _strings("documents", docs, [1, len(docs)])]
+    scores = (await client.infer(model, inputs, client_timeout=clients.timeout)).as_numpy("scores")[0]
+    results = []
+    for i in rerank_order(scores, call.top_n):
+        result = {"index": i, "relevance_score": float(scores[i])}
+        if call.return_documents:
+            result["document"] = {"text": docs[i]}
+        results.append(result)
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "results": results}
 
 
-def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> dict:
-    payload = ctx.payload
-    if (payload.get("n") or 1) != 1:
-        raise BadRequest("n > 1 is not supported by Triton chat models")
-    params: dict = {}
-    for name, cast in SAMPLING.items():
-        value = payload.get("max_completion_tokens" if name == "max_tokens" and "max_completion_tokens" in payload
-                            else name)  # fmt: skip
-        if value is not None:
-            if isinstance(value, bool) != (cast is bool) or not isinstance(value, int | float):
-                raise BadRequest(f"{name} must be a {cast.__name__}")
-            params[name] = cast(value)
-    stop = payload.get("stop")
-    if stop is not None:
-        params["stop"] = json.dumps([stop] if isinstance(stop, str) else stop)
-    if pick.route.send_priority and ctx.priority:
-        params["priority"] = -ctx.priority  # the engine's convention: lower first
-    bias = payload.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise BadRequest("logit_bias must map token ids to biases")
-        params["logit_bias"] = json.dumps(bias)
-    constraint = {k: payload[k] for k in STRUCTURED_FIELDS if payload.get(k) is not None}
-    tools = tool_plan(payload)
+def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, ToolPlan | None]:
+    """The KServe request for a chat or completions call, and the chat's tool plan."""
+    chat = "messages" in ctx.payload
+    req = generation_request(ctx.payload, chat)
+    params = sampling_parameters(req)
+    if req.stop is not None:
+        params["stop"] = json.dumps([req.stop] if isinstance(req.stop, str) else req.stop)
+    if req.logit_bias is not None:
+        params["logit_bias"] = json.dumps(req.logit_bias)
+    constraint = {k: getattr(req, k) for k in STRUCTURED_FIELDS if getattr(req, k) is not None}
+    tools = tool_plan(req) if chat else None
     if tools is not None and tools.constraint is not None:  # a named or required tool choice
         constraint = {"structured_outputs": {"json": tools.constraint.json}}
     if constraint:  # structured outputs: the chat model reads them as the API server does
         params["structured_outputs"] = json.dumps(constraint)
     if tools is not None and tools.template_tools:
         params["tools"] = json.dumps(tools.template_tools)
-    if "messages" in payload:
-        if not isinstance(payload["messages"], list):
-            raise BadRequest("messages must be a list")
-        params["messages"] = json.dumps(payload["messages"])
+    inputs = []
+    if chat:
+        params["messages"] = json.dumps(ctx.payload["messages"])
         prompt = ""
     else:
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadRequest("a Triton chat model takes one text prompt")
-    return {"model_name": model, "inputs": [_strings("text_input", [prompt], [1])], "parameters": params}
+        prompt = req.prompt[0] if isinstance(req.prompt, list) else req.prompt
+    inputs.append(_strings("text_input", [prompt], [1]))
+    if pick.route.send_priority and ctx.priority:
+        # an input tensor, not a request parameter: tritonclient reserves the parameter name
+        priority = grpcclient.InferInput("priority", [1], "INT32")
+        priority.set_data_from_numpy(np.array([-ctx.priority], dtype=np.int32))  # the engine's way: lower first
+        inputs.append(priority)
+    return {"model_name": model, "inputs": inputs, "parameters": params}, tools
 
 
-def tool_plan(payload: dict) -> ToolPlan | None:
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     """A chat request's tools as the API server plans them (serve/tools.py); "auto", which
     needs a parser of the model's own call format, is not offered by Triton chat models."""
-    if "messages" not in payload or (not payload.get("tools") and payload.get("tool_choice") in (None, "none")):
+    if not req.tools and req.tool_choice in (None, "none"):
         return None
     try:
-        return plan_tools(ChatCompletionRequest.model_validate(payload), parser=None)
+        return plan_tools(req, parser=None)
     except AutoToolChoiceUnavailable:
         raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
                          '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"') from None
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise BadRequest(f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"[:500]) from None
     except ValueError as exc:
         raise BadRequest(str(exc)[:500]) from None
 
 
-async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
-    """(new text, finish reason) as the model streams them; cancelled when closed early.
+async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[tuple[str, str]]:
+    """(new text, finish reason) as the model streams them; cancelled when closed early;
+    TimeoutError when the next response takes over `timeout` seconds (a model that died).
 
     A finished request's call is left for the server to end, not cancelled: Triton 2.51
     can crash (SIGSEGV) when a cancellation races the completion of a request, a race
@@ -193,7 +189,12 @@ async def _deltas(client, request: dict) -> AsyncIterator[tuple[str, str]]:
     stream = client.stream_infer(one_request())
     ended = False
     try:
-        async for result, error in stream:
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    result, error = await anext(stream)
+            except StopAsyncIteration:
+                return
             if error is not None:
                 raise error
             if result.get_response().outputs:
@@ -225,12 +226,12 @@ class _Chunks:
     """OpenAI response objects for the text a Triton chat model streams (tool calls cut
     from it as the API server does: `ToolStream`, `ToolPlan.parse`)."""
 
-    def __init__(self, ctx: RequestContext):
+    def __init__(self, ctx: RequestContext, tools: ToolPlan | None):
         self.chat = "messages" in ctx.payload
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.alias = ctx.alias
-        self.tools = tool_plan(ctx.payload) if self.chat else None
+        self.tools = tools
         self.message = ToolStream(self.tools)
         self.text = ""
 
@@ -267,9 +268,10 @@ class _Chunks:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [choice]}
 
 
-async def _generate(client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
-    deltas = _deltas(client, _generation_request(ctx, pick, model))
-    chunks = _Chunks(ctx)
+async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
+    request, tools = _generation_request(ctx, pick, model)
+    deltas = _deltas(client, request, clients.timeout)
+    chunks = _Chunks(ctx, tools)
     try:
         first = await anext(deltas)  # errors before this are retried elsewhere
     except StopAsyncIteration:
@@ -318,14 +320,30 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
     client = clients.get(pick.replica.url)
     try:
         if ctx.path == "/v1/embeddings":
-            return _json(200, await _embeddings(client, ctx, model))
+            return _json(200, await _embeddings(clients, client, ctx, model))
         if ctx.path == "/v1/rerank":
-            return _json(200, await _rerank(client, ctx, model))
-        return await _generate(client, ctx, pick, model)
+            return _json(200, await _rerank(clients, client, ctx, model))
+        return await _generate(clients, client, ctx, pick, model)
     except BadRequest as exc:
         return _json(400, error_body(400, str(exc), code="invalid_request"))
     except InferenceServerException as exc:
-        if _unavailable(exc):
-            raise UpstreamFailed(f"Triton replica {pick.replica.url}: {exc.message()}") from exc
-        return _json(400, error_body(400, f"the Triton model refused the request: {exc.message()}",
-                                     code="upstream_rejected"))  # fmt: skip
+        message = _message(exc).removeprefix(CLIENT_ERROR_MARK)
+        if _client_fault(exc):
+            return _json(400, error_body(400, f"the Triton model refused the request: {message}",
+                                         code="upstream_rejected"))  # fmt: skip
+        if "RESOURCE_EXHAUSTED" in str(exc.status() or ""):  # its queue is full: busy, not broken
+            body = error_body(503, f"the Triton model is overloaded: {message}", code="upstream_overloaded")
+            raise UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", 503, json.dumps(body).encode(),
+                                 overloaded=True) from exc  # fmt: skip
+        # the model or server failed (unreachable, a dead backend stub, a crash): another
+        # replica may answer; the breaker counts it
+        body = error_body(502, f"the Triton model failed: {message}", code="upstream_failed")
+        raise UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", 502, json.dumps(body).encode()) from exc
+    except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call)
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        why = code.name if code is not None else type(exc).__name__
+        body = error_body(502, f"the Triton call failed: {why}", code="upstream_failed")
+        raise UpstreamFailed(f"Triton replica {pick.replica.url}: {why}", 502, json.dumps(body).encode()) from exc
+    except TimeoutError as exc:
+        body = error_body(504, f"the Triton model did not answer within {clients.timeout:g} s", code="upstream_timeout")
+        raise UpstreamFailed(f"Triton replica {pick.replica.url}: timed out", 504, json.dumps(body).encode()) from exc

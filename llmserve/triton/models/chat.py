@@ -22,7 +22,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-SCALARS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+SCALARS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "min_tokens": int,
+           "min_p": float, "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float}
+# an error that is the request's fault starts with this (a client such as the gateway reads it
+# as a 400: a stream's errors carry a message only, no status code)
+CLIENT_ERROR_MARK = "invalid request: "
 
 
 def _engine_args(params: dict) -> dict:
@@ -157,6 +161,11 @@ class TritonPythonModel:
                 if delta or out.finished:
                     sender.send(_response(delta, (completion.finish_reason or "") if out.finished else ""))
             sender.send(flags=FINAL)
+        except (ValueError, TypeError, KeyError) as exc:  # the request's own fault (bad values, a bad conversation)
+            message = f"{CLIENT_ERROR_MARK}{type(exc).__name__}: {exc}"
+            code = getattr(pb_utils.TritonError, "INVALID_ARG", None)  # error codes: python backend 23.08 and later
+            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream
             error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)

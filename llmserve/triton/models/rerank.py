@@ -18,6 +18,13 @@ def _texts(array) -> list:
     return [t.decode("utf-8") if isinstance(t, bytes) else str(t) for t in array.reshape(-1)]
 
 
+def _invalid(message: str):
+    """A response refusing one request (INVALID_ARG)."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None)  # error codes: python backend 23.08 and later
+    error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+    return pb_utils.InferenceResponse(error=error)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"])["parameters"]
@@ -41,10 +48,15 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = []
-        for request in requests:
+        for request in requests:  # each request answered on its own: a bad one fails alone
             queries = pb_utils.get_input_tensor_by_name(request, "query").as_numpy()
             documents = pb_utils.get_input_tensor_by_name(request, "documents").as_numpy()
-            rows = [self._scores(_texts(q)[0], _texts(d)) for q, d in zip(queries, documents)]
+            try:
+                pairs = [(_texts(q)[0], _texts(d)) for q, d in zip(queries, documents)]
+            except UnicodeDecodeError as exc:
+                responses.append(_invalid(f"query and documents must be UTF-8: {exc}"))
+                continue
+            rows = [self._scores(q, d) for q, d in pairs]
             out = pb_utils.Tensor("scores", np.stack(rows).astype(np.float32))
             responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
         return responses
