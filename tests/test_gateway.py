@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -449,3 +450,81 @@ def test_gateway_starts_without_torch():
         "build_parser('gateway'); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+class _BreakingUpstream:
+    """An OpenAI-compatible stream that breaks after two events: the connection closes with
+    no [DONE] (`cut="eof"`) or in the middle of a chunked body (`cut="chunk"`). /health is 200."""
+
+    def __init__(self, cut: str):
+        self.cut = cut
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += conn.recv(65536)
+                if head.startswith(b"GET"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                    continue
+                event = b'data: {"id":"x","object":"text_completion","model":"m","choices":[{"index":0,"text":"a"}]}\n\n'
+                if self.cut == "eof":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+                                 + event * 2)  # fmt: skip
+                else:
+                    chunk = b"%x\r\n%s\r\n" % (len(event), event)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n" + chunk * 2 + b"ff\r\ndata: {")  # fmt: skip
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("cut", ["eof", "chunk"])
+def test_a_stream_that_breaks_upstream_ends_with_an_error_event(cut, tmp_path):
+    """After the first byte nothing can be retried: the client gets what came, then an error
+    event and [DONE] (it saw the stream just stop before), and the request counts as a 502."""
+    upstream = _BreakingUpstream(cut)
+    gateway = start_gateway({"models": {"m": {"replicas": [f"http://127.0.0.1:{upstream.port}"]}}},
+                            free_port(), str(tmp_path))  # fmt: skip
+    try:
+        body = {"model": "m", "prompt": "x", "stream": True}
+        with httpx.stream("POST", gateway.base_url + "/v1/completions", json=body, timeout=30) as resp:
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        # (aiohttp may drop what it buffered of a chunked body that breaks: one "a" or two)
+        assert 3 <= len(events) <= 4 and all(json.loads(e[6:])["choices"][0]["text"] == "a" for e in events[:-2])
+        assert json.loads(events[-2][6:])["error"]["code"] == 502 and events[-1] == "data: [DONE]", events
+        assert _wait(lambda: '"status": 502' in gateway.log())
+    finally:
+        gateway.stop()
+        upstream.close()
+
+
+def test_triton_errors_are_told_apart():
+    """A Triton error the request caused is a 400; one the model or server caused is retried
+    elsewhere and, where none answers, a 5xx."""
+    from tritonclient.utils import InferenceServerException
+
+    from llmserve.gateway.triton_upstream import CLIENT_ERROR_MARK, _client_fault, _message
+    from llmserve.triton.build_repo import MODELS_DIR
+
+    # the chat model (a file Triton loads, not importable here) marks its errors the same way
+    assert f'CLIENT_ERROR_MARK = "{CLIENT_ERROR_MARK}"' in (MODELS_DIR / "chat.py").read_text()
+
+    client = [InferenceServerException("bad", status="StatusCode.INVALID_ARGUMENT"),
+              InferenceServerException("decoupled", status="StatusCode.UNIMPLEMENTED"),
+              InferenceServerException(CLIENT_ERROR_MARK + "ValueError: temperature must be >= 0")]  # fmt: skip
+    server = [InferenceServerException("Stub process 'chat_0_0' is not healthy."),
+              InferenceServerException("boom", status="StatusCode.INTERNAL")]  # fmt: skip
+    assert all(_client_fault(e) for e in client) and not any(_client_fault(e) for e in server)
+    traced = InferenceServerException("UnicodeDecodeError: bad byte\n\nAt:\n  /tmp/x/embed/1/model.py(17): execute\n")
+    assert _message(traced) == "UnicodeDecodeError: bad byte"  # no server paths to the client

@@ -173,11 +173,134 @@ def test_rerank_scores_and_order(up, sbert):
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
                               "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                                   "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, 400),
+    # the API server's schemas read Triton requests too: nothing dropped without a word
+    ("/v1/completions", {"prompt": "x"}, 400),  # no model
+    ("/v1/completions", {"model": "chat", "prompt": "a\ud800b"}, 400),  # a lone surrogate: not Unicode
+    ("/v1/embeddings", {"model": "embed", "input": "a\udc00b"}, 400),
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["x\ud800"]}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "max_tokens": 2**63}, 400),  # over 64 bits
+    ("/v1/completions", {"model": "chat", "prompt": "x", "seed": 2**64}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "top_k": 1e20}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "top_k": 1.5}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "stop": 5}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "logprobs": 2}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400),
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": "single"}, 400),  # not 6 one-letter documents
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["a"], "top_n": 0}, 400),
+    ("/v1/rerank", {"model": "rerank", "query": "q", "documents": ["a"], "top_n": 1.5}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "hex"}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": "x", "dimensions": 10}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": [""] * 2049}, 400),  # OpenAI's limit: 2048 inputs
 ])  # fmt: skip
 def test_bad_input_is_a_clear_4xx(up, path, body, status):
-    resp = httpx.post(up["url"] + path, json=body, timeout=30)
+    # json.dumps writes a lone surrogate as its escape, as JavaScript clients do (httpx's json= cannot)
+    resp = httpx.post(up["url"] + path, content=json.dumps(body), headers={"content-type": "application/json"},
+                      timeout=30)  # fmt: skip
     assert resp.status_code == status, resp.text
     assert resp.json()["error"]["message"]
+
+
+def test_keyed_gateway_over_triton_priorities_and_token_limits(up, tmp_path):
+    """A second gateway with API keys over the same Triton: a key with a priority reaches the
+    chat model (the priority travels as an input tensor; as a request parameter tritonclient
+    refused it and every such call was an empty 499), and a request one key's tokens per
+    minute can never hold is a 400, not a 429 to retry."""
+    from gateway_utils import start_gateway
+
+    from llmserve.gateway.config import hash_key
+
+    grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
+    config = {
+        "models": {alias: {"kind": "triton", "replicas": [grpc_url]} for alias in ("chat", "embed")},
+        "keys": [{"name": "vip", "sha256": hash_key("sk-vip"), "priority": 5},
+                 {"name": "small", "sha256": hash_key("sk-small"), "tpm": 50}],
+    }  # fmt: skip
+    port = free_port()
+    gateway = start_gateway(config, port, str(tmp_path))
+    try:
+        vip = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="sk-vip", max_retries=0, timeout=60)
+        whole = vip.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+        assert whole.choices[0].message.content
+        streamed = list(vip.completions.create(model="chat", prompt="The os module", max_tokens=6, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) and streamed[-1].choices[0].finish_reason
+        resp = httpx.post(gateway.base_url + "/v1/completions", headers={"Authorization": "Bearer sk-small"},
+                          json={"model": "chat", "prompt": "x", "max_tokens": 1000}, timeout=30)  # fmt: skip
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "over_token_limit", resp.text
+        assert "Retry-After" not in resp.headers
+        ok = httpx.post(gateway.base_url + "/v1/completions", headers={"Authorization": "Bearer sk-small"},
+                        json={"model": "chat", "prompt": "x", "max_tokens": 4}, timeout=30)  # fmt: skip
+        assert ok.status_code == 200, ok.text
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.parametrize("body", [
+    b'{"model": "chat", "prompt": "x", "temperature": NaN}',  # not JSON
+    b'{"model": "chat", "prompt": "x", "top_p": -Infinity}',
+    b'{"model": "chat", "messages": ' + b"[" * 50000 + b"]" * 50000 + b"}",  # nested past the parser
+])  # fmt: skip
+def test_malformed_json_is_a_400(up, body):
+    resp = httpx.post(up["url"] + "/v1/chat/completions", content=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", resp.text
+
+
+def test_unknown_paths_answer_in_openai_format(up):
+    for resp in (httpx.get(up["url"] + "/v2/nothing"), httpx.delete(up["url"] + "/v1/models")):
+        assert resp.status_code in (404, 405) and resp.json()["error"]["message"], resp.text
+    assert httpx.get(up["url"] + "/v1/models/chat").json()["id"] == "chat"
+    assert httpx.get(up["url"] + "/v1/models/nope").status_code == 404
+    health = httpx.get(up["url"] + "/health").json()
+    assert health["status"] == "ok" and set(health["models"]) == {"chat", "embed", "rerank"}
+
+
+def test_a_client_leaving_a_whole_request_is_counted_once(up):
+    """A non-streamed request whose client leaves: the handler cancels the Triton call, answers
+    nobody (499), and counts it; it crashed with InvalidStateError before."""
+    def answered_499() -> float:
+        text = httpx.get(up["url"] + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("llmserve_gateway_requests_total{") and 'status="499"' in line)  # fmt: skip
+
+    before = answered_499()
+    body = {"model": "chat", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(up["url"] + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 20
+    while answered_499() < before + 1:
+        assert time.monotonic() < deadline, "the 499 was never counted"
+        time.sleep(0.1)
+    assert "InvalidStateError" not in (up["workdir"] / "up.log").read_text()
+
+
+def test_one_bad_request_fails_alone_in_a_dynamic_batch(up):
+    """Bytes that are not UTF-8 sent straight to Triton's embed model, among good requests the
+    dynamic batcher puts in the same batch: only the bad ones fail (INVALID_ARGUMENT)."""
+    import concurrent.futures
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{up['ports']['grpc']}")
+
+    def call(text: bytes):
+        tensor = grpcclient.InferInput("text", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[text]], dtype=np.object_))
+        try:
+            return client.infer("embed", [tensor]).as_numpy("embedding").shape
+        except InferenceServerException as exc:
+            return exc
+
+    texts = [b"\xff\xfe" if i % 3 == 0 else f"good text {i}".encode() for i in range(24)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(call, texts))
+    for text, result in zip(texts, results):
+        if text.startswith(b"\xff"):
+            assert isinstance(result, InferenceServerException) and "UTF-8" in result.message()
+            assert "INVALID_ARG" in str(result.status())
+        else:
+            assert result == (1, 384), result
 
 
 def test_cancelled_stream_is_aborted_in_the_triton_engine(up):
