@@ -45,6 +45,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--triton-http-port", type=int, default=8000)
     p.add_argument("--triton-grpc-port", type=int, default=8001)
     p.add_argument("--triton-metrics-port", type=int, default=8002)
+    p.add_argument("--triton-address", default="127.0.0.1",
+                   help="where Triton listens (default: this host only, so the gateway's keys and limits "
+                        "cannot be gone around; 0.0.0.0 to let Prometheus elsewhere scrape it)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="model repository and Triton log (default: a temporary folder)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> None:
     log_path = os.path.join(workdir, "triton.log")
     triton = TritonServer(
         str(repo), http_port=args.triton_http_port, grpc_port=args.triton_grpc_port,
-        metrics_port=args.triton_metrics_port, exit_timeout_secs=10, log_path=log_path, stop_with_parent=True,
+        metrics_port=args.triton_metrics_port, address=args.triton_address, exit_timeout_secs=10, log_path=log_path, stop_with_parent=True,
     )  # fmt: skip
     # Ctrl-C or SIGTERM end the process through `finally` below, which stops Triton. While the
     # gateway serves, uvicorn takes the signals, drains, and raises them again once it has put

@@ -236,6 +236,22 @@ def test_keyed_gateway_over_triton_priorities_and_token_limits(up, tmp_path):
         gateway.stop()
 
 
+def test_triton_listens_on_this_host_only(up):
+    """`llmserve up` puts the gateway in front: Triton's ports must not be reachable past it."""
+    listening = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port = local.rsplit(":", 1)
+                if state == "0A":  # LISTEN
+                    listening.setdefault(int(port, 16), set()).add(address)
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, and as IPv6 maps it
+    for name in ("http", "grpc", "metrics"):
+        found = listening.get(up["ports"][name])
+        assert found and found <= loopback, (name, found)
+
+
 @pytest.mark.parametrize("body", [
     b'{"model": "chat", "prompt": "x", "temperature": NaN}',  # not JSON
     b'{"model": "chat", "prompt": "x", "top_p": -Infinity}',

@@ -29,7 +29,7 @@ from triton_utils import embed, grpcclient, httpclient, metric, rerank, text_inp
 
 from llmserve.triton import build_repo, chat_config, embed_config, platform_models, rerank_config  # noqa: E402
 from llmserve.triton.build_repo import write_model  # noqa: E402
-from llmserve.triton.server import TritonServer  # noqa: E402
+from llmserve.triton.server import TritonServer, sweep_stale_workdirs  # noqa: E402
 
 TEXTS = ["The cat sits on the mat.", "Triton serves models.", "A quick brown fox.", "héllo wörld"]
 CHAT_LEN = 256
@@ -376,7 +376,7 @@ import sys, time
 from llmserve.triton.server import TritonServer
 ports = [int(p) for p in sys.argv[2:5]]
 server = TritonServer(sys.argv[1], *ports, load_models=[], stop_with_parent=sys.argv[5] == "1").start()
-print(server.proc.pid, flush=True)
+print(server.proc.pid, server.workdir, flush=True)
 server.wait_ready(120)
 print("ready", flush=True)
 time.sleep(600)
@@ -404,7 +404,8 @@ def test_triton_stops_when_its_launcher_is_killed(tmp_path, stop_with_parent):
     )  # fmt: skip
     triton_pid = None
     try:
-        triton_pid = int(launcher.stdout.readline())
+        pid, workdir = launcher.stdout.readline().split()
+        triton_pid = int(pid)
         assert launcher.stdout.readline().strip() == "ready"
         launcher.kill()
         launcher.wait(10)
@@ -416,3 +417,5 @@ def test_triton_stops_when_its_launcher_is_killed(tmp_path, stop_with_parent):
         launcher.kill()
         if triton_pid is not None and _pid_alive(triton_pid):
             os.killpg(triton_pid, signal.SIGKILL)
+    # the launcher had no chance to remove its copy of the Triton tree: the next launch does
+    assert os.path.isdir(workdir) and workdir in sweep_stale_workdirs() and not os.path.exists(workdir)

@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     server = TritonServer(
         args.model_repository, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, load_models=args.load_model or ["*"],
+        metrics_port=args.metrics_port, address=args.address, load_models=args.load_model or ["*"],
         exit_timeout_secs=args.exit_timeout_secs,
     ).start()  # fmt: skip
     # forward Ctrl-C / SIGTERM to the server and let it drain
@@ -68,6 +68,7 @@ def add_parser(sub) -> None:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--address", default="0.0.0.0", help="where the HTTP, gRPC and metrics endpoints listen")
     serve.add_argument("--load-model", action="append", help="model to load at start (default: all)")
     serve.add_argument("--exit-timeout-secs", type=int, default=30)
     serve.set_defaults(func=_serve)

@@ -87,6 +87,35 @@ def server_env() -> dict[str, str]:
     return env
 
 
+WORKDIR_PREFIX = "llmserve-triton-"  # a server's copy of the Triton tree (~22 MB), in the temp folder
+OWNER_FILE = "owner.pid"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def sweep_stale_workdirs() -> list[str]:
+    """Remove the temporary server trees whose launching process is gone (it was killed
+    before it could clean up); those of live processes, and any without an owner, stay."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), WORKDIR_PREFIX + "*")):
+        try:
+            owner = int(Path(path, OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 @dataclass
 class TritonServer:
     """A running tritonserver process; `stop()` ends it and removes its shared memory."""
@@ -95,6 +124,7 @@ class TritonServer:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    address: str = "0.0.0.0"  # where its HTTP, gRPC and metrics endpoints listen
     load_models: list[str] = field(default_factory=lambda: ["*"])
     exit_timeout_secs: int = 5
     log_path: str | None = None
@@ -112,6 +142,8 @@ class TritonServer:
             "--model-control-mode=explicit",
             f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.address}", f"--grpc-address={self.address}",
+            f"--metrics-address={self.address}",
             f"--backend-directory={tree / 'backends'}",
             f"--cache-directory={tree / 'caches'}",
             "--pinned-memory-pool-byte-size=0", "--allow-gpu-metrics=false",
@@ -122,7 +154,11 @@ class TritonServer:
         return cmd
 
     def start(self) -> "TritonServer":
-        self.workdir = self.workdir or tempfile.mkdtemp(prefix="llmserve-triton-")
+        if not self.workdir:
+            sweep_stale_workdirs()
+            self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+            # whose it is: a launcher killed outright (SIGKILL) cannot remove it; the next one will
+            Path(self.workdir, OWNER_FILE).write_text(str(os.getpid()))
         tree = prepare_server_tree(Path(self.workdir))
         # our own prefix, so that cleanup only ever touches this server's regions
         self.shm_prefix = f"{SHM_PREFIX}llmserve{os.getpid()}_{self.http_port}_"
