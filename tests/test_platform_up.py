@@ -184,6 +184,7 @@ def test_rerank_scores_and_order(up, sbert):
     ("/v1/completions", {"model": "chat", "prompt": "x", "top_k": 1.5}, 400),
     ("/v1/completions", {"model": "chat", "prompt": "x", "stop": 5}, 400),
     ("/v1/completions", {"model": "chat", "prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"model": "chat", "prompt": "x", "repetition_penalty": -1}, 400),  # refused by the model
     ("/v1/completions", {"model": "chat", "prompt": "x", "logprobs": 2}, 400),
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400),
     ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400),
@@ -223,7 +224,9 @@ def test_keyed_gateway_over_triton_priorities_and_token_limits(up, tmp_path):
         vip = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="sk-vip", max_retries=0, timeout=60)
         whole = vip.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=6)
         assert whole.choices[0].message.content
-        streamed = list(vip.completions.create(model="chat", prompt="The os module", max_tokens=6, stream=True))
+        streamed = list(vip.completions.create(model="chat", prompt="The os module", max_tokens=6, stream=True,
+                                               presence_penalty=0.5, frequency_penalty=0.2, extra_body={
+                                                   "min_p": 0.05, "min_tokens": 2, "repetition_penalty": 1.2}))  # fmt: skip
         assert "".join(c.choices[0].text for c in streamed) and streamed[-1].choices[0].finish_reason
         resp = httpx.post(gateway.base_url + "/v1/completions", headers={"Authorization": "Bearer sk-small"},
                           json={"model": "chat", "prompt": "x", "max_tokens": 1000}, timeout=30)  # fmt: skip
