@@ -131,9 +131,13 @@ LONG = "word " * 300  # more tokens than the model's 256
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 400, None),
     ("/v1/rerank", {"query": LONG, "documents": ["a"]}, 400, "query"),
     ("/v1/rerank", {"query": "q"}, 400, None),
+    ("/v1/embeddings", b'{"input": ["ok", "a\\ud800"]}', 400, None),  # a lone surrogate (escaped)
+    ("/v1/rerank", b'{"query": "q", "documents": ["\\udfff"]}', 400, None),
 ])  # fmt: skip
 def test_bad_input_gets_a_clear_4xx(server, path, body, status, param):
-    r = httpx.post(server.base_url + path, json=body, headers=AUTH)
+    kwargs = {"content": body, "headers": {**AUTH, "content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": AUTH}  # fmt: skip
+    r = httpx.post(server.base_url + path, **kwargs)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["code"] in (status, "model_not_found")

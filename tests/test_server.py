@@ -270,6 +270,11 @@ BAD_REQUESTS = [
     ("logit_bias above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400),
     ("logit_bias negative id", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, 400),
+    # a lone UTF-16 surrogate (as JSON escapes it): no tokenizer takes it (a TypeError, a 500, before)
+    ("lone surrogate prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
+    ("lone surrogate chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
+    ("lone surrogate stream", "/v1/completions", b'{"prompt": "x\\uDBFF", "stream": true}', 400),
+    ("lone surrogate tokenize", "/tokenize", b'{"prompt": "\\ud800"}', 400),
 ]
 
 

@@ -7,7 +7,6 @@ import contextlib
 import functools
 import json
 import math
-import re
 import uuid
 
 import aiohttp
@@ -29,6 +28,7 @@ from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
 from llmserve.heap import freeze_startup_objects
 from llmserve.serve.errors import error_body
+from llmserve.serve.text_checks import LONE_SURROGATE, has_lone_surrogate
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -81,10 +81,6 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-# a JSON escape of a UTF-16 surrogate: only then can a parsed string hold a lone one
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
 def _parse_body(body: bytes) -> dict:
     """The request's JSON object: strict JSON (no NaN or Infinity), nested within reason, and
     text that is valid Unicode (JSON may escape a lone surrogate, which no UTF-8 can carry)."""
@@ -94,12 +90,8 @@ def _parse_body(body: bytes) -> dict:
         raise Rejected(400, "invalid_json", "the request body is not valid JSON (or is nested too deeply)") from None
     if not isinstance(payload, dict):
         raise Rejected(400, "invalid_json", "the request body must be a JSON object")
-    if _SURROGATE_ESCAPE.search(body):  # rare: pairs (emoji escaped by ASCII-only writers) pass
-        try:
-            json.dumps(payload, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise Rejected(400, "invalid_json", "the request holds a lone UTF-16 surrogate (such as \\ud800), "
-                           "which is not valid Unicode text") from None  # fmt: skip
+    if has_lone_surrogate(body, payload):
+        raise Rejected(400, "invalid_json", LONE_SURROGATE)
     return payload
 
 

@@ -24,6 +24,7 @@ from llmserve.serve.protocol import (
     TokenizeResponse,
 )
 from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
+from llmserve.serve.text_checks import refuse_lone_surrogates
 from llmserve.serve.timing_log import RequestTimingLog
 from llmserve.serve.tools import template_messages, template_tools
 
@@ -32,9 +33,10 @@ logger = logging.getLogger(__name__)
 EngineFactory = Callable[[], EngineClient]
 
 
-def _authorized(request: Request) -> ServerState:
+async def _authorized(request: Request) -> ServerState:
     state = get_state(request)
     check_api_key(state, request)
+    await refuse_lone_surrogates(request)
     return state
 
 

@@ -37,6 +37,7 @@ from llmserve.serve.pooling_protocol import (
     rerank_order,
 )
 from llmserve.serve.state import ServerConfig, check_api_key, resolve_model
+from llmserve.serve.text_checks import refuse_lone_surrogates
 
 _BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -97,9 +98,10 @@ class PoolingState:
         return resolve_model(self.config, requested)
 
 
-def _authorized(request: Request) -> PoolingState:
+async def _authorized(request: Request) -> PoolingState:
     state: PoolingState = request.app.state.pooling
     check_api_key(state, request)  # reads only .config.api_key
+    await refuse_lone_surrogates(request)
     return state
 
 
