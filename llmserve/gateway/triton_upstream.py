@@ -130,7 +130,7 @@ async def _rerank(clients: TritonClients, client, ctx: RequestContext, model: st
 
 def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, ToolPlan | None]:
     """The KServe request for a chat or completions call, and the chat's tool plan."""
-    chat = "messages" in ctx.payload
+    chat = ctx.path == "/v1/chat/completions"
     req = generation_request(ctx.payload, chat)
     params = sampling_parameters(req)
     if req.stop is not None:
@@ -155,7 +155,8 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[di
     if pick.route.send_priority and ctx.priority:
         # an input tensor, not a request parameter: tritonclient reserves the parameter name
         priority = grpcclient.InferInput("priority", [1], "INT32")
-        priority.set_data_from_numpy(np.array([-ctx.priority], dtype=np.int32))  # the engine's way: lower first
+        value = min(max(-ctx.priority, -(1 << 31)), (1 << 31) - 1)  # the engine's way: lower first; int32
+        priority.set_data_from_numpy(np.array([value], dtype=np.int32))
         inputs.append(priority)
     return {"model_name": model, "inputs": inputs, "parameters": params}, tools
 
@@ -227,7 +228,7 @@ class _Chunks:
     from it as the API server does: `ToolStream`, `ToolPlan.parse`)."""
 
     def __init__(self, ctx: RequestContext, tools: ToolPlan | None):
-        self.chat = "messages" in ctx.payload
+        self.chat = ctx.path == "/v1/chat/completions"
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.alias = ctx.alias
