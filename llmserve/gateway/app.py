@@ -15,7 +15,6 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.gateway.admission import Refused
 from llmserve.gateway.affinity import prefix_key
@@ -27,7 +26,7 @@ from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
 from llmserve.heap import freeze_startup_objects
-from llmserve.serve.errors import error_body
+from llmserve.serve.errors import error_body, install_error_handlers
 from llmserve.serve.text_checks import LONE_SURROGATE, has_lone_surrogate
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
@@ -206,11 +205,7 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     app.state.gateway = state
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        """Unknown paths and methods answer in OpenAI's error format too."""
-        message = {404: "no such path", 405: "method not allowed on this path"}.get(exc.status_code, str(exc.detail))
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
+    install_error_handlers(app)  # unknown paths and methods, bad query values: OpenAI's error format
     app.include_router(dashboard_router(state))  # /dashboard: the live status page
 
     async def handle(request: Request, path: str) -> Response:
