@@ -333,6 +333,39 @@ def test_cancelled_stream_is_aborted_in_the_triton_engine(up):
         time.sleep(0.1)
 
 
+def test_a_dead_chat_backend_is_a_502_and_a_cut_stream_ends(up, tmp_path):
+    """The chat model's backend stub killed mid-stream: the stream ends with an error event and
+    [DONE] once `upstream_timeout_s` passes, the next requests are 502s (the model's failure,
+    not the client's 400), and a reload brings the model back."""
+    from gateway_utils import start_gateway
+
+    grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
+    config = {"models": {"chat": {"kind": "triton", "replicas": [grpc_url]}}, "upstream_timeout_s": 2}
+    gateway = start_gateway(config, free_port(), str(tmp_path))
+    try:
+        found = subprocess.run(["pgrep", "-f", f"{up['workdir']}/model_repository/chat/1/model.py"],
+                               capture_output=True, text=True, check=False)  # fmt: skip
+        stub = int(found.stdout.split()[0])
+        body = {"model": "chat", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", gateway.base_url + "/v1/completions", json=body, timeout=60) as resp:
+            events = []
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        os.kill(stub, signal.SIGKILL)
+        assert len(events) >= 5 and events[-1] == "data: [DONE]", events[-3:]
+        assert "within 2 s" in json.loads(events[-2][6:])["error"]["message"]
+        chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        resp = httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=30)
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_failed", resp.text
+        http = f"http://127.0.0.1:{up['ports']['http']}"
+        assert httpx.post(f"{http}/v2/repository/models/chat/load", timeout=120).status_code == 200
+        assert httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+    finally:
+        gateway.stop()
+
+
 def test_sigterm_stops_the_gateway_and_triton(up):
     proc = up["proc"]
     proc.send_signal(signal.SIGTERM)

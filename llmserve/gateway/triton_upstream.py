@@ -196,6 +196,8 @@ async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[tuple[
                     result, error = await anext(stream)
             except StopAsyncIteration:
                 return
+            except TimeoutError:
+                raise TimeoutError(f"no response from the Triton model within {timeout:g} s") from None
             if error is not None:
                 raise error
             if result.get_response().outputs:
