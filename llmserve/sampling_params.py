@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 
@@ -104,13 +105,13 @@ class SamplingParams:
     def _verify(self) -> None:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
         _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed must be a 64-bit integer")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 <= self.temperature < math.inf, f"temperature must be a finite number >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.top_k < 2**62, f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            0.0 < self.repetition_penalty < math.inf,
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
         )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,

@@ -42,6 +42,9 @@ GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
 def test_models_and_version(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
     assert httpx.get(f"{server.base_url}/version").json()["version"]
     assert httpx.get(f"{server.base_url}/docs").status_code == 200
     assert httpx.get(f"{server.base_url}/openapi.json").json()["paths"]["/v1/chat/completions"]
@@ -271,6 +274,9 @@ BAD_REQUESTS = [
     ("logit_bias negative id", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, 400),
     # a lone UTF-16 surrogate (as JSON escapes it): no tokenizer takes it (a TypeError, a 500, before)
+    ("infinite temperature", "/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400),
+    ("infinite repetition_penalty", "/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e999}', 400),
+    ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400),
     ("lone surrogate prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
     ("lone surrogate chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
     ("lone surrogate stream", "/v1/completions", b'{"prompt": "x\\uDBFF", "stream": true}', 400),

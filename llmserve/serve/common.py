@@ -97,3 +97,10 @@ def add_common_routes(
         limit = max_model_len()
         return ModelList(data=[ModelCard(id=name, root=config.model_path, max_model_len=limit)
                                for name in config.served_model_names])  # fmt: skip
+
+    @app.get("/v1/models/{name:path}", response_model=ModelCard, dependencies=[Depends(authorized)])
+    async def model(name: str) -> ModelCard:
+        """One model card (OpenAI's retrieve-model call)."""
+        if name not in config.served_model_names:
+            raise APIError(404, f"the model {name[:100]!r} does not exist", code="model_not_found", param="model")
+        return ModelCard(id=name, root=config.model_path, max_model_len=max_model_len())
