@@ -14,6 +14,12 @@ class NoChatTemplateError(ChatTemplateError):
     """The model has no chat template."""
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs must not set
+_RESERVED_KWARGS = frozenset({"chat_template", "tools", "documents", "tokenize", "padding", "truncation", "max_length",
+                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                              "add_generation_prompt", "continue_final_message", "conversation"})
+
+
 def render_chat(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
     template_kwargs: dict | None = None, tools: list[dict] | None = None,
@@ -23,6 +29,10 @@ def render_chat(
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplateError("this model has no chat template: use completions (plain prompts) instead")
     kwargs = dict(template_kwargs or {})
+    if taken := sorted(set(kwargs) & _RESERVED_KWARGS):
+        # these are apply_chat_template's own arguments, not template variables: a client's
+        # `chat_template` would run its own Jinja code on the server (vLLM refuses it too)
+        raise ChatTemplateError(f"chat_template_kwargs may hold template variables only, not {', '.join(taken)}")
     if tools:
         kwargs["tools"] = tools
     try:

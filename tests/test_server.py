@@ -277,6 +277,13 @@ BAD_REQUESTS = [
     ("infinite temperature", "/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400),
     ("infinite repetition_penalty", "/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e999}', 400),
     ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400),
+    ("a client's own chat template", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}, 400),
+    ("tokenize with a client's template", "/tokenize",
+     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}}, 400),
+    ("stream_options without a stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),
+    ("repetition_penalty zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("lone surrogate prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
     ("lone surrogate chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
     ("lone surrogate stream", "/v1/completions", b'{"prompt": "x\\uDBFF", "stream": true}', 400),
@@ -370,3 +377,38 @@ def test_chat_stream_sends_a_chunk_per_output_even_without_text():
     assert [d["delta"]["content"] for d in deltas] == ["", "", "Hi", "", "!"]
     assert [len(d["logprobs"]["content"]) for d in deltas] == [1] * 5 and deltas[-1]["finish_reason"] == "length"
     assert all("tool_calls" not in e["choices"][0]["delta"] for e in events)
+
+
+def test_seeds_of_n_samples_wrap_past_64_bits(client):
+    """The i-th of n samples is seeded with seed + i, wrapped past 2**64 - 1 (it was an error
+    event inside a 200 stream before: only the first sample's seed was checked up front)."""
+    top = 2**64 - 1
+    for stream in (False, True):
+        resp = client.completions.create(model="tiny", prompt="hi", max_tokens=3, n=2, seed=top, stream=stream,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+        choices = [c for chunk in resp for c in chunk.choices] if stream else resp.choices
+        assert {c.index for c in choices} == {0, 1}
+    again = client.completions.create(model="tiny", prompt="hi", max_tokens=3, n=2, seed=top, extra_body={"ignore_eos": True})
+    wrapped = client.completions.create(model="tiny", prompt="hi", max_tokens=3, seed=0, extra_body={"ignore_eos": True})
+    assert again.choices[1].text == wrapped.choices[0].text  # the second sample's seed is 0
+
+
+def test_a_long_prompt_does_not_stop_the_server(server):
+    """Tokenizing runs off the event loop: /health answers while a long prompt is tokenized."""
+    import threading
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"prompt": "hello world " * 600_000, "max_tokens": 2}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        r=httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=120)))  # fmt: skip
+    worker.start()
+    time.sleep(0.5)
+    slowest = 0.0
+    while worker.is_alive():
+        start = time.monotonic()
+        assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.1)
+    assert result["r"].status_code == 400 and "context length" in result["r"].json()["error"]["message"]
+    assert slowest < 1.5, slowest

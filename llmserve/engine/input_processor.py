@@ -125,8 +125,9 @@ class InputProcessor:
         core = []
         for i in range(n):
             child_params = params
-            if n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + i)
+            if n > 1 and params.seed is not None:  # the i-th sample's seed (wrapped past 2**64 - 1)
+                seed = params.seed + i
+                child_params = params.clone(seed=seed - (1 << 64) if seed >= 1 << 64 else seed)
             core.append(
                 EngineCoreRequest(
                     request_id=child_request_id(request_id, i, n),

@@ -43,6 +43,9 @@ if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.state import RequestContext
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
+# the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)
+ENDPOINT_INPUTS = {"/v1/chat/completions": frozenset({"text_input"}), "/v1/completions": frozenset({"text_input"}),
+                   "/v1/embeddings": frozenset({"text"}), "/v1/rerank": frozenset({"query", "documents"})}
 CLIENT_ERROR_MARK = "invalid request: "  # how the chat model marks the errors that are the request's fault
 
 
@@ -53,12 +56,23 @@ class TritonClients:
     def __init__(self, timeout: float = 600.0) -> None:
         self.timeout = timeout
         self._clients: dict[str, grpcclient.InferenceServerClient] = {}
+        self._inputs: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
 
     def get(self, url: str) -> grpcclient.InferenceServerClient:
         address = url.removeprefix("grpc://")
         if address not in self._clients:
             self._clients[address] = grpcclient.InferenceServerClient(address)
         return self._clients[address]
+
+    async def inputs(self, url: str, model: str) -> frozenset[str]:
+        """The names of a model's inputs (its metadata, kept for a minute: a model may be
+        reloaded as another kind)."""
+        key, now = (url, model), time.monotonic()
+        cached = self._inputs.get(key)
+        if cached is None or now - cached[0] > 60.0:
+            meta = await self.get(url).get_model_metadata(model, as_json=True, client_timeout=self.timeout)
+            cached = self._inputs[key] = (now, frozenset(i["name"] for i in meta.get("inputs", [])))
+        return cached[1]
 
     async def ready(self, url: str, model: str, timeout: float) -> bool:
         try:
@@ -322,6 +336,10 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
     model = pick.route.model or pick.alias
     client = clients.get(pick.replica.url)
     try:
+        needed = ENDPOINT_INPUTS.get(ctx.path, ENDPOINT_INPUTS["/v1/completions"])
+        if not needed <= await clients.inputs(pick.replica.url, model):  # e.g. a chat call to the embed model
+            raise BadRequest(f"the model {ctx.alias!r} does not serve {ctx.path} (a Triton model taking "
+                             f"{', '.join(sorted(needed))} does)")  # fmt: skip
         if ctx.path == "/v1/embeddings":
             return _json(200, await _embeddings(clients, client, ctx, model))
         if ctx.path == "/v1/rerank":

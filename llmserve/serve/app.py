@@ -93,12 +93,12 @@ def build_app(
         s.resolve_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt or messages")
-        if req.messages is not None:
+        if req.messages is not None:  # (off the event loop, as in the generation routes)
             tools = template_tools(req.tools) if req.tools else None
-            ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt,
-                              req.chat_template_kwargs, tools)  # fmt: skip
+            ids = await asyncio.to_thread(render_chat, engine.tokenizer, template_messages(req.messages),
+                                          req.add_generation_prompt, req.chat_template_kwargs, tools)  # fmt: skip
         else:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)

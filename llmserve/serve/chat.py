@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -69,8 +70,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
     tools = plan_tools(req, state.config.tool_call_parser)
-    ids = render_chat(engine.tokenizer, template_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs,
-                      tools.template_tools if tools else None)  # fmt: skip
+    ids = await asyncio.to_thread(  # off the event loop: a long conversation takes a while to render and tokenize
+        render_chat, engine.tokenizer, template_messages(req.messages), req.add_generation_prompt,
+        req.chat_template_kwargs, tools.template_tools if tools else None)  # fmt: skip
     max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(), engine.model_config.max_model_len)
     params = req.to_sampling_params(max_tokens)
     if tools is not None and tools.constraint is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -59,8 +60,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     max_len = engine.model_config.max_model_len
     tokenized = []
     vocab = engine.model_config.arch.vocab_size
-    for p in prompts:
-        ids = engine.tokenizer.encode(p) if isinstance(p, str) else p
+    # off the event loop: a long prompt takes seconds to tokenize (the tokenizer lets go of the GIL)
+    encoded = await asyncio.to_thread(lambda: [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+    for p, ids in zip(prompts, encoded):
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if any(not 0 <= t < vocab for t in ids):

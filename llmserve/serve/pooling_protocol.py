@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-
 from pydantic import BaseModel, Field
 
 from llmserve.serve.protocol import OpenAIModel

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -107,6 +107,12 @@ class _SamplingFields(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream = true")
+        return self
+
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         return structured_outputs_from({k: getattr(self, k) for k in STRUCTURED_FIELDS})
 
@@ -119,7 +125,7 @@ class _SamplingFields(OpenAIModel):
             min_p=self.min_p or 0.0,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -215,6 +221,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs = true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -90,7 +90,8 @@ def add_parser(sub) -> None:
     chat.set_defaults(func=_bench_chat)
 
     for name, text in (("load", "load a model"), ("unload", "unload a model"),
-                       ("reload", "reload a model (picks up new versions and config)")):  # fmt: skip
+                       ("reload", "reload a model (picks up new versions and config)"),
+                       ("restart", "unload, then load a model (one whose backend died)")):  # fmt: skip
         cmd = tsub.add_parser(name, help=text)
         cmd.add_argument("model")
         cmd.add_argument("--url", default="127.0.0.1:8000", help="the server's HTTP address")

@@ -41,3 +41,11 @@ def reload(url: str, model: str) -> None:
     """Load again: Triton reads config and versions anew, serving the old version until
     the new one is ready, so no request is lost."""
     load(url, model)
+
+
+def restart(url: str, model: str) -> None:
+    """Unload, then load: for a model whose backend died (its stub was killed). Triton's load
+    of a model whose files did not change does nothing, so `reload` cannot bring it back;
+    requests in between are refused (unavailable), as the model is gone for that moment."""
+    unload(url, model)
+    load(url, model)
