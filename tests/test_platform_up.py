@@ -194,6 +194,12 @@ def test_rerank_scores_and_order(up, sbert):
     ("/v1/embeddings", {"model": "embed", "input": "x", "encoding_format": "hex"}, 400),
     ("/v1/embeddings", {"model": "embed", "input": "x", "dimensions": 10}, 400),
     ("/v1/embeddings", {"model": "embed", "input": [""] * 2049}, 400),  # OpenAI's limit: 2048 inputs
+    # the wrong kind of model: the client's fault, a 400 (it was a 502 that opened the breaker for all)
+    ("/v1/chat/completions", {"model": "embed", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/v1/completions", {"model": "rerank", "prompt": "x", "stream": True}, 400),
+    ("/v1/rerank", {"model": "chat", "query": "q", "documents": ["a"]}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400),
+    ("/v1/chat/completions", {"model": "chat", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, 400),
 ])  # fmt: skip
 def test_bad_input_is_a_clear_4xx(up, path, body, status):
     # json.dumps writes a lone surrogate as its escape, as JavaScript clients do (httpx's json= cannot)
@@ -272,6 +278,9 @@ def test_unknown_paths_answer_in_openai_format(up):
     assert httpx.get(up["url"] + "/v1/models/nope").status_code == 404
     health = httpx.get(up["url"] + "/health").json()
     assert health["status"] == "ok" and set(health["models"]) == {"chat", "embed", "rerank"}
+    for path in ("/v1/chat/completions", "/v1/embeddings"):  # a proxied path, the wrong method
+        resp = httpx.get(up["url"] + path)
+        assert resp.status_code == 405 and resp.json()["error"]["message"], resp.text
 
 
 def test_a_client_leaving_a_whole_request_is_counted_once(up):

@@ -289,8 +289,12 @@ class ProxyFirst:
         self.state = app.state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
-            response = await self.handle(Request(scope, receive, send), scope["path"])
+        if scope["type"] == "http" and scope["path"] in PROXIED_PATHS:
+            if scope["method"] == "POST":
+                response = await self.handle(Request(scope, receive, send), scope["path"])
+            else:
+                response = JSONResponse(error_body(405, f"{scope['path']} takes POST"), status_code=405,
+                                        headers={"Allow": "POST"})  # fmt: skip
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -95,6 +95,10 @@ def _unsupported(req, chat: bool) -> list[str]:
     if chat:
         if req.logprobs or req.top_logprobs:
             found.append("logprobs")
+        extra = req.model_extra or {}  # completions' fields a chat request may carry along
+        found += [name for name in ("echo", "suffix") if extra.get(name)]
+        if extra.get("best_of") not in (None, 1):
+            found.append("best_of")
     else:
         if req.logprobs is not None:
             found.append("logprobs")
