@@ -71,6 +71,13 @@ def _post(gateway, key: str, body: dict) -> tuple[httpx.Response, float, float]:
     return resp, now - started, now
 
 
+def _answered(gateway, status: int) -> float:
+    """Requests the gateway has answered with `status`, all aliases."""
+    lines = httpx.get(gateway.base_url + "/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("llmserve_gateway_requests_total{") and f'status="{status}"' in line)  # fmt: skip
+
+
 def _wait(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -139,6 +146,26 @@ def test_lowest_priority_is_shed_when_queueing_delay_passes_the_target(admission
         assert high.result()[0].status_code == 200 and holder.result()[0].status_code == 200
     assert _post(gw, "low", SHORT)[0].status_code == 200  # no queue any more: served again
     assert metric(replica.base_url, "vllm:request_success_total") - done_before == 3  # shed ones never went up
+
+
+def test_a_client_leaving_the_queue_frees_its_place_at_once(admission):
+    """A request waiting for a slot whose client disconnects leaves the queue then (a 499,
+    counted), not when the queue timeout (10 s here) or the slot comes; it never goes upstream."""
+    gw, replica = admission["shed"], admission["replica"]
+    done_before = metric(replica.base_url, "vllm:request_success_total")
+    left_before = _answered(gw, 499)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        holder = pool.submit(_post, gw, "high", HOLD)  # about 2 s
+        _wait(lambda: metric(gw.base_url, "llmserve_gateway_in_flight") == 1)
+        with pytest.raises(httpx.ReadTimeout):  # the high class is never shed: it would wait
+            httpx.post(gw.base_url + "/v1/completions", json={"model": "tiny", **SHORT},
+                       headers={"Authorization": f"Bearer {KEYS['high']}"}, timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+        left = time.monotonic()
+        _wait(lambda: metric(gw.base_url, "llmserve_gateway_queue_waiting") == 0, timeout=1.0)
+        assert time.monotonic() - left < 1.0 and not holder.done()
+        assert holder.result()[0].status_code == 200
+    assert _answered(gw, 499) == left_before + 1
+    assert metric(replica.base_url, "vllm:request_success_total") - done_before == 1  # only the holder went up
 
 
 def test_priority_reaches_the_engine_and_the_cap_bounds_the_wait(admission):

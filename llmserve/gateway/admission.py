@@ -77,6 +77,11 @@ class Admission:
     def waiting(self) -> int:
         return sum(1 for w in self._queue if not w.granted.done())
 
+    def would_wait(self) -> bool:
+        """Whether a request arriving now would queue for a slot (or be refused)."""
+        cap = self.config.max_concurrency
+        return cap is not None and (self.in_flight >= cap or self.waiting() > 0)
+
     async def acquire(self, priority: int, engine_delay: float = 0.0) -> Slot:
         """`engine_delay`: seconds requests now wait in the upstream engines' queues."""
         cap = self.config.max_concurrency

@@ -126,15 +126,42 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
     return ctx
 
 
-async def _take_slot(state: GatewayState, ctx: RequestContext) -> None:
-    """Wait for an admission slot; refused (shed or timed out): the reservation comes back."""
+class ClientLeft(Exception):
+    """The client went away while its request waited for an admission slot."""
+
+
+async def _take_slot(state: GatewayState, ctx: RequestContext, request: Request) -> None:
+    """Wait for an admission slot; refused (shed or timed out), or the client left while it
+    waited: the reservation comes back (and the queue place at once)."""
+    sheds = state.config.admission.target_queue_delay_ms is not None
+    acquire = state.admission.acquire(ctx.priority, state.engine_delay(ctx.alias) if sheds else 0.0)
     try:
-        sheds = state.config.admission.target_queue_delay_ms is not None
-        ctx.slot = await state.admission.acquire(ctx.priority, state.engine_delay(ctx.alias) if sheds else 0.0)
+        if state.admission.would_wait():  # only a wait needs watching for a client leaving
+            ctx.slot = await _unless_client_leaves(acquire, request)
+        else:
+            ctx.slot = await acquire
     except Refused as exc:
         if ctx.key is not None:
             await state.limiter.settle(ctx.key.name, ctx.reserved_tokens, 0)
         raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
+
+
+async def _unless_client_leaves(work, request: Request):
+    """Await `work`, cancelled (ClientLeft) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        raise ClientLeft() from None
 
 
 async def _probe(state: GatewayState, replica: Replica) -> bool:
@@ -158,22 +185,12 @@ async def _wait_disconnect(request: Request) -> None:
 async def _unless_disconnected(request: Request, state: GatewayState, ctx: RequestContext) -> Response:
     """Forward, but a client that leaves before the response is ready cancels the upstream call:
     closing its connection makes the upstream abort the request and free its KV blocks."""
-    work = asyncio.ensure_future(forward(state, ctx))
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()  # asks; the call ends (closing its upstream connection) when awaited
-    try:
-        return await work  # done, or cancelled just now (CancelledError), or done before the cancel landed
-    except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():
-            raise  # this handler itself is being cancelled
-    ctx.used_tokens = ctx.reserved_tokens  # what was generated before the abort is unknown: kept
-    await state.finish(ctx, 499)
-    return Response(status_code=499)  # nobody is listening
+        return await _unless_client_leaves(forward(state, ctx), request)
+    except ClientLeft:
+        ctx.used_tokens = ctx.reserved_tokens  # what was generated before the abort is unknown: kept
+        await state.finish(ctx, 499)
+        return Response(status_code=499)  # nobody is listening
 
 
 def build_app(config: GatewayConfig) -> ProxyFirst:
@@ -213,11 +230,14 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
         try:
             body = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
             ctx = await _admit(state, request, body, path, request_id)
-            await _take_slot(state, ctx)
+            await _take_slot(state, ctx, request)
         except Rejected as exc:
             state.metrics.rejections.labels(exc.reason).inc()
             log_access(request_id, exc.status, rejected=exc.reason)
             return _reject_response(exc, request_id)
+        except ClientLeft:  # while it waited for a slot: its queue place is free again, its tokens back
+            await state.finish(ctx, 499)
+            return Response(status_code=499)
         try:
             return await _unless_disconnected(request, state, ctx)
         except NoUpstream:
