@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 
 MAX_N = 128  # samples per request, OpenAI's limit: each is a request of its own in the engine
+MAX_STOP_STRINGS = 256  # each is looked for in the new text of every step (OpenAI allows 4)
 
 
 class SamplingParamsError(ValueError):
@@ -98,6 +99,8 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if all(isinstance(t, int) for t in self.stop_token_ids):  # once each (a mask per step); else refused below
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -135,6 +138,8 @@ class SamplingParams:
             f"logprobs must be in [0, 20], got {self.logprobs}",
         )
         _check(all(s for s in self.stop_strings), "stop strings must not be empty")
+        _check(len(self.stop_strings) <= MAX_STOP_STRINGS,
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop_strings)}")  # fmt: skip
         _check(
             self.logit_bias is None or all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))

@@ -261,3 +261,10 @@ def test_chat_without_a_template_is_a_clear_error(llm):
     tok.chat_template = None
     with pytest.raises(NoChatTemplateError, match="no chat template"):
         render_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_stop_token_ids_are_kept_once_each():
+    """A million repeated ids were masked on every step; each counts once."""
+    assert SamplingParams(stop_token_ids=[5, 7, 5] * 1000).stop_token_ids == [5, 7]
+    with pytest.raises(SamplingParamsError, match="at most 256 stop strings"):
+        SamplingParams(stop=[f"s{i}" for i in range(257)])

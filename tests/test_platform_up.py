@@ -371,6 +371,10 @@ def test_a_dead_chat_backend_is_a_502_and_a_cut_stream_ends(up, tmp_path):
         from llmserve.triton import control
 
         control.restart(f"127.0.0.1:{up['ports']['http']}", "chat")  # a plain load does nothing: no file changed
+        deadline = time.monotonic() + 30  # the gateway's health poll sees it back
+        while not httpx.get(gateway.base_url + "/health").json()["models"]["chat"][grpc_url]:
+            assert time.monotonic() < deadline, "the restarted model never came back"
+            time.sleep(0.2)
         assert httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
     finally:
         gateway.stop()

@@ -100,7 +100,15 @@ def test_max_completion_tokens_and_logprobs(client):
     )  # fmt: skip
     content = resp.choices[0].logprobs.content
     assert len(content) == 5 == resp.usage.completion_tokens
-    assert all(len(c.top_logprobs) >= 3 and c.logprob <= 0 for c in content)
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)  # exactly top_logprobs
+    assert all(c.top_logprobs[0].logprob == c.logprob for c in content)  # greedy: the chosen one is the top
+    hot = client.chat.completions.create(  # sampled tokens outside the top 2 are not added to them
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=8, logprobs=True,
+        top_logprobs=2, temperature=50, seed=1, extra_body={"ignore_eos": True})  # fmt: skip
+    assert all(len(c.top_logprobs) == 2 for c in hot.choices[0].logprobs.content)
+    bare = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=3, logprobs=True)  # fmt: skip
+    assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
     comp = client.completions.create(model="tiny", prompt="a", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and len(lp.top_logprobs) == 4
@@ -283,6 +291,7 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}}, 400),
     ("stream_options without a stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),
+    ("too many stop strings", "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(257)]}, 400),
     ("repetition_penalty zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("lone surrogate prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
     ("lone surrogate chat", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400),
@@ -412,3 +421,26 @@ def test_a_long_prompt_does_not_stop_the_server(server):
         time.sleep(0.1)
     assert result["r"].status_code == 400 and "context length" in result["r"].json()["error"]["message"]
     assert slowest < 1.5, slowest
+
+
+def test_echo_of_a_token_id_prompt_shows_its_text(client, server):
+    ids = [1, 50, 60]
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids},
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["prompt"]  # fmt: skip
+    whole = client.completions.create(model="tiny", prompt=ids, max_tokens=2, echo=True, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+    assert text and whole.choices[0].text.startswith(text) and len(whole.choices[0].text) > len(text)
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=2, echo=True, stream=True,
+                                            temperature=0, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_null_fields_take_their_defaults(client, server):
+    """`null` for an optional field means "not given", as OpenAI's API reads it."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": None, "n": None,
+            "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "min_tokens": None, "ignore_eos": None}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
+    bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": None},
+                     headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert bad.status_code == 400  # a required field stays required

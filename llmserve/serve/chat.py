@@ -44,11 +44,13 @@ def render_chat(
         raise APIError(400, str(exc), code="no_chat_template" if isinstance(exc, NoChatTemplateError) else None) from None
 
 
-def chat_logprobs(out: CompletionOutput, start: int) -> ChatLogprobs:
+def chat_logprobs(out: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs: each token's, and the `top_n` most likely at its position (the
+    engine's entry also holds the sampled token, which is among them only if it ranks so)."""
     content = []
     for token, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
         chosen = entry[token]
-        top = sorted(entry.values(), key=lambda e: e.rank or 0)
+        top = sorted((e for e in entry.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
         content.append(
             ChatTokenLogprob(
                 token=chosen.decoded_token or "",
@@ -104,7 +106,7 @@ def _response(
         content, calls, finish = (tools or NO_TOOLS).reply(out.text, out.finish_reason)
         choices.append(ChatChoice(
             index=out.index, message=ChatResponseMessage(content=content, tool_calls=calls),
-            logprobs=chat_logprobs(out, 0) if req.logprobs else None, finish_reason=finish, stop_reason=out.stop_reason,
+            logprobs=chat_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None, finish_reason=finish, stop_reason=out.stop_reason,
         ))  # fmt: skip
     prompt = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)
@@ -142,7 +144,7 @@ async def _stream(
                     continue  # text held back: its tokens' logprobs go with the next chunk
                 step = (None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
             content, calls, finish = step
-            logprobs = chat_logprobs(comp, tokens_sent[i]) if req.logprobs else None
+            logprobs = chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0) if req.logprobs else None
             tokens_sent[i] = len(comp.token_ids)
             yield chunk([ChatStreamChoice(
                 index=i, delta=DeltaMessage(content=content if content is not None or calls else "", tool_calls=calls or None),

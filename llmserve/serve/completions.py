@@ -68,7 +68,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         resolve_max_tokens(len(ids), req.max_tokens, max_len)
-        tokenized.append((p if isinstance(p, str) else None, ids))
+        text = p if isinstance(p, str) else engine.tokenizer.decode(ids) if req.echo else None  # echo shows it
+        tokenized.append((text, ids))
     params = req.to_sampling_params(req.max_tokens)
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("cmpl")

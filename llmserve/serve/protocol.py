@@ -69,6 +69,17 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's API takes `null` for an optional field as "not given" (clients send
+        `"stream": null`); the field's default stands then."""
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and not fields[k].is_required() and fields[k].default is not None)}  # fmt: skip
+        return data
+
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
