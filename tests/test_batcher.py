@@ -29,7 +29,7 @@ def test_concurrent_requests_share_batches_and_get_their_own_results():
     assert all(n <= 8 for _, n in sizes)
 
 
-def test_a_request_larger_than_a_batch_runs_whole_and_alone():
+def test_a_request_larger_than_a_batch_goes_in_slices_others_run_between():
     sizes = []
 
     async def run():
@@ -39,7 +39,31 @@ def test_a_request_larger_than_a_batch_runs_whole_and_alone():
         return got
 
     assert asyncio.run(run()) == [square_all(list(range(10))), [9]]
-    assert (1, 10) in sizes
+    assert sizes == [(1, 4), (1, 1), (1, 4), (1, 2)]  # the small request ran after the first slice
+
+
+def test_a_big_request_whose_client_left_stops_between_slices():
+    ran = []
+
+    def record(items: list[int]) -> list[int]:
+        ran.append(list(items))
+        return items
+
+    async def run():
+        b = MicroBatcher(record, max_items=2, max_wait_s=0.0)
+        calls = 0
+
+        async def gone() -> bool:
+            nonlocal calls
+            calls += 1
+            return calls >= 2  # the client leaves after the second slice
+
+        with pytest.raises(asyncio.CancelledError):
+            await b.submit(list(range(10)), gone)
+        await b.close()
+
+    asyncio.run(run())
+    assert ran == [[0, 1], [2, 3]]  # 3 of 5 slices never ran
 
 
 def test_a_failing_batch_fails_its_requests_and_the_next_batch_still_runs():

@@ -2,14 +2,16 @@
 
 Requests that arrive while a batch runs (or within `max_wait_s` of the first waiting one)
 are run together as one call of `fn` over all their items, in a worker thread, one batch
-at a time; each request gets its own slice of the results back. A request is never split
-across batches, so a request larger than `max_items` runs as a batch of its own.
+at a time; each request gets its own slice of the results back. A request larger than
+`max_items` goes in slices of `max_items`, one after the other, so requests arriving
+meanwhile run between its slices instead of waiting for all of it; its `gone()` check is
+asked between slices, and a request whose client left stops there.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -37,7 +39,17 @@ class MicroBatcher(Generic[T, R]):
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
-    async def submit(self, items: Sequence[T]) -> list[R]:
+    async def submit(self, items: Sequence[T], gone: Callable[[], Awaitable[bool]] | None = None) -> list[R]:
+        """One result per item. `gone()` (the client left?) is asked between the slices of a
+        request larger than a batch: CancelledError then, and the rest is not run."""
+        results: list[R] = []
+        for start in range(0, len(items), self.max_items):
+            if start and gone is not None and await gone():
+                raise asyncio.CancelledError("the client left")
+            results += await self._submit_one(items[start:start + self.max_items])
+        return results
+
+    async def _submit_one(self, items: Sequence[T]) -> list[R]:
         if not items:
             return []
         if self._worker is None or self._worker.done():

@@ -134,7 +134,8 @@ def build_pooling_app(
     )  # fmt: skip
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse)
-    async def embeddings(req: EmbeddingRequest, s: PoolingState = Depends(_authorized)) -> EmbeddingResponse:
+    async def embeddings(req: EmbeddingRequest, request: Request,
+                         s: PoolingState = Depends(_authorized)) -> EmbeddingResponse:  # fmt: skip
         started = time.perf_counter()
         encoder, batcher = s.require_encoder()
         model = s.resolve_model(req.model)
@@ -143,13 +144,13 @@ def build_pooling_app(
             raise APIError(400, f"this model's embeddings have {encoder.dim} dimensions; `dimensions` "
                            f"cannot change that (got {req.dimensions})", param="dimensions")  # fmt: skip
         tokens = await asyncio.to_thread(_check_lengths, encoder, texts, "input")  # off the event loop
-        vectors = await batcher.submit(texts)
+        vectors = await batcher.submit(texts, request.is_disconnected)
         b64 = req.encoding_format == "base64"
         data = [EmbeddingData(index=i, embedding=embedding_json(v, b64)) for i, v in enumerate(vectors)]
         s.metrics.finished(tokens, started)
         return EmbeddingResponse(model=model, data=data, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
-    async def rerank(req: RerankRequest, s: PoolingState = Depends(_authorized)) -> RerankResponse:
+    async def rerank(req: RerankRequest, request: Request, s: PoolingState = Depends(_authorized)) -> RerankResponse:
         started = time.perf_counter()
         encoder, batcher = s.require_encoder()
         model = s.resolve_model(req.model)
@@ -162,7 +163,7 @@ def build_pooling_app(
             raise APIError(400, "documents must not be empty strings", param="documents")
         tokens = await asyncio.to_thread(_check_lengths, encoder, [req.query], "query")
         tokens += await asyncio.to_thread(_check_lengths, encoder, docs, "documents")
-        vectors = np.stack(await batcher.submit([req.query, *docs]))
+        vectors = np.stack(await batcher.submit([req.query, *docs], request.is_disconnected))
         scores = cosine_scores(vectors[0], vectors[1:])
         order = rerank_order(scores, req.top_n)
         results = [RerankResult(index=i, relevance_score=float(scores[i]),
