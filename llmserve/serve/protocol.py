@@ -66,6 +66,12 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
     return asked[0]
 
 
+# vLLM request fields with an effect this server does not have (beam search, per-token masks, prompt
+# logprobs, truncation): a request naming one is refused rather than served differently
+UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+                           "truncate_prompt_tokens", "logits_processors")
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -122,6 +128,16 @@ class _SamplingFields(OpenAIModel):
     def _stream_options_need_a_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream = true")
+        return self
+
+    @model_validator(mode="after")
+    def _no_unsupported_vllm_fields(self):
+        """vLLM's sampling fields this server does not do: refused by name (extra fields are
+        allowed, so they would be dropped without a word)."""
+        extra = self.model_extra or {}
+        given = [name for name in UNSUPPORTED_VLLM_FIELDS if extra.get(name) not in (None, False, [], {})]
+        if given:
+            raise ValueError(f"not supported by llmserve: {', '.join(given)}")
         return self
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
