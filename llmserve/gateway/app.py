@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmserve.gateway.admission import Refused
 from llmserve.gateway.affinity import prefix_key
-from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.config import ApiKey, GatewayConfig
 from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapacity
@@ -94,12 +94,18 @@ def _parse_body(body: bytes) -> dict:
     return payload
 
 
+def _caller(state: GatewayState, request: Request) -> ApiKey | None:
+    """The calling key (None: an open gateway); Rejected 401 for a missing, wrong or revoked one."""
+    if state.keys.open:
+        return None
+    key = state.keys.authenticate(request.headers.get("authorization"))
+    if key is None:
+        raise Rejected(401, "invalid_api_key", "missing, wrong or revoked API key")
+    return key
+
+
 async def _admit(state: GatewayState, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
-    key = None
-    if not state.keys.open:
-        key = state.keys.authenticate(request.headers.get("authorization"))
-        if key is None:
-            raise Rejected(401, "invalid_api_key", "missing, wrong or revoked API key")
+    key = _caller(state, request)
     payload = _parse_body(body)
     alias = payload.get("model")
     if not isinstance(alias, str):
@@ -127,7 +133,7 @@ async def _admit(state: GatewayState, request: Request, body: bytes, path: str, 
 
 
 class ClientLeft(Exception):
-    """The client went away while its request waited for an admission slot."""
+    """The client went away before its answer was ready (waiting for a slot, or upstream)."""
 
 
 async def _take_slot(state: GatewayState, ctx: RequestContext, request: Request) -> None:
@@ -251,27 +257,26 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
             raise
 
 
+    def card(alias: str) -> dict:
+        return {"id": alias, "object": "model", "owned_by": "llmserve"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        key = None
-        if not state.keys.open:
-            key = state.keys.authenticate(request.headers.get("authorization"))
-            if key is None:
-                return _reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
-        names = [a for a in config.models if key is None or may_call(key, a)]
-        cards = [{"id": a, "object": "model", "owned_by": "llmserve"} for a in names]
-        return JSONResponse({"object": "list", "data": cards})
+        try:
+            key = _caller(state, request)
+        except Rejected as exc:
+            return _reject_response(exc, "")
+        return JSONResponse({"object": "list", "data": [card(a) for a in config.models if key is None or may_call(key, a)]})
 
     @app.get("/v1/models/{alias:path}")
     async def model(alias: str, request: Request) -> Response:
-        key = None
-        if not state.keys.open:
-            key = state.keys.authenticate(request.headers.get("authorization"))
-            if key is None:
-                return _reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
-        if alias not in config.models or (key is not None and not may_call(key, alias)):
-            return _reject_response(Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist"), "")
-        return JSONResponse({"id": alias, "object": "model", "owned_by": "llmserve"})
+        try:
+            key = _caller(state, request)
+            if alias not in config.models or (key is not None and not may_call(key, alias)):
+                raise Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist")
+        except Rejected as exc:
+            return _reject_response(exc, "")
+        return JSONResponse(card(alias))
 
     @app.get("/health")
     async def health() -> Response:

@@ -3,7 +3,8 @@
 The same schemas as `llmserve serve` (serve/protocol.py, serve/pooling_protocol.py) read the
 request, so a field of the wrong type is refused here as it is there; then what a Triton
 model cannot do is refused by name instead of being dropped without a word (n > 1,
-logprobs, echo, ...), and every number sent on fits Triton's 64-bit parameters.
+logprobs, echo, ...), and every number sent on fits Triton's 64-bit parameters. (Text Triton
+could not carry as UTF-8, a lone surrogate, is refused earlier, for the whole body: app.py.)
 """
 
 from __future__ import annotations
@@ -35,17 +36,6 @@ def _validated(model, payload: dict):
         raise BadRequest(f"{where}: {first['msg']}"[:500] if where else first["msg"][:500]) from None
 
 
-def _encodable(texts: list[str], what: str) -> list[str]:
-    """Triton strings are UTF-8: a lone surrogate (JSON's "\\ud800") has no UTF-8 form."""
-    for text in texts:
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            raise BadRequest(f"{what} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
-                             "valid Unicode text") from None  # fmt: skip
-    return texts
-
-
 @dataclass
 class EmbeddingsCall:
     texts: list[str]
@@ -61,7 +51,7 @@ def embeddings_call(payload: dict) -> EmbeddingsCall:
                          "takes text, not token ids)")  # fmt: skip
     if len(texts) > MAX_INPUTS:
         raise BadRequest(f"input holds {len(texts)} texts; at most {MAX_INPUTS} per request")
-    return EmbeddingsCall(_encodable(texts, "input"), req.encoding_format == "base64", req.dimensions)
+    return EmbeddingsCall(texts, req.encoding_format == "base64", req.dimensions)
 
 
 @dataclass
@@ -77,12 +67,12 @@ def rerank_call(payload: dict) -> RerankCall:
     docs = [d if isinstance(d, str) else d.text for d in req.documents]
     if not docs or len(docs) > MAX_DOCUMENTS:
         raise BadRequest(f"documents must hold 1 to {MAX_DOCUMENTS} texts, got {len(docs)}")
-    _encodable([req.query], "query")
-    return RerankCall(req.query, _encodable(docs, "documents"), req.top_n, req.return_documents)
+    return RerankCall(req.query, docs, req.top_n, req.return_documents)
 
 
 def _unsupported(req, chat: bool) -> list[str]:
-    """Fields set to something a Triton chat model cannot do."""
+    """Fields set to something a Triton chat model cannot do (a chat request may carry
+    completions' fields along: extra fields, read the same way)."""
     found = []
     if req.n != 1:
         found.append("n > 1")
@@ -92,23 +82,22 @@ def _unsupported(req, chat: bool) -> list[str]:
         found.append("include_stop_str_in_output")
     if not req.skip_special_tokens:
         found.append("skip_special_tokens = false")
-    if chat:
-        if req.logprobs or req.top_logprobs:
-            found.append("logprobs")
-        extra = req.model_extra or {}  # completions' fields a chat request may carry along
-        found += [name for name in ("echo", "suffix") if extra.get(name)]
-        if extra.get("best_of") not in (None, 1):
-            found.append("best_of")
-    else:
-        if req.logprobs is not None:
-            found.append("logprobs")
-        if req.echo:
-            found.append("echo")
-        if req.suffix:
-            found.append("suffix")
-        if req.best_of not in (None, 1):
-            found.append("best_of")
+    if (req.logprobs or req.top_logprobs) if chat else req.logprobs is not None:
+        found.append("logprobs")
+    found += [name for name in ("echo", "suffix") if getattr(req, name, None)]
+    if getattr(req, "best_of", None) not in (None, 1):
+        found.append("best_of")
     return found
+
+
+def text_prompt(req: CompletionRequest) -> str:
+    """A completions request's one text prompt (a string, or a list holding one)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise BadRequest("a Triton chat model takes one text prompt")
+    return prompt
 
 
 def generation_request(payload: dict, chat: bool) -> ChatCompletionRequest | CompletionRequest:
@@ -116,18 +105,6 @@ def generation_request(payload: dict, chat: bool) -> ChatCompletionRequest | Com
     req = _validated(ChatCompletionRequest if chat else CompletionRequest, payload)
     if unsupported := _unsupported(req, chat):
         raise BadRequest(f"not supported by Triton chat models: {', '.join(unsupported)}")
-    if chat:
-        for i, message in enumerate(req.messages):
-            _encodable([message.text()], f"messages[{i}].content")
-    else:
-        prompt = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadRequest("a Triton chat model takes one text prompt")
-        _encodable([prompt], "prompt")
-    for stop in [req.stop] if isinstance(req.stop, str) else req.stop or []:
-        _encodable([stop], "stop")
     return req
 
 

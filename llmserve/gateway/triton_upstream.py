@@ -32,6 +32,7 @@ from llmserve.gateway.triton_checks import (
     generation_request,
     rerank_call,
     sampling_parameters,
+    text_prompt,
 )
 from llmserve.serve.errors import error_body
 from llmserve.serve.pooling_protocol import embedding_json, rerank_order
@@ -164,7 +165,7 @@ def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[di
         params["messages"] = json.dumps(ctx.payload["messages"])
         prompt = ""
     else:
-        prompt = req.prompt[0] if isinstance(req.prompt, list) else req.prompt
+        prompt = text_prompt(req)
     inputs.append(_strings("text_input", [prompt], [1]))
     if pick.route.send_priority and ctx.priority:
         # an input tensor, not a request parameter: tritonclient reserves the parameter name
@@ -353,18 +354,21 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
             return _json(400, error_body(400, f"the Triton model refused the request: {message}",
                                          code="upstream_rejected"))  # fmt: skip
         if "RESOURCE_EXHAUSTED" in str(exc.status() or ""):  # its queue is full: busy, not broken
-            body = error_body(503, f"the Triton model is overloaded: {message}", code="upstream_overloaded")
-            raise UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", 503, json.dumps(body).encode(),
-                                 overloaded=True) from exc  # fmt: skip
+            raise _failed(pick, 503, f"the Triton model is overloaded: {message}", "upstream_overloaded") from exc
         # the model or server failed (unreachable, a dead backend stub, a crash): another
         # replica may answer; the breaker counts it
-        body = error_body(502, f"the Triton model failed: {message}", code="upstream_failed")
-        raise UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", 502, json.dumps(body).encode()) from exc
+        raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed") from exc
     except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call)
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         why = code.name if code is not None else type(exc).__name__
-        body = error_body(502, f"the Triton call failed: {why}", code="upstream_failed")
-        raise UpstreamFailed(f"Triton replica {pick.replica.url}: {why}", 502, json.dumps(body).encode()) from exc
+        raise _failed(pick, 502, f"the Triton call failed: {why}", "upstream_failed") from exc
     except TimeoutError as exc:
-        body = error_body(504, f"the Triton model did not answer within {clients.timeout:g} s", code="upstream_timeout")
-        raise UpstreamFailed(f"Triton replica {pick.replica.url}: timed out", 504, json.dumps(body).encode()) from exc
+        message = f"the Triton model did not answer within {clients.timeout:g} s"
+        raise _failed(pick, 504, message, "upstream_timeout") from exc
+
+
+def _failed(pick: Pick, status: int, message: str, code: str) -> UpstreamFailed:
+    """A replica's failure: another replica is tried; if none answers, the client gets this
+    status and message (a 503 is busy, not broken: no breaker count)."""
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    return UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", status, body, overloaded=status == 503)

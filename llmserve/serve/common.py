@@ -92,15 +92,16 @@ def add_common_routes(
         reg = registry()
         return Response(generate_latest(reg) if reg is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=config.model_path, max_model_len=max_model_len())
+
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(authorized)])
     async def models() -> ModelList:
-        limit = max_model_len()
-        return ModelList(data=[ModelCard(id=name, root=config.model_path, max_model_len=limit)
-                               for name in config.served_model_names])  # fmt: skip
+        return ModelList(data=[card(name) for name in config.served_model_names])
 
     @app.get("/v1/models/{name:path}", response_model=ModelCard, dependencies=[Depends(authorized)])
     async def model(name: str) -> ModelCard:
         """One model card (OpenAI's retrieve-model call)."""
         if name not in config.served_model_names:
             raise APIError(404, f"the model {name[:100]!r} does not exist", code="model_not_found", param="model")
-        return ModelCard(id=name, root=config.model_path, max_model_len=max_model_len())
+        return card(name)
