@@ -84,14 +84,10 @@ class Admission:
 
     async def acquire(self, priority: int, engine_delay: float = 0.0) -> Slot:
         """`engine_delay`: seconds requests now wait in the upstream engines' queues."""
-        cap = self.config.max_concurrency
         limit = self.shed_after(priority)
         if (delay := max(self.queueing_delay(), engine_delay)) > limit:
             raise Refused("queue_delay", max(1.0, math.ceil(delay)))
-        if cap is None:
-            self.in_flight += 1
-            return Slot(self)
-        if self.in_flight < cap and not self.waiting():
+        if not self.would_wait():
             self.in_flight += 1
             return Slot(self)
         if self.waiting() >= self.config.max_queue:
