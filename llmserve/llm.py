@@ -19,7 +19,8 @@ from tqdm import tqdm
 from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
-from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
 from llmserve.engine.step_log import step_timing_log

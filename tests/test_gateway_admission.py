@@ -12,7 +12,7 @@ import pytest
 from gateway_utils import spawn_gateway, spawn_replica
 from server_utils import free_port, metric, wait_healthy
 
-from llmserve.config import DEFAULT_MODEL_DIR
+from llmserve.config import TINY_MODEL_DIR
 from llmserve.gateway.admission import Admission, Refused
 from llmserve.gateway.dashboard import Sample, engine_queue_delay
 from llmserve.gateway.config import AdmissionConfig, hash_key
@@ -40,7 +40,7 @@ def admission(tmp_path_factory):
     # the shipped model (slow enough to hold a slot), one sequence at a time: a second
     # request waits in the engine's queue
     replica = spawn_replica(
-        str(DEFAULT_MODEL_DIR), "tiny-up", port, str(tmp / "replica.log"), "--max-num-seqs", "1", "--max-model-len", "1024"
+        str(TINY_MODEL_DIR), "tiny-up", port, str(tmp / "replica.log"), "--max-num-seqs", "1", "--max-model-len", "1024"
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     shed = {"max_concurrency": 1, "queue_timeout_s": 10, "target_queue_delay_ms": 300}

@@ -204,13 +204,13 @@ def test_string_prompts_and_vllm_style_script(llama_dir):
         assert isinstance(output.outputs[0].text, str) and output.outputs[0].token_ids
 
 
-def test_shipped_default_model_matches_transformers_and_reads_as_text():
-    from llmserve.config import DEFAULT_MODEL_DIR
+def test_tiny_model_matches_transformers_and_reads_as_text():
+    from llmserve.config import TINY_MODEL_DIR
 
-    llm = LLM(max_model_len=256)  # no model: the shipped default
+    llm = LLM(str(TINY_MODEL_DIR), max_model_len=256)  # the tiny model shipped for tests
     tok = llm.get_tokenizer()
     prompts = [tok.encode("The json module"), tok.encode("To open a file")]
-    want = hf_greedy(str(DEFAULT_MODEL_DIR), prompts, 20)
+    want = hf_greedy(str(TINY_MODEL_DIR), prompts, 20)
     outs = llm.generate([ids(*p) for p in prompts], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     text = outs[0].outputs[0].text

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
-from llmserve.config import DEFAULT_MODEL_DIR
+from llmserve.config import TINY_MODEL_DIR
 from llmserve.engine.structured_output import StructuredOutputs, allowed_tokens, apply_grammar_masks
 from llmserve.sampling_params import MAX_STRUCTURED_SPEC_CHARS, SamplingParamsError
 from server_utils import start_server
@@ -43,7 +43,7 @@ class _Row:  # what apply_grammar_masks reads of a request
 
 
 def test_bitmask_equals_the_matcher_asked_token_by_token():
-    structured = StructuredOutputs(str(DEFAULT_MODEL_DIR), 4096)
+    structured = StructuredOutputs(str(TINY_MODEL_DIR), 4096)
     matcher = structured.matcher(StructuredOutputsParams(json=SCHEMA), [2])
     free = structured.matcher(StructuredOutputsParams(regex=REGEX), [2])
     for step in range(4):  # at the start and after a few accepted tokens
@@ -59,7 +59,7 @@ def test_bitmask_equals_the_matcher_asked_token_by_token():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(DEFAULT_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60)
+    return LLM(str(TINY_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60)
 
 
 def generate(llm, spec: StructuredOutputsParams, n: int = 4, max_tokens: int = 120, **kw):

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.config import DEFAULT_MODEL_DIR
+from llmserve.config import TINY_MODEL_DIR
 from llmserve.serve.protocol import ChatCompletionRequest
 from llmserve.serve.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
 from server_utils import start_server
@@ -137,7 +137,7 @@ def server(tmp_path_factory):
     """The shipped model, its chat template taught to show the tools (as Qwen's does)."""
     root = tmp_path_factory.mktemp("tools")
     model = root / "model"
-    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    shutil.copytree(TINY_MODEL_DIR, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = "{%- if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>{%- endif %}" + config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))

@@ -15,7 +15,7 @@ import time
 
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import banner, row, write_json
-from llmserve.config import DEFAULT_MODEL_DIR
+from llmserve.config import TINY_MODEL_DIR
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
            "fp32": "float32", "float32": "float32"}
@@ -23,7 +23,7 @@ _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("hf-baseline", help="the throughput workload through transformers generate()")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="Hugging Face model folder")
+    p.add_argument("--model", default=str(TINY_MODEL_DIR), help="Hugging Face model folder")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)

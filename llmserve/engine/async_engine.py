@@ -20,7 +20,8 @@ from typing import Any
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.core_client import CoreClient, EngineDeadError
-from llmserve.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
 from llmserve.engine.request import EngineCoreOutputs, SchedulerStats
 from llmserve.outputs import RequestOutput

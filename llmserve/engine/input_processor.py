@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ModelConfig
 from llmserve.engine.request import EngineCoreRequest
@@ -33,10 +33,6 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     core_requests: list[EngineCoreRequest]  # one per sample (n), in index order
-
-
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
 
 
 def eos_token_ids(model_dir: str, tokenizer: PreTrainedTokenizerBase, config_eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -72,10 +72,10 @@ class StructuredOutputs:
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                from transformers import AutoTokenizer
+                from llmserve.tokenizer import load_tokenizer
 
                 xgr = _xgrammar()
-                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+                tokenizer = load_tokenizer(self.tokenizer_dir)
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
                                                      cache_limit_bytes=CACHE_BYTES)  # fmt: skip

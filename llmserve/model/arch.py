@@ -31,6 +31,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] | None = None  # each frequency divided by its factor (GGUF's rope_freqs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.freq_factors is not None:  # llama.cpp's form of a scaling (Llama 3.1 GGUFs)
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

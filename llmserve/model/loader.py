@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def load_model(
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
     rank's tensor-parallel group (each rank builds and loads only its shard)."""
+    start = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, backend, max_positions, ops, tp)
     model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
@@ -43,12 +45,25 @@ def load_model(
     if load_format == "dummy":
         _init_dummy(model, seed + tp.rank)
     else:
-        files = safetensors_files(Path(model_dir))
-        loaded = model.load_weights(_iter_tensors(files, progress))
+        loaded = model.load_weights(_checkpoint_tensors(Path(model_dir), arch, progress))
         missing = model.expected_weight_keys() - loaded
         if missing:
             raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")
+    if progress:
+        params = sum(p.numel() for p in model.parameters())
+        logger.info("loaded %s (%.1fM parameters, %s, %s) in %.1f s", model_dir if load_format != "dummy" else "dummy weights",
+                    params / 1e6, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)  # fmt: skip
     return model.eval()
+
+
+def _checkpoint_tensors(path: Path, arch: ModelArch, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) from a GGUF file (dequantized) or a folder of safetensors."""
+    if path.is_file():
+        from llmserve.model.gguf.checkpoint import open_gguf
+        from llmserve.model.gguf.weights import iter_gguf_weights
+
+        return iter_gguf_weights(open_gguf(path), arch, progress)
+    return _iter_tensors(safetensors_files(path), progress)
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -72,14 +72,14 @@ def _serve(build: Callable[[Callable[[str], None], Callable[[], None]], Any], ar
 
 def run_embed(args: argparse.Namespace) -> None:
     """`--task embed`: the model is a sentence-transformers folder; the engine flags do not apply."""
-    from llmserve.config import DEFAULT_MODEL_DIR, _default_served_name, _resolve_device
+    from llmserve.config import DEFAULT_MODEL, _default_served_name, _resolve_device
     from llmserve.pooling import SentenceEncoder, default_embedding_model_dir
     from llmserve.serve.pooling_app import build_pooling_app
     from llmserve.serve.state import ServerConfig
 
     if args.max_batch_inputs < 1:
         raise SystemExit("llmserve serve: --max-batch-inputs must be >= 1")
-    model = args.model_tag or (args.model if args.model != str(DEFAULT_MODEL_DIR) else None)
+    model = args.model_tag or (args.model if args.model != DEFAULT_MODEL else None)
     default_name = "all-MiniLM-L6-v2" if model is None else _default_served_name(model)
     model = model or default_embedding_model_dir()
     device = _resolve_device(args.device)  # as for the engine: a GPU asked for but absent fails here

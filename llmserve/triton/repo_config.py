@@ -127,11 +127,13 @@ class ModelConfig:
         return "\n".join(blocks) + "\n"
 
 
-def chat_config(model_dir: str | None = None, max_model_len: int = 512, name: str = "chat",
+def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: str = "chat",
                 instances: int = 1, **engine_args: Any) -> ModelConfig:  # fmt: skip
-    from llmserve.config import DEFAULT_MODEL_DIR
+    """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
+    file (default: the default model, SmolLM2-135M-Instruct)."""
+    from llmserve.config import DEFAULT_MODEL
 
-    params = {"model_dir": str(model_dir or DEFAULT_MODEL_DIR), "max_model_len": str(max_model_len)}
+    params = {"model_dir": str(model_dir or DEFAULT_MODEL), "max_model_len": str(max_model_len)}
     params.update({k: str(v) for k, v in engine_args.items()})
     scalar = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_p", "TYPE_FP32"),
               ("top_k", "TYPE_INT32"), ("seed", "TYPE_INT64"), ("priority", "TYPE_INT32")]  # fmt: skip

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from llmserve.config import DEFAULT_MODEL_DIR  # noqa: E402
+from llmserve.config import TINY_MODEL_DIR  # noqa: E402
 from llmserve.engine.structured_output import StructuredOutputs, apply_grammar_masks  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -40,7 +40,7 @@ class _Row:
 
 
 def masks_agree() -> dict:
-    structured = StructuredOutputs(str(DEFAULT_MODEL_DIR), 4096)
+    structured = StructuredOutputs(str(TINY_MODEL_DIR), 4096)
     rows = [_Row(structured.matcher(StructuredOutputsParams(json=SCHEMA), [2])), _Row(None),
             _Row(structured.matcher(StructuredOutputsParams(regex=REGEX), [2]))]  # fmt: skip
     cpu = torch.randn(3, 4096)
@@ -82,7 +82,7 @@ def mask_cost(batch: int, vocab: int = 128256) -> dict:
 
 def generate() -> dict:
     kwargs = {"dtype": "float32", "gpu_memory_utilization": 0.3} if DEVICE == "cuda" else {}
-    llm = LLM(str(DEFAULT_MODEL_DIR), device=DEVICE, max_model_len=512, **kwargs)
+    llm = LLM(str(TINY_MODEL_DIR), device=DEVICE, max_model_len=512, **kwargs)
     specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)] * 8
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=120, structured_outputs=s) for i, s in enumerate(specs)]
     outs = llm.generate(["Describe a list in Python:"] * len(specs), params, use_tqdm=False)

@@ -1,0 +1,152 @@
+"""Write a Hugging Face model folder as a GGUF file (llama.cpp's layout), for tests and tools.
+
+The inverse of gguf/config.py and gguf/weights.py: metadata under the GGUF architecture's
+names, tensors renamed, q/k rows of the `llama` architecture reordered as llama.cpp does,
+matrices in the asked tensor type (norms and biases stay F32, as llama.cpp keeps them),
+and the tokenizer (byte-level BPE: tokens, merges, special ids, chat template).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmserve.model.arch import ModelArch, RopeConfig, read_model_arch
+from llmserve.model.gguf.quantize import quantize
+from llmserve.model.loader import safetensors_files
+
+_FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_PARTS = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+_TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3
+
+
+def gguf_tensor_name(name: str) -> str:
+    if name in _HF_TO_GGUF:
+        return _HF_TO_GGUF[name]
+    parts = name.split(".")  # model.layers.N.<part...>.weight|bias
+    return f"blk.{parts[2]}.{_LAYER_PARTS['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def permute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's reordering of q/k rows (the inverse of weights.unpermute_rotary)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(arch: ModelArch) -> np.ndarray:
+    """Llama 3.1's rope scaling as the per-frequency divisors llama.cpp stores (rope_freqs)."""
+    rope: RopeConfig = arch.rope
+    factors = []
+    for i in range(0, arch.head_dim, 2):
+        wavelen = 2 * math.pi * rope.theta ** (i / arch.head_dim)
+        if wavelen < rope.original_max_position_embeddings / rope.high_freq_factor:
+            factors.append(1.0)
+        elif wavelen > rope.original_max_position_embeddings / rope.low_freq_factor:
+            factors.append(rope.factor)
+        else:
+            smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / rope.factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _tokenizer_fields(writer, model_dir: Path, arch: ModelArch) -> None:
+    data = json.loads((model_dir / "tokenizer.json").read_text())
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ValueError("only byte-level BPE tokenizers are written to GGUF here")
+    vocab = dict(model["vocab"])
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    size = max(arch.vocab_size, max(vocab.values()) + 1)
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [_TOKEN_NORMAL] * size
+    for token, index in vocab.items():
+        tokens[index] = token
+    for added in data.get("added_tokens", []):
+        types[added["id"]] = _TOKEN_CONTROL if added.get("special") else _TOKEN_NORMAL
+    for i, token in enumerate(tokens):
+        if token.startswith("[PAD"):
+            types[i] = _TOKEN_CONTROL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    by_text = {t: i for i, t in enumerate(tokens)}
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("pad_token", writer.add_pad_token_id)):  # fmt: skip
+        text = config.get(key)
+        text = text.get("content") if isinstance(text, dict) else text
+        if text in by_text:
+            add(by_text[text])
+    writer.add_add_bos_token(False)
+    template = config.get("chat_template")
+    if template is None and (model_dir / "chat_template.jinja").is_file():
+        template = (model_dir / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32") -> Path:
+    """Write the Hugging Face folder `model_dir` (safetensors, byte-level BPE tokenizer) to
+    the GGUF file `out`, its matrices in `tensor_type`."""
+    import gguf
+    from safetensors import safe_open
+
+    model_dir, out = Path(model_dir), Path(out)
+    arch = read_model_arch(model_dir)
+    name = _FAMILY_ARCH[arch.family]
+    writer = gguf.GGUFWriter(str(out), name)
+    writer.add_name(model_dir.name)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_block_count(arch.num_layers)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_heads)
+    writer.add_head_count_kv(arch.num_kv_heads)
+    writer.add_key_length(arch.head_dim)
+    writer.add_value_length(arch.head_dim)
+    writer.add_rope_dimension_count(arch.head_dim)
+    writer.add_rope_freq_base(arch.rope.theta)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    writer.add_vocab_size(arch.vocab_size)
+    if arch.rope.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(arch.rope.factor)
+    _tokenizer_fields(writer, model_dir, arch)
+    if arch.rope.rope_type == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(arch))
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for hf in f.keys():
+                if arch.tie_word_embeddings and hf == "lm_head.weight":
+                    continue
+                tensor = f.get_tensor(hf).float()
+                if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+                    tensor = permute_rotary(tensor, arch.num_heads if ".q_proj." in hf else arch.num_kv_heads)
+                kind = tensor_type if tensor.dim() == 2 else "F32"
+                data = quantize(tensor.numpy(), kind)
+                raw = gguf.GGMLQuantizationType[kind]
+                writer.add_tensor(gguf_tensor_name(hf), data, raw_dtype=raw)  # the shape follows from the bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
