@@ -30,10 +30,11 @@ from deploy_utils import (
 from gateway_utils import start_gateway
 from server_utils import ServerProcess, free_port, spawn, wait_healthy
 
+from llmserve.config import TINY_MODEL_DIR
 from llmserve.triton.server import TritonServer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MODEL = "llmserve-default"  # the shipped default model's served name
+MODEL = "llmserve-tiny"  # the tiny test model's served name
 
 # a Triton model that costs nothing to load: its per-model nv_inference_* series are real
 ECHO_CONFIG = """name: "echo"
@@ -98,11 +99,11 @@ def _wait(cond, timeout: float, what: str):
 
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
-    """A server (the shipped model), a gateway in front of it, a Triton server and a Prometheus
+    """A server (the tiny model), a gateway in front of it, a Triton server and a Prometheus
     scraping all three, started together."""
     tmp = tmp_path_factory.mktemp("deploy")
     port = free_port()
-    cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), "--max-model-len", "512"]
+    cmd = [sys.executable, "-m", "llmserve", "serve", str(TINY_MODEL_DIR), "--port", str(port), "--max-model-len", "512"]
     server = spawn(cmd, port, str(tmp / "server.log"))
     triton = TritonServer(
         str(_echo_repo(tmp / "repo")), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),

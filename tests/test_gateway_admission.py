@@ -18,7 +18,7 @@ from llmserve.gateway.dashboard import Sample, engine_queue_delay
 from llmserve.gateway.config import AdmissionConfig, hash_key
 
 KEYS = {"low": "sk-low", "high": "sk-high"}
-HOLD = {"prompt": "hold", "max_tokens": 400, "ignore_eos": True}  # about 2 s on the shipped model, CPU
+HOLD = {"prompt": "hold", "max_tokens": 400, "ignore_eos": True}  # about 2 s on the tiny model, CPU
 SHORT = {"prompt": "x", "max_tokens": 4}
 
 
@@ -37,7 +37,7 @@ def _config(url: str, admission: dict) -> dict:
 def admission(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("admission")
     port = free_port()
-    # the shipped model (slow enough to hold a slot), one sequence at a time: a second
+    # the tiny model (slow enough to hold a slot), one sequence at a time: a second
     # request waits in the engine's queue
     replica = spawn_replica(
         str(TINY_MODEL_DIR), "tiny-up", port, str(tmp / "replica.log"), "--max-num-seqs", "1", "--max-model-len", "1024"

@@ -1,4 +1,4 @@
-"""`llmserve up` started for real (Triton with the shipped chat, embed and rerank models, the gateway
+"""`llmserve up` started for real (Triton with the default chat model SmolLM2-135M-Instruct, embed and rerank, the gateway
 in front), called through the gateway with the official openai client and httpx."""
 
 from __future__ import annotations
@@ -79,6 +79,99 @@ def test_chat_and_completions_through_the_gateway(client):
     comp = client.completions.create(model="chat", prompt="The json module", max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})  # fmt: skip
     assert comp.choices[0].text and comp.choices[0].finish_reason == "length"
+
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    """`llmserve serve` with no model: the default model, as the platform's chat model."""
+    from server_utils import start_server
+
+    srv = start_server(["--max-model-len", "2048"], str(tmp_path_factory.mktemp("serve") / "serve.log"), timeout=300)
+    yield srv
+    srv.stop()
+
+
+def test_default_chat_model_knows_paris_and_usage_counts_what_was_streamed(client):
+    """The platform's chat model is a real instruct model (SmolLM2-135M-Instruct); through the
+    gateway and Triton, replies carry usage, and a stream asking for it ends with it."""
+    from llmserve.config import default_model_path
+    from llmserve.tokenizer import load_tokenizer
+
+    whole = client.chat.completions.create(model="chat", messages=FRANCE, temperature=0, max_tokens=32)
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer and whole.choices[0].finish_reason == "stop", answer
+    chunks = list(client.chat.completions.create(model="chat", messages=FRANCE, temperature=0, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert streamed == answer
+    tok = load_tokenizer(str(default_model_path()))
+    usage = chunks[-1].usage
+    # the streamed answer's tokens, then the end-of-turn token that ended it (counted, not shown)
+    assert usage.completion_tokens == len(tok.encode(streamed, add_special_tokens=False)) + 1
+    assert usage.prompt_tokens == len(tok.apply_chat_template(FRANCE, add_generation_prompt=True)["input_ids"])
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert whole.usage.model_dump() == usage.model_dump()
+    plain = list(client.chat.completions.create(model="chat", messages=FRANCE, temperature=0, max_tokens=32, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)  # not asked: not sent
+
+
+def test_usage_through_the_platform_equals_llmserve_serve(client, default_server):
+    import openai as openai_module
+
+    direct = openai_module.OpenAI(base_url=default_server.base_url + "/v1", api_key="none", max_retries=0)
+    assert [m.id for m in direct.models.list().data] == ["SmolLM2-135M-Instruct"]
+    asks = [
+        ("chat", dict(messages=FRANCE, temperature=0, max_tokens=32)),
+        ("chat", dict(messages=[{"role": "user", "content": "Write a haiku about the sea."}], temperature=0,
+                      max_tokens=12)),  # fmt: skip
+        ("completions", dict(prompt="The capital of France is", temperature=0, max_tokens=9)),
+        ("completions", dict(prompt="Lists in Python", temperature=0, max_tokens=20, extra_body={"ignore_eos": True})),
+    ]
+    for kind, ask in asks:
+        def endpoint(c):
+            return c.chat.completions if kind == "chat" else c.completions
+
+        via = endpoint(client).create(model="chat", **ask)
+        serve = endpoint(direct).create(model="SmolLM2-135M-Instruct", **ask)
+        assert via.usage.model_dump() == serve.usage.model_dump(), (kind, ask)
+        text = (lambda r: r.choices[0].message.content) if kind == "chat" else (lambda r: r.choices[0].text)
+        assert text(via) == text(serve)
+
+
+def test_token_limits_settle_with_the_counts_triton_reports(up, tmp_path):
+    """A key's tokens per minute: each request reserves its prompt and max_tokens up front and
+    gives back what it did not use, streamed or not (the reservation was kept before: Triton
+    answers carried no usage). The gateway's access log says what each request was charged."""
+    from gateway_utils import start_gateway
+
+    from llmserve.gateway.config import hash_key
+
+    grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
+    config = {"models": {"chat": {"kind": "triton", "replicas": [grpc_url]}},
+              "keys": [{"name": "small", "sha256": hash_key("sk-small"), "tpm": 400}]}  # fmt: skip
+    gateway = start_gateway(config, free_port(), str(tmp_path))
+    try:
+        small = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="sk-small", max_retries=0, timeout=60)
+        used = []
+        for i in range(6):  # each reserves about 170 tokens and uses about 45: 6 fit in 400 only when settled
+            if i % 2:
+                chunks = list(small.chat.completions.create(model="chat", messages=FRANCE, temperature=0,
+                                                            max_tokens=160, stream=True))  # fmt: skip
+                assert chunks[-1].choices[0].finish_reason == "stop"
+            else:
+                used.append(small.chat.completions.create(model="chat", messages=FRANCE, temperature=0,
+                                                          max_tokens=160).usage.total_tokens)  # fmt: skip
+        assert len(set(used)) == 1 and used[0] < 60
+        charged = [json.loads(line[line.index("{"):])["tokens"] for line in gateway.log().splitlines()
+                   if '"request_id"' in line and '"status": 200' in line]  # fmt: skip
+        assert charged == [used[0]] * 6, charged
+    finally:
+        gateway.stop()
 
 
 def test_structured_outputs_and_logit_bias_reach_the_triton_chat_model(client):

@@ -89,23 +89,6 @@ def test_sigterm_drains_in_flight_and_exits(llama_dir, tmp_path):
         httpx.get(f"{srv.base_url}/health", timeout=1)
 
 
-def test_serve_with_no_model_serves_the_shipped_default(tmp_path):
-    import openai
-
-    srv = start_server(["--max-model-len", "512"], str(tmp_path / "log"))
-    try:
-        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0)
-        assert [m.id for m in client.models.list().data] == ["llmserve-default"]
-        resp = client.chat.completions.create(
-            model="llmserve-default", messages=[{"role": "user", "content": "What does `json.dumps` do?"}],
-            max_tokens=40, temperature=0,
-        )  # fmt: skip
-        answer = resp.choices[0].message.content
-        assert resp.choices[0].finish_reason == "stop" and len(answer.split()) >= 2, answer
-    finally:
-        srv.stop()
-
-
 def test_admission_limit_gives_503_overloaded():
     """The admission rule behind --max-queued-requests (the HTTP path of a 503 is covered by
     the not-ready test above)."""

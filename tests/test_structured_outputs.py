@@ -177,7 +177,7 @@ def test_bad_specs_are_refused_before_the_engine(llm):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("structured") / "server.log"
-    srv = start_server(["--max-model-len", "512", "--served-model-name", "tiny"], str(log))
+    srv = start_server([str(TINY_MODEL_DIR), "--max-model-len", "512", "--served-model-name", "tiny"], str(log))
     yield srv
     srv.stop()
 

@@ -1,6 +1,6 @@
 """Tool calling in /v1/chat/completions (`serve/tools.py`): named, required and auto
 (hermes parser), streamed and not, through the official openai client against a real
-server on the shipped model; the parser and the plans on their own; bad requests get 400s."""
+server on the tiny model; the parser and the plans on their own; bad requests get 400s."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_bad_plans(kw, message):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The shipped model, its chat template taught to show the tools (as Qwen's does)."""
+    """The tiny model, its chat template taught to show the tools (as Qwen's does)."""
     root = tmp_path_factory.mktemp("tools")
     model = root / "model"
     shutil.copytree(TINY_MODEL_DIR, model)
@@ -215,7 +215,7 @@ def test_scan_calls_reads_any_prefix():
 
 
 def test_auto_parses_hermes_calls(client):
-    """The shipped model does not write tool calls by itself: a regex holds it to the hermes
+    """The tiny model does not write tool calls by itself: a regex holds it to the hermes
     format, which the parser must then read back (as it would from a Qwen model)."""
     call = r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}</tool_call>'
     kw = dict(model="tiny", messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=200, temperature=0,
@@ -273,7 +273,7 @@ def test_bad_tool_requests_get_a_400(server, body, message):
 
 
 def test_auto_without_a_parser_is_a_400(tmp_path):
-    srv = start_server(["--max-model-len", "256"], str(tmp_path / "server.log"))
+    srv = start_server([str(TINY_MODEL_DIR), "--max-model-len", "256"], str(tmp_path / "server.log"))
     try:
         r = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER]})
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]

@@ -6,7 +6,8 @@ answer back into the OpenAI shape:
   messages travel as the `messages` request parameter and the model applies its chat template;
 - `/v1/embeddings`: the `embed` model (`text` in, `embedding` out; float or base64 out);
 - `/v1/rerank`: the `rerank` model (`query` and `documents` in, `scores` out), results sorted.
-Triton models count no tokens, so these answers carry no `usage` (limits keep the reservation).
+Chat and completions carry `usage` (the chat model counts the tokens as the API server does),
+and the limits settle with it; embeddings and rerank carry none (limits keep the reservation).
 Cancelling the stream (the client left) cancels the gRPC call: Triton tells the model, which
 aborts the request in its engine.
 """
@@ -18,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -190,8 +192,21 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
         raise BadRequest(str(exc)[:500]) from None
 
 
-async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[tuple[str, str]]:
-    """(new text, finish reason) as the model streams them; cancelled when closed early;
+@dataclass
+class Delta:
+    text: str
+    finish: str
+    prompt_tokens: int | None  # None: a chat model that does not count (an older config)
+    completion_tokens: int | None
+
+
+def _count(result, name: str) -> int | None:
+    array = result.as_numpy(name)
+    return None if array is None else int(array.reshape(-1)[0])
+
+
+async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[Delta]:
+    """The new text, finish reason and token counts as the model streams them; cancelled when closed early;
     TimeoutError when the next response takes over `timeout` seconds (a model that died).
 
     A finished request's call is left for the server to end, not cancelled: Triton 2.51
@@ -220,7 +235,7 @@ async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[tuple[
                 finish = result.as_numpy("finish_reason")[0].decode()
                 if finish:
                     ended = await _call_ended(stream)
-                yield text, finish
+                yield Delta(text, finish, _count(result, "prompt_tokens"), _count(result, "completion_tokens"))
                 if finish:
                     return
     finally:
@@ -252,6 +267,30 @@ class _Chunks:
         self.tools = tools
         self.message = ToolStream(self.tools)
         self.text = ""
+        self.ctx = ctx
+        self.usage: dict | None = None
+        options = ctx.payload.get("stream_options")
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+
+    def count(self, delta: Delta) -> None:
+        """The request's usage so far."""
+        if delta.prompt_tokens is not None and delta.completion_tokens is not None:
+            self.usage = {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
+                          "total_tokens": delta.prompt_tokens + delta.completion_tokens}  # fmt: skip
+
+    def settle(self) -> None:
+        """The limits settle with the tokens counted, whether or not the client asked to see them."""
+        if self.usage is not None:
+            self.ctx.used_tokens = self.usage["total_tokens"]
+
+    def usage_chunk(self) -> str | None:
+        """The last event of a stream whose client asked for usage (OpenAI: no choices, the usage)."""
+        if not self.include_usage or self.usage is None:
+            return None
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [],
+                "usage": self.usage}  # fmt: skip
+        return "data: " + json.dumps(body, separators=(",", ":"))
 
     def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str | None:
         """The event for the next piece of text (None: nothing to send yet)."""
@@ -283,7 +322,10 @@ class _Chunks:
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [choice]}
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [choice]}
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body
 
 
 async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
@@ -293,28 +335,36 @@ async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: P
     try:
         first = await anext(deltas)  # errors before this are retried elsewhere
     except StopAsyncIteration:
-        first = ("", "stop")
+        first = Delta("", "stop", None, None)
     except BaseException:
         await deltas.aclose()
         raise
+    chunks.count(first)
     if not ctx.stream:
-        parts, finish = [first[0]], first[1]
+        parts, finish = [first.text], first.finish
         try:
-            async for text, reason in deltas:
-                parts.append(text)
-                finish = reason or finish
+            async for delta in deltas:
+                parts.append(delta.text)
+                finish = delta.finish or finish
+                chunks.count(delta)
         finally:
             await deltas.aclose()
         return _json(200, chunks.whole("".join(parts), finish or "stop"))
 
     async def lines() -> AsyncIterator[str]:
-        if first[0] or first[1]:
-            if (line := chunks.chunk(first[0], first[1])) is not None:
+        if first.text or first.finish:
+            if (line := chunks.chunk(first.text, first.finish)) is not None:
                 yield line
-        async for text, reason in deltas:
-            if (line := chunks.chunk(text, reason)) is not None:
+        try:
+            async for delta in deltas:
+                chunks.count(delta)
+                if (line := chunks.chunk(delta.text, delta.finish)) is not None:
+                    yield line
+            if (line := chunks.usage_chunk()) is not None:
                 yield line
-        yield "data: [DONE]"
+            yield "data: [DONE]"
+        finally:  # also when the client left: what was generated until then
+            chunks.settle()
 
     rest = lines()
 

@@ -143,7 +143,9 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
     return ModelConfig(
         name=name, kind="chat", max_batch_size=0, inputs=inputs,
         outputs=[TensorSpec("text_output", "TYPE_STRING", [1]),
-                 TensorSpec("finish_reason", "TYPE_STRING", [1])],
+                 TensorSpec("finish_reason", "TYPE_STRING", [1]),
+                 TensorSpec("prompt_tokens", "TYPE_INT32", [1]),  # the request's usage, as the API server counts it
+                 TensorSpec("completion_tokens", "TYPE_INT32", [1])],
         instance_group=InstanceGroup(count=instances), decoupled=True, parameters=params,
     )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """Triton Python-backend model: streaming text generation on an llmserve AsyncEngine.
 
 Decoupled: each request gets zero or more responses (`text_output` holds the new text
-since the previous response, `finish_reason` is set on the last one) and then the final
-flag. Sampling settings come from optional inputs or from request parameters (inputs win).
+since the previous response, `finish_reason` is set on the last one; `prompt_tokens` and
+`completion_tokens` count the tokens so far, as the API server's `usage` counts them) and
+then the final flag. Sampling settings come from optional inputs or from request parameters (inputs win).
 A request the client cancels is aborted in the engine, which frees its KV blocks.
 
 The engine and its event loop live on a thread of their own, so `execute` only hands
@@ -114,10 +115,12 @@ def parse_request(request, tokenizer=None):
     return chat or _text(prompt[0]), kwargs, priority
 
 
-def _response(text: str, finish_reason: str):
+def _response(text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
         pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
+        pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
+        pb_utils.Tensor("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
     ])  # fmt: skip
 
 
@@ -159,7 +162,8 @@ class TritonPythonModel:
                 completion = out.outputs[0]
                 delta, sent = completion.text[len(sent):], completion.text
                 if delta or out.finished:
-                    sender.send(_response(delta, (completion.finish_reason or "") if out.finished else ""))
+                    finish = (completion.finish_reason or "") if out.finished else ""
+                    sender.send(_response(delta, finish, len(out.prompt_token_ids), len(completion.token_ids)))
             sender.send(flags=FINAL)
         except (ValueError, TypeError, KeyError) as exc:  # the request's own fault (bad values, a bad conversation)
             message = f"{CLIENT_ERROR_MARK}{type(exc).__name__}: {exc}"
