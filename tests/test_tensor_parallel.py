@@ -174,3 +174,46 @@ def test_worker_dying_during_start_up_fails_the_engine_without_hanging(llama_dir
     thread.join(30)
     assert not thread.is_alive(), "the engine hung after its worker died"
     assert errors and isinstance(errors[0], WorkerDiedError), errors
+
+
+SCRIPT = """
+import asyncio, json, sys
+from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+with LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=128) as llm:
+    tp2 = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+async def stream():
+    engine = AsyncEngine.from_engine_args(EngineArgs(model=sys.argv[1], max_model_len=128))
+    try:
+        async for out in engine.generate({"prompt_token_ids": [1, 5, 9, 13]}, params, "r1"):
+            last = out
+        return last.outputs[0].token_ids
+    finally:
+        engine.shutdown()
+
+print("TOKENS", json.dumps([tp2, asyncio.run(stream())]))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "unguarded file"])
+def test_a_script_without_a_main_guard_or_file_starts_engine_processes(llama_dir, tmp_path, how):
+    """A script piped to `python -` (multiprocessing's spawn looked for a file '<stdin>', and
+    the worker died) or a file without `if __name__ == "__main__":` (spawn ran it again in
+    every child): the engine core and tensor-parallel workers start from llmserve's own code."""
+    import subprocess
+    import sys
+
+    with LLM(llama_dir, max_model_len=128) as llm:
+        want = llm.generate([{"prompt_token_ids": [1, 5, 9, 13]}], SamplingParams(max_tokens=8, temperature=0.0,
+                            ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    if how == "stdin":
+        cmd, stdin = [sys.executable, "-", llama_dir], SCRIPT
+    else:
+        (tmp_path / "script.py").write_text(SCRIPT)
+        cmd, stdin = [sys.executable, str(tmp_path / "script.py"), llama_dir], None
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS "))
+    assert json.loads(line[len("TOKENS "):]) == [want, want]
+    assert proc.stdout.count("TOKENS") == 1  # the script ran once, not again in each child

@@ -20,6 +20,7 @@ import zmq
 from llmserve.config import EngineConfig
 from llmserve.engine.core_process import run_engine_core
 from llmserve.engine.errors import EngineDeadError  # noqa: F401 - re-exported
+from llmserve.processes import start_spawned
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class CoreClient:
             target=run_engine_core, args=(config, input_addr, output_addr),
             name="llmserve-engine-core", daemon=single,
         )  # fmt: skip
-        self.proc.start()
+        start_spawned(self.proc)
         if not single:
             atexit.register(self.shutdown)
         try:

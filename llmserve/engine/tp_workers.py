@@ -34,6 +34,7 @@ from llmserve.config import EngineConfig
 from llmserve.heap import freeze_startup_objects, unfreeze
 from llmserve.model.tensor_parallel import TPGroup
 from llmserve.net import free_port
+from llmserve.processes import start_spawned
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class TPDriver:
             proc = ctx.Process(
                 target=worker_main, args=(config, rank, port, theirs), name=f"llmserve-tp{rank}"
             )  # not a daemon: the engine core process that starts it is one (and cannot have those)
-            proc.start()
+            start_spawned(proc)
             theirs.close()
             self.workers.append(_Worker(rank, proc, ours))
         threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
