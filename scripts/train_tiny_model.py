@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train llmserve's shipped default model: a tiny Llama that knows some Python docs.
+"""Train llmserve's tiny test model (the default until 2026-12-01): a tiny Llama that knows some Python docs.
 
 Everything happens offline on a CPU:
 
@@ -19,8 +19,8 @@ Everything happens offline on a CPU:
 
 Example::
 
-    nice -n 19 python scripts/train_default_model.py \
-        --out llmserve/assets/default_model --minutes 35 --seed 0
+    nice -n 19 python scripts/train_tiny_model.py \
+        --out llmserve/assets/tiny_model --minutes 35 --seed 0
 """
 
 from __future__ import annotations
@@ -582,7 +582,7 @@ def print_samples(out: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("llmserve/assets/default_model"))
+    p.add_argument("--out", type=Path, default=Path("llmserve/assets/tiny_model"))
     p.add_argument("--minutes", type=float, default=35.0, help="training wall-clock budget")
     p.add_argument("--max-steps", type=int, default=0, help="stop early (smoke tests)")
     p.add_argument("--seed", type=int, default=0)
