@@ -137,6 +137,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         model_dir = resolve_model_path(self.model)
         arch = read_arch(model_dir)
+        if self.tokenizer is None and model_dir.is_file():
+            _check_gguf_tokenizer(model_dir)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
@@ -250,6 +252,16 @@ def read_arch(path: Path) -> ModelArch:
 
     try:
         return gguf_model_arch(open_gguf(path))
+    except UnsupportedModelError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_gguf_tokenizer(path: Path) -> None:
+    from llmserve.model.gguf.checkpoint import open_gguf
+    from llmserve.model.gguf.config import check_gguf_tokenizer
+
+    try:
+        check_gguf_tokenizer(open_gguf(path))
     except UnsupportedModelError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -132,6 +132,18 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_llama, tmp_path):
     assert tok.decode(out.prompt_token_ids) == want
 
 
+def test_a_gguf_without_a_tokenizer_needs_one_named(gguf_llama, tmp_path):
+    path = write_gguf(gguf_llama, tmp_path / "bare.gguf", "Q8_0", tokenizer=False)
+    with pytest.raises(ConfigError, match="holds no tokenizer .* pass --tokenizer"):
+        LLM(str(path))
+    with LLM(str(path), tokenizer=str(gguf_llama), max_model_len=256) as llm:
+        from transformers import AutoTokenizer
+
+        assert llm.get_tokenizer().encode("a list") == AutoTokenizer.from_pretrained(str(gguf_llama)).encode("a list")
+        out = llm.generate(["a list"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
 # -- the default model ----------------------------------------------------------------------
 CHATS = ["What is the capital of France?", "Write a Python function reverse_string that reverses a string.",
          "What is a list in Python?", "Give me three tips for staying healthy.",
@@ -185,3 +197,11 @@ def test_bad_gguf_files_are_clear_errors(tmp_path, gguf_llama):
                                   timeout=120)  # fmt: skip
             assert proc.returncode == 2 and message in proc.stderr, proc.stderr
             assert "Traceback" not in proc.stderr
+
+
+def test_generate_without_a_model_uses_the_default():
+    proc = subprocess.run([sys.executable, "-m", "llmserve", "generate", "--temperature", "0", "--max-tokens", "12",
+                           "The capital of France is"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout, proc.stdout
+    assert "loaded" in proc.stderr and "134.5M parameters" in proc.stderr  # the load time is reported

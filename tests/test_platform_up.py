@@ -89,7 +89,7 @@ def default_server(tmp_path_factory):
     """`llmserve serve` with no model: the default model, as the platform's chat model."""
     from server_utils import start_server
 
-    srv = start_server(["--max-model-len", "2048"], str(tmp_path_factory.mktemp("serve") / "serve.log"), timeout=300)
+    srv = start_server([], str(tmp_path_factory.mktemp("serve") / "serve.log"), timeout=300)  # all defaults
     yield srv
     srv.stop()
 

@@ -192,8 +192,10 @@ class ModelRunner:
             budget = self.profile_kv_budget()
         else:
             sc = self.config.scheduler_config
-            max_useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size) + 1
-            return max(1, min(DEFAULT_CPU_KV_BYTES // self.bytes_per_block, max_useful))
+            per_seq = -(-sc.max_model_len // self.block_size)
+            max_useful = sc.max_num_seqs * per_seq + 1
+            # at least one sequence of max_model_len (SmolLM2's 8,192 tokens need 377 MB)
+            return max(1, per_seq, min(DEFAULT_CPU_KV_BYTES // self.bytes_per_block, max_useful))
         return max(0, budget // self.bytes_per_block)
 
     def num_swap_blocks(self) -> int:

@@ -67,6 +67,13 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> dict:
     return config
 
 
+def check_gguf_tokenizer(ckpt: GGUFCheckpoint) -> None:
+    """A GGUF used as its own tokenizer must carry one (llama.cpp writes it; some tools do not)."""
+    if not ckpt.metadata.get("tokenizer.ggml.model") or not ckpt.vocab_size:
+        raise GGUFError(f"{str(ckpt.path)!r} holds no tokenizer (no tokenizer.ggml.* metadata): "
+                        "pass --tokenizer with a Hugging Face folder or another GGUF file")  # fmt: skip
+
+
 def end_token_ids(ckpt: GGUFCheckpoint) -> list[int]:
     """The tokens that end a reply: end of sequence, end of turn, end of message."""
     keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")

@@ -104,9 +104,10 @@ def _tokenizer_fields(writer, model_dir: Path, arch: ModelArch) -> None:
         writer.add_chat_template(template)
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32") -> Path:
+def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32", tokenizer: bool = True) -> Path:
     """Write the Hugging Face folder `model_dir` (safetensors, byte-level BPE tokenizer) to
-    the GGUF file `out`, its matrices in `tensor_type`."""
+    the GGUF file `out`, its matrices in `tensor_type` (`tokenizer=False`: no tokenizer metadata,
+    as some converters write)."""
     import gguf
     from safetensors import safe_open
 
@@ -130,7 +131,8 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32")
     if arch.rope.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(arch.rope.factor)
-    _tokenizer_fields(writer, model_dir, arch)
+    if tokenizer:
+        _tokenizer_fields(writer, model_dir, arch)
     if arch.rope.rope_type == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(arch))
     for path in safetensors_files(model_dir):
