@@ -136,9 +136,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         model_dir = resolve_model_path(self.model)
-        arch = read_arch(model_dir)
-        if self.tokenizer is None and model_dir.is_file():
-            _check_gguf_tokenizer(model_dir)
+        arch = read_arch(model_dir, own_tokenizer=self.tokenizer is None)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
@@ -243,25 +241,20 @@ def resolve_model_path(model: str, what: str = "model") -> Path:
     return path.resolve()
 
 
-def read_arch(path: Path) -> ModelArch:
-    """The architecture of a Hugging Face folder or of a GGUF file (its metadata)."""
+def read_arch(path: Path, own_tokenizer: bool = False) -> ModelArch:
+    """The architecture of a Hugging Face folder or of a GGUF file (its metadata); with
+    `own_tokenizer`, a GGUF file must hold its tokenizer too."""
     if not path.is_file():
         return read_model_arch(path)
     from llmserve.model.gguf.checkpoint import open_gguf
-    from llmserve.model.gguf.config import gguf_model_arch
+    from llmserve.model.gguf.config import check_gguf_tokenizer, gguf_model_arch
 
     try:
-        return gguf_model_arch(open_gguf(path))
-    except UnsupportedModelError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def _check_gguf_tokenizer(path: Path) -> None:
-    from llmserve.model.gguf.checkpoint import open_gguf
-    from llmserve.model.gguf.config import check_gguf_tokenizer
-
-    try:
-        check_gguf_tokenizer(open_gguf(path))
+        ckpt = open_gguf(path)
+        arch = gguf_model_arch(ckpt)
+        if own_tokenizer:
+            check_gguf_tokenizer(ckpt)
+        return arch
     except UnsupportedModelError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -167,9 +167,15 @@ def test_token_limits_settle_with_the_counts_triton_reports(up, tmp_path):
                 used.append(small.chat.completions.create(model="chat", messages=FRANCE, temperature=0,
                                                           max_tokens=160).usage.total_tokens)  # fmt: skip
         assert len(set(used)) == 1 and used[0] < 60
-        charged = [json.loads(line[line.index("{"):])["tokens"] for line in gateway.log().splitlines()
-                   if '"request_id"' in line and '"status": 200' in line]  # fmt: skip
-        assert charged == [used[0]] * 6, charged
+
+        def charged() -> list[int]:
+            return [json.loads(line[line.index("{"):])["tokens"] for line in gateway.log().splitlines()
+                    if '"request_id"' in line and '"status": 200' in line]  # fmt: skip
+
+        deadline = time.monotonic() + 10  # a stream's line is written just after its client read [DONE]
+        while len(charged()) < 6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert charged() == [used[0]] * 6, charged()
     finally:
         gateway.stop()
 
