@@ -35,6 +35,7 @@ _HELP = {
     "async_scheduling": "schedule step N+1 while the device runs step N (reads N's tokens on the device); off with tensor parallelism",
     "max_mixed_graph_tokens": "steps with prefill tokens (prompts, chunks, mixed with decodes) of up to this many tokens replay piecewise CUDA graphs between eager attention calls; 0: such steps run eagerly",
     "step_timing_log": "PATH: the engine core appends one JSON line per step (start, launch done, tokens back, requests, tokens, prefill tokens, waiting)",
+    "sampler": "batched (every request of a step at once, penalties counted on the device) or reference (one request at a time)",
     "tensor_parallel_size": "split the model over this many GPUs (gloo processes on CPU); one worker process per extra rank",
 }
 

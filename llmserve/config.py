@@ -100,6 +100,7 @@ class EngineConfig:
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
     max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
     step_timing_log: str | None = None  # the engine core process appends one JSON line per step (engine/step_log.py)
+    sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class EngineArgs:
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
     step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
+    sampler: str = "batched"  # batched | reference (one request at a time: the tests' comparison)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -173,8 +175,10 @@ class EngineArgs:
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
+        if self.sampler not in ("batched", "reference"):
+            raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
-                            _check_writable(self.step_timing_log))  # fmt: skip
+                            _check_writable(self.step_timing_log), self.sampler)  # fmt: skip
 
 
 def _check_writable(path: str | None) -> str | None:

@@ -25,16 +25,20 @@ def _requests() -> tuple[list[dict], list[SamplingParams]]:
         SamplingParams(temperature=0, max_tokens=1),  # one token: finishes by length at once
         SamplingParams(temperature=0.8, seed=11, max_tokens=12, n=2, logprobs=2),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, min_tokens=5),
-        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),  # forces one step at a time
+        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),  # counted on the device
         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
     ]
     return prompts, params
 
 
 def _outputs(llm: LLM, prompts, params):
+    """Tokens, finish and stop reasons, and logprobs to 4 decimals: a step's batch may hold a
+    request that already finished when steps overlap, which moves the float sums of the other
+    rows' logits in their last bits."""
     results = llm.generate(prompts, params, use_tqdm=False)
     return [
-        [(o.token_ids, o.finish_reason, o.stop_reason, [sorted(lp.items()) for lp in o.logprobs or []])
+        [(o.token_ids, o.finish_reason, o.stop_reason,
+          [sorted((t, round(v.logprob, 4), v.rank) for t, v in lp.items()) for lp in o.logprobs or []])
          for o in r.outputs]
         for r in results
     ]  # fmt: skip
@@ -136,3 +140,32 @@ def test_step_timing_log_in_a_missing_folder_is_a_config_error(llama_dir, tmp_pa
 
     with pytest.raises(ConfigError, match="does not exist"):
         EngineArgs(llama_dir, step_timing_log=str(tmp_path / "nope" / "steps.jsonl")).create_engine_config()
+
+
+def test_penalties_overlap_and_equal_the_reference_sampler(llama_dir):
+    """Penalties no longer force one step at a time: with the batched sampler (penalty
+    counts grown on the device) steps overlap, and every output equals the reference
+    sampler's run one step at a time, seeded sampling and logprobs included."""
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(n)]} for n in (5, 21, 40, 13)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=24, presence_penalty=0.6, frequency_penalty=0.3, logprobs=2),
+        SamplingParams(temperature=0.8, seed=8, top_k=20, top_p=0.9, max_tokens=24, repetition_penalty=1.2, n=2),
+        SamplingParams(temperature=1.0, seed=9, min_p=0.1, max_tokens=24, logit_bias={17: 3.0}, min_tokens=6),
+    ]
+    reference = LLM(llama_dir, async_scheduling=False, sampler="reference")
+    batched = LLM(llama_dir)
+    overlapped = []
+    original = batched.core.can_overlap
+
+    def watch():  # asked only while a step is in flight: True launches the next one
+        allowed = original()
+        overlapped.append(allowed and any(r.sampling_params.has_penalties for r in batched.core.scheduler.running))
+        return allowed
+
+    batched.core.can_overlap = watch
+    assert _outputs(batched, prompts, params) == _outputs(reference, prompts, params)
+    assert sum(overlapped) > 10  # steps with penalised requests ran overlapped
+    assert_no_leak(reference)
+    assert_no_leak(batched)

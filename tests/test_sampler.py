@@ -1,11 +1,13 @@
-"""Sampler: each optimized masking step against a plain per-row reference."""
+"""Sampler: the batched sampler against the one-request-at-a-time reference, and each
+masking step against a plain per-row reference."""
 
 from __future__ import annotations
 
 import torch
 
 from llmserve.engine.request import EngineCoreRequest, Request
-from llmserve.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from llmserve.engine.sampler import Sampler
+from llmserve.engine.sampler_reference import ReferenceSampler, apply_penalties, apply_top_k_top_p_min_p
 from llmserve.sampling_params import SamplingParams
 
 
@@ -60,10 +62,13 @@ def test_seeded_rows_independent_of_batch():
     alone = Sampler(torch.device("cpu"))
     batch = Sampler(torch.device("cpu"))
     seq_alone, seq_batch = [], []
+    solo, mate = _req("s", seed=42), _req("s", seed=42)  # the same request, sampled alone and in a batch
     for _ in range(20):
-        seq_alone.append(alone(logits[2:3].clone(), [_req("s", seed=42)]).token_ids[0])
-        reqs = [_req("x"), _req("y", temperature=0), _req("s", seed=42), _req("z", top_k=3), _req("w")]
+        seq_alone.append(alone(logits[2:3].clone(), [solo]).token_ids[0])
+        reqs = [_req("x"), _req("y", temperature=0), mate, _req("z", top_k=3), _req("w")]
         seq_batch.append(batch(logits.clone(), reqs).token_ids[2])
+        solo.all_token_ids.append(seq_alone[-1])  # the next token is the next position's draw
+        mate.all_token_ids.append(seq_batch[-1])
     assert seq_alone == seq_batch
     assert len(set(seq_alone)) > 1  # it really samples
 
@@ -93,7 +98,7 @@ def test_logit_bias_is_added_to_its_tokens_only():
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0], [0.0, 1.0, 5.0, 2.0]])
     sampler = Sampler(torch.device("cpu"))
     reqs = [_req("a", temperature=0, logit_bias={3: 3.5, 0: -1.0}), _req("b", temperature=0)]
-    biased = sampler._apply_penalties_and_masks(logits.clone(), reqs)
+    biased = sampler.penalties_and_masks(logits.clone(), reqs)
     assert biased[0].tolist() == [-1.0, 1.0, 5.0, 5.5] and biased[1].tolist() == logits[1].tolist()
     assert sampler(logits.clone(), reqs).token_ids == [3, 2]
     assert sampler(logits[:1].clone(), [_req("c", temperature=0, logit_bias={2: -100})]).token_ids == [3]
@@ -103,3 +108,94 @@ def test_logit_bias_is_added_to_its_tokens_only():
         except ValueError:
             continue
         raise AssertionError(f"{bad} accepted")
+
+
+# -- the batched sampler against the reference, step after step ---------------------------
+MIXED = [
+    dict(temperature=0),
+    dict(temperature=0, repetition_penalty=1.3),
+    dict(temperature=0.8, seed=11, presence_penalty=0.5),
+    dict(temperature=0.8, seed=12, top_p=0.9, top_k=50),  # the top-k path (when all rows have a top_k)
+    dict(temperature=1.0, seed=13, frequency_penalty=0.4, presence_penalty=0.2, repetition_penalty=1.1),
+    dict(temperature=0.7, seed=14, min_p=0.05, logit_bias={5: 2.0, 9: -3.0}),
+    dict(temperature=0, logit_bias={7: 1.5}, min_tokens=4),
+    dict(temperature=1.2, seed=2**64 - 1, top_k=3, repetition_penalty=0.8),
+]
+
+
+def _requests(specs: list[dict], prompt_seed: int = 0) -> list[Request]:
+    gen = torch.Generator().manual_seed(prompt_seed)
+    out = []
+    for i, spec in enumerate(specs):
+        prompt = torch.randint(0, 60, (4 + 3 * i,), generator=gen).tolist()
+        out.append(Request(EngineCoreRequest(f"r{i}", prompt, SamplingParams(max_tokens=64, **spec), 64, (2, 3))))
+    return out
+
+
+def _run_steps(sampler, specs: list[dict], steps: int, vocab: int = 64, logprobs: bool = False) -> list[list]:
+    """Sample `steps` tokens for each request, appending each to its output as the scheduler does;
+    the logits of a step are the same for both samplers (a fixed generator)."""
+    if logprobs:
+        specs = [dict(s, logprobs=3) for s in specs]
+    reqs = _requests(specs)
+    gen = torch.Generator().manual_seed(99)
+    history = []
+    for _ in range(steps):
+        logits = torch.randn(len(reqs), vocab, generator=gen) * 2
+        out = sampler(logits, reqs)
+        history.append((out.token_ids, out.logprobs))
+        for req, token in zip(reqs, out.token_ids):
+            req.all_token_ids.append(token)
+    return history
+
+
+def test_batched_sampler_equals_the_reference_step_after_step():
+    """Greedy and seeded rows, penalties counted on the device, logit bias, min_tokens,
+    top-k/top-p/min-p: the same tokens and logprobs as the one-request-at-a-time reference."""
+    cpu = torch.device("cpu")
+    for specs in (MIXED, [s for s in MIXED if s.get("top_k") or s.get("temperature") == 0]):
+        got = _run_steps(Sampler(cpu), specs, 30, logprobs=True)
+        want = _run_steps(ReferenceSampler(cpu), specs, 30, logprobs=True)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for (_, lps_got), (_, lps_want) in zip(got, want):
+            for a, b in zip(lps_got, lps_want):
+                assert a.token_rank == b.token_rank and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert abs(a.token_logprob - b.token_logprob) < 1e-6
+
+
+def test_penalized_logits_are_exactly_the_references():
+    cpu = torch.device("cpu")
+    reqs = _requests(MIXED)
+    for req in reqs:
+        req.all_token_ids.extend([5, 5, 9, 1])  # some output already
+    logits = torch.randn(len(reqs), 64, generator=torch.Generator().manual_seed(3))
+    batched = Sampler(cpu)
+    got = batched.penalties_and_masks(logits.clone(), reqs, batched._penalty_rows(logits, reqs))
+    want = ReferenceSampler(cpu).penalties_and_masks(logits.clone(), reqs)
+    assert torch.equal(got, want)
+
+
+def test_top_k_path_races_only_the_candidates_yet_picks_the_full_races_token(monkeypatch):
+    import llmserve.engine.sampler as sampler_module
+
+    specs = [dict(temperature=0.9, seed=s, top_k=k, top_p=p) for s, k, p in ((1, 5, 1.0), (2, 40, 0.8), (3, 64, 0.95))]
+    fast = _run_steps(Sampler(torch.device("cpu")), specs, 25)
+    monkeypatch.setattr(sampler_module, "TOPK_FAST", 0)  # every row through the full sort
+    full = _run_steps(Sampler(torch.device("cpu")), specs, 25)
+    assert [f[0] for f in fast] == [f[0] for f in full]
+
+
+def test_penalty_slots_are_reused_and_grow():
+    from llmserve.engine.penalty_state import PenaltyState
+
+    state = PenaltyState(64, torch.device("cpu"), capacity=2)
+    reqs = _requests([dict(presence_penalty=0.5)] * 6)
+    rows = state.rows_for(reqs[:3])
+    assert sorted(rows.slots) == [0, 1, 2] and state.capacity == 3  # made on first use, for the batch
+    state.count(torch.tensor([7, 7, 8]), rows)
+    assert state.counts[rows.slots[0], 7] == 1 and state.counts[rows.slots[2], 8] == 1
+    state.release(["r0"])
+    again = state.rows_for(reqs[3:4])  # r3 takes r0's slot, and its row starts clean
+    assert again.slots == [rows.slots[0]] and state.counts[rows.slots[0]].sum() == 0
+    more = state.rows_for(reqs[1:3] + reqs[4:6])  # two more: the rows double, the counts stay
+    assert state.capacity == 6 and more.slots[:2] == rows.slots[1:] and state.counts[rows.slots[2], 8] == 1

@@ -10,13 +10,16 @@ every weight once), to read against the hardware's memory bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
 import numpy as np
 
+from llmserve.bench.gpu_monitor import monitor_for
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import banner, parse_percentiles, percentile_word, row, write_json
+from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.heap import frozen
 
@@ -31,6 +34,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--percentiles", default="50,90,99", help="of the whole-run latency")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
+    add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -47,24 +51,37 @@ def weight_bytes_per_step(arch, dtype) -> int:
 def run(args: argparse.Namespace) -> dict:
     from llmserve import LLM
 
-    percentiles = parse_percentiles(args.percentiles)
+    parse_percentiles(args.percentiles)  # a bad list fails before the engine starts
     if min(args.batch_size, args.input_len, args.output_len, args.num_iters) < 1 or args.num_iters_warmup < 0:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     engine_args = engine_args_from_cli(args)
-    llm = LLM(**vars(engine_args))
-    with frozen("bench latency"):  # no full GC pass over the engine mid-measurement
-        return _measure(args, llm, percentiles)
+    return measure(LLM(**vars(engine_args)), args)
+
+
+def measure(llm, args: argparse.Namespace) -> dict:
+    """The timed runs `args` describe on a ready engine (also used by scripts that time
+    several workloads on one engine)."""
+    percentiles = parse_percentiles(args.percentiles)
+    monitor = monitor_for(llm)
+    with frozen("bench latency"), monitor or contextlib.nullcontext():  # no full GC pass mid-measurement
+        result = _measure(args, llm, percentiles)
+    usage = monitor.usage() if monitor is not None else None
+    result["gpu"] = usage.as_dict() if usage is not None else None
+    print(format_report(result))
+    if usage is not None:
+        print(usage.line())
+    if args.output_json:
+        write_json(args.output_json, result)
+    return result
 
 
 def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
-    from llmserve import SamplingParams
-
     mc = llm.config.model_config
     rng = random.Random(args.bench_seed)
 
     def timed(max_tokens: int) -> float:
         reqs = random_requests(args.batch_size, args.input_len, 1, mc.arch.vocab_size, rng.getrandbits(63))
-        params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True)
+        params = [sampling_params(args, max_tokens, i) for i in range(len(reqs))]
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
         return time.perf_counter() - start
@@ -97,10 +114,8 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
         "avg_latency": avg,
         "latencies": latencies,
         "percentiles": {percentile_word(p): float(np.percentile(latencies, p)) for p in percentiles},
+        "sampling": sampling_label(args) or None,
     }
-    print(format_report(result))
-    if args.output_json:
-        write_json(args.output_json, result)
     return result
 
 

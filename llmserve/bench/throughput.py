@@ -1,17 +1,23 @@
 """`llmserve bench throughput`: offline throughput of the engine on a fixed workload.
 
 N requests of random prompt token ids, fixed (or uniformly ranged) input and output
-lengths, ignore_eos, all submitted at once, as `vllm bench throughput` does.
+lengths, ignore_eos, all submitted at once, as `vllm bench throughput` does; optionally a
+prefix of `--prefix-len` tokens shared by every prompt (before each one's own tokens), and
+any sampling settings (`--temperature 0` is greedy; penalties, top-k/p, min-p, n, logprobs).
+On a GPU the report adds its utilisation and memory over the run (NVML).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
 
+from llmserve.bench.gpu_monitor import monitor_for
 from llmserve.bench.prompts import random_requests
+from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.heap import frozen
 
@@ -28,6 +34,9 @@ class ThroughputResult:
     num_preemptions: int
     max_num_seqs: int
     startup_s: float  # from the command's start to a ready engine (weights, KV cache, graphs)
+    prefix_len: int = 0
+    sampling: dict | None = None  # the settings that differ from the defaults
+    gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
 
 
 def add_parser(subparsers) -> None:
@@ -36,36 +45,51 @@ def add_parser(subparsers) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares, before its own")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
+    add_sampling_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
 
-def make_prompts(n: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int):
-    """Engine prompts and their output lengths (the same requests `bench hf-baseline` sends)."""
+def make_prompts(n: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int, prefix_len: int = 0):
+    """Engine prompts and their output lengths (the same requests `bench hf-baseline` sends);
+    with `prefix_len`, one random prefix of that many tokens starts every prompt."""
     reqs = random_requests(n, input_len, output_len, vocab, seed, ratio)
-    return [{"prompt_token_ids": r.prompt_token_ids} for r in reqs], [r.output_len for r in reqs]
+    prefix = random_requests(1, prefix_len, 1, vocab, seed + 1)[0].prompt_token_ids if prefix_len > 0 else []
+    return [{"prompt_token_ids": prefix + r.prompt_token_ids} for r in reqs], [r.output_len for r in reqs]
 
 
 def run(args: argparse.Namespace) -> ThroughputResult:
-    from llmserve import LLM, SamplingParams
+    from llmserve import LLM
 
     engine_args = engine_args_from_cli(args)
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
-    startup = time.perf_counter() - t0
+    return measure(llm, args, time.perf_counter() - t0)
+
+
+def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputResult:
+    """One timed run of the workload `args` describes on a ready engine (also used by scripts
+    that time several workloads on one engine)."""
+    from llmserve import SamplingParams
+
+    if args.prefix_len < 0:
+        raise ValueError("--prefix-len must be >= 0")
     vocab = llm.config.model_config.arch.vocab_size
     prompts, out_lens = make_prompts(
-        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.bench_seed
+        args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.bench_seed, args.prefix_len
     )
-    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    params = [sampling_params(args, n, i) for i, n in enumerate(out_lens)]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    with frozen("bench throughput"):  # no full GC pass over the engine mid-measurement
+    monitor = monitor_for(llm)
+    with frozen("bench throughput"), monitor or contextlib.nullcontext():  # no full GC pass over the engine mid-measurement
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    usage = monitor.usage() if monitor is not None else None
+    out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     result = ThroughputResult(
         num_requests=len(prompts),
@@ -76,8 +100,11 @@ def run(args: argparse.Namespace) -> ThroughputResult:
         output_tokens_per_s=round(out_tokens / elapsed, 1),
         total_tokens_per_s=round((in_tokens + out_tokens) / elapsed, 1),
         num_preemptions=llm.stats().num_preemptions,
-        max_num_seqs=engine_args.max_num_seqs,
+        max_num_seqs=llm.config.scheduler_config.max_num_seqs,
         startup_s=round(startup, 1),
+        prefix_len=args.prefix_len,
+        sampling=sampling_label(args) or None,
+        gpu=usage.as_dict() if usage is not None else None,
     )
     print(
         f"Throughput: {result.requests_per_s:.2f} requests/s, "
@@ -86,6 +113,8 @@ def run(args: argparse.Namespace) -> ThroughputResult:
         f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s; "
         f"engine ready in {startup:.1f} s)"
     )
+    if usage is not None:
+        print(usage.line())
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(asdict(result), f, indent=2)

@@ -164,12 +164,13 @@ class EngineCore:
 
     def can_overlap(self) -> bool:
         """May the next step be launched before the one in flight is finished? Not with
-        tensor parallelism (the workers do not see sampled tokens) nor for requests with
-        repetition/presence/frequency penalties (they need every earlier token's value) or
-        structured outputs (the grammar's mask needs the previous token)."""
+        tensor parallelism (the workers do not see sampled tokens) nor while a running
+        request needs its previous token on the host (structured outputs: the grammar's
+        mask; penalties with the reference sampler)."""
         if not self.config.async_scheduling:
             return False
-        return not any(r.sampling_params.has_penalties or r.matcher is not None for r in self.scheduler.running)
+        safe = self.runner.sampler.overlap_safe
+        return all(safe(r) for r in self.scheduler.running)
 
     def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
         """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""

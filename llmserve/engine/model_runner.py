@@ -1,7 +1,7 @@
 """Runs the model on one scheduled batch: flatten inputs, forward, sample.
 
 Owns the device-side state: the model, the paged KV cache (one tensor per layer), the
-CPU swap cache, and the per-request random generators of the sampler.
+CPU swap cache, and the sampler (with its device-side penalty counts).
 
 Under tensor parallelism one ModelRunner runs per rank, each holding its shard of the
 weights and of the KV heads. The driver's (rank 0) builds the batch and samples; every
@@ -26,6 +26,7 @@ from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_s
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
+from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
@@ -164,7 +165,7 @@ class ModelRunner:
             max_positions=mc.max_model_len, tp=tp,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
         sc = config.scheduler_config

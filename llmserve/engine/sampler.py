@@ -1,10 +1,19 @@
-"""Turn the logits of the rows that sample into tokens.
+"""Turn the logits of the rows that sample into tokens, the whole batch at once.
 
-Order: penalties → min_tokens mask → greedy argmax, or temperature → top-k → top-p →
-min-p → sample. Random rows sample by the exponential race (argmax of p / E with E ~
-Exp(1)), which is exact categorical sampling; a seeded request draws its E from its own
-generator, so its tokens do not depend on what else is in the batch. Logprobs are the
-model's raw log-softmax, as vLLM reports them.
+Order (as the reference, sampler_reference.py, which treats one request at a time):
+logit bias → penalties → min_tokens mask → grammar mask → greedy argmax, or temperature →
+top-k → top-p → min-p → the exponential race (argmax of p / E with E ~ Exp(1), exact
+categorical sampling). Every step is a few tensor operations over the batch: per-request
+settings travel as one small host-to-device copy each, penalty counts live on the device
+(penalty_state.py) and grow from the sampled tokens there, a seeded request's noise is a
+hash of (seed, position, token) (seeded_noise.py). Nothing waits for the device, so a step
+with penalties can be scheduled before the previous step's tokens are read.
+
+When every sampling row has a top-k of at most TOPK_FAST, the race runs over the k best
+candidates only (torch.topk instead of a sort of the whole vocabulary); it picks the
+token the full race would (every other token has probability 0, and a seeded row's noise
+at a token does not depend on which tokens are raced). Logprobs are the model's raw
+log-softmax, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -13,186 +22,189 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.engine import seeded_noise
 from llmserve.engine.host_copy import to_device
-from llmserve.engine.request import Request, TokenLogprobs
+from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
+from llmserve.engine.request import Request
+from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
+from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p
 from llmserve.engine.structured_output import apply_grammar_masks
-from llmserve.sampling_params import SamplingParams
+
+TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
+
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "TOPK_FAST"]
 
 
 @dataclass(slots=True)
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+class _Random:
+    """The rows that sample at random, and their settings."""
 
-
-class PendingSample:
-    """Sampled tokens still on their way from the device."""
-
-    def __init__(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor | None, requests: list[Request]) -> None:
-        self.raw_logprobs = raw_logprobs
-        self.requests = requests
-        self.device_tokens = tokens  # read by the next step before the host has them
-        self.event = None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tokens
-
-    def result(self) -> SamplerOutput:
-        if self.event is not None:
-            self.event.synchronize()
-        token_list = self.host.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(self.requests)
-        if self.raw_logprobs is not None:
-            for i, req in enumerate(self.requests):
-                k = req.sampling_params.logprobs
-                if k is not None:
-                    logprobs[i] = _token_logprobs(self.raw_logprobs[i], token_list[i], k)
-        return SamplerOutput(token_list, logprobs)
+    rows: list[int]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeded: list[int]  # positions within `rows`
+    keys: list[tuple[int, int]]  # seeded_noise.row_key of each seeded row
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, vocab_size: int | None = None) -> None:
         self.device = device
-        self.generators: dict[str, torch.Generator] = {}
+        self.vocab_size = vocab_size
+        self.penalties: PenaltyState | None = None
+        self.bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, biases) on the device
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            self.generators.pop(request_id, None)
+            self.bias.pop(request_id, None)
+        if self.penalties is not None:
+            self.penalties.release(request_ids)
+
+    def overlap_safe(self, request: Request) -> bool:
+        """May this request's next step be scheduled before its last token is known? Yes,
+        but for a grammar's: its mask needs the previous token."""
+        return request.matcher is None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> "PendingSample":
+    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
         """Queue the sampling work; `.result()` waits for the tokens. Between the two the
         host is free for other work while the device computes."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties_and_masks(logits, requests)
-        greedy = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
-        if len(greedy) == len(requests):
+        pen = self._penalty_rows(logits, requests)
+        logits = self.penalties_and_masks(logits, requests, pen)
+        random = _random_rows(requests)
+        if not random.rows:
             tokens = logits.argmax(dim=-1)
         else:
-            tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-            random = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-            if greedy:
-                idx = to_device(greedy, torch.long, logits.device)
-                tokens[idx] = logits[idx].argmax(dim=-1)
-            idx = to_device(random, torch.long, logits.device)
-            tokens[idx] = self._sample(logits[idx], [requests[i] for i in random])
-        return PendingSample(tokens, raw_logprobs, requests)
+            tokens = logits.argmax(dim=-1) if len(random.rows) < len(requests) else None
+            picked = self._sample(logits, random)
+            if tokens is None:
+                tokens = picked
+            else:
+                tokens[to_device(random.rows, torch.long, logits.device)] = picked
+        if pen is not None:
+            self.penalties.count(tokens, pen)
+        logprobs = _logprobs(raw_logprobs, tokens, requests) if raw_logprobs is not None else None
+        return PendingSample(tokens, logprobs)
 
-    def _apply_penalties_and_masks(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> torch.Tensor:
-        for i, req in enumerate(requests):
-            p = req.sampling_params
-            if p.logit_bias:
-                if req.logit_bias is None:  # built once per request, kept on the device
-                    req.logit_bias = (to_device(list(p.logit_bias), torch.long, logits.device),
-                                      to_device(list(p.logit_bias.values()), logits.dtype, logits.device))  # fmt: skip
-                logits[i].index_add_(0, *req.logit_bias)
-            if p.has_penalties:
-                logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
-            if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
+    def _penalty_rows(self, logits: torch.Tensor, requests: list[Request]) -> PenaltyRows | None:
+        if not any(r.sampling_params.has_penalties for r in requests):
+            return None
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.vocab_size or logits.shape[-1], logits.device)
+        return self.penalties.rows_for(requests)
+
+    def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
+                            ) -> torch.Tensor:  # fmt: skip
+        self._logit_bias(logits, requests)
+        if pen is not None:
+            logits = self.penalties.apply(logits, pen)
+        _min_tokens(logits, requests)
         apply_grammar_masks(logits, requests)  # last: what the grammar allows is all there is
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = to_device([r.sampling_params.temperature for r in requests], torch.float32, logits.device)
-        logits = logits / temps[:, None]
-        logits = apply_top_k_top_p_min_p(
-            logits,
-            [r.sampling_params.top_k for r in requests],
-            [r.sampling_params.top_p for r in requests],
-            [r.sampling_params.min_p for r in requests],
-        )
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = []
+    def _logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        rows, parts = [], []
         for i, req in enumerate(requests):
-            gen = self._generator(req)
-            if gen is None:
-                unseeded.append(i)
-            else:
-                noise[i].exponential_(generator=gen)
-        if unseeded:
-            idx = to_device(unseeded, torch.long, logits.device)
-            noise[idx] = torch.empty_like(noise[idx]).exponential_()
+            bias = req.sampling_params.logit_bias
+            if not bias:
+                continue
+            cached = self.bias.get(req.request_id)
+            if cached is None:  # made once a request, kept on the device
+                cached = self.bias[req.request_id] = (to_device(list(bias), torch.long, logits.device),
+                                                      to_device(list(bias.values()), torch.float32, logits.device))  # fmt: skip
+            rows.append(i)
+            parts.append(cached)
+        if not rows:
+            return
+        lengths = to_device([len(p[0]) for p in parts], torch.long, logits.device)
+        row_index = torch.repeat_interleave(to_device(rows, torch.long, logits.device), lengths)
+        ids = torch.cat([p[0] for p in parts])
+        values = torch.cat([p[1] for p in parts])
+        logits.index_put_((row_index, ids), values, accumulate=True)
+
+    def _sample(self, logits: torch.Tensor, r: _Random) -> torch.Tensor:
+        device = logits.device
+        rows = to_device(r.rows, torch.long, device)
+        part = logits[rows] / to_device(r.temperature, torch.float32, device)[:, None]
+        if all(0 < k <= TOPK_FAST for k in r.top_k):
+            return self._sample_top_k(part, r)
+        part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
+        probs = torch.softmax(part, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        if r.seeded:
+            seeded = to_device(r.seeded, torch.long, device)
+            keys = to_device(r.keys, torch.long, device)
+            noise[seeded] = seeded_noise.exponential(keys, torch.arange(part.shape[-1], device=device))
         return (probs / noise).argmax(dim=-1)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[req.request_id] = gen
-        return gen
-
-
-def apply_penalties(
-    logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams
-) -> torch.Tensor:
-    """Repetition penalty over prompt and output (as transformers); presence and frequency
-    penalties over the output (as OpenAI)."""
-    logits = logits.clone()
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
-        if seen.numel():
-            vals = logits[seen]
-            logits[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
-    if output_ids and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(
-            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]
-        ).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    return logits
-
-
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
-    """Mask logits outside each row's top-k, nucleus top-p and min-p sets with -inf."""
-    use_k = any(k > 0 for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-    if use_k or use_p:
-        vocab = logits.shape[-1]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if use_k:
-            k = to_device([k if k > 0 else vocab for k in top_k], torch.long, logits.device)
-            ranks = torch.arange(vocab, device=logits.device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        if use_p:
-            p = to_device(top_p, logits.dtype, logits.device)
-            probs = torch.softmax(sorted_logits, dim=-1)
+    def _sample_top_k(self, part: torch.Tensor, r: _Random) -> torch.Tensor:
+        """Race the k best candidates of each row (k = its top_k), masked as the full path masks."""
+        device = part.device
+        values, ids = part.topk(max(r.top_k), dim=-1)  # sorted, best first
+        ranks = torch.arange(values.shape[-1], device=device)[None, :]
+        values = values.masked_fill(ranks >= to_device(r.top_k, torch.long, device)[:, None], float("-inf"))
+        if any(p < 1.0 for p in r.top_p):
+            probs = torch.softmax(values, dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-            sorted_logits = sorted_logits.masked_fill(before > p[:, None], float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    if any(m > 0.0 for m in min_p):
-        m = to_device(min_p, logits.dtype, logits.device)
-        probs = torch.softmax(logits, dim=-1)
-        threshold = m[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
+            values = values.masked_fill(before > to_device(r.top_p, torch.float32, device)[:, None], float("-inf"))
+        if any(m > 0.0 for m in r.min_p):
+            probs = torch.softmax(values, dim=-1)
+            threshold = to_device(r.min_p, torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            values = values.masked_fill(probs < threshold, float("-inf"))
+        probs = torch.softmax(values, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        if r.seeded:
+            seeded = to_device(r.seeded, torch.long, device)
+            noise[seeded] = seeded_noise.exponential(to_device(r.keys, torch.long, device), ids[seeded])
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)
+        return ids.gather(-1, choice).squeeze(-1)
 
 
-def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    token_lp = row[token]
-    rank = int((row > token_lp).sum().item()) + 1
-    top: list[tuple[int, float]] = []
-    if k > 0:
-        values, ids = row.topk(k)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprobs(float(token_lp.item()), rank, top)
+def _random_rows(requests: list[Request]) -> _Random:
+    r = _Random([], [], [], [], [], [], [])
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if p.greedy:
+            continue
+        if p.seed is not None:
+            r.seeded.append(len(r.rows))
+            r.keys.append(seeded_noise.row_key(p.seed, req.num_output_tokens))
+        r.rows.append(i)
+        r.temperature.append(p.temperature)
+        r.top_k.append(p.top_k)
+        r.top_p.append(p.top_p)
+        r.min_p.append(p.min_p)
+    return r
+
+
+def _min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Requests short of min_tokens may not end yet: their stop and EOS tokens masked."""
+    rows: list[int] = []
+    ids: list[int] = []
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            rows.extend([i] * len(banned))
+            ids.extend(banned)
+    if rows:
+        logits[to_device(rows, torch.long, logits.device), to_device(ids, torch.long, logits.device)] = float("-inf")
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> SampledLogprobs:
+    """The sampled token's logprob and rank and the top k of every row that asked, in a few ops."""
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    ks = [requests[i].sampling_params.logprobs for i in rows]
+    index = to_device(rows, torch.long, raw.device)
+    part = raw[index]
+    token_lp = part.gather(-1, tokens[index][:, None])
+    rank = (part > token_lp).sum(dim=-1) + 1
+    values, ids = part.topk(max(max(ks), 1), dim=-1)
+    return SampledLogprobs(rows, ks, token_lp.squeeze(-1), rank, values, ids)

@@ -513,6 +513,62 @@ def prefill(quick: bool) -> None:
     torch.cuda.empty_cache()
 
 
+# -- 3b. long prefill ------------------------------------------------------------------------
+LONG_CASES = [("1x7680 causal", [7680], [7680]), ("1x16384 causal", [16384], [16384]),
+              ("16384 after 16384 cached (32k chunk 2)", [16384], [32768])]  # fmt: skip
+LONG_CONFIGS = [(128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                (128, 64, 8, 2), (256, 64, 8, 3)]  # fmt: skip
+
+
+def long_prefill(quick: bool) -> None:
+    """One long prompt's attention (what batch-1 TTFT at 8k-32k waits on): the default tiles,
+    a tile sweep, and SDPA on contiguous KV (causal cases) as the bar."""
+    from llmserve.kernels import AttnLaunchConfig, paged_attention_forward, write_kv
+
+    RESULTS.setdefault("long_prefill", [])
+    for case, qlens, slens in LONG_CASES[: 1 if quick else None]:
+        if over_budget():
+            return
+        flops = 4 * HQ * HEAD_DIM * visible_pairs(qlens, slens)
+        try:
+            q, k, v, cache, meta = make_batch(qlens, slens, randn_cache=False)
+            write_kv(k, v, cache, meta.slot_mapping)
+            base = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5)
+            ms, mode = bench_ms(lambda: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5), iters=10)
+            RESULTS["long_prefill"].append(dict(case=case, impl="triton default", ms=ms, tflops=flops / ms / 1e9))
+            log(f"long {case} triton default: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s")
+            for bm, bn, nw, ns in LONG_CONFIGS:
+                if over_budget():
+                    break
+                cfg = AttnLaunchConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                try:
+                    out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=cfg)
+                    diff = (out.float() - base.float()).abs().max().item()
+                    ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c),
+                                        iters=10)  # fmt: skip
+                    RESULTS["long_prefill"].append(dict(case=case, impl=f"triton bm{bm} bn{bn} w{nw} s{ns}", ms=ms,
+                                                        tflops=flops / ms / 1e9, max_diff_vs_default=diff))  # fmt: skip
+                    log(f"long {case} bm{bm} bn{bn} w{nw} s{ns}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s diff {diff:.2g}")
+                except Exception as exc:  # noqa: BLE001
+                    record_error("long_prefill", f"{case} bm{bm} bn{bn} w{nw} s{ns}", exc)
+            del q, k, v, cache, meta, base
+            if qlens == slens:  # the bar: SDPA, contiguous KV, causal
+                qs = torch.randn(1, HQ, qlens[0], HEAD_DIM, device="cuda", dtype=DT)
+                ks = torch.randn(1, HKV, qlens[0], HEAD_DIM, device="cuda", dtype=DT)
+                vs = torch.randn(1, HKV, qlens[0], HEAD_DIM, device="cuda", dtype=DT)
+                for name, backend in _sdpa_backends():
+                    try:
+                        ms, mode = bench_ms(_sdpa_call(backend, qs, ks, vs, True), iters=10)
+                        RESULTS["long_prefill"].append(dict(case=case, impl=name, ms=ms, tflops=flops / ms / 1e9))
+                        log(f"long {case} {name}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s")
+                    except Exception as exc:  # noqa: BLE001
+                        record_error("long_prefill", f"{case} {name}", exc)
+                del qs, ks, vs
+        except Exception as exc:  # noqa: BLE001
+            record_error("long_prefill", case, exc)
+        torch.cuda.empty_cache()
+
+
 # -- 4. elementwise -------------------------------------------------------------------------
 
 
@@ -612,6 +668,8 @@ def write_report() -> None:
     lines += table(RESULTS["prefill"], ["case", "impl", "ms", "tflops", "mode"])
     lines += ["", "Prefill tile sweep (16x1024):"]
     lines += table(RESULTS["prefill_config_sweep"], ["block_m", "block_n", "num_warps", "num_stages", "ms", "tflops", "max_diff_vs_default"])
+    lines += ["", "Long prefill, one sequence (TFLOP/s, causal pairs):"]
+    lines += table(RESULTS.get("long_prefill", []), ["case", "impl", "ms", "tflops", "max_diff_vs_default"])
     lines += ["", "Elementwise kernels:"]
     lines += table(RESULTS["elementwise"], ["kernel", "impl", "ms", "gbps", "mode"])
     lines += ["", f"Errors ({len(RESULTS['errors'])}):"]
@@ -627,7 +685,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining timings after this")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and sweeps")
-    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,elementwise")
+    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,elementwise")
     ap.add_argument("--decode-configs", default="", help="e.g. 128x4x2,64x2x3 (block_n x warps x stages)")
     ap.add_argument("--prefill-configs", default="", help="e.g. 128x32x4x3 (block_m x block_n x warps x stages)")
     ap.add_argument("--split-points", default="", help="e.g. 1x8192,16x2048 (batch x ctx) for the split sweep")
@@ -650,7 +708,7 @@ def main() -> int:
     RESULTS["triton"] = triton.__version__
     RESULTS["torch"] = torch.__version__
     sections = [("checks", checks), ("decode", decode), ("sweeps", decode_sweeps),
-                ("prefill", prefill), ("elementwise", lambda q: elementwise())]  # fmt: skip
+                ("prefill", prefill), ("long", long_prefill), ("elementwise", lambda q: elementwise())]  # fmt: skip
     only = {s for s in args.only.split(",") if s}
     try:
         for name, fn in sections:

@@ -1,0 +1,194 @@
+"""The workload rows of the sampling/long-prompt issue, timed on the H200 in one process.
+
+Each row is exactly a `llmserve bench throughput` or `llmserve bench latency` command line
+(ROWS below, printed with its result); they run on shared engines so that the device
+call pays two start-ups, not one per row:
+- engine "short": the 8B shape, dummy weights, bf16, max_model_len 2048, vLLM's offline
+  budgets (1024 sequences, 16,384 batched tokens);
+- engine "long": the same with max_model_len 33,024 (prompts of 7,680 to 32,768 tokens).
+First, on the GPU, the batched sampler is checked against the reference sampler (seeded
+rows, penalties, top-k/top-p, logprobs over 128,256 tokens); rows named "...@reference"
+swap the reference sampler into the running engine (penalties then run one step at a
+time, as before the batched sampler).
+
+    python3 scripts/gpu/bench_rows.py --out $OUT [--only a,presence,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+MODEL = "/tmp/llama8b"
+ENGINES = {
+    "short": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "2048",
+              "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"],
+    "long": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "33024",
+             "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"],
+}  # fmt: skip
+A = ["--num-prompts", "512", "--input-len", "512", "--output-len", "256"]
+# name: (engine, bench command, flags)
+ROWS = {
+    "a": ("short", "throughput", A + ["--temperature", "0"]),
+    "topp": ("short", "throughput", A + ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "50"]),
+    "presence": ("short", "throughput", A + ["--temperature", "0.8", "--presence-penalty", "0.5"]),
+    "repetition": ("short", "throughput", A + ["--temperature", "0", "--repetition-penalty", "1.1"]),
+    "presence@reference": ("short", "throughput", A + ["--temperature", "0.8", "--presence-penalty", "0.5"]),
+    "repetition@reference": ("short", "throughput", A + ["--temperature", "0", "--repetition-penalty", "1.1"]),
+    "prefix": ("short", "throughput", ["--num-prompts", "1024", "--prefix-len", "1024", "--input-len", "128",
+                                       "--output-len", "128", "--temperature", "0"]),
+    "c": ("short", "throughput", ["--num-prompts", "1000", "--input-len", "1024", "--output-len", "128"]),
+    "long64": ("long", "throughput", ["--num-prompts", "64", "--input-len", "7680", "--output-len", "256",
+                                      "--temperature", "0"]),
+    "b": ("short", "latency", ["--batch-size", "1", "--input-len", "512", "--output-len", "256", "--num-iters", "5",
+                               "--num-iters-warmup", "2"]),
+    "ttft7680": ("long", "latency", ["--batch-size", "1", "--input-len", "7680", "--output-len", "256",
+                                     "--num-iters", "5", "--num-iters-warmup", "2"]),
+    "ttft16k": ("long", "latency", ["--batch-size", "1", "--input-len", "16384", "--output-len", "2",
+                                    "--num-iters", "3", "--num-iters-warmup", "1"]),
+    "ttft32k": ("long", "latency", ["--batch-size", "1", "--input-len", "32768", "--output-len", "2",
+                                    "--num-iters", "3", "--num-iters-warmup", "1"]),
+}  # fmt: skip
+
+
+def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
+    from llmserve.bench import latency, throughput
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="bench_command")
+    (throughput if command == "throughput" else latency).add_parser(sub)
+    return parser.parse_args([command, *flags])
+
+
+def check_sampler_on_gpu() -> dict:
+    """Batched sampler == reference sampler on the GPU, 64 rows x 128,256 tokens, 12 steps:
+    a mixed batch (the full-sort path) and a batch whose random rows all have a top-k (the
+    top-k path). Every random row is seeded, so every row must match."""
+    from llmserve.engine.request import EngineCoreRequest, Request
+    from llmserve.engine.sampler import Sampler
+    from llmserve.engine.sampler_reference import ReferenceSampler
+    from llmserve.sampling_params import SamplingParams
+
+    device = torch.device("cuda")
+    mixed = [dict(temperature=0), dict(temperature=0, repetition_penalty=1.2),
+             dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.2), dict(temperature=0.8, top_k=50, top_p=0.95),
+             dict(temperature=1.0, min_p=0.05, logit_bias={11: 5.0}), dict(temperature=0.7, top_p=0.9, logprobs=3)]  # fmt: skip
+    top_k = [dict(temperature=0), dict(temperature=0.8, top_k=50, top_p=0.95, presence_penalty=0.5),
+             dict(temperature=1.0, top_k=5), dict(temperature=0.6, top_k=1000, min_p=0.02, repetition_penalty=1.1),
+             dict(temperature=0.9, top_k=40, logprobs=2), dict(temperature=0, frequency_penalty=0.3)]  # fmt: skip
+
+    def run(sampler_cls, kinds) -> list[list[int]]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        reqs = [Request(EngineCoreRequest(f"r{i}", list(range(10 + i, 200 + i)), SamplingParams(
+            max_tokens=50, seed=i if kinds[i % 6].get("temperature") else None, **kinds[i % 6]), 50, (2,)))
+            for i in range(64)]  # fmt: skip
+        sampler, out = sampler_cls(device), []
+        for _ in range(12):
+            logits = torch.randn(64, 128256, device=device, generator=gen) * 3
+            tokens = sampler(logits, reqs).token_ids
+            out.append(tokens)
+            for r, t in zip(reqs, tokens):
+                r.all_token_ids.append(t)
+        return out
+
+    result = {}
+    for name, kinds in (("mixed", mixed), ("top_k", top_k)):
+        batched, reference = run(Sampler, kinds), run(ReferenceSampler, kinds)
+        same = sum(a == b for step_a, step_b in zip(batched, reference) for a, b in zip(step_a, step_b))
+        result[name] = f"{same} of {64 * 12} equal"
+    return result
+
+
+def make_model_folder() -> None:
+    """The Llama-3.1-8B shape, config and tokenizer only (weights: --load-format dummy)."""
+    from llmserve.model.random_model import make_random_model
+
+    if not Path(MODEL, "config.json").is_file():
+        make_random_model(MODEL, "llama", vocab_size=128256, config_only=True, hidden_size=4096,
+                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})  # fmt: skip
+
+
+def cpu_smoke() -> None:
+    """The same flow on a CPU with a tiny model and tiny rows (a check of this script, not a measurement)."""
+    global MODEL
+    MODEL = "/tmp/bench_rows_tiny"
+    from llmserve.model.random_model import make_random_model
+
+    make_random_model(MODEL, "llama", vocab_size=512, max_position_embeddings=2048)
+    for engine, flags in ENGINES.items():
+        ENGINES[engine] = ["--model", MODEL, "--max-model-len", "512" if engine == "short" else "1024",
+                           "--max-num-seqs", "16"]  # fmt: skip
+    for name, (engine, command, flags) in list(ROWS.items()):
+        small = {"512": "16", "256": "8", "1000": "8", "1024": "64", "7680": "300", "16384": "600",
+                 "32768": "900", "64": "4", "128": "16"}  # fmt: skip
+        ROWS[name] = (engine, command, [small.get(f, f) for f in flags])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    parser.add_argument("--only", default="", help="comma-separated row names (default: all)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and rows on the CPU: checks the script")
+    opts = parser.parse_args()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [n for n in ROWS if not opts.only or n in opts.only.split(",")]
+    if opts.cpu_smoke:
+        cpu_smoke()
+        results: dict = {}
+    else:
+        make_model_folder()
+        results = {"sampler_check": check_sampler_on_gpu()}
+        print("RESULT sampler_check", json.dumps(results["sampler_check"]), flush=True)
+    from llmserve import LLM
+    from llmserve.bench import latency, throughput
+    from llmserve.cli_args import engine_args_from_cli
+    from llmserve.engine.sampler import Sampler
+    from llmserve.engine.sampler_reference import ReferenceSampler
+
+    for engine in ENGINES:
+        rows = [n for n in names if ROWS[n][0] == engine]
+        if not rows:
+            continue
+        started = time.perf_counter()
+        llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES[engine]))))
+        startup = time.perf_counter() - started
+        print(f"RESULT engine {engine} ready in {startup:.1f} s", flush=True)
+        runner = llm.core.runner
+        for name in rows:
+            _, command, flags = ROWS[name]
+            runner.sampler = ReferenceSampler(runner.device) if name.endswith("@reference") else Sampler(runner.device)
+            args = bench_args(command, flags)  # every row's result goes to rows.json
+            line = f"llmserve bench {command} {' '.join(ENGINES[engine])} {' '.join(flags)}"
+            if name.endswith("@reference"):
+                line += " --sampler reference"
+            print(f"=== {name}: {line}", flush=True)
+            t0 = time.perf_counter()
+            result = throughput.measure(llm, args, startup) if command == "throughput" else latency.measure(llm, args)
+            record = result if isinstance(result, dict) else vars(result)
+            results[name] = {"command": line, "wall_s": round(time.perf_counter() - t0, 1),
+                             **{k: v for k, v in record.items() if k not in ("ttfts", "latencies")}}  # fmt: skip
+            keys = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "gpu")
+            print("RESULT", name, json.dumps({k: record.get(k) for k in keys if k in record}), flush=True)
+            (out / "rows.json").write_text(json.dumps(results, indent=1))
+        llm.shutdown()
+        runner.release_cuda_graphs()
+        del llm, runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes its KV cache from what is free
+
+
+if __name__ == "__main__":
+    main()
