@@ -216,6 +216,28 @@ def test_split_kv_changes_the_launch_but_not_the_result():
     torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
 
 
+def test_one_fresh_long_sequence_takes_sdpa_and_matches_the_reference(monkeypatch):
+    """A prompt's first chunk alone in its step (no cached prefix) is attended by torch's SDPA
+    over its own q/k/v (cuDNN on a GPU, the math backend here): same K/V written, same
+    output as the reference; a chunk after cached tokens, or two sequences, keep the kernel."""
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 16)
+    calls = []
+    original = paged_attention.sdpa_prefill
+    monkeypatch.setattr(paged_attention, "sdpa_prefill", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    for strided in (False, True):
+        q, k, v, cache, meta = make_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=torch.float32, strided_qkv=strided)  # fmt: skip
+        assert paged_attention.fresh_single_prefill(meta)
+        check_attention(q, k, v, cache, meta, 32**-0.5)
+    assert len(calls) == 2
+    for qlens, slens in (([40], [52]), ([20, 20], [20, 20]), ([12], [12])):  # cached prefix; two; short
+        q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=torch.float32)  # fmt: skip
+        assert not paged_attention.fresh_single_prefill(meta)
+        check_attention(q, k, v, cache, meta, 32**-0.5)
+    assert len(calls) == 2
+
+
 def test_choose_num_splits_policy():
     sms = 132
     # enough programs already: no split

@@ -534,9 +534,29 @@ def long_prefill(quick: bool) -> None:
             q, k, v, cache, meta = make_batch(qlens, slens, randn_cache=False)
             write_kv(k, v, cache, meta.slot_mapping)
             base = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5)
+            from llmserve.kernels.paged_attention import fresh_single_prefill, sdpa_prefill
+            from llmserve.model.attention import reference_paged_attention
+
+            small = qlens[0] * slens[0] <= 8192 * 8192  # the reference materialises [Hq, L, S] scores
+            ref = reference_paged_attention(q, k, v, cache.clone(), meta, HEAD_DIM**-0.5) if small else base
+            err = (base.float() - ref.float()).abs().max().item() if small else float("nan")
+            if small:
+                RESULTS["checks"].append(dict(name=f"long {case} triton default", max_abs_err=err, tol=TOL[DT],
+                                              ok=err <= TOL[DT]))  # fmt: skip
             ms, mode = bench_ms(lambda: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5), iters=10)
-            RESULTS["long_prefill"].append(dict(case=case, impl="triton default", ms=ms, tflops=flops / ms / 1e9))
-            log(f"long {case} triton default: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s")
+            RESULTS["long_prefill"].append(dict(case=case, impl="triton default", ms=ms, tflops=flops / ms / 1e9,
+                                                max_diff_vs_reference=err))  # fmt: skip
+            log(f"long {case} triton default: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s, vs reference {err:.2g}")
+            if small and fresh_single_prefill(meta):  # what the engine runs for this case: SDPA on the new q/k/v
+                fast = sdpa_prefill(q, k, v, HEAD_DIM**-0.5)
+                err = float("nan") if fast is None else (fast.float() - ref.float()).abs().max().item()
+                RESULTS["checks"].append(dict(name=f"long {case} sdpa_prefill", max_abs_err=err, tol=TOL[DT],
+                                              ok=err <= TOL[DT]))  # fmt: skip
+                ms, mode = bench_ms(lambda: sdpa_prefill(q, k, v, HEAD_DIM**-0.5), iters=10)
+                RESULTS["long_prefill"].append(dict(case=case, impl="engine: sdpa_prefill", ms=ms,
+                                                    tflops=flops / ms / 1e9, max_diff_vs_reference=err))  # fmt: skip
+                log(f"long {case} sdpa_prefill: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s, vs reference {err:.2g}")
+            del ref
             for bm, bn, nw, ns in LONG_CONFIGS:
                 if over_budget():
                     break
@@ -669,7 +689,8 @@ def write_report() -> None:
     lines += ["", "Prefill tile sweep (16x1024):"]
     lines += table(RESULTS["prefill_config_sweep"], ["block_m", "block_n", "num_warps", "num_stages", "ms", "tflops", "max_diff_vs_default"])
     lines += ["", "Long prefill, one sequence (TFLOP/s, causal pairs):"]
-    lines += table(RESULTS.get("long_prefill", []), ["case", "impl", "ms", "tflops", "max_diff_vs_default"])
+    lines += table(RESULTS.get("long_prefill", []), ["case", "impl", "ms", "tflops", "max_diff_vs_default",
+                                                     "max_diff_vs_reference"])
     lines += ["", "Elementwise kernels:"]
     lines += table(RESULTS["elementwise"], ["kernel", "impl", "ms", "gbps", "mode"])
     lines += ["", f"Errors ({len(RESULTS['errors'])}):"]

@@ -38,6 +38,7 @@ A = ["--num-prompts", "512", "--input-len", "512", "--output-len", "256"]
 # name: (engine, bench command, flags)
 ROWS = {
     "a": ("short", "throughput", A + ["--temperature", "0"]),
+    "a_t1": ("short", "throughput", A),  # temperature 1.0: the default calls' (a)
     "topp": ("short", "throughput", A + ["--temperature", "0.8", "--top-p", "0.95", "--top-k", "50"]),
     "presence": ("short", "throughput", A + ["--temperature", "0.8", "--presence-penalty", "0.5"]),
     "repetition": ("short", "throughput", A + ["--temperature", "0", "--repetition-penalty", "1.1"]),
@@ -174,6 +175,7 @@ def main() -> None:
             if name.endswith("@reference"):
                 line += " --sampler reference"
             print(f"=== {name}: {line}", flush=True)
+            llm.reset_prefix_cache()  # each row's prompts start cold (rows share prompts: same seed)
             t0 = time.perf_counter()
             result = throughput.measure(llm, args, startup) if command == "throughput" else latency.measure(llm, args)
             record = result if isinstance(result, dict) else vars(result)
