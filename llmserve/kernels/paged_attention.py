@@ -286,7 +286,7 @@ _DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=128, num_warps=4, num_stages=
 _DECODE_GPU_LARGE = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 _DECODE_LARGE_PROGRAMS_PER_SM = 8
 _PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
-# long prompts (max_query_len >= LONG_PREFILL_TOKENS): 256 x 64 tiles, 8 warps; one 7,680-token
+# long prompts (queries of LONG_PREFILL_TOKENS and more on average): 256 x 64 tiles, 8 warps; one 7,680-token
 # prompt 1.34 ms vs 1.53 with the above (362 vs 317 TFLOP/s), 16,384: 5.34 vs 6.21 ms, the
 # second 16,384-token chunk of a 32k prompt: 15.4 vs 18.2 ms (H200, 2026-12-01)
 _PREFILL_GPU_LONG = AttnLaunchConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
@@ -412,7 +412,11 @@ def paged_attention_forward(
     elif decode_like:
         cfg = _DECODE_GPU
     else:
-        cfg = _PREFILL_GPU_LONG if meta.max_query_len >= LONG_PREFILL_TOKENS else _PREFILL_GPU
+        # long tiles only where nearly every row is a long prompt's: a decode in a 256-row
+        # tile computes 64 query slots for its one token (64 x 7,680 prompts with decodes
+        # mixed in ran at 808 output tok/s with them on every long step, 861 without)
+        long = meta.max_query_len >= LONG_PREFILL_TOKENS and num_tokens // num_seqs >= LONG_PREFILL_TOKENS
+        cfg = _PREFILL_GPU_LONG if long else _PREFILL_GPU
     block_m = max(cfg.block_m, group_pad, 16)
     block_q = block_m // group_pad
     one_tile = meta.max_query_len <= block_q

@@ -1,4 +1,4 @@
-"""Workloads (a) at temperature 1.0 and (b) on an earlier llmserve, for a before/after in one
+"""Workloads (a) at temperature 1.0, (c) and (b) on an earlier llmserve, for a before/after in one
 lease: `python3 scripts/gpu/old_rows.py --root DIR` imports llmserve from DIR (e.g. a
 `git archive <commit> llmserve` unpacked there) and times both on one engine with the same
 flags as scripts/gpu/bench_rows.py's engine "short" (the earlier code's own bench modules do
@@ -43,6 +43,16 @@ def main() -> None:
         elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print("RESULT old a_t1", json.dumps({"output_tokens_per_s": round(tokens / elapsed, 1)}), flush=True)
+    args = bench_args("throughput", ROWS["c"][2])
+    prompts, out_lens = throughput.make_prompts(args.num_prompts, args.input_len, args.output_len, 0.0,
+                                                llm.config.model_config.arch.vocab_size, args.bench_seed)  # fmt: skip
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    with frozen("old bench c"):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT old c", json.dumps({"output_tokens_per_s": round(tokens / elapsed, 1)}), flush=True)
     largs = bench_args("latency", ROWS["b"][2])
     with frozen("old bench latency"):
         r = latency._measure(largs, llm, [50, 90, 99])
