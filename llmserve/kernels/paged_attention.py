@@ -367,6 +367,19 @@ def warmup_paged_attention(
         for splits in split_counts():
             paged_attention_forward(q, kv_cache, meta, scale, num_splits=splits)
             launches += 1
+    if device.type == "cuda" and num_blocks * page >= LONG_PREFILL_TOKENS:  # the long-prompt tiles
+        n = LONG_PREFILL_TOKENS
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=(torch.arange(-(-n // page), dtype=torch.int32, device=device) % num_blocks)[None],
+            max_query_len=n,
+            max_seq_len=n,
+        )  # fmt: skip
+        paged_attention_forward(torch.randn(n, num_heads, head_dim, dtype=dtype, device=device), kv_cache, meta,
+                                scale, num_splits=1)  # fmt: skip
+        launches += 1
     return launches
 
 

@@ -589,6 +589,27 @@ def long_prefill(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def sdpa_new_lengths(quick: bool) -> None:
+    """What a prompt of a length not seen before costs on its first SDPA call (cuDNN builds
+    an execution plan per shape): first and second call at five fresh lengths near 4k."""
+    from llmserve.kernels.paged_attention import sdpa_prefill
+
+    RESULTS.setdefault("sdpa_new_lengths", [])
+    for n in (4001, 4003, 4007, 4011, 4013):
+        q = torch.randn(n, HQ, HEAD_DIM, device="cuda", dtype=DT)
+        k = torch.randn(n, HKV, HEAD_DIM, device="cuda", dtype=DT)
+        v = torch.randn(n, HKV, HEAD_DIM, device="cuda", dtype=DT)
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            sdpa_prefill(q, k, v, HEAD_DIM**-0.5)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1000)
+        RESULTS["sdpa_new_lengths"].append(dict(tokens=n, first_ms=times[0], second_ms=times[1]))
+        log(f"sdpa_prefill {n} tokens: first call {times[0]:.2f} ms, second {times[1]:.2f} ms")
+
+
 # -- 4. elementwise -------------------------------------------------------------------------
 
 
@@ -729,7 +750,7 @@ def main() -> int:
     RESULTS["triton"] = triton.__version__
     RESULTS["torch"] = torch.__version__
     sections = [("checks", checks), ("decode", decode), ("sweeps", decode_sweeps),
-                ("prefill", prefill), ("long", long_prefill), ("elementwise", lambda q: elementwise())]  # fmt: skip
+                ("prefill", prefill), ("long", long_prefill), ("sdpa_lengths", sdpa_new_lengths), ("elementwise", lambda q: elementwise())]  # fmt: skip
     only = {s for s in args.only.split(",") if s}
     try:
         for name, fn in sections:
