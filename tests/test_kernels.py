@@ -230,12 +230,27 @@ def test_one_fresh_long_sequence_takes_sdpa_and_matches_the_reference(monkeypatc
         assert paged_attention.fresh_single_prefill(meta)
         check_attention(q, k, v, cache, meta, 32**-0.5)
     assert len(calls) == 2
+    # padded to a shared length (as on a GPU, where cuDNN plans per shape): still exact
+    q, k, v, cache, meta = make_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32)  # fmt: skip
+    ref = reference_paged_attention(q, k, v, cache.clone(), meta, 32**-0.5)
+    torch.testing.assert_close(original(q, k, v, 32**-0.5, pad_to=53), ref, **TOL[torch.float32])
     for qlens, slens in (([40], [52]), ([20, 20], [20, 20]), ([12], [12])):  # cached prefix; two; short
         q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
                                           dtype=torch.float32)  # fmt: skip
         assert not paged_attention.fresh_single_prefill(meta)
         check_attention(q, k, v, cache, meta, 32**-0.5)
     assert len(calls) == 2
+
+
+def test_sdpa_buckets_share_plans_with_little_padding():
+    assert [paged_attention.sdpa_bucket(n) for n in (2048, 2049, 4001, 7680, 7681, 16384, 30000)] == [
+        2048, 2176, 4096, 7680, 7936, 16384, 30720]
+    for n in range(2048, 40000, 37):
+        assert n <= paged_attention.sdpa_bucket(n) <= n * 17 / 16
+    # the warm-up builds each padded length once (here on the CPU, where SDPA never pads)
+    assert paged_attention.warmup_sdpa_prefill(4, 2, 16, torch.float32, torch.device("cpu"), 2600) == len(
+        {paged_attention.sdpa_bucket(n) for n in range(2048, 2601)})
 
 
 def test_choose_num_splits_policy():

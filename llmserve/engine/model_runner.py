@@ -282,13 +282,17 @@ class ModelRunner:
         """Compile the Triton attention variants before serving (no JIT stall mid-traffic)."""
         if self.config.attention_backend != "triton" or self.device.type != "cuda":
             return
-        from llmserve.kernels.paged_attention import warmup_paged_attention
+        from llmserve.kernels.paged_attention import warmup_paged_attention, warmup_sdpa_prefill
 
         a = self.arch
+        sc = self.config.scheduler_config
         try:
             n = warmup_paged_attention(
-                a.num_heads, self.kv_caches[0], a.head_dim**-0.5, self.config.scheduler_config.max_num_seqs, self.dtype
+                a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs, self.dtype
             )
+            # SDPA's plans for the padded lengths of a fresh prompt's chunk (one per shape)
+            plans = warmup_sdpa_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
+                                        min(sc.max_num_batched_tokens, sc.max_model_len))  # fmt: skip
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
@@ -297,7 +301,7 @@ class ModelRunner:
         except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
             logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
-        logger.info("compiled %d paged-attention launch variants and the elementwise kernels", n)
+        logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans", n, plans)
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:

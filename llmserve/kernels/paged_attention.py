@@ -521,38 +521,77 @@ def fresh_single_prefill(meta: AttentionMetadata) -> bool:
             and meta.max_query_len >= SDPA_PREFILL_TOKENS)  # fmt: skip
 
 
+def sdpa_bucket(num_tokens: int) -> int:
+    """The length a fresh prefill is padded to for SDPA: cuDNN builds an execution plan per
+    shape (~45 ms on an H200 the first time a length is seen), so lengths share 16 plans an
+    octave (at most 1/16 of padding); the warm-up builds them all (`warmup_sdpa_prefill`)."""
+    step = max(1, triton.next_power_of_2(num_tokens + 1) // 32)  # the power of two at or below, / 16
+    return -(-num_tokens // step) * step
+
+
 def sdpa_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    pad_to: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of one sequence over its own new keys and values (q `[T, Hq, D]`,
     k/v `[T, Hkv, D]`) with `torch.nn.functional.scaled_dot_product_attention`: cuDNN's or
-    flash attention on a GPU, the math backend on a CPU. None when no such backend takes it."""
+    flash attention on a GPU, the math backend on a CPU. None when no such backend takes it.
+
+    On a GPU the sequence is padded with zeros to `sdpa_bucket(T)` (`pad_to` forces a length):
+    the padding sits after every real token, so causality hides it from the real queries and
+    their outputs are exact."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = str(q.device)
     if device in _SDPA_UNAVAILABLE:
         return None
+    n = q.shape[0]
+    padded = pad_to if pad_to is not None else (sdpa_bucket(n) if q.is_cuda else n)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        if padded == n:
+            return x
+        buf = x.new_zeros((padded, *x.shape[1:]))
+        buf[:n] = x
+        return buf
+
     backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
     try:
         with sdpa_kernel(backends):
             attn = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                pad(q).transpose(0, 1)[None], pad(k).transpose(0, 1)[None], pad(v).transpose(0, 1)[None],
                 is_causal=True, scale=scale, enable_gqa=True,
             )  # fmt: skip
     except RuntimeError:  # no backend for this device, dtype or head size
         _SDPA_UNAVAILABLE.add(device)
         return None
-    attn = attn[0].transpose(0, 1)
+    attn = attn[0, :, :n].transpose(0, 1)
     if out is None:
         return attn
     out.copy_(attn)
     return out
 
 
+def warmup_sdpa_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device, max_tokens: int) -> int:  # fmt: skip
+    """Build SDPA's plan for every padded length a fresh prefill of SDPA_PREFILL_TOKENS to
+    `max_tokens` tokens can take (the longest chunk a step holds). Returns how many."""
+    lengths = sorted({sdpa_bucket(n) for n in range(SDPA_PREFILL_TOKENS, max_tokens + 1)})
+    lengths = [n for n in lengths if n <= sdpa_bucket(max_tokens)]
+    for n in lengths:
+        q = torch.zeros(n, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+        if sdpa_prefill(q, kv, kv, head_dim**-0.5) is None:
+            return 0
+    return len(lengths)
+
+
 __all__ = [
     "AttnLaunchConfig",
     "fresh_single_prefill",
+    "sdpa_bucket",
     "sdpa_prefill",
+    "warmup_sdpa_prefill",
     "choose_num_splits",
     "paged_attention_forward",
     "triton_paged_attention",
