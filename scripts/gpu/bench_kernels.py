@@ -436,8 +436,28 @@ def decode_sweeps(quick: bool) -> None:
 # -- 3. prefill ---------------------------------------------------------------------------
 
 
-def prefill(quick: bool) -> None:
+def sweep_tiles(section: str, case: str, configs, q, cache, meta, base, flops: float, iters: int = 10) -> None:
+    """Each tile config on one batch: time, TFLOP/s, and its largest difference from `base`."""
     from llmserve.kernels import AttnLaunchConfig, paged_attention_forward
+
+    for bm, bn, nw, ns in configs:
+        if over_budget():
+            break
+        cfg = AttnLaunchConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+        try:
+            out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=cfg)
+            diff = (out.float() - base.float()).abs().max().item()
+            ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c), iters=iters)
+            row = dict(case=case, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, impl=f"triton bm{bm} bn{bn} w{nw} s{ns}",
+                       ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12, max_diff_vs_default=diff)  # fmt: skip
+            RESULTS[section].append(row)
+            log(f"{case} bm{bm} bn{bn} w{nw} s{ns}: {ms:.4f} ms {row['tflops']:.1f} TFLOP/s diff {diff:.2g}")
+        except Exception as exc:  # noqa: BLE001
+            record_error(section, f"{case} bm{bm} bn{bn} w{nw} s{ns}", exc)
+
+
+def prefill(quick: bool) -> None:
+    from llmserve.kernels import paged_attention_forward
 
     n_seq, length = 16, 1024
     qlens, slens = [length] * n_seq, [length] * n_seq
@@ -475,20 +495,7 @@ def prefill(quick: bool) -> None:
     if quick:
         configs = configs[:2]
     if base is not None:
-        for bm, bn, nw, ns in configs:
-            if over_budget():
-                break
-            cfg = AttnLaunchConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-            try:
-                out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=cfg)
-                diff = (out.float() - base.float()).abs().max().item()
-                ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c), iters=10)
-                row = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, ms=ms, mode=mode,
-                           tflops=flops / (ms * 1e-3) / 1e12, max_diff_vs_default=diff)  # fmt: skip
-                RESULTS["prefill_config_sweep"].append(row)
-                log(f"prefill cfg bm{bm} bn{bn} w{nw} s{ns}: {ms:.4f} ms {row['tflops']:.1f} TFLOP/s diff {diff:.2g}")
-            except Exception as exc:  # noqa: BLE001
-                record_error("prefill_config_sweep", f"bm{bm} bn{bn} w{nw} s{ns}", exc)
+        sweep_tiles("prefill_config_sweep", "16x1024", configs, q, cache, meta, base, flops)
         del q, k, v, cache, meta, base
     torch.cuda.empty_cache()
 
@@ -523,7 +530,7 @@ LONG_CONFIGS = [(128, 32, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8,
 def long_prefill(quick: bool) -> None:
     """One long prompt's attention (what batch-1 TTFT at 8k-32k waits on): the default tiles,
     a tile sweep, and SDPA on contiguous KV (causal cases) as the bar."""
-    from llmserve.kernels import AttnLaunchConfig, paged_attention_forward, write_kv
+    from llmserve.kernels import paged_attention_forward, write_kv
 
     RESULTS.setdefault("long_prefill", [])
     for case, qlens, slens in LONG_CASES[: 1 if quick else None]:
@@ -557,20 +564,7 @@ def long_prefill(quick: bool) -> None:
                                                     tflops=flops / ms / 1e9, max_diff_vs_reference=err))  # fmt: skip
                 log(f"long {case} sdpa_prefill: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s, vs reference {err:.2g}")
             del ref
-            for bm, bn, nw, ns in LONG_CONFIGS:
-                if over_budget():
-                    break
-                cfg = AttnLaunchConfig(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-                try:
-                    out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=cfg)
-                    diff = (out.float() - base.float()).abs().max().item()
-                    ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c),
-                                        iters=10)  # fmt: skip
-                    RESULTS["long_prefill"].append(dict(case=case, impl=f"triton bm{bm} bn{bn} w{nw} s{ns}", ms=ms,
-                                                        tflops=flops / ms / 1e9, max_diff_vs_default=diff))  # fmt: skip
-                    log(f"long {case} bm{bm} bn{bn} w{nw} s{ns}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s diff {diff:.2g}")
-                except Exception as exc:  # noqa: BLE001
-                    record_error("long_prefill", f"{case} bm{bm} bn{bn} w{nw} s{ns}", exc)
+            sweep_tiles("long_prefill", case, LONG_CONFIGS, q, cache, meta, base, flops)
             del q, k, v, cache, meta, base
             if qlens == slens:  # the bar: SDPA, contiguous KV, causal
                 qs = torch.randn(1, HQ, qlens[0], HEAD_DIM, device="cuda", dtype=DT)

@@ -24,7 +24,8 @@ def main() -> None:
     from bench_rows import ENGINES, ROWS, bench_args, make_model_folder  # this folder's (the flags only)
 
     from llmserve import LLM, SamplingParams
-    from llmserve.bench import latency, throughput
+    from llmserve.bench import latency
+    from llmserve.bench import throughput as throughput_module
     from llmserve.cli_args import engine_args_from_cli
     from llmserve.heap import frozen
 
@@ -32,27 +33,21 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES["short"]))))
     print(f"RESULT old engine ready in {time.perf_counter() - started:.1f} s", flush=True)
-    args = bench_args("throughput", ROWS["a_t1"][2])
-    prompts, out_lens = throughput.make_prompts(args.num_prompts, args.input_len, args.output_len, 0.0,
-                                                llm.config.model_config.arch.vocab_size, args.bench_seed)  # fmt: skip
-    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    with frozen("old bench"):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT old a_t1", json.dumps({"output_tokens_per_s": round(tokens / elapsed, 1)}), flush=True)
-    args = bench_args("throughput", ROWS["c"][2])
-    prompts, out_lens = throughput.make_prompts(args.num_prompts, args.input_len, args.output_len, 0.0,
-                                                llm.config.model_config.arch.vocab_size, args.bench_seed)  # fmt: skip
-    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
-    with frozen("old bench c"):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT old c", json.dumps({"output_tokens_per_s": round(tokens / elapsed, 1)}), flush=True)
+    def throughput(row: str) -> float:
+        """The row's prompts at temperature 1, timed as the earlier `bench throughput` timed them."""
+        args = bench_args("throughput", ROWS[row][2])
+        prompts, out_lens = throughput_module.make_prompts(args.num_prompts, args.input_len, args.output_len, 0.0,
+                                                           llm.config.model_config.arch.vocab_size, args.bench_seed)  # fmt: skip
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+        with frozen(f"old bench {row}"):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+        return round(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, 1)
+
+    for row in ("a_t1", "c"):
+        print(f"RESULT old {row}", json.dumps({"output_tokens_per_s": throughput(row)}), flush=True)
     largs = bench_args("latency", ROWS["b"][2])
     with frozen("old bench latency"):
         r = latency._measure(largs, llm, [50, 90, 99])
