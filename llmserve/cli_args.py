@@ -18,6 +18,7 @@ _HELP = {
     "tokenizer": "tokenizer folder or GGUF file, if not the model's",
     "served_model_name": "model name the API reports and accepts",
     "dtype": "auto, float32, float16 or bfloat16",
+    "quantization": "fp8: the projections' weights quantized at load to FP8 E4M3 (a scale per output channel), activations per token",
     "max_model_len": "longest prompt + output, in tokens",
     "load_format": "auto/safetensors, or dummy for random weights",
     "device": "auto, cpu or cuda",

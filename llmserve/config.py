@@ -45,6 +45,7 @@ class ModelConfig:
     seed: int
     served_model_name: str
     arch: ModelArch
+    quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
 
 
 @dataclass(slots=True)
@@ -111,6 +112,7 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # fp8: weights quantized at load to FP8 E4M3 (per output channel)
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -150,6 +152,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or _default_served_name(self.model),
             arch=arch,
+            quantization=_check_quantization(self.quantization),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -307,6 +310,16 @@ def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
             f"(max_position_embeddings{' / sliding_window' if arch.sliding_window else ''})"
         )
     return requested
+
+
+def _check_quantization(quantization: str | None) -> str | None:
+    from llmserve.model.fp8 import QUANTIZATION_METHODS
+
+    if quantization in (None, "", "none"):
+        return None
+    if quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}")
+    return quantization
 
 
 def _check_load_format(load_format: str) -> str:

@@ -217,3 +217,19 @@ def test_a_script_without_a_main_guard_or_file_starts_engine_processes(llama_dir
     line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS "))
     assert json.loads(line[len("TOKENS "):]) == [want, want]
     assert proc.stdout.count("TOKENS") == 1  # the script ran once, not again in each child
+
+
+def test_tp2_in_fp8_quantizes_each_ranks_slice(llama_dir):
+    """FP8 under tensor parallelism: each rank quantizes its own slice (row-parallel layers
+    get their own row scales per rank), so TP=2 stays close to TP=1 without being equal."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True)
+    prompts = _prompts(11)
+    with LLM(llama_dir, quantization="fp8", max_model_len=128) as one:
+        single = one.generate(prompts, params, use_tqdm=False)
+    with LLM(llama_dir, quantization="fp8", tensor_parallel_size=2, max_model_len=128) as two:
+        split = two.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(single, split):
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        for token in first_a.keys() & first_b.keys():
+            assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.05)

@@ -4,12 +4,13 @@
     latency      offline: one batch, TTFT and time per output token
     serve        online: any OpenAI-compatible server, timed on the client
     hf-baseline  the throughput workload through transformers generate()
+    accuracy     perplexity and greedy agreement of a model against its quantized form
 """
 
 
 def add_bench_parsers(subparsers) -> None:
     """Register every `llmserve bench` subcommand (each module imports its heavy parts lazily)."""
-    from llmserve.bench import hf_baseline, latency, serve, throughput
+    from llmserve.bench import accuracy, hf_baseline, latency, serve, throughput
 
-    for module in (throughput, latency, serve, hf_baseline):
+    for module in (throughput, latency, serve, hf_baseline, accuracy):
         module.add_parser(subparsers)

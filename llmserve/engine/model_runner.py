@@ -162,7 +162,7 @@ class ModelRunner:
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
-            max_positions=mc.max_model_len, tp=tp,
+            max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.arch import RopeConfig
+from llmserve.model.fp8 import fp8_matmul_reference, fp8_matmul_scaled_mm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,6 +62,7 @@ class LayerOps:
     fused_add_rms_norm: Callable = fused_add_rms_norm
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
+    fp8_matmul: Callable = fp8_matmul_reference  # FP8 linear layers (model/fp8.py)
 
 
 REFERENCE_OPS = LayerOps()
@@ -69,7 +71,8 @@ REFERENCE_OPS = LayerOps()
 def triton_ops() -> LayerOps:
     from llmserve import kernels
 
-    return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul)
+    return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
+                    fp8_matmul_scaled_mm)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

@@ -17,10 +17,10 @@ from torch import nn
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
+from llmserve.model.fp8 import is_fp8, make_linear, quantize_rows
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
     SINGLE,
-    RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     local_arch,
@@ -30,16 +30,16 @@ from llmserve.model.tensor_parallel import (
 
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup
+        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup,
+        quantization: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
         self.backend = backend
         self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias
-        )
-        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.o_proj_bias, tp)
+        self.qkv_proj = make_linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias,
+                                    quantization, ops.fp8_matmul)  # fmt: skip
+        self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -70,13 +70,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup) -> None:
+    def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup, quantization: str | None = None) -> None:
         super().__init__()
         self.act = ops.silu_and_mul
-        self.gate_up_proj = nn.Linear(
-            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias
-        )
-        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp)
+        self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
+                                        ops.fp8_matmul)  # fmt: skip
+        self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, quantization,
+                                     ops.fp8_matmul, tp)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -84,13 +84,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup
+        self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup,
+        quantization: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, backend, rotary, ops, tp)
+        self.self_attn = Attention(arch, backend, rotary, ops, tp, quantization)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops, tp)
+        self.mlp = MLP(arch, ops, tp, quantization)
 
     def forward(
         self,
@@ -121,14 +122,15 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps, tp: TPGroup
+        self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps, tp: TPGroup,
+        quantization: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
         shard = local_arch(arch, tp.world_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(shard, backend, self.rotary, ops, tp) for _ in range(arch.num_layers)
+            DecoderLayer(shard, backend, self.rotary, ops, tp, quantization) for _ in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
@@ -188,13 +190,16 @@ def _split_dim(target: str) -> int | None:
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
-        ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE,
+        ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE, quantization: str | None = None,
     ) -> None:  # fmt: skip
+        """`quantization` "fp8": the projections hold FP8 weights (model/fp8.py), quantized
+        from the checkpoint's as they load."""
         super().__init__()
         self.arch = arch
         self.tp = tp
+        self.quantization = quantization
         self.shard = local_arch(arch, tp.world_size)
-        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp)
+        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
         if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
             self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
 
@@ -234,9 +239,17 @@ class LlamaForCausalLM(nn.Module):
             if list(tensor.shape) != full:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
             part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
-            if part.shape != dest.shape:  # the last rank's padded vocabulary rows
-                dest.zero_()
-            dest.narrow(0, 0, part.shape[0]).copy_(part)
+            if is_fp8(dest):  # quantized as it loads, rows of this rank's part (model/fp8.py)
+                scale_target = target.removesuffix(".weight") + ".weight_scale"
+                scale = params[scale_target]
+                q, row_scales = quantize_rows(part)
+                dest.copy_(q)
+                (scale.data if shard is None else self._shard_view(target, scale, shard)).copy_(row_scales)
+                loaded.add(scale_target if shard is None else f"{scale_target}#{shard}")
+            else:
+                if part.shape != dest.shape:  # the last rank's padded vocabulary rows
+                    dest.zero_()
+                dest.narrow(0, 0, part.shape[0]).copy_(part)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 

@@ -33,14 +33,19 @@ def load_model(
     max_positions: int | None = None,
     ops: LayerOps = REFERENCE_OPS,
     tp: TPGroup = SINGLE,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
-    rank's tensor-parallel group (each rank builds and loads only its shard)."""
+    rank's tensor-parallel group (each rank builds and loads only its shard); `quantization`
+    "fp8" gives the projections FP8 weights, quantized from the checkpoint as it loads."""
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp)
-    model = model.to(dtype).to_empty(device=device)  # allocate once, in the final dtype
+        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp, quantization)
+        for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
+            if param.dtype == torch.float32 and not _is_scale(model, param):
+                param.data = param.data.to(dtype)
+    model = model.to_empty(device=device)  # allocate once
     model.model.rotary.rebuild(torch.device(device))
     if load_format == "dummy":
         _init_dummy(model, seed + tp.rank)
@@ -92,13 +97,30 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
                     bar.update(1)
 
 
+def _is_scale(model: torch.nn.Module, param: torch.Tensor) -> bool:
+    from llmserve.model.fp8 import Fp8Linear
+
+    return any(param is m.weight_scale for m in model.modules() if isinstance(m, Fp8Linear))
+
+
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values."""
+    """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values.
+    FP8 weights are drawn in float32 and quantized, as a checkpoint's would be."""
+    from llmserve.model.fp8 import Fp8Linear, quantize_rows
+
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
+        fp8 = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if id(param) in fp8:
+                draw = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
+                q, scale = quantize_rows(draw)
+                param.copy_(q)
+                fp8[id(param)].weight_scale.copy_(scale)
+            elif name.endswith("weight_scale"):
+                continue  # set with its weight
+            elif "norm" in name:
                 param.fill_(1.0)
             else:
                 param.uniform_(-0.02, 0.02, generator=gen)

@@ -1,0 +1,145 @@
+"""`llmserve bench accuracy`: what a quantization costs on real text.
+
+The same model twice, as configured and with `--quantization` (and/or `--kv-cache-dtype`)
+added, reads a held-out text teacher-forced (windows of `--window` tokens, each from an
+empty cache, through the engine's own layers and paged KV cache): perplexity of each, and
+how often their greedy next-token choices agree, position by position.
+
+    llmserve bench accuracy --model M --quantization fp8 --text docs/architecture.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from llmserve.cli_args import add_engine_args, engine_args_from_cli
+
+
+@dataclass
+class Reading:
+    nll: list[float]  # per predicted position
+    top1: list[int]  # the greedy choice at each position
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(sum(self.nll) / len(self.nll))
+
+
+@dataclass
+class AccuracyResult:
+    model: str
+    text: str
+    positions: int
+    window: int
+    baseline: str
+    candidate: str
+    perplexity_baseline: float
+    perplexity_candidate: float
+    perplexity_change_pct: float
+    top1_agreement: float
+    seconds: float
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement: the model against its quantized form")
+    p.add_argument("--text", required=True, help="a held-out text file (UTF-8)")
+    p.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
+    p.add_argument("--max-positions", type=int, default=4096, help="positions read at most")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def read_text(model, tokenizer_ids: list[int], window: int, device: torch.device, kv_dtype: torch.dtype) -> Reading:
+    """Teacher-forced next-token log-likelihoods of `tokenizer_ids`, window by window."""
+    from llmserve.model.attention import AttentionMetadata
+
+    layers = model.attention_layers()
+    arch = model.shard
+    nll: list[float] = []
+    top1: list[int] = []
+    block = 16
+    for start in range(0, len(tokenizer_ids) - 1, window):
+        ids = tokenizer_ids[start : start + window + 1]
+        if len(ids) < 2:
+            break
+        inputs, targets = ids[:-1], ids[1:]
+        n = len(inputs)
+        blocks = -(-n // block)
+        for layer in layers:
+            layer.kv_cache = torch.zeros(2, blocks, block, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype, device=device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+            max_query_len=n,
+            max_seq_len=n,
+        )
+        with torch.inference_mode():
+            hidden = model(torch.tensor(inputs, device=device), torch.arange(n, device=device), meta)
+            logp = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+        target = torch.tensor(targets, device=device)
+        nll.extend((-logp.gather(-1, target[:, None]).squeeze(-1)).tolist())
+        top1.extend(logp.argmax(dim=-1).tolist())
+    return Reading(nll, top1)
+
+
+def load_for_reading(engine_args):
+    """The model and tokenizer an engine would run, with the reference attention (no kernels)."""
+    from llmserve.model.attention import reference_paged_attention
+    from llmserve.model.loader import load_model
+    from llmserve.tokenizer import load_tokenizer
+
+    cfg = engine_args.create_engine_config()
+    mc = cfg.model_config
+    model = load_model(mc.model, mc.arch, mc.dtype, cfg.device, reference_paged_attention, load_format=mc.load_format,
+                       seed=mc.seed, progress=False, max_positions=mc.max_model_len, quantization=mc.quantization)  # fmt: skip
+    return model, load_tokenizer(mc.tokenizer), cfg
+
+
+def describe(cfg) -> str:
+    mc = cfg.model_config
+    kv = getattr(cfg.cache_config, "kv_cache_dtype", None) or "auto"
+    return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}, KV {kv}"
+
+
+def run(args: argparse.Namespace) -> AccuracyResult:
+    import dataclasses
+
+    started = time.perf_counter()
+    candidate_args = engine_args_from_cli(args)
+    baseline_args = dataclasses.replace(candidate_args, quantization=None,
+                                        **({"kv_cache_dtype": "auto"} if hasattr(candidate_args, "kv_cache_dtype") else {}))  # fmt: skip
+    text = Path(args.text).read_text(encoding="utf-8")
+    readings, labels = [], []
+    for engine_args in (baseline_args, candidate_args):
+        model, tokenizer, cfg = load_for_reading(engine_args)
+        ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
+        kv_dtype = getattr(cfg.cache_config, "kv_cache_torch_dtype", None) or cfg.model_config.dtype
+        readings.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
+        labels.append(describe(cfg))
+        del model
+    base, cand = readings
+    agree = sum(a == b for a, b in zip(base.top1, cand.top1)) / len(base.top1)
+    result = AccuracyResult(
+        model=candidate_args.model, text=args.text, positions=len(base.nll), window=args.window,
+        baseline=labels[0], candidate=labels[1],
+        perplexity_baseline=round(base.perplexity, 4), perplexity_candidate=round(cand.perplexity, 4),
+        perplexity_change_pct=round(100 * (cand.perplexity / base.perplexity - 1), 3),
+        top1_agreement=round(agree, 4), seconds=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    print(f"Accuracy over {result.positions} positions of {args.text} (windows of {args.window}):\n"
+          f"  {result.baseline}: perplexity {result.perplexity_baseline:.4f}\n"
+          f"  {result.candidate}: perplexity {result.perplexity_candidate:.4f} ({result.perplexity_change_pct:+.2f} %)\n"
+          f"  greedy top-1 agreement: {100 * result.top1_agreement:.2f} %")  # fmt: skip
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(asdict(result), indent=2))
+    return result

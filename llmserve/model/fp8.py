@@ -1,0 +1,115 @@
+"""FP8 (E4M3) linear layers: weights stored in FP8 with a scale per output channel,
+activations quantized per token as they arrive.
+
+y = (x_q * s_x) @ (W_q * s_w)^T, with x_q = x / s_x and W_q = W / s_w rounded to float8_e4m3fn
+(s = amax / 448 per token, per output row). Two implementations of the product:
+- `fp8_matmul_reference`: dequantize both to float32 and multiply (the plain definition);
+- `fp8_matmul_scaled_mm`: `torch._scaled_mm` on the FP8 operands with row-wise scales
+  (cuBLASLt on a GPU; exact against the reference on a CPU).
+The model picks one through `LayerOps.fp8_matmul` (the reference with the PyTorch ops, the
+fast one with the fused kernels). The LM head and the embedding stay in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.model.tensor_parallel import TPGroup
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+_MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
+
+QUANTIZATION_METHODS = ("fp8",)
+
+
+def quantize_rows(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [rows, cols] in FP8 with a float32 scale per row ([rows, 1]); `per_channel=False`:
+    one scale for the whole tensor (repeated per row, so both read alike)."""
+    w = w.to(torch.float32)
+    amax = w.abs().amax(dim=-1, keepdim=True) if per_channel else w.abs().amax().expand(w.shape[0], 1)
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [T, K] in FP8, dynamically per token (or with a checkpoint's static scale)."""
+    x = x.to(torch.float32)
+    if static_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    else:
+        scale = static_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """x [T, K] (any float dtype) @ (FP8 weight [N, K] * scale [N, 1])^T, the activations
+    quantized as the fast path quantizes them; computed in float32, returned in x's dtype."""
+    xq, sx = quantize_tokens(x, input_scale)
+    return ((xq.to(torch.float32) * sx) @ (weight.to(torch.float32) * weight_scale).t()).to(x.dtype)
+
+
+def fp8_matmul_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         input_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The same product by `torch._scaled_mm` (FP8 operands, row-wise scales)."""
+    xq, sx = quantize_tokens(x, input_scale)
+    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with FP8 weights: column-parallel or plain (`tp` None), or row-parallel
+    (`tp` given: the input is this rank's slice, the outputs are summed over ranks)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, matmul=fp8_matmul_reference,
+                 tp: TPGroup | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.matmul = matmul
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
+        self.input_scale: nn.Parameter | None = None  # a checkpoint's static activation scale
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.matmul(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.input_scale)
+        y = y.reshape(*shape[:-1], y.shape[-1])
+        if self.tp is not None and self.tp.world_size > 1:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None, matmul,
+                tp: TPGroup | None = None) -> nn.Module:  # fmt: skip
+    """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form."""
+    if quantization == "fp8":
+        return Fp8Linear(in_features, out_features, bias, matmul, tp)
+    if tp is not None:
+        from llmserve.model.tensor_parallel import RowParallelLinear
+
+        return RowParallelLinear(in_features, out_features, bias, tp)
+    return nn.Linear(in_features, out_features, bias=bias)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return weight.to(torch.float32) * scale
+
+
+__all__ = [
+    "FP8",
+    "Fp8Linear",
+    "QUANTIZATION_METHODS",
+    "dequantize",
+    "fp8_matmul_reference",
+    "fp8_matmul_scaled_mm",
+    "is_fp8",
+    "make_linear",
+    "quantize_rows",
+    "quantize_tokens",
+]

@@ -1,0 +1,116 @@
+"""FP8 weights and activations (`--quantization fp8`): the `torch._scaled_mm` path against the
+dequantize-and-multiply reference (exact on a CPU), quantization error bounds, the engine
+quantizing a checkpoint at load, and bad settings refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import TINY_MODEL_DIR, ConfigError, EngineArgs
+from llmserve.model.fp8 import (
+    FP8,
+    Fp8Linear,
+    dequantize,
+    fp8_matmul_reference,
+    fp8_matmul_scaled_mm,
+    quantize_rows,
+    quantize_tokens,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "k", "n"), [(1, 64, 96), (37, 256, 512), (5, 72, 100)])
+def test_scaled_mm_equals_the_reference(dtype, tokens, k, n):
+    gen = torch.Generator().manual_seed(tokens + k)
+    x = (torch.randn(tokens, k, generator=gen) * 3).to(dtype)
+    weight, scale = quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
+    want = fp8_matmul_reference(x, weight, scale)
+    got = fp8_matmul_scaled_mm(x, weight, scale)
+    # the same products, summed in another order (one token takes a matrix-vector path)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    static = torch.tensor(0.02)  # a checkpoint's static activation scale
+    torch.testing.assert_close(fp8_matmul_scaled_mm(x, weight, scale, static),
+                               fp8_matmul_reference(x, weight, scale, static), **tol)  # fmt: skip
+
+
+def test_quantization_error_is_within_e4m3_precision():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 0, 64)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == FP8 and scale.shape == (64, 1)
+    rel = (dequantize(q, scale) - w).abs() / w.abs().amax(dim=1, keepdim=True)
+    assert rel.max() <= 2**-4  # 3 mantissa bits: half a step of 1/8, relative to the row's largest
+    # one scale for the tensor: rows far below the largest lose precision (why rows get their own)
+    q1, s1 = quantize_rows(w, per_channel=False)
+    assert torch.unique(s1).numel() == 1
+    assert (dequantize(q1, s1) - w).abs()[:8].max() > (dequantize(q, scale) - w).abs()[:8].max()
+    xq, sx = quantize_tokens(torch.zeros(3, 8))  # an all-zero token keeps a finite scale
+    assert torch.isfinite(sx).all() and (xq.float() == 0).all()
+
+
+def test_engine_quantizes_at_load_and_stays_close(llama_dir):
+    base = LLM(llama_dir, max_model_len=128)
+    fp8 = LLM(llama_dir, max_model_len=128, quantization="fp8")
+    layer = fp8.core.runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and layer.self_attn.qkv_proj.weight.dtype == FP8
+    assert isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert fp8.core.runner.model.model.embed_tokens.weight.dtype == torch.float32  # embedding and LM head stay
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    a, b = base.generate(prompts, params, use_tqdm=False), fp8.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        lx, ly = x.outputs[0].logprobs[0], y.outputs[0].logprobs[0]
+        for token in lx.keys() & ly.keys():
+            assert abs(lx[token].logprob - ly[token].logprob) < 0.05
+
+
+def test_fast_path_is_token_exact_against_the_reference_on_cpu(llama_dir):
+    """The model built with `torch._scaled_mm` and with the reference matmul: the same
+    logits (to float32 rounding) and the same greedy token at every position."""
+    from llmserve.model.attention import AttentionMetadata, reference_paged_attention
+    from llmserve.model.layers import LayerOps
+    from llmserve.model.loader import load_model
+
+    cfg = EngineArgs(model=llama_dir, quantization="fp8", max_model_len=128).create_engine_config()
+    mc = cfg.model_config
+    logits = []
+    for matmul in (fp8_matmul_reference, fp8_matmul_scaled_mm):
+        model = load_model(mc.model, mc.arch, mc.dtype, "cpu", reference_paged_attention, progress=False,
+                           quantization="fp8", ops=LayerOps(fp8_matmul=matmul))  # fmt: skip
+        for layer in model.attention_layers():
+            layer.kv_cache = torch.zeros(2, 2, 16, mc.arch.num_kv_heads, mc.arch.head_dim)
+        n = 20
+        meta = AttentionMetadata(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
+                                 torch.tensor([n], dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32), n, n)  # fmt: skip
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(torch.arange(3, 3 + n), torch.arange(n), meta)))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_dummy_weights_and_biases_in_fp8(model_dirs):
+    """Random FP8 weights (benchmarks) and a model with q/k/v biases (Qwen2)."""
+    with LLM(model_dirs["llama"], load_format="dummy", quantization="fp8", max_model_len=64) as llm:
+        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+    with LLM(model_dirs["qwen2"], quantization="fp8", max_model_len=64) as llm:
+        assert llm.core.runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
+        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+def test_the_tiny_model_in_fp8_mostly_agrees_with_float32():
+    prompts = ["The json module", "A list is", "To open a file,", "Dictionaries map keys"]
+    a = LLM(str(TINY_MODEL_DIR), max_model_len=256).generate(prompts, GREEDY, use_tqdm=False)
+    b = LLM(str(TINY_MODEL_DIR), max_model_len=256, quantization="fp8").generate(prompts, GREEDY, use_tqdm=False)
+    first = [x.outputs[0].token_ids[0] == y.outputs[0].token_ids[0] for x, y in zip(a, b)]
+    assert sum(first) >= 3
+
+
+@pytest.mark.parametrize("bad", ["int4", "awq", "FP8 "])
+def test_unknown_quantization_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="quantization must be one of fp8"):
+        EngineArgs(model=str(TINY_MODEL_DIR), quantization=bad).create_engine_config()
