@@ -45,6 +45,14 @@ def _make_random_model(args: argparse.Namespace) -> None:
     print(f"wrote a random {args.family} model to {path}")
 
 
+def _make_fp8_checkpoint(args: argparse.Namespace) -> None:
+    from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(args.model, args.out, args.format, args.weights, args.activations)
+    print(f"wrote an FP8 checkpoint ({args.format}, weight scales per {args.weights}, {args.activations} "
+          f"activations) to {path}")  # fmt: skip
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Every command; with `only` (a light command), just that one, importing nothing heavy."""
     from llmserve.gateway import cli as gateway_cli
@@ -92,6 +100,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     rm.add_argument("--config-only", action="store_true", help="no weights: for --load-format dummy")
     rm.add_argument("--rope-scaling-llama3", action="store_true", help="Llama 3.1's rope scaling")
     rm.set_defaults(func=_make_random_model)
+
+    fp8 = sub.add_parser("make-fp8-checkpoint", help="write a Hugging Face folder's projections as an FP8 checkpoint")
+    fp8.add_argument("model", help="a Hugging Face folder (safetensors)")
+    fp8.add_argument("out")
+    fp8.add_argument("--format", default="compressed-tensors", choices=["fp8", "compressed-tensors"])
+    fp8.add_argument("--weights", default="channel", choices=["tensor", "channel"], help="a weight scale per tensor or per output channel (fp8: tensor)")
+    fp8.add_argument("--activations", default="dynamic", choices=["dynamic", "static"], help="static: input scales calibrated on a few prompts")
+    fp8.set_defaults(func=_make_fp8_checkpoint)
     return parser
 
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from llmserve.model.arch import ModelArch, UnsupportedModelError, read_model_arch
+
+if TYPE_CHECKING:
+    from llmserve.model.fp8_checkpoint import CheckpointQuantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -46,6 +50,7 @@ class ModelConfig:
     served_model_name: str
     arch: ModelArch
     quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
+    checkpoint_quantization: "CheckpointQuantization | None" = None  # the FP8 format the checkpoint is in
 
 
 @dataclass(slots=True)
@@ -141,6 +146,12 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         model_dir = resolve_model_path(self.model)
         arch = read_arch(model_dir, own_tokenizer=self.tokenizer is None)
+        checkpoint_quant = _checkpoint_quantization(model_dir)
+        quantization = _check_quantization(self.quantization)
+        if checkpoint_quant is not None:  # an FP8 checkpoint runs as one
+            if quantization not in (None, "fp8"):
+                raise ConfigError(f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply")
+            quantization = "fp8"
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
@@ -152,7 +163,8 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name or _default_served_name(self.model),
             arch=arch,
-            quantization=_check_quantization(self.quantization),
+            quantization=quantization,
+            checkpoint_quantization=checkpoint_quant,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -310,6 +322,20 @@ def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
             f"(max_position_embeddings{' / sliding_window' if arch.sliding_window else ''})"
         )
     return requested
+
+
+def _checkpoint_quantization(path: Path) -> "CheckpointQuantization | None":
+    """An FP8 checkpoint's format from its config.json (GGUF files carry none of these)."""
+    import json
+
+    from llmserve.model.fp8_checkpoint import read_checkpoint_quantization
+
+    if path.is_file():
+        return None
+    try:
+        return read_checkpoint_quantization(json.loads((path / "config.json").read_text()))
+    except UnsupportedModelError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_quantization(quantization: str | None) -> str | None:

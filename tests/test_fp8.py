@@ -114,3 +114,76 @@ def test_the_tiny_model_in_fp8_mostly_agrees_with_float32():
 def test_unknown_quantization_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="quantization must be one of fp8"):
         EngineArgs(model=str(TINY_MODEL_DIR), quantization=bad).create_engine_config()
+
+
+# -- FP8 checkpoints as published ----------------------------------------------------------
+VARIANTS = [("fp8", "tensor", "dynamic"), ("fp8", "tensor", "static"), ("compressed-tensors", "tensor", "dynamic"),
+            ("compressed-tensors", "channel", "dynamic"), ("compressed-tensors", "channel", "static")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(llama_dir, tmp_path_factory):
+    from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8ckpt")
+    return {v: write_fp8_checkpoint(llama_dir, root / "-".join(v), *v) for v in VARIANTS}
+
+
+def test_every_published_variant_loads_as_fp8_close_to_float32(llama_dir, fp8_checkpoints):
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(3)]
+    base = LLM(llama_dir, max_model_len=64).generate(prompts, params, use_tqdm=False)
+    for (fmt, weights, activations), path in fp8_checkpoints.items():
+        llm = LLM(str(path), max_model_len=64)  # no --quantization: the config says FP8
+        mc = llm.config.model_config
+        assert mc.quantization == "fp8" and mc.checkpoint_quantization.format == fmt
+        qkv = llm.core.runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == FP8 and (qkv.input_scale is not None) == (activations == "static")
+        for a, b in zip(base, llm.generate(prompts, params, use_tqdm=False)):
+            la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys()) < 0.05, (fmt, weights)
+        llm.shutdown()
+
+
+def test_a_channel_wise_dynamic_checkpoint_equals_quantizing_at_load(llama_dir, fp8_checkpoints):
+    """Scales per output channel, activations per token: what `--quantization fp8` does to the
+    original weights, so the same weights, the same scales and the same tokens."""
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(4)]
+    at_load = LLM(llama_dir, quantization="fp8", max_model_len=64)
+    from_file = LLM(str(fp8_checkpoints[("compressed-tensors", "channel", "dynamic")]), max_model_len=64)
+    a = at_load.core.runner.model.model.layers[1].mlp.gate_up_proj
+    b = from_file.core.runner.model.model.layers[1].mlp.gate_up_proj
+    assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)) and torch.equal(a.weight_scale, b.weight_scale)
+    assert [o.outputs[0].token_ids for o in at_load.generate(prompts, GREEDY, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in from_file.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_an_fp8_checkpoint_splits_over_two_ranks(fp8_checkpoints):
+    path = str(fp8_checkpoints[("fp8", "tensor", "static")])
+    prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70]}]
+    with LLM(path, max_model_len=64) as one, LLM(path, max_model_len=64, tensor_parallel_size=2) as two:
+        # per-tensor scales and a static input scale: the ranks' slices quantize alike
+        assert one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4] == \
+            two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+
+
+@pytest.mark.parametrize(("qc", "reason"), [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8 scales"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.down_proj"]}, "other than the LM head"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, "4-bit int"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}}, "weight strategy 'block'"),
+])  # fmt: skip
+def test_an_unsupported_quantization_config_is_refused_at_start(llama_dir, tmp_path, qc, reason):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(ConfigError, match=f"unsupported quantization_config: .*{reason}"):
+        EngineArgs(model=str(model)).create_engine_config()

@@ -100,6 +100,8 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
         "model": mc.model,
         "device": llm.config.device,
         "dtype": str(mc.dtype).removeprefix("torch."),
+        "quantization": mc.quantization,
+        "kv_cache_dtype": getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,

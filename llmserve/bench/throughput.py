@@ -35,6 +35,8 @@ class ThroughputResult:
     max_num_seqs: int
     startup_s: float  # from the command's start to a ready engine (weights, KV cache, graphs)
     prefix_len: int = 0
+    quantization: str | None = None  # the engine's (fp8), and its KV cache's dtype
+    kv_cache_dtype: str = "auto"
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
 
@@ -103,6 +105,8 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         max_num_seqs=llm.config.scheduler_config.max_num_seqs,
         startup_s=round(startup, 1),
         prefix_len=args.prefix_len,
+        quantization=llm.config.model_config.quantization,
+        kv_cache_dtype=getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         sampling=sampling_label(args) or None,
         gpu=usage.as_dict() if usage is not None else None,
     )

@@ -228,10 +228,22 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
+            if name.endswith(".input_scale"):  # an FP8 checkpoint's static activation scale
+                self._load_input_scale(target, tensor)
+                continue
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in {self.arch.architecture}")
             param = params[target]
             dest = param.data if shard is None else self._shard_view(target, param, shard)
+            if name.endswith(".weight_scale"):  # an FP8 checkpoint's: per tensor, or a row each
+                rows = tensor.reshape(-1, 1).to(torch.float32)
+                full_rows = dest.shape[0] * (self.tp.world_size if _split_dim(target) == 0 else 1)
+                rows = rows.expand(full_rows, 1) if rows.shape[0] == 1 else rows
+                if rows.shape[0] != full_rows:
+                    raise ValueError(f"{name}: {tuple(tensor.shape)} scales for {full_rows} rows")
+                dest.copy_(rows if _split_dim(target) != 0 else rank_slice(rows, 0, dest.shape[0], self.tp.rank))
+                loaded.add(target if shard is None else f"{target}#{shard}")
+                continue
             dim = _split_dim(target)
             full = list(dest.shape)
             if dim is not None:  # the checkpoint holds every rank's part (the vocabulary unpadded)
@@ -239,7 +251,9 @@ class LlamaForCausalLM(nn.Module):
             if list(tensor.shape) != full:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
             part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
-            if is_fp8(dest):  # quantized as it loads, rows of this rank's part (model/fp8.py)
+            if is_fp8(dest) and is_fp8(tensor):  # an FP8 checkpoint's weight (its scale comes apart)
+                dest.copy_(part)
+            elif is_fp8(dest):  # quantized as it loads, rows of this rank's part (model/fp8.py)
                 scale_target = target.removesuffix(".weight") + ".weight_scale"
                 scale = params[scale_target]
                 q, row_scales = quantize_rows(part)
@@ -253,9 +267,21 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
 
+    def _load_input_scale(self, target: str, tensor: torch.Tensor) -> None:
+        """A static activation scale: the layer quantizes its input with it. q/k/v (gate/up)
+        share one input, so the fused layer keeps the largest of their scales."""
+        module = self.get_submodule(target.removesuffix(".input_scale"))
+        value = tensor.reshape(-1)[0].to(torch.float32).to(module.weight.device)
+        if module.input_scale is None:
+            module.input_scale = torch.nn.Parameter(value.clone(), requires_grad=False)
+        else:
+            module.input_scale.data = torch.maximum(module.input_scale.data, value)
+
     def expected_weight_keys(self) -> set[str]:
         keys = set()
         for name, _ in self.named_parameters():
+            if name.endswith(".input_scale"):  # optional: a static FP8 checkpoint's, set as it loads
+                continue
             if ".qkv_proj." in name:
                 keys.update(f"{name}#{i}" for i in range(3))
             elif ".gate_up_proj." in name:
