@@ -53,6 +53,11 @@ class ModelConfig:
     checkpoint_quantization: "CheckpointQuantization | None" = None  # the FP8 format the checkpoint is in
 
 
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's, or float8_e4m3fn."""
+    return torch.float8_e4m3fn if kv_cache_dtype == "fp8" else model_dtype
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int
@@ -61,8 +66,13 @@ class CacheConfig:
     enable_prefix_caching: bool
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (E4M3, half the bytes of bf16)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype in ("fp8_e4m3", "fp8e4m3"):
+            self.kv_cache_dtype = "fp8"
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be auto or fp8 (fp8_e4m3); got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -125,6 +135,7 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = recompute
+    kv_cache_dtype: str = "auto"  # auto | fp8 (fp8_e4m3): the KV cache in FP8, twice the tokens
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -173,6 +184,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         batched = self.max_num_batched_tokens
         if batched is None:

@@ -187,3 +187,32 @@ def test_an_unsupported_quantization_config_is_refused_at_start(llama_dir, tmp_p
     (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     with pytest.raises(ConfigError, match=f"unsupported quantization_config: .*{reason}"):
         EngineArgs(model=str(model)).create_engine_config()
+
+
+# -- the KV cache in FP8 -------------------------------------------------------------------
+def test_an_fp8_kv_cache_holds_twice_the_tokens_and_stays_close(llama_dir):
+    """`kv_cache_dtype="fp8"`: the same bytes hold twice the tokens of a bfloat16 cache, and
+    the outputs stay close (keys and values rounded to E4M3 as they are stored)."""
+    budget = dict(dtype="bfloat16", kv_cache_memory_bytes=1 << 20, max_model_len=128)
+    bf16 = LLM(llama_dir, **budget)
+    fp8 = LLM(llama_dir, kv_cache_dtype="fp8", **budget)
+    assert fp8.core.kv.pool.num_blocks == 2 * bf16.core.kv.pool.num_blocks
+    assert fp8.core.runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i, 11, 12, 13] * 3} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    for a, b in zip(bf16.generate(prompts, params, use_tqdm=False), fp8.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert max(abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys()) < 0.1
+    # FP8 weights and an FP8 cache together, preempting by swap (the CPU copy is FP8 too)
+    with LLM(llama_dir, quantization="fp8", kv_cache_dtype="fp8", num_gpu_blocks_override=16, block_size=8,
+             swap_space=0.01, max_model_len=128) as both:  # fmt: skip
+        outs = both.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+        assert both.core.runner.cpu_caches[0].dtype == torch.float8_e4m3fn and both.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("bad", ["fp8_e5m2", "int8", "float16"])
+def test_an_unknown_kv_cache_dtype_is_a_clear_error(bad):
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto or fp8"):
+        EngineArgs(model=str(TINY_MODEL_DIR), kv_cache_dtype=bad).create_engine_config()

@@ -253,6 +253,17 @@ def test_sdpa_buckets_share_plans_with_little_padding():
         {paged_attention.sdpa_bucket(n) for n in range(2048, 2601)})
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_reads_and_writes_an_fp8_cache(num_splits):
+    """An FP8 (E4M3) KV cache: the kernel writes the same bytes as the reference (saturating
+    at +-448) and attends over them as the reference does, split-KV included."""
+    q, k, v, cache, meta = make_batch(MIXED_QLENS, MIXED_SEQLENS, num_heads=8, num_kv_heads=2, head_dim=32,
+                                      block_size=8, dtype=torch.float32, skip_tokens=MIXED_SKIP)  # fmt: skip
+    k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 447.0, 0.001])  # out of range, and tiny
+    cache = cache.clamp(-448, 448).to(torch.float8_e4m3fn)
+    check_attention(q, k, v, cache, meta, 32**-0.5, num_splits=num_splits)
+
+
 def test_choose_num_splits_policy():
     sms = 132
     # enough programs already: no split

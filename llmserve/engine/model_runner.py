@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.config import ConfigError, EngineConfig
+from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
@@ -157,6 +157,7 @@ class ModelRunner:
         self.device = rank_device(config.device, tp.rank)
         self._gpu_used_at_start = self._check_free_gpu_memory() if self.device.type == "cuda" else 0
         self.dtype = mc.dtype
+        self.kv_dtype = kv_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
         self.block_size = config.cache_config.block_size
         self.arch = local_arch(mc.arch, tp.world_size)  # this rank's heads
         self.model = load_model(
@@ -179,7 +180,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         a = self.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
 
     def num_blocks_for_memory(self) -> int:
@@ -267,14 +268,14 @@ class ModelRunner:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(a.num_layers)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)
         ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_caches = [
-            torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(a.num_layers)
+            torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
 
     @on_every_rank

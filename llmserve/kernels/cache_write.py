@@ -19,7 +19,7 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -35,6 +35,9 @@ def _write_kv_kernel(
     val = tl.load(
         v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
+    if FP8_MAX > 0:  # an FP8 cache saturates (scale 1), as the reference's conversion does
+        key = tl.minimum(tl.maximum(key.to(tl.float32), -FP8_MAX), FP8_MAX)
+        val = tl.minimum(tl.maximum(val.to(tl.float32), -FP8_MAX), FP8_MAX)
     dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
     tl.store(k_cache_ptr + dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, val.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -52,6 +55,14 @@ def write_kv(
     if v.stride(-1) != 1:
         v = v.contiguous()
     assert kv_cache.is_contiguous(), "the KV cache must be contiguous"
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and not kv_cache.is_cuda:
+        # the Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two (1.96 -> 1.0):
+        # convert with torch and let the kernel copy bytes; a GPU converts in the kernel
+        from llmserve.model.attention import to_cache_dtype
+
+        k, v = to_cache_dtype(k, kv_cache.dtype).view(torch.uint8), to_cache_dtype(v, kv_cache.dtype).view(torch.uint8)
+        kv_cache, fp8 = kv_cache.view(torch.uint8), False
     # [2, num_blocks * block_size, Hkv, D]: slot s of keys at flat[0, s]
     flat = kv_cache.view(2, -1, num_heads, head_dim)
     k_cache, v_cache = flat[0], flat[1]
@@ -61,5 +72,6 @@ def write_kv(
         k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=448.0 if fp8 else 0.0,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
     )  # fmt: skip

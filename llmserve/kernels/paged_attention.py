@@ -93,6 +93,7 @@ def _attend_range(
             )
         else:
             k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None])
+        k = k.to(q.dtype)  # an FP8 cache is read back in the queries' dtype (a no-op otherwise)
         s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BM, BN], log2 domain
         if MASKED:
             visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
@@ -117,6 +118,7 @@ def _attend_range(
             )
         else:
             v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :])
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i

@@ -2,7 +2,8 @@
 PyTorch reference implementation (the CPU path, and the oracle for GPU kernels).
 
 KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-(keys at index 0, values at 1). A token at position p of a sequence lives in slot
+(keys at index 0, values at 1), in the model's dtype or in FP8 E4M3 (`--kv-cache-dtype fp8`:
+stored with scale 1, saturating at +-448, read back in the queries' dtype). A token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 """
 
@@ -41,6 +42,17 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+FP8_KV = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values as the cache stores them: an FP8 cache saturates at +-448 (scale 1)."""
+    if dtype == FP8_KV:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -50,8 +62,8 @@ def write_kv_cache(
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    flat[0, slot_mapping] = k
-    flat[1, slot_mapping] = v
+    flat[0, slot_mapping] = to_cache_dtype(k, flat.dtype)
+    flat[1, slot_mapping] = to_cache_dtype(v, flat.dtype)
 
 
 def gather_kv(
@@ -91,6 +103,7 @@ def reference_paged_attention(
         if end == start:
             continue
         keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache reads back as q's dtype
         query_len = end - start
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
