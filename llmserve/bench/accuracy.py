@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
+from llmserve.config import kv_torch_dtype
 
 
 @dataclass
@@ -107,7 +108,7 @@ def load_for_reading(engine_args):
 
 def describe(cfg) -> str:
     mc = cfg.model_config
-    kv = getattr(cfg.cache_config, "kv_cache_dtype", None) or "auto"
+    kv = cfg.cache_config.kv_cache_dtype
     return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}, KV {kv}"
 
 
@@ -116,14 +117,13 @@ def run(args: argparse.Namespace) -> AccuracyResult:
 
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
-    baseline_args = dataclasses.replace(candidate_args, quantization=None,
-                                        **({"kv_cache_dtype": "auto"} if hasattr(candidate_args, "kv_cache_dtype") else {}))  # fmt: skip
+    baseline_args = dataclasses.replace(candidate_args, quantization=None, kv_cache_dtype="auto")
     text = Path(args.text).read_text(encoding="utf-8")
     readings, labels = [], []
     for engine_args in (baseline_args, candidate_args):
         model, tokenizer, cfg = load_for_reading(engine_args)
         ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
-        kv_dtype = getattr(cfg.cache_config, "kv_cache_torch_dtype", None) or cfg.model_config.dtype
+        kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
         readings.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
         labels.append(describe(cfg))
         del model
