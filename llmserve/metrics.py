@@ -40,6 +40,9 @@ class _EngineStateCollector(Collector):
             ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", s.kv_cache_usage),
             ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name).", s.kv_cache_usage),
             ("vllm:num_kv_blocks_used", "KV blocks held by requests.", s.num_blocks_used),
+            ("vllm:num_kv_blocks_total", "KV blocks in the cache.", s.num_blocks_total),
+            ("llmserve:kv_cache_tokens", "Tokens the KV cache holds (blocks x block size; an FP8 cache twice a bf16 one's).",
+             s.kv_cache_tokens),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(value, v)

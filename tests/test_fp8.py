@@ -197,6 +197,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_stays_close(llama_dir):
     bf16 = LLM(llama_dir, **budget)
     fp8 = LLM(llama_dir, kv_cache_dtype="fp8", **budget)
     assert fp8.core.kv.pool.num_blocks == 2 * bf16.core.kv.pool.num_blocks
+    assert fp8.stats().kv_cache_tokens == 2 * bf16.stats().kv_cache_tokens  # /metrics: llmserve:kv_cache_tokens
     assert fp8.core.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i, 11, 12, 13] * 3} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)

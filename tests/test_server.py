@@ -232,6 +232,8 @@ def test_disconnect_mid_stream_frees_blocks(server):
         for _ in range(3):
             next(lines)
         assert metric(server.base_url, "vllm:num_kv_blocks_used") > 0
+    total = metric(server.base_url, "vllm:num_kv_blocks_total")
+    assert total > 0 and metric(server.base_url, "llmserve:kv_cache_tokens") == total * 16  # block size 16
     assert _wait_for_zero_blocks(server.base_url)
 
     async def give_up_on_non_streaming() -> None:

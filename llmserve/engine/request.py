@@ -80,6 +80,7 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     num_blocks_total: int = 0
     num_blocks_used: int = 0
+    kv_cache_tokens: int = 0  # blocks x block size: what the cache holds (FP8: twice bf16's)
     prefix_cache_queries: int = 0  # tokens looked up, cumulative
     prefix_cache_hits: int = 0  # tokens found, cumulative
     num_preemptions: int = 0  # cumulative

@@ -305,6 +305,7 @@ class Scheduler:
             kv_cache_usage=self.kv.usage,
             num_blocks_total=pool.num_blocks,
             num_blocks_used=pool.num_used,
+            kv_cache_tokens=pool.num_blocks * self.kv.block_size,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
