@@ -28,12 +28,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODEL = "/tmp/llama8b"
+MODEL_70B = "/tmp/llama70b"
 ENGINES = {
     "short": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "2048",
               "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"],
     "long": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "33024",
              "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"],
 }  # fmt: skip
+ENGINES["fp8"] = ENGINES["short"] + ["--quantization", "fp8"]
+ENGINES["fp8kv"] = ENGINES["fp8"] + ["--kv-cache-dtype", "fp8"]
+ENGINES["70b_fp8"] = ["--model", MODEL_70B, "--load-format", "dummy", "--quantization", "fp8", "--max-model-len", "2048",
+                      "--max-num-seqs", "256", "--max-num-batched-tokens", "16384"]  # fmt: skip
 A = ["--num-prompts", "512", "--input-len", "512", "--output-len", "256"]
 # name: (engine, bench command, flags)
 ROWS = {
@@ -58,6 +63,14 @@ ROWS = {
     "ttft32k": ("long", "latency", ["--batch-size", "1", "--input-len", "32768", "--output-len", "2",
                                     "--num-iters", "3", "--num-iters-warmup", "1"]),
 }  # fmt: skip
+# FP8 (weights and activations; then the KV cache too), and a 70B shape in FP8 on one GPU
+for _engine in ("fp8", "fp8kv"):
+    ROWS[f"a_{_engine}"] = (_engine, "throughput", A + ["--temperature", "0"])
+    ROWS[f"c_{_engine}"] = (_engine, "throughput", ROWS["c"][2])
+ROWS["b_fp8"] = ("fp8", "latency", ROWS["b"][2])
+ROWS["a_70b_fp8"] = ("70b_fp8", "throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "256",
+                                               "--temperature", "0"])  # fmt: skip
+ROWS["b_70b_fp8"] = ("70b_fp8", "latency", ROWS["b"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
@@ -109,15 +122,17 @@ def check_sampler_on_gpu() -> dict:
 
 
 def make_model_folder() -> None:
-    """The Llama-3.1-8B shape, config and tokenizer only (weights: --load-format dummy)."""
+    """The Llama-3.1-8B and -70B shapes, config and tokenizer only (weights: --load-format dummy)."""
     from llmserve.model.random_model import make_random_model
 
-    if not Path(MODEL, "config.json").is_file():
-        make_random_model(MODEL, "llama", vocab_size=128256, config_only=True, hidden_size=4096,
-                          intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
-                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})  # fmt: skip
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    for path, hidden, inter, layers, heads in ((MODEL, 4096, 14336, 32, 32), (MODEL_70B, 8192, 28672, 80, 64)):
+        if not Path(path, "config.json").is_file():
+            make_random_model(path, "llama", vocab_size=128256, config_only=True, hidden_size=hidden,
+                              intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                              num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                              rope_scaling=scaling)  # fmt: skip
 
 
 def cpu_smoke() -> None:
@@ -128,8 +143,10 @@ def cpu_smoke() -> None:
 
     make_random_model(MODEL, "llama", vocab_size=512, max_position_embeddings=2048)
     for engine, flags in ENGINES.items():
-        ENGINES[engine] = ["--model", MODEL, "--max-model-len", "512" if engine == "short" else "1024",
-                           "--max-num-seqs", "16"]  # fmt: skip
+        quant = ["--quantization", "fp8"] if "--quantization" in flags else []
+        quant += ["--kv-cache-dtype", "fp8"] if "--kv-cache-dtype" in flags else []
+        ENGINES[engine] = ["--model", MODEL, "--max-model-len", "1024" if engine == "long" else "512",
+                           "--max-num-seqs", "16", *quant]  # fmt: skip
     for name, (engine, command, flags) in list(ROWS.items()):
         small = {"512": "16", "256": "8", "1000": "8", "1024": "64", "7680": "300", "16384": "600",
                  "32768": "900", "64": "4", "128": "16"}  # fmt: skip
