@@ -99,7 +99,7 @@ class LLM:
         as the OpenAI server reads them: text parts joined, earlier tool calls' arguments as
         objects), each written out by the model's chat template (with `tools`, OpenAI-shaped
         function definitions, if given); vLLM's `LLM.chat`. One output per conversation."""
-        from llmserve.serve.tools import conversation as read_conversation
+        from llmserve.openai.tools import conversation as read_conversation
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or not all(conversations):

@@ -94,7 +94,7 @@ def test_admission_limit_gives_503_overloaded():
     the not-ready test above)."""
     from types import SimpleNamespace
 
-    from llmserve.serve.errors import APIError
+    from llmserve.openai.errors import APIError
     from llmserve.serve.state import ServerState
 
     engine = SimpleNamespace(errored=False, num_unfinished=0)

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from llmserve.config import TINY_MODEL_DIR
-from llmserve.serve.protocol import ChatCompletionRequest
-from llmserve.serve.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
+from llmserve.openai.protocol import ChatCompletionRequest
+from llmserve.openai.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
 from server_utils import start_server
 
 WEATHER = {

@@ -13,7 +13,7 @@ from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.gateway.router import Pick
 from llmserve.gateway.state import GatewayState, RequestContext
 from llmserve.gateway.triton_upstream import open_triton
-from llmserve.serve.errors import sse_error
+from llmserve.openai.errors import sse_error
 
 
 class NoUpstream(Exception):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from llmserve.serve.pooling_protocol import MAX_DOCUMENTS, MAX_INPUTS, EmbeddingRequest, RerankRequest
-from llmserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from llmserve.openai.pooling_protocol import MAX_DOCUMENTS, MAX_INPUTS, EmbeddingRequest, RerankRequest
+from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 # OpenAI/vLLM sampling fields a Triton chat model takes (request parameters of the chat model)

@@ -36,10 +36,10 @@ from llmserve.gateway.triton_checks import (
     sampling_parameters,
     text_prompt,
 )
-from llmserve.serve.errors import error_body
-from llmserve.serve.pooling_protocol import embedding_json, rerank_order
-from llmserve.serve.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
-from llmserve.serve.tools import NO_TOOLS, AutoToolChoiceUnavailable, ToolPlan, ToolStream, plan_tools
+from llmserve.openai.errors import error_body
+from llmserve.openai.pooling_protocol import embedding_json, rerank_order
+from llmserve.openai.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
+from llmserve.openai.tools import NO_TOOLS, AutoToolChoiceUnavailable, ToolPlan, ToolStream, plan_tools
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.router import Pick

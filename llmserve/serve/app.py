@@ -14,8 +14,9 @@ from llmserve.metrics import EngineMetrics
 from llmserve.serve.chat import create_chat_completion, render_chat
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.completions import create_completion
-from llmserve.serve.errors import APIError, install_error_handlers
-from llmserve.serve.protocol import (
+from llmserve.openai.errors import APIError
+from llmserve.serve.errors import install_error_handlers
+from llmserve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -26,7 +27,7 @@ from llmserve.serve.protocol import (
 from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
 from llmserve.serve.text_checks import refuse_lone_surrogates
 from llmserve.serve.timing_log import RequestTimingLog
-from llmserve.serve.tools import template_messages, template_tools
+from llmserve.openai.tools import template_messages, template_tools
 
 logger = logging.getLogger(__name__)
 

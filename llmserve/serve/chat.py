@@ -13,8 +13,8 @@ from transformers import PreTrainedTokenizerBase
 from llmserve import chat_template
 from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.serve.errors import APIError
-from llmserve.serve.protocol import (
+from llmserve.openai.errors import APIError
+from llmserve.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -29,8 +29,8 @@ from llmserve.serve.protocol import (
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
-from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
-from llmserve.serve.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
+from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
+from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 
 
 def render_chat(

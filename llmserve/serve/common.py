@@ -15,8 +15,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmserve import __version__
-from llmserve.serve.errors import APIError
-from llmserve.serve.protocol import ModelCard, ModelList
+from llmserve.openai.errors import APIError
+from llmserve.openai.protocol import ModelCard, ModelList
 from llmserve.serve.state import ServerConfig
 
 logger = logging.getLogger(__name__)

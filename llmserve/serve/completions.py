@@ -10,8 +10,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmserve.outputs import CompletionOutput, RequestOutput
-from llmserve.serve.errors import APIError
-from llmserve.serve.protocol import (
+from llmserve.openai.errors import APIError
+from llmserve.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -20,7 +20,7 @@ from llmserve.serve.protocol import (
     random_id,
 )
 from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
-from llmserve.serve.streaming import DeltaTracker, sse, sse_stream
+from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -1,8 +1,7 @@
-"""Errors as OpenAI error JSON with the right status, handled in one place."""
+"""The HTTP side of errors: OpenAI error JSON (llmserve/openai/errors.py) for every exception a route raises."""
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 
@@ -12,48 +11,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.engine.errors import EngineDeadError
-from llmserve.serve.protocol import ErrorInfo, ErrorResponse
+from llmserve.openai.errors import APIError, error_body
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    413: "RequestTooLarge",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """An error a client should see, with its HTTP status."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    kind = _TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    info = ErrorInfo(message=message, type=kind, param=param, code=code if code is not None else status)
-    return ErrorResponse(error=info).model_dump()
-
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
-
-
-def sse_error(status: int, message: str) -> str:
-    """An error inside a stream: sent as a final SSE event."""
-    return f"data: {json.dumps(error_body(status, message))}\n\n"
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

@@ -13,7 +13,7 @@ from fastapi import Request
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.outputs import RequestOutput
-from llmserve.serve.errors import APIError
+from llmserve.openai.errors import APIError
 
 T = TypeVar("T")
 

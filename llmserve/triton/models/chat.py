@@ -63,7 +63,7 @@ def render_messages(tokenizer, messages_json: str, tools_json: str | None = None
     template, with the tools (OpenAI function definitions, as JSON) it offers, as the API
     server renders them (assistant tool calls and tool results included)."""
     from llmserve.chat_template import render_chat
-    from llmserve.serve.tools import conversation
+    from llmserve.openai.tools import conversation
 
     messages = json.loads(messages_json)
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -107,7 +107,7 @@ def parse_request(request, tokenizer=None):
         except (ValueError, TypeError, AttributeError):
             raise ValueError("logit_bias must map token ids (integers) to biases") from None
     if isinstance(params.get("structured_outputs"), str):  # the OpenAI request's constraint fields, as JSON
-        from llmserve.serve.protocol import structured_outputs_from
+        from llmserve.openai.protocol import structured_outputs_from
 
         kwargs["structured_outputs"] = structured_outputs_from(json.loads(params["structured_outputs"]))
     priority = _input(request, "priority")

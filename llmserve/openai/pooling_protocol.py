@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from llmserve.serve.protocol import OpenAIModel
+from llmserve.openai.protocol import OpenAIModel
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
 MAX_DOCUMENTS = 1000

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from llmserve.engine.core_client import EngineDeadError
 from llmserve.outputs import CompletionOutput
-from llmserve.serve.errors import APIError, sse_error
+from llmserve.openai.errors import APIError, sse_error
 
 logger = logging.getLogger(__name__)
 

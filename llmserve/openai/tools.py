@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llmserve.sampling_params import StructuredOutputsParams
-from llmserve.serve.protocol import (
+from llmserve.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     DeltaFunctionCall,

@@ -1,0 +1,41 @@
+"""Errors in OpenAI's JSON shape with their HTTP status: the one place every path builds them."""
+
+from __future__ import annotations
+
+import json
+
+from llmserve.openai.protocol import ErrorInfo, ErrorResponse
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error a client should see, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    kind = _TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    info = ErrorInfo(message=message, type=kind, param=param, code=code if code is not None else status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def sse_error(status: int, message: str) -> str:
+    """An error inside a stream: sent as a final SSE event."""
+    return f"data: {json.dumps(error_body(status, message))}\n\n"
