@@ -371,7 +371,7 @@ def test_chat_stream_sends_a_chunk_per_output_even_without_text():
     import json as json_
 
     from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from llmserve.serve.chat import _stream
+    from llmserve.openai.chat import _stream
     from llmserve.openai.protocol import ChatCompletionRequest
 
     texts = ["", "", "Hi", "Hi", "Hi!"]  # cumulative text after each of five tokens

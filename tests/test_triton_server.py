@@ -135,41 +135,57 @@ def test_rerank_bi_encoder_scores(triton, sbert, module):
     assert scores[1] < scores[0]
 
 
-def _stream_chat(url: str, prompt: str, params: dict, timeout: float = 60.0):
-    """Run one decoupled request over gRPC streaming; returns (deltas, finish_reason)."""
+def _chat_call(url: str, body: dict, endpoint: str = "/v1/completions", timeout: float = 60.0):
+    """One OpenAI request to the chat model over gRPC streaming: [(status, text), ...]."""
+    import json
+
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        inputs = [text_input(grpcclient, "text_input", [prompt], [1])]
-        client.async_stream_infer("chat", inputs, parameters=params, enable_empty_final_response=True)
-        deltas, finish = [], None
+        inputs = [text_input(grpcclient, "request", [json.dumps(body)], [1]),
+                  text_input(grpcclient, "endpoint", [endpoint], [1])]  # fmt: skip
+        client.async_stream_infer("chat", inputs, enable_empty_final_response=True)
+        answers = []
         while True:
             result, error = results.get(timeout=timeout)
             if error is not None:
                 raise error
             response = result.get_response()
             if response.outputs:
-                deltas.append(result.as_numpy("text_output")[0].decode())
-                finish = result.as_numpy("finish_reason")[0].decode() or finish
+                answers.append((int(result.as_numpy("status")[0]), result.as_numpy("response")[0].decode()))
             if response.parameters["triton_final_response"].bool_param:
-                return deltas, finish
+                return answers
     finally:
         client.stop_stream()
         client.close()
 
 
+def _streamed_text(answers) -> tuple[str, str | None]:
+    """A completions stream's text and finish reason, from its server-sent events."""
+    import json
+
+    assert answers[-1] == (200, "data: [DONE]"), answers[-3:]
+    chunks = [json.loads(t[len("data: "):]) for s, t in answers[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    return text, finish[-1] if finish else None
+
+
 def test_chat_grpc_stream_matches_engine(triton, llama_dir):
+    """The chat model takes an OpenAI body and streams server-sent events, as `llmserve serve` does."""
     from llmserve import LLM, SamplingParams
 
-    prompt, max_tokens = "The json module", 12
-    deltas, finish = _stream_chat(grpc_url(triton), prompt, {"max_tokens": max_tokens, "temperature": 0.0,
-                                                             "ignore_eos": True})  # fmt: skip
-    assert len(deltas) > 1, "expected several streamed responses"
+    body = {"prompt": "The json module", "max_tokens": 12, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    answers = _chat_call(grpc_url(triton), body)
+    assert len(answers) > 3 and all(status == 200 for status, _ in answers)
     llm = LLM(model=llama_dir, max_model_len=CHAT_LEN)
-    expected = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    assert "".join(deltas) == expected[0].outputs[0].text
-    assert finish == "length"
+    expected = llm.generate(["The json module"], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert _streamed_text(answers) == (expected[0].outputs[0].text, "length")
+    whole = _chat_call(grpc_url(triton), {**body, "stream": False})  # one response: the whole body
+    import json
+
+    assert len(whole) == 1 and json.loads(whole[0][1])["choices"][0]["text"] == expected[0].outputs[0].text
 
 
 def test_chat_http_generate_stream(triton):
@@ -178,49 +194,53 @@ def test_chat_http_generate_stream(triton):
 
     import httpx
 
-    body = {"text_input": "The json module", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-    events = []
+    request = {"prompt": "The json module", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    body = {"request": json.dumps(request), "endpoint": "/v1/completions"}
     with httpx.stream("POST", f"http://{triton.url}/v2/models/chat/generate_stream", json=body, timeout=60) as r:
         assert r.status_code == 200
         events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
-    assert len(events) > 1 and events[-1]["finish_reason"] == "length"
-    assert all("text_output" in e for e in events)
+    assert len(events) > 1 and all(e["status"] == 200 for e in events)
+    assert events[-1]["response"] == "data: [DONE]"
 
 
 def test_chat_concurrent_streams_and_bad_requests(triton, llama_dir):
-    """Concurrent streams are batched in one engine; a bad request ends its stream with an
-    error and the others are unaffected."""
-    from tritonclient.utils import InferenceServerException
+    """Concurrent streams are batched in one engine; a bad request gets its OpenAI error
+    (status 400) and the others are unaffected."""
+    import json
 
     prompts = ["A list is", "To open a file,", "Numbers", "Once"]
-    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True}
     with ThreadPoolExecutor(4) as pool:
-        streamed = list(pool.map(lambda p: _stream_chat(grpc_url(triton), p, greedy), prompts))
+        streamed = list(pool.map(lambda p: _chat_call(grpc_url(triton), {**greedy, "prompt": p}), prompts))
     from llmserve import LLM, SamplingParams
 
     llm = LLM(model=llama_dir, max_model_len=CHAT_LEN)
     expected = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    assert ["".join(d) for d, _ in streamed] == [e.outputs[0].text for e in expected]
-    for prompt, params in (("Hello", {"temperature": -1.0}), ("word " * (CHAT_LEN * 2), {})):
-        with pytest.raises(InferenceServerException):
-            _stream_chat(grpc_url(triton), prompt, params)
-    deltas, finish = _stream_chat(grpc_url(triton), "Hello", greedy)
-    assert finish == "length"
+    assert [_streamed_text(a)[0] for a in streamed] == [e.outputs[0].text for e in expected]
+    for bad, why in (({"prompt": "Hello", "temperature": -1.0}, "temperature"),
+                     ({"prompt": "word " * (CHAT_LEN * 2)}, "maximum context length"),
+                     ({"prompt": "x", "max_tokens": "many"}, "max_tokens")):  # fmt: skip
+        answers = _chat_call(grpc_url(triton), bad)
+        assert len(answers) == 1 and answers[0][0] == 400 and why in json.loads(answers[0][1])["error"]["message"]
+    assert _chat_call(grpc_url(triton), {}, endpoint="/v1/embeddings")[0][0] == 404
+    assert _streamed_text(_chat_call(grpc_url(triton), {**greedy, "prompt": "Hello"}))[1] == "length"
 
 
 def test_chat_cancel_then_serves(triton):
     """A cancelled stream ends; the model keeps serving (the engine aborted the request)."""
+    import json
+
     client = grpcclient.InferenceServerClient(grpc_url(triton))
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
-    inputs = [text_input(grpcclient, "text_input", ["Once upon a time"], [1])]
-    client.async_stream_infer("chat", inputs, parameters={"max_tokens": CHAT_LEN - 16, "ignore_eos": True})
+    body = {"prompt": "Once upon a time", "max_tokens": CHAT_LEN - 16, "ignore_eos": True, "stream": True}
+    client.async_stream_infer("chat", [text_input(grpcclient, "request", [json.dumps(body)], [1]),
+                                       text_input(grpcclient, "endpoint", ["/v1/completions"], [1])])  # fmt: skip
     got.get(timeout=60)  # streaming has begun
     client.stop_stream(cancel_requests=True)
     client.close()
-    greedy = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    deltas, finish = _stream_chat(grpc_url(triton), "Hello", greedy)
-    assert finish == "length"
+    greedy = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    assert _streamed_text(_chat_call(grpc_url(triton), greedy))[1] == "length"
     deadline = time.monotonic() + 20
     while "cancelled, aborted in the engine" not in open(triton.log_path).read():
         assert time.monotonic() < deadline, "the cancelled request was not aborted"

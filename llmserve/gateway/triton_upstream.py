@@ -1,15 +1,16 @@
 """Triton Inference Server replicas as upstreams, spoken to over gRPC (tritonclient's asyncio client).
 
-The OpenAI request is turned into a KServe v2 request for the alias's Triton model, and the
-answer back into the OpenAI shape:
-- chat and completions: a streamed (decoupled) request on the llmserve `chat` model; chat
-  messages travel as the `messages` request parameter and the model applies its chat template;
+- chat and completions: the OpenAI request body itself goes to the llmserve `chat` model
+  (`request`, with its `endpoint`), which answers what `llmserve serve` answers, made by the
+  same code (llmserve/openai/): the body, or one server-sent event a response. The gateway
+  forwards those bytes; it reads no request field but `stream`, and sets `priority` (the
+  key's) and asks streams for their usage, so that the limits settle with the real counts
+  (the usage chunk is dropped again when the client did not ask for it);
 - `/v1/embeddings`: the `embed` model (`text` in, `embedding` out; float or base64 out);
 - `/v1/rerank`: the `rerank` model (`query` and `documents` in, `scores` out), results sorted.
-Chat and completions carry `usage` (the chat model counts the tokens as the API server does),
-and the limits settle with it; embeddings and rerank carry none (limits keep the reservation).
-Cancelling the stream (the client left) cancels the gRPC call: Triton tells the model, which
-aborts the request in its engine.
+Embeddings and rerank carry no usage (limits keep the reservation). Cancelling the stream
+(the client left) cancels the gRPC call: Triton tells the model, which aborts the request
+in its engine.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,18 +28,9 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from llmserve.gateway.opened import Opened, UpstreamFailed
-from llmserve.gateway.triton_checks import (
-    BadRequest,
-    embeddings_call,
-    generation_request,
-    rerank_call,
-    sampling_parameters,
-    text_prompt,
-)
+from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_call
 from llmserve.openai.errors import error_body
 from llmserve.openai.pooling_protocol import embedding_json, rerank_order
-from llmserve.openai.protocol import STRUCTURED_FIELDS, ChatCompletionRequest
-from llmserve.openai.tools import NO_TOOLS, AutoToolChoiceUnavailable, ToolPlan, ToolStream, plan_tools
 
 if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
     from llmserve.gateway.router import Pick
@@ -47,9 +38,8 @@ if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
 # the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)
-ENDPOINT_INPUTS = {"/v1/chat/completions": frozenset({"text_input"}), "/v1/completions": frozenset({"text_input"}),
+ENDPOINT_INPUTS = {"/v1/chat/completions": frozenset({"request"}), "/v1/completions": frozenset({"request"}),
                    "/v1/embeddings": frozenset({"text"}), "/v1/rerank": frozenset({"query", "documents"})}
-CLIENT_ERROR_MARK = "invalid request: "  # how the chat model marks the errors that are the request's fault
 
 
 class TritonClients:
@@ -100,20 +90,14 @@ def _message(exc: InferenceServerException) -> str:
 
 
 def _client_fault(exc: InferenceServerException) -> bool:
-    """The model refused the request itself (a 400), as opposed to failing (a 5xx: retried on
-    another replica). Unary calls carry a gRPC status; a stream's errors carry only a message,
-    which the llmserve chat model starts with CLIENT_ERROR_MARK for the request's faults."""
-    status = str(exc.status() or "")
-    if status:  # a bad value; a call this model does not take (an embedding call to a chat model)
-        return any(name in status for name in ("INVALID_ARG", "UNIMPLEMENTED", "OUT_OF_RANGE"))
-    return _message(exc).startswith(CLIENT_ERROR_MARK)
+    """The model refused the request itself (a 400: a bad value, a call this model does not
+    take), as opposed to failing (a 5xx: retried on another replica). The chat model answers
+    its refusals as OpenAI errors instead; these are the embed and rerank models' gRPC errors."""
+    return any(name in str(exc.status() or "") for name in ("INVALID_ARG", "UNIMPLEMENTED", "OUT_OF_RANGE"))
 
 
 def _json(status: int, body: dict) -> Opened:
-    async def nothing() -> None:
-        return None
-
-    return Opened(status, json.dumps(body).encode(), None, None, nothing)
+    return Opened(status, json.dumps(body).encode(), None, None, _nothing)
 
 
 async def _embeddings(clients: TritonClients, client, ctx: RequestContext, model: str) -> dict:
@@ -145,68 +129,24 @@ async def _rerank(clients: TritonClients, client, ctx: RequestContext, model: st
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "results": results}
 
 
-def _generation_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, ToolPlan | None]:
-    """The KServe request for a chat or completions call, and the chat's tool plan."""
-    chat = ctx.path == "/v1/chat/completions"
-    req = generation_request(ctx.payload, chat)
-    params = sampling_parameters(req)
-    if req.stop is not None:
-        params["stop"] = json.dumps([req.stop] if isinstance(req.stop, str) else req.stop)
-    if req.logit_bias is not None:
-        params["logit_bias"] = json.dumps(req.logit_bias)
-    constraint = {k: getattr(req, k) for k in STRUCTURED_FIELDS if getattr(req, k) is not None}
-    tools = tool_plan(req) if chat else None
-    if tools is not None and tools.constraint is not None:  # a named or required tool choice
-        constraint = {"structured_outputs": {"json": tools.constraint.json}}
-    if constraint:  # structured outputs: the chat model reads them as the API server does
-        params["structured_outputs"] = json.dumps(constraint)
-    if tools is not None and tools.template_tools:
-        params["tools"] = json.dumps(tools.template_tools)
-    inputs = []
-    if chat:
-        params["messages"] = json.dumps(ctx.payload["messages"])
-        prompt = ""
-    else:
-        prompt = text_prompt(req)
-    inputs.append(_strings("text_input", [prompt], [1]))
+def _chat_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, bool]:
+    """The KServe request carrying the OpenAI body for the chat model, and whether the client
+    asked for the stream's usage itself."""
+    payload = dict(ctx.payload)
+    payload.pop("priority", None)  # a client does not pick its own priority: its key does
     if pick.route.send_priority and ctx.priority:
-        # an input tensor, not a request parameter: tritonclient reserves the parameter name
-        priority = grpcclient.InferInput("priority", [1], "INT32")
-        value = min(max(-ctx.priority, -(1 << 31)), (1 << 31) - 1)  # the engine's way: lower first; int32
-        priority.set_data_from_numpy(np.array([value], dtype=np.int32))
-        inputs.append(priority)
-    return {"model_name": model, "inputs": inputs, "parameters": params}, tools
+        payload["priority"] = -ctx.priority  # vLLM-style: lower is served first
+    options = payload.get("stream_options")
+    asked = isinstance(options, dict) and options.get("include_usage") is True
+    if ctx.stream:
+        payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    body = json.dumps(payload, ensure_ascii=False)
+    inputs = [_strings("request", [body], [1]), _strings("endpoint", [ctx.path], [1])]
+    return {"model_name": model, "inputs": inputs}, asked
 
 
-def tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """A chat request's tools as the API server plans them (serve/tools.py); "auto", which
-    needs a parser of the model's own call format, is not offered by Triton chat models."""
-    if not req.tools and req.tool_choice in (None, "none"):
-        return None
-    try:
-        return plan_tools(req, parser=None)
-    except AutoToolChoiceUnavailable:
-        raise BadRequest('tool_choice "auto" (the default with tools) is served by llmserve upstreams started with '
-                         '--enable-auto-tool-choice; a Triton chat model takes "required", a named function or "none"') from None
-    except ValueError as exc:
-        raise BadRequest(str(exc)[:500]) from None
-
-
-@dataclass
-class Delta:
-    text: str
-    finish: str
-    prompt_tokens: int | None  # None: a chat model that does not count (an older config)
-    completion_tokens: int | None
-
-
-def _count(result, name: str) -> int | None:
-    array = result.as_numpy(name)
-    return None if array is None else int(array.reshape(-1)[0])
-
-
-async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[Delta]:
-    """The new text, finish reason and token counts as the model streams them; cancelled when closed early;
+async def _responses(client, request: dict, timeout: float) -> AsyncIterator[tuple[int, str]]:
+    """(status, text) of each response the chat model sends; cancelled when closed early;
     TimeoutError when the next response takes over `timeout` seconds (a model that died).
 
     A finished request's call is left for the server to end, not cancelled: Triton 2.51
@@ -230,14 +170,16 @@ async def _deltas(client, request: dict, timeout: float) -> AsyncIterator[Delta]
                 raise TimeoutError(f"no response from the Triton model within {timeout:g} s") from None
             if error is not None:
                 raise error
-            if result.get_response().outputs:
-                text = result.as_numpy("text_output")[0].decode()
-                finish = result.as_numpy("finish_reason")[0].decode()
-                if finish:
-                    ended = await _call_ended(stream)
-                yield Delta(text, finish, _count(result, "prompt_tokens"), _count(result, "completion_tokens"))
-                if finish:
-                    return
+            if not result.get_response().outputs:
+                continue
+            status = int(result.as_numpy("status").reshape(-1)[0])
+            text = result.as_numpy("response").reshape(-1)[0].decode()
+            last = not text.startswith("data: ") or text == "data: [DONE]"  # a whole body, or the stream's end
+            if last:
+                ended = await _call_ended(stream)
+            yield status, text
+            if last:
+                return
     finally:
         if not ended:  # the client went away mid-stream (or the call would not end): abort it
             stream.cancel()
@@ -255,124 +197,54 @@ async def _call_ended(stream, timeout: float = 2.0) -> bool:
         return False
 
 
-class _Chunks:
-    """OpenAI response objects for the text a Triton chat model streams (tool calls cut
-    from it as the API server does: `ToolStream`, `ToolPlan.parse`)."""
-
-    def __init__(self, ctx: RequestContext, tools: ToolPlan | None):
-        self.chat = ctx.path == "/v1/chat/completions"
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.alias = ctx.alias
-        self.tools = tools
-        self.message = ToolStream(self.tools)
-        self.text = ""
-        self.ctx = ctx
-        self.usage: dict | None = None
-        options = ctx.payload.get("stream_options")
-        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-
-    def count(self, delta: Delta) -> None:
-        """The request's usage so far."""
-        if delta.prompt_tokens is not None and delta.completion_tokens is not None:
-            self.usage = {"prompt_tokens": delta.prompt_tokens, "completion_tokens": delta.completion_tokens,
-                          "total_tokens": delta.prompt_tokens + delta.completion_tokens}  # fmt: skip
-
-    def settle(self) -> None:
-        """The limits settle with the tokens counted, whether or not the client asked to see them."""
-        if self.usage is not None:
-            self.ctx.used_tokens = self.usage["total_tokens"]
-
-    def usage_chunk(self) -> str | None:
-        """The last event of a stream whose client asked for usage (OpenAI: no choices, the usage)."""
-        if not self.include_usage or self.usage is None:
-            return None
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [],
-                "usage": self.usage}  # fmt: skip
-        return "data: " + json.dumps(body, separators=(",", ":"))
-
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str | None:
-        """The event for the next piece of text (None: nothing to send yet)."""
-        if self.chat:
-            delta: dict = {"role": "assistant", "content": ""}
-            if not role:
-                self.text += text or ""
-                step = self.message.step(self.text, finish or None)
-                if step is None:
-                    return None
-                content, calls, finish = step
-                delta = {"content": content} if content else {}
-                if calls:
-                    delta["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
-            choice = {"index": 0, "delta": delta, "finish_reason": finish or None}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish or None, "logprobs": None}
-            obj = "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [choice]}
-        return "data: " + json.dumps(body, separators=(",", ":"))
-
-    def whole(self, text: str, finish: str) -> dict:
-        if self.chat:
-            content, calls, finish = (self.tools or NO_TOOLS).reply(text, finish)
-            message = {"role": "assistant", "content": content, "tool_calls": [c.model_dump() for c in calls]}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            obj = "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.alias, "choices": [choice]}
-        if self.usage is not None:
-            body["usage"] = self.usage
-        return body
+def _usage_only(line: str) -> dict | None:
+    """The usage of a stream's usage chunk (no choices), else None."""
+    if not line.startswith('data: {"') or '"usage"' not in line:
+        return None
+    try:
+        chunk = json.loads(line[len("data: "):])
+    except ValueError:
+        return None
+    return chunk["usage"] if isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") else None
 
 
 async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
-    request, tools = _generation_request(ctx, pick, model)
-    deltas = _deltas(client, request, clients.timeout)
-    chunks = _Chunks(ctx, tools)
+    request, asked_usage = _chat_request(ctx, pick, model)
+    responses = _responses(client, request, clients.timeout)
     try:
-        first = await anext(deltas)  # errors before this are retried elsewhere
+        status, first = await anext(responses)  # errors before this are retried elsewhere
     except StopAsyncIteration:
-        first = Delta("", "stop", None, None)
+        raise InferenceServerException("the chat model ended the call without an answer") from None
     except BaseException:
-        await deltas.aclose()
+        await responses.aclose()
         raise
-    chunks.count(first)
-    if not ctx.stream:
-        parts, finish = [first.text], first.finish
-        try:
-            async for delta in deltas:
-                parts.append(delta.text)
-                finish = delta.finish or finish
-                chunks.count(delta)
-        finally:
-            await deltas.aclose()
-        return _json(200, chunks.whole("".join(parts), finish or "stop"))
+    if not first.startswith("data: "):  # a whole body or a refusal: the call is over
+        await responses.aclose()
+        if status >= 500:
+            message = (json.loads(first).get("error") or {}).get("message", first)
+            raise _failed(pick, status, f"the Triton model failed: {message}", "upstream_failed")
+        return Opened(status, first.encode(), None, None, _nothing)
 
     async def lines() -> AsyncIterator[str]:
-        if first.text or first.finish:
-            if (line := chunks.chunk(first.text, first.finish)) is not None:
-                yield line
-        try:
-            async for delta in deltas:
-                chunks.count(delta)
-                if (line := chunks.chunk(delta.text, delta.finish)) is not None:
-                    yield line
-            if (line := chunks.usage_chunk()) is not None:
-                yield line
-            yield "data: [DONE]"
-        finally:  # also when the client left: what was generated until then
-            chunks.settle()
+        async for _status, line in responses:
+            usage = _usage_only(line)
+            if usage is not None:
+                ctx.used_tokens = usage.get("total_tokens", ctx.used_tokens)  # the limits settle with it
+                if not asked_usage:
+                    continue
+            yield line
 
     rest = lines()
 
     async def close() -> None:
         await rest.aclose()
-        await deltas.aclose()
+        await responses.aclose()
 
-    return Opened(200, None, _with_blank_lines(rest), chunks.chunk(None, None, role=True), close)
+    return Opened(200, None, _with_blank_lines(rest), first, close)
+
+
+async def _nothing() -> None:
+    return None
 
 
 async def _with_blank_lines(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -399,7 +271,7 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
     except BadRequest as exc:
         return _json(400, error_body(400, str(exc), code="invalid_request"))
     except InferenceServerException as exc:
-        message = _message(exc).removeprefix(CLIENT_ERROR_MARK)
+        message = _message(exc)
         if _client_fault(exc):
             return _json(400, error_body(400, f"the Triton model refused the request: {message}",
                                          code="upstream_rejected"))  # fmt: skip

@@ -39,3 +39,16 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 def sse_error(status: int, message: str) -> str:
     """An error inside a stream: sent as a final SSE event."""
     return f"data: {json.dumps(error_body(status, message))}\n\n"
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A request's schema errors (pydantic's `errors()`) as one message, and the first field."""
+    parts, param = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return "the request body is not valid JSON", None
+        where = ".".join(loc) or "body"
+        param = param or where
+        parts.append(f"{where}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts), param

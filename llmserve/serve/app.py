@@ -7,13 +7,15 @@ import logging
 from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmserve import __version__
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
-from llmserve.serve.chat import create_chat_completion, render_chat
+from llmserve.openai.chat import chat_completion, render_chat
+from llmserve.openai.completions import completion
+from llmserve.openai.reply import Reply
 from llmserve.serve.common import add_common_routes, background_loader
-from llmserve.serve.completions import create_completion
 from llmserve.openai.errors import APIError
 from llmserve.serve.errors import install_error_handlers
 from llmserve.openai.protocol import (
@@ -24,7 +26,7 @@ from llmserve.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state
+from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state, run_until_disconnect
 from llmserve.serve.text_checks import refuse_lone_surrogates
 from llmserve.serve.timing_log import RequestTimingLog
 from llmserve.openai.tools import template_messages, template_tools
@@ -39,6 +41,14 @@ async def _authorized(request: Request) -> ServerState:
     check_api_key(state, request)
     await refuse_lone_surrogates(request)
     return state
+
+
+async def respond(request: Request, reply: Reply):
+    """The OpenAI layer's answer over HTTP: a stream as server-sent events, a body as JSON once
+    made (abandoned, and its engine requests aborted, if the client leaves first)."""
+    if reply.events is not None:
+        return StreamingResponse(reply.events, media_type="text/event-stream")
+    return JSONResponse(await run_until_disconnect(request, reply.body))
 
 
 def build_app(
@@ -82,11 +92,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
-        return await create_completion(s, req, request)
+        engine, model = s.require_engine(), s.resolve_model(req.model)
+        return await respond(request, await completion(engine, req, model))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
-        return await create_chat_completion(s, req, request)
+        engine, model = s.require_engine(), s.resolve_model(req.model)
+        return await respond(request, await chat_completion(engine, req, model, s.config.tool_call_parser))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:

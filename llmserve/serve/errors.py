@@ -11,25 +11,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.engine.errors import EngineDeadError
-from llmserve.openai.errors import APIError, error_body
+from llmserve.openai.errors import APIError, error_body, validation_message
 
 logger = logging.getLogger(__name__)
+
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     headers = {"Retry-After": "1"} if status in (429, 503) else None
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return "the request body is not valid JSON", None
-        where = ".".join(loc) or "body"
-        param = param or where
-        parts.append(f"{where}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -39,7 +28,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -83,7 +83,7 @@ class ChatBenchResult:
 
 def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_tokens: int = 128,
                     concurrency: int = 16) -> ChatBenchResult:  # fmt: skip
-    """Streamed chat over Triton's HTTP generate extension: `num_prompts` requests of
+    """Streamed chat (OpenAI bodies) over Triton's HTTP generate extension: `num_prompts` requests of
     `max_tokens` tokens each (ignore_eos, so every finished request made exactly that many),
     at most `concurrency` in flight."""
     import json
@@ -92,16 +92,21 @@ def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_to
     import httpx
 
     def one(i: int) -> bool:
-        body = {"text_input": f"Question {i}: what does the json module do?", "max_tokens": max_tokens,
-                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
-        last = {}
+        request = {"messages": [{"role": "user", "content": f"Question {i}: what does the json module do?"}],
+                   "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {"request": json.dumps(request)}
+        finish = None
         with httpx.stream("POST", f"http://{url}/v2/models/{model}/generate_stream", json=body, timeout=600) as r:
             if r.status_code != 200:
                 return False
             for line in r.iter_lines():
-                if line.startswith("data:"):
-                    last = json.loads(line[5:])
-        return last.get("finish_reason") == "length"
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])["response"]
+                if event.startswith("data: {"):
+                    choices = json.loads(event[len("data: "):])["choices"]
+                    finish = (choices[0]["finish_reason"] if choices else None) or finish
+        return finish == "length"
 
     began = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:

@@ -130,22 +130,18 @@ class ModelConfig:
 def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: str = "chat",
                 instances: int = 1, **engine_args: Any) -> ModelConfig:  # fmt: skip
     """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
-    file (default: the default model, SmolLM2-135M-Instruct)."""
+    file (default: the default model, SmolLM2-135M-Instruct). It takes an OpenAI request body
+    (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
+    `response`: the JSON body, or one server-sent event a response); `tool_call_parser`
+    (hermes) serves tool_choice "auto"."""
     from llmserve.config import DEFAULT_MODEL
 
     params = {"model_dir": str(model_dir or DEFAULT_MODEL), "max_model_len": str(max_model_len)}
     params.update({k: str(v) for k, v in engine_args.items()})
-    scalar = [("max_tokens", "TYPE_INT32"), ("temperature", "TYPE_FP32"), ("top_p", "TYPE_FP32"),
-              ("top_k", "TYPE_INT32"), ("seed", "TYPE_INT64"), ("priority", "TYPE_INT32")]  # fmt: skip
-    inputs = [TensorSpec("text_input", "TYPE_STRING", [1])]
-    inputs += [TensorSpec(n, t, [1], optional=True) for n, t in scalar]
-    inputs.append(TensorSpec("stop", "TYPE_STRING", [-1], optional=True))
     return ModelConfig(
-        name=name, kind="chat", max_batch_size=0, inputs=inputs,
-        outputs=[TensorSpec("text_output", "TYPE_STRING", [1]),
-                 TensorSpec("finish_reason", "TYPE_STRING", [1]),
-                 TensorSpec("prompt_tokens", "TYPE_INT32", [1]),  # the request's usage, as the API server counts it
-                 TensorSpec("completion_tokens", "TYPE_INT32", [1])],
+        name=name, kind="chat", max_batch_size=0,
+        inputs=[TensorSpec("request", "TYPE_STRING", [1]), TensorSpec("endpoint", "TYPE_STRING", [1], optional=True)],
+        outputs=[TensorSpec("status", "TYPE_INT32", [1]), TensorSpec("response", "TYPE_STRING", [1])],
         instance_group=InstanceGroup(count=instances), decoupled=True, parameters=params,
     )  # fmt: skip
 

@@ -1,10 +1,15 @@
-"""Triton Python-backend model: streaming text generation on an llmserve AsyncEngine.
+"""Triton Python-backend model: OpenAI chat and completions on an llmserve AsyncEngine.
 
-Decoupled: each request gets zero or more responses (`text_output` holds the new text
-since the previous response, `finish_reason` is set on the last one; `prompt_tokens` and
-`completion_tokens` count the tokens so far, as the API server's `usage` counts them) and
-then the final flag. Sampling settings come from optional inputs or from request parameters (inputs win).
-A request the client cancels is aborted in the engine, which frees its KV blocks.
+A request holds one OpenAI request body as JSON (`request`) and the endpoint it is for
+(`endpoint`: /v1/chat/completions, the default, or /v1/completions). The answer is what
+`llmserve serve` answers, made by the same code (llmserve/openai/): decoupled responses,
+each with `status` (the HTTP status) and `response` (UTF-8 text):
+- a stream (`"stream": true`): one response per server-sent event (`data: {...}`), the
+  last `data: [DONE]`, then the final flag;
+- otherwise one response holding the whole JSON body; a refused request (a bad field, a
+  prompt too long) answers its OpenAI error JSON with status 400 (404, 503).
+So a client such as the gateway forwards the bytes as they come. A request the client
+cancels is aborted in the engine, which frees its KV blocks.
 
 The engine and its event loop live on a thread of their own, so `execute` only hands
 requests over and returns; many requests stream concurrently (continuous batching).
@@ -17,17 +22,12 @@ import os
 import shutil
 import sys
 import threading
-import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-SCALARS = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int, "min_tokens": int,
-           "min_p": float, "presence_penalty": float, "frequency_penalty": float, "repetition_penalty": float}
-# an error that is the request's fault starts with this (a client such as the gateway reads it
-# as a 400: a stream's errors carry a message only, no status code)
-CLIENT_ERROR_MARK = "invalid request: "
+CANCEL_POLL_S = 0.05  # how often a whole-body request looks for its client's cancellation
 
 
 def _engine_args(params: dict) -> dict:
@@ -36,8 +36,9 @@ def _engine_args(params: dict) -> dict:
 
     types = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
              "block_size": int, "seed": int, "gpu_memory_utilization": float,
-             "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int}  # fmt: skip
+             "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "tensor_parallel_size": int}  # fmt: skip
     args = {"model": params.pop("model_dir")}
+    params.pop("tool_call_parser", None)
     for key, value in params.items():
         if key not in EngineArgs.field_names():
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
@@ -49,78 +50,20 @@ def _engine_args(params: dict) -> dict:
     return args
 
 
-def _input(request, name):
+def _text(request, name: str, default: str | None = None) -> str | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy().reshape(-1)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise ValueError(f"{name} must hold exactly one string")
+    return value[0].decode("utf-8") if isinstance(value[0], bytes) else str(value[0])
 
 
-def _text(value) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def render_messages(tokenizer, messages_json: str, tools_json: str | None = None) -> dict:
-    """A chat conversation (OpenAI `messages`, as JSON) as token ids, by the model's chat
-    template, with the tools (OpenAI function definitions, as JSON) it offers, as the API
-    server renders them (assistant tool calls and tool results included)."""
-    from llmserve.chat_template import render_chat
-    from llmserve.openai.tools import conversation
-
-    messages = json.loads(messages_json)
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise ValueError("the messages parameter must be a JSON list of {role, content} objects")
-    tools = json.loads(tools_json) if tools_json else None
-    if tools is not None and not isinstance(tools, list):
-        raise ValueError("the tools parameter must be a JSON list of function tools")
-    # the template writes BOS; its errors (and a model without one) are ValueErrors: the client's
-    return {"prompt_token_ids": render_chat(tokenizer, conversation(messages), True, None, tools)}
-
-
-def parse_request(request, tokenizer=None):
-    """(prompt, SamplingParams keyword arguments, priority) from one Triton request.
-
-    The prompt is `text_input`, or, when the request parameter `messages` holds a JSON chat
-    conversation, that conversation through the model's chat template (`text_input` unused)."""
-    prompt = _input(request, "text_input")
-    if prompt is None or prompt.size != 1:
-        raise ValueError("text_input must hold exactly one string")
-    params = json.loads(request.parameters() or "{}")
-    chat = None
-    if isinstance(params.get("messages"), str) and tokenizer is not None:
-        tools = params.get("tools") if isinstance(params.get("tools"), str) else None
-        chat = render_messages(tokenizer, params["messages"], tools)
-    kwargs = {}
-    for name, cast in SCALARS.items():
-        value = _input(request, name)
-        value = params.get(name) if value is None else value[0]
-        if value is not None:
-            kwargs[name] = cast(value)
-    stop = _input(request, "stop")
-    if stop is not None:
-        kwargs["stop"] = [_text(s) for s in stop]
-    elif params.get("stop") is not None:
-        kwargs["stop"] = [params["stop"]] if isinstance(params["stop"], str) else list(params["stop"])
-    if "ignore_eos" in params:
-        kwargs["ignore_eos"] = bool(params["ignore_eos"])
-    if isinstance(params.get("logit_bias"), str):  # OpenAI's token id (as text) -> bias
-        try:
-            kwargs["logit_bias"] = {int(k): float(v) for k, v in json.loads(params["logit_bias"]).items()}
-        except (ValueError, TypeError, AttributeError):
-            raise ValueError("logit_bias must map token ids (integers) to biases") from None
-    if isinstance(params.get("structured_outputs"), str):  # the OpenAI request's constraint fields, as JSON
-        from llmserve.openai.protocol import structured_outputs_from
-
-        kwargs["structured_outputs"] = structured_outputs_from(json.loads(params["structured_outputs"]))
-    priority = _input(request, "priority")
-    priority = int(params.get("priority", 0) if priority is None else priority[0])
-    return chat or _text(prompt[0]), kwargs, priority
-
-
-def _response(text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int):
+def _response(status: int, text: str):
     return pb_utils.InferenceResponse(output_tensors=[
-        pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("finish_reason", np.array([finish_reason.encode("utf-8")], dtype=np.object_)),
-        pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
-        pb_utils.Tensor("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
+        pb_utils.Tensor("status", np.array([status], dtype=np.int32)),
+        pb_utils.Tensor("response", np.array([text.encode("utf-8")], dtype=np.object_)),
     ])  # fmt: skip
 
 
@@ -134,7 +77,10 @@ class TritonPythonModel:
         python = shutil.which("python3") or shutil.which("python")
         if python and not os.path.basename(sys.executable or "").startswith("python"):
             multiprocessing.set_executable(python)
-        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        self.tool_call_parser = params.get("tool_call_parser") or None
+        self.name = config.get("name", "chat")
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params)))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
@@ -145,34 +91,51 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(self._serve(request), self.loop)
 
     async def _serve(self, request):
-        from llmserve.sampling_params import SamplingParams
+        from llmserve.openai.calls import CHAT, openai_call
+        from llmserve.openai.errors import error_body
 
         sender = request.get_response_sender()
         try:
-            prompt, kwargs, priority = parse_request(request, self.engine.tokenizer)
-            request_id = uuid.uuid4().hex
-            stream = self.engine.generate(prompt, SamplingParams(**kwargs), request_id, priority)
-            sent = ""
-            async for out in stream:
-                if request.is_cancelled():
-                    await stream.aclose()  # leaving the generator aborts the request
-                    pb_utils.Logger.log_info(f"llmserve chat: request {request_id} cancelled, "
-                                             "aborted in the engine")  # fmt: skip
-                    break
-                completion = out.outputs[0]
-                delta, sent = completion.text[len(sent):], completion.text
-                if delta or out.finished:
-                    finish = (completion.finish_reason or "") if out.finished else ""
-                    sender.send(_response(delta, finish, len(out.prompt_token_ids), len(completion.token_ids)))
-            sender.send(flags=FINAL)
-        except (ValueError, TypeError, KeyError) as exc:  # the request's own fault (bad values, a bad conversation)
-            message = f"{CLIENT_ERROR_MARK}{type(exc).__name__}: {exc}"
-            code = getattr(pb_utils.TritonError, "INVALID_ARG", None)  # error codes: python backend 23.08 and later
-            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            body = (_text(request, "request") or "").encode("utf-8")
+            endpoint = _text(request, "endpoint", CHAT)
+        except ValueError as exc:
+            sender.send(_response(400, json.dumps(error_body(400, str(exc)))), flags=FINAL)
+            return
+        try:
+            reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser)
+            if reply.error is not None:
+                sender.send(_response(reply.status, json.dumps(reply.error)), flags=FINAL)
+            elif reply.events is not None:
+                await self._stream(request, sender, reply.events)
+            else:
+                whole = await self._unless_cancelled(request, reply.body)
+                if whole is not None:
+                    sender.send(_response(200, json.dumps(whole)), flags=FINAL)
+                else:
+                    sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream
             error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    async def _stream(self, request, sender, events) -> None:
+        async for event in events:
+            if request.is_cancelled():
+                await events.aclose()  # leaving the stream aborts the request in the engine
+                pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
+                break
+            sender.send(_response(200, event.rstrip("\n")))
+        sender.send(flags=FINAL)
+
+    async def _unless_cancelled(self, request, body):
+        """The whole answer, or None if the client cancelled first (its request is aborted)."""
+        task = asyncio.ensure_future(body)
+        while not task.done():
+            await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+            if not task.done() and request.is_cancelled():
+                task.cancel()
+                pb_utils.Logger.log_info("llmserve chat: a request was cancelled, aborted in the engine")
+                return None
+        return task.result()
 
     def finalize(self):
         self.engine.shutdown()  # stops the engine core process and frees its memory

@@ -1,4 +1,6 @@
-"""`/v1/chat/completions`: the tokenizer's chat template, then one engine request."""
+"""Chat completions: the tokenizer's chat template, then one engine request (n samples), the
+answer as a body or a stream (`Reply`). No web framework: `llmserve serve`, the Triton chat
+model and anything else that has an engine call `chat_completion`."""
 
 from __future__ import annotations
 
@@ -6,13 +8,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import PreTrainedTokenizerBase
 
 from llmserve import chat_template
 from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.engine.protocol import EngineClient
+from llmserve.openai.engine_calls import merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import (
     ChatChoice,
@@ -28,7 +30,7 @@ from llmserve.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
+from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 
@@ -65,13 +67,14 @@ def chat_logprobs(out: CompletionOutput, start: int, top_n: int) -> ChatLogprobs
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request):
+async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
+                          tool_call_parser: str | None = None) -> Reply:  # fmt: skip
+    """Start the request on `engine`; `model` is the name the answer carries. Raises APIError
+    for what is wrong with the request before anything runs."""
     arrival = time.time()  # TTFT and latency count the template and tokenization too
-    engine = state.require_engine()
-    model = state.resolve_model(req.model)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
-    tools = plan_tools(req, state.config.tool_call_parser)
+    tools = plan_tools(req, tool_call_parser)
     ids = await asyncio.to_thread(  # off the event loop: a long conversation takes a while to render and tokenize
         render_chat, engine.tokenizer, template_messages(req.messages), req.add_generation_prompt,
         req.chat_template_kwargs, tools.template_tools if tools else None)  # fmt: skip
@@ -85,10 +88,12 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     request_id = random_id("chatcmpl")
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival)
     if req.stream:
-        events = _stream(req, model, request_id, stream, tools)
-        return StreamingResponse(sse_stream(events), media_type="text/event-stream")
-    final = await run_until_disconnect(request, _last(stream))
-    return JSONResponse(_response(req, model, request_id, final, tools).model_dump())
+        return Reply(events=sse_stream(_stream(req, model, request_id, stream, tools)))
+
+    async def body() -> dict:
+        return _response(req, model, request_id, await _last(stream), tools).model_dump()
+
+    return Reply(body=body())
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

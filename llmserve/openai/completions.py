@@ -1,4 +1,5 @@
-"""`/v1/completions`: one engine request per prompt (and n samples each)."""
+"""Completions: one engine request per prompt (and n samples each), the answer as a body or
+a stream (`Reply`), with no web framework."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.engine.protocol import EngineClient
+from llmserve.openai.engine_calls import merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import (
     CompletionChoice,
@@ -19,7 +19,7 @@ from llmserve.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from llmserve.serve.state import ServerState, merge_streams, resolve_max_tokens, run_until_disconnect
+from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 
 
@@ -48,10 +48,10 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
     return lp
 
 
-async def create_completion(state: ServerState, req: CompletionRequest, request: Request):
+async def completion(engine: EngineClient, req: CompletionRequest, model: str) -> Reply:
+    """Start the request's prompts on `engine`; `model` is the name the answer carries. Raises
+    APIError for what is wrong with the request before anything runs."""
     arrival = time.time()  # TTFT and latency count tokenization too
-    engine = state.require_engine()
-    model = state.resolve_model(req.model)
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -78,11 +78,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
         for i, (text, ids) in enumerate(tokenized)
     ]
     if req.stream:
-        return StreamingResponse(
-            sse_stream(_stream(req, model, request_id, streams)), media_type="text/event-stream"
-        )
-    finals = await run_until_disconnect(request, _collect(streams))
-    return JSONResponse(_response(req, model, request_id, finals).model_dump())
+        return Reply(events=sse_stream(_stream(req, model, request_id, streams)))
+
+    async def body() -> dict:
+        return _response(req, model, request_id, await _collect(streams)).model_dump()
+
+    return Reply(body=body())
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
