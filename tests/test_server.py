@@ -181,7 +181,8 @@ def test_metrics_move(client, server):
     took = {p: metric(server.base_url, f"vllm:request_{p}_time_seconds_sum") - sums[p] for p in phases}
     e2e = metric(server.base_url, "vllm:e2e_request_latency_seconds_sum") - before_e2e
     assert all(v >= 0 for v in took.values()) and took["prefill"] > 0 and took["decode"] > 0
-    assert 0 <= e2e - (took["queue"] + took["prefill"] + took["decode"]) < min(0.5, e2e / 2)
+    # (at least 50 ms allowed: on a loaded 2-core machine that way alone took 9 ms of a 12 ms request)
+    assert 0 <= e2e - (took["queue"] + took["prefill"] + took["decode"]) < min(0.5, max(e2e / 2, 0.05))
     assert took["inference"] == pytest.approx(took["prefill"] + took["decode"], abs=1e-6)
     for name in (
         "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
