@@ -27,7 +27,7 @@ from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
 from llmserve.heap import freeze_startup_objects
 from llmserve.openai.errors import error_body
-from llmserve.serve.errors import install_error_handlers
+from llmserve.http_errors import install_error_handlers
 from llmserve.openai.text_checks import LONE_SURROGATE, has_lone_surrogate
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")

@@ -59,7 +59,7 @@ def write_kv(
     if fp8 and not kv_cache.is_cuda:
         # the Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two (1.96 -> 1.0):
         # convert with torch and let the kernel copy bytes; a GPU converts in the kernel
-        from llmserve.model.attention import to_cache_dtype
+        from llmserve.attention_metadata import to_cache_dtype
 
         k, v = to_cache_dtype(k, kv_cache.dtype).view(torch.uint8), to_cache_dtype(v, kv_cache.dtype).view(torch.uint8)
         kv_cache, fp8 = kv_cache.view(torch.uint8), False

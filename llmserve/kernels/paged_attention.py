@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from llmserve.kernels.cache_write import write_kv
-from llmserve.model.attention import AttentionMetadata
+from llmserve.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 

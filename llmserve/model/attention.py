@@ -9,23 +9,16 @@ stored with scale 1, saturating at +-448, read back in the queries' dtype). A to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from llmserve.attention_metadata import FP8_KV, FP8_KV_MAX, AttentionMetadata, to_cache_dtype
 
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Describes one flattened batch of B sequences and T new tokens."""
 
-    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
-    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens
-    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    max_query_len: int
-    max_seq_len: int
+__all__ = ["FP8_KV", "FP8_KV_MAX", "AttentionBackend", "AttentionMetadata", "reference_paged_attention",
+           "to_cache_dtype", "write_kv_cache"]
 
 
 class AttentionBackend(Protocol):
@@ -40,17 +33,6 @@ class AttentionBackend(Protocol):
         *,
         out: torch.Tensor | None = None,  # [T, Hq, D] to write the result into
     ) -> torch.Tensor: ...
-
-
-FP8_KV = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0
-
-
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values as the cache stores them: an FP8 cache saturates at +-448 (scale 1)."""
-    if dtype == FP8_KV:
-        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
-    return x.to(dtype)
 
 
 def write_kv_cache(

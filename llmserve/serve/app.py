@@ -17,7 +17,7 @@ from llmserve.openai.completions import completion
 from llmserve.openai.reply import Reply
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.openai.errors import APIError
-from llmserve.serve.errors import install_error_handlers
+from llmserve.http_errors import install_error_handlers
 from llmserve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

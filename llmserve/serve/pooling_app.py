@@ -22,7 +22,7 @@ from llmserve.pooling import SentenceEncoder, cosine_scores
 from llmserve.serve.batcher import MicroBatcher
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.openai.errors import APIError
-from llmserve.serve.errors import install_error_handlers
+from llmserve.http_errors import install_error_handlers
 from llmserve.openai.pooling_protocol import (
     MAX_DOCUMENTS,
     MAX_INPUTS,

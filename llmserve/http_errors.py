@@ -1,4 +1,5 @@
-"""The HTTP side of errors: OpenAI error JSON (llmserve/openai/errors.py) for every exception a route raises."""
+"""OpenAI error JSON (llmserve/openai/errors.py) for every exception a route of a FastAPI app raises: the
+API server's and the gateway's, one set of handlers."""
 
 from __future__ import annotations
 

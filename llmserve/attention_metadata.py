@@ -1,0 +1,32 @@
+"""What the attention of one flattened batch needs to know, as plain tensors and numbers, and
+how the KV cache stores values. A leaf module: the model's reference attention, the Triton
+kernels and the engine all read it, and it imports none of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes one flattened batch of B sequences and T new tokens."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens
+    seq_lens: torch.Tensor  # [B] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+
+FP8_KV = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values as the cache stores them: an FP8 cache saturates at +-448 (scale 1)."""
+    if dtype == FP8_KV:
+        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return x.to(dtype)
