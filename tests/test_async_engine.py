@@ -158,3 +158,26 @@ def test_start_failure_carries_reason(llama_dir):
     args = EngineArgs(model=llama_dir, max_model_len=256, num_gpu_blocks_override=2)
     with pytest.raises(EngineStartError, match="KV cache holds"):
         AsyncEngine.from_engine_args(args)
+
+
+def test_concurrent_utility_calls_each_get_their_answer(engine):
+    """Utility calls carry their own ids: two at once both return (a second call of the same
+    utility used to replace the first one's waiter, which then waited 30 s and failed)."""
+
+    async def main():
+        started = time.monotonic()
+        results = await asyncio.gather(*(engine.reset_prefix_cache() for _ in range(4)))
+        return results, time.monotonic() - started
+
+    results, took = asyncio.run(main())
+    assert results == [True] * 4 and took < 10
+
+
+def test_messages_between_front_and_core_are_typed():
+    import pickle
+
+    from llmserve.engine.ipc import Kind, Message, UtilityCall, UtilityResult
+
+    for msg in (Message(Kind.UTILITY, UtilityCall(3, "reset_prefix_cache")), Message(Kind.UTILITY_RESULT, UtilityResult(3, True))):
+        again = pickle.loads(pickle.dumps(msg))
+        assert again.kind is msg.kind and again.payload == msg.payload

@@ -12,6 +12,7 @@ request in the core, which frees its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
 from llmserve.engine.request import EngineCoreOutputs, SchedulerStats
+from llmserve.engine.ipc import Kind, UtilityCall, UtilityResult
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -41,7 +43,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats = SchedulerStats()
         self._stats_listeners: list = []
-        self._utility_waiters: dict[str, asyncio.Future] = {}
+        self._utility_waiters: dict[int, asyncio.Future] = {}  # by call id: concurrent calls each get theirs
+        self._call_ids = itertools.count()
         self.dead_reason: str | None = None
         self.client = CoreClient(config, self._on_message, self._on_dead, start_timeout)
 
@@ -101,7 +104,7 @@ class AsyncEngine:
         try:
             self.output_processor.mark_sent(request_id, time.time())  # before: the core may read it at once
             for core_req in processed.core_requests:
-                self.client.send("add", core_req)
+                self.client.send(Kind.ADD, core_req)
             while not finished:
                 item = await queue.get()
                 while not queue.empty() and not isinstance(item, BaseException):
@@ -138,19 +141,26 @@ class AsyncEngine:
     def _abort_now(self, request_id: str) -> None:
         core_ids = self.output_processor.abort(request_id)
         if core_ids and not self.errored:
-            self.client.send("abort", core_ids)
+            self.client.send(Kind.ABORT, core_ids)
 
     async def _utility(self, name: str) -> Any:
         self._bind_loop()
         await self.check_health()
+        call = UtilityCall(next(self._call_ids), name)
         fut = self._loop.create_future()
-        self._utility_waiters[name] = fut
-        self.client.send("utility", name)
-        return await asyncio.wait_for(fut, timeout=30)
+        self._utility_waiters[call.call_id] = fut
+        try:
+            self.client.send(Kind.UTILITY, call)
+            result: UtilityResult = await asyncio.wait_for(fut, timeout=30)
+        finally:
+            self._utility_waiters.pop(call.call_id, None)
+        if result.error is not None:
+            raise RuntimeError(f"engine core utility {name}: {result.error}")
+        return result.result
 
-    def _on_message(self, kind: str, payload: Any) -> None:
+    def _on_message(self, kind: Kind, payload: Any) -> None:
         """From the client's reader thread: hop onto the event loop."""
-        if kind == "outputs":
+        if kind is Kind.OUTPUTS:
             self._stats = payload.stats  # set here, in arrival order, so it is never stale
             if not payload.outputs:
                 return  # no request state touched: no need to hop
@@ -162,19 +172,18 @@ class AsyncEngine:
         except RuntimeError:  # the loop closed just now
             pass
 
-    def _handle_message(self, kind: str, payload: Any) -> None:
-        if kind == "utility":
-            name, result = payload
-            fut = self._utility_waiters.pop(name, None)
+    def _handle_message(self, kind: Kind, payload: Any) -> None:
+        if kind is Kind.UTILITY_RESULT:
+            fut = self._utility_waiters.get(payload.call_id)
             if fut is not None and not fut.done():
-                fut.set_result(result)
+                fut.set_result(payload)
             return
-        if kind != "outputs":
+        if kind is not Kind.OUTPUTS:
             return
         outputs: EngineCoreOutputs = payload
         processed = self.output_processor.process(outputs.outputs, core_time=outputs.timestamp)
         if processed.core_ids_to_abort and not self.errored:
-            self.client.send("abort", processed.core_ids_to_abort)
+            self.client.send(Kind.ABORT, processed.core_ids_to_abort)
         for request_id, error in processed.errors.items():
             queue = self._queues.get(request_id)
             if queue is not None:

@@ -20,6 +20,7 @@ import zmq
 from llmserve.config import EngineConfig
 from llmserve.engine.core_process import run_engine_core
 from llmserve.engine.errors import EngineDeadError  # noqa: F401 - re-exported
+from llmserve.engine.ipc import Kind, Message
 from llmserve.processes import start_spawned
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class CoreClient:
     def __init__(
         self,
         config: EngineConfig,
-        on_message: Callable[[str, Any], None],
+        on_message: Callable[[Kind, Any], None],
         on_dead: Callable[[str], None],
         start_timeout: float = 900.0,
     ) -> None:
@@ -84,21 +85,21 @@ class CoreClient:
         poller.register(self.out_sock, zmq.POLLIN)
         while time.monotonic() < deadline:
             if poller.poll(200):
-                kind, payload = pickle.loads(self.out_sock.recv())
-                if kind == "ready":
-                    return payload
-                if kind == "error":
-                    raise EngineStartError(f"engine core failed to start: {payload}")
+                msg = pickle.loads(self.out_sock.recv())
+                if msg.kind is Kind.READY:
+                    return msg.payload
+                if msg.kind is Kind.ERROR:
+                    raise EngineStartError(f"engine core failed to start: {msg.payload}")
             elif not self.proc.is_alive():
                 raise EngineStartError(
                     f"engine core exited during start-up (exit code {self.proc.exitcode})"
                 )
         raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
 
-    def send(self, kind: str, payload: Any = None) -> None:
+    def send(self, kind: Kind, payload: Any = None) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(Message(kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             self.in_sock.send(data)
 
@@ -113,14 +114,14 @@ class CoreClient:
             try:
                 if not poller.poll(200):
                     continue
-                kind, payload = pickle.loads(self.out_sock.recv())
+                msg = pickle.loads(self.out_sock.recv())
             except zmq.ZMQError:
                 return
-            if kind == "error":
-                self._mark_dead(f"engine core failed: {payload}")
+            if msg.kind is Kind.ERROR:
+                self._mark_dead(f"engine core failed: {msg.payload}")
                 continue
             try:
-                self.on_message(kind, payload)
+                self.on_message(msg.kind, msg.payload)
             except Exception:  # noqa: BLE001 - this thread must outlive any one bad message
                 logger.exception("error handling a message from the engine core")
 
@@ -143,7 +144,7 @@ class CoreClient:
         if self.proc.is_alive():
             try:
                 with self._send_lock:
-                    self.in_sock.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+                    self.in_sock.send(pickle.dumps(Message(Kind.SHUTDOWN)), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         self._stop_process(timeout)

@@ -1,11 +1,7 @@
 """The engine core in its own process, talking to the front over ZeroMQ.
 
 IO threads move bytes; the step loop only sees queues, so HTTP, tokenization and
-detokenization in the front never hold up a step. Messages are pickled tuples:
-
-    front → core: ("add", EngineCoreRequest) | ("abort", [ids]) | ("utility", name) | ("shutdown", None)
-    core → front: ("ready", info) | ("outputs", EngineCoreOutputs) | ("utility", (name, result))
-                  | ("error", traceback text)
+detokenization in the front never hold up a step. Messages are pickled `ipc.Message`s.
 """
 
 from __future__ import annotations
@@ -17,19 +13,20 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any
 
 import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
+from llmserve.engine.ipc import Kind, Message, UtilityCall, UtilityResult
 from llmserve.engine.request import EngineCoreOutputs
 from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
+UTILITIES = frozenset({"reset_prefix_cache"})  # EngineCore methods the front may call
 
-_SHUTDOWN = ("shutdown", None)
+_SHUTDOWN = Message(Kind.SHUTDOWN)
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -41,7 +38,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     try:
         core = EngineCore(config, exit_on_worker_death=True)
     except Exception as exc:  # a bad config or model: tell the front why, then exit
-        out_sock.send(pickle.dumps(("error", f"{type(exc).__name__}: {exc}")))
+        out_sock.send(pickle.dumps(Message(Kind.ERROR, f"{type(exc).__name__}: {exc}")))
         out_sock.close(linger=2000)
         ctx.term()
         raise SystemExit(1) from None
@@ -70,11 +67,11 @@ class EngineCoreProc:
         sender.start()
         stats = self.core.stats()
         workers = self.core.tp_driver.worker_pids if self.core.tp_driver else []
-        self._send(("ready", {"num_blocks": stats.num_blocks_total, "pid": os.getpid(), "worker_pids": workers}))
+        self._send(Message(Kind.READY, {"num_blocks": stats.num_blocks_total, "pid": os.getpid(), "worker_pids": workers}))
         try:
             self._loop()
         except Exception:
-            self._send(("error", traceback.format_exc()))
+            self._send(Message(Kind.ERROR, traceback.format_exc()))
             raise
         finally:
             self.outputs.put(None)
@@ -103,26 +100,32 @@ class EngineCoreProc:
                         return
                 done = pipeline.finish()
                 if done is not None:
-                    self._send(("outputs", done))
+                    self._send(Message(Kind.OUTPUTS, done))
             elif handled:  # e.g. an abort emptied the engine: report the freed blocks
-                self._send(("outputs", EngineCoreOutputs([], self.core.stats())))
+                self._send(Message(Kind.OUTPUTS, EngineCoreOutputs([], self.core.stats())))
 
-    def _handle(self, msg: tuple[str, Any]) -> bool:
-        kind, payload = msg
-        if kind == "add":
-            error = self.core.add_request(payload)
+    def _handle(self, msg: Message) -> bool:
+        if msg.kind is Kind.ADD:
+            error = self.core.add_request(msg.payload)
             if error is not None:
-                self._send(("outputs", EngineCoreOutputs([error], self.core.stats())))
-        elif kind == "abort":
-            self.core.abort_requests(payload)
-        elif kind == "utility":
-            result = getattr(self.core, payload)()
-            self._send(("utility", (payload, result)))
-        elif kind == "shutdown":
+                self._send(Message(Kind.OUTPUTS, EngineCoreOutputs([error], self.core.stats())))
+        elif msg.kind is Kind.ABORT:
+            self.core.abort_requests(msg.payload)
+        elif msg.kind is Kind.UTILITY:
+            self._send(Message(Kind.UTILITY_RESULT, self._utility(msg.payload)))
+        elif msg.kind is Kind.SHUTDOWN:
             return False
         return True
 
-    def _send(self, msg: tuple[str, Any]) -> None:
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        if call.name not in UTILITIES:
+            return UtilityResult(call.call_id, error=f"no utility {call.name!r}")
+        try:
+            return UtilityResult(call.call_id, getattr(self.core, call.name)())
+        except Exception as exc:  # noqa: BLE001 - the caller learns why; the core goes on
+            return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _send(self, msg: Message) -> None:
         self.outputs.put(msg)
 
     def _output_thread(self) -> None:
@@ -138,10 +141,10 @@ class EngineCoreProc:
         while True:
             if poller.poll(1000):
                 msg = pickle.loads(sock.recv())
-                if msg[0] == "add":
-                    msg[1].received_time = time.time()
+                if msg.kind is Kind.ADD:
+                    msg.payload.received_time = time.time()
                 self.inputs.put(msg)
-                if msg[0] == "shutdown":
+                if msg.kind is Kind.SHUTDOWN:
                     break
             elif os.getppid() != self.parent_pid:  # the front died: do not linger
                 self.inputs.put(_SHUTDOWN)
