@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser(argv[0] if argv and argv[0] in _LIGHT_COMMANDS else None).parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # bad settings, a missing or unreadable file
         print(f"llmserve: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 

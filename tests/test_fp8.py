@@ -217,3 +217,16 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_stays_close(llama_dir):
 def test_an_unknown_kv_cache_dtype_is_a_clear_error(bad):
     with pytest.raises(ConfigError, match="kv_cache_dtype must be auto or fp8"):
         EngineArgs(model=str(TINY_MODEL_DIR), kv_cache_dtype=bad).create_engine_config()
+
+
+def test_cli_errors_name_the_problem(tmp_path):
+    import subprocess
+    import sys
+
+    for cmd, message in (
+        (["make-fp8-checkpoint", str(tmp_path / "nothing"), str(tmp_path / "out")], "is not a Hugging Face model folder"),
+        (["bench", "accuracy", "--model", str(TINY_MODEL_DIR), "--quantization", "fp8", "--text", str(tmp_path / "no.txt")],
+         "No such file"),
+    ):  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "llmserve", *cmd], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]

@@ -142,6 +142,9 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
     if activations not in ("dynamic", "static"):
         raise ValueError("activations: dynamic or static")
     model_dir, out = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{str(model_dir)!r} is not a Hugging Face model folder (no config.json): an FP8 "
+                         "checkpoint is written from one (safetensors weights)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     input_scales = {}
     if activations == "static":
