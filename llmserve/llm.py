@@ -72,6 +72,7 @@ class LLM:
             self.input_processor.process(str(next(self._counter)), prompt, p, prio)
             for prompt, p, prio in zip(prompts, params_list, priorities)
         ]
+        self.core.wake_up()  # asleep: the weights and the KV cache come back first
         order = {p.request_id: i for i, p in enumerate(processed)}
         try:
             for p in processed:
@@ -158,6 +159,18 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the engine's device memory back until the next request (vLLM's sleep mode):
+        level 1 keeps the weights in host memory, level 2 reads them again on waking. The
+        prefix cache is emptied."""
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        self.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()

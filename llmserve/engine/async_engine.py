@@ -45,6 +45,8 @@ class AsyncEngine:
         self._stats_listeners: list = []
         self._utility_waiters: dict[int, asyncio.Future] = {}  # by call id: concurrent calls each get theirs
         self._call_ids = itertools.count()
+        self.sleeping = False  # the core gave its device memory back (sleep); the next request wakes it
+        self._sleep_lock = asyncio.Lock()
         self.dead_reason: str | None = None
         self.client = CoreClient(config, self._on_message, self._on_dead, start_timeout)
 
@@ -91,6 +93,8 @@ class AsyncEngine:
         where time to first token and end-to-end latency start, e.g. when the HTTP request came."""
         self._bind_loop()
         await self.check_health()
+        if self.sleeping:  # a request never fails for sleep: it waits for the wake
+            await self.wake_up()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -127,6 +131,26 @@ class AsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self._utility("reset_prefix_cache")
 
+    # -- sleep mode: the engine's device memory given back while idle ----------------------
+    async def sleep(self, level: int = 1) -> bool:
+        """Put an idle engine to sleep (level 1: weights to host memory; 2: weights dropped);
+        False if requests are in flight. A request arriving later wakes it first."""
+        async with self._sleep_lock:
+            if self.num_unfinished:
+                return False
+            asleep = await self._utility("sleep", level)
+            self.sleeping = self.sleeping or bool(asleep)
+            return asleep
+
+    async def wake_up(self) -> None:
+        async with self._sleep_lock:
+            if self.sleeping:
+                await self._utility("wake_up", timeout=600)
+                self.sleeping = False
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
     def shutdown(self) -> None:
         self.client.shutdown()
 
@@ -143,15 +167,15 @@ class AsyncEngine:
         if core_ids and not self.errored:
             self.client.send(Kind.ABORT, core_ids)
 
-    async def _utility(self, name: str) -> Any:
+    async def _utility(self, name: str, *args: Any, timeout: float = 30.0) -> Any:
         self._bind_loop()
         await self.check_health()
-        call = UtilityCall(next(self._call_ids), name)
+        call = UtilityCall(next(self._call_ids), name, args)
         fut = self._loop.create_future()
         self._utility_waiters[call.call_id] = fut
         try:
             self.client.send(Kind.UTILITY, call)
-            result: UtilityResult = await asyncio.wait_for(fut, timeout=30)
+            result: UtilityResult = await asyncio.wait_for(fut, timeout=timeout)
         finally:
             self._utility_waiters.pop(call.call_id, None)
         if result.error is not None:

@@ -24,7 +24,7 @@ from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
-UTILITIES = frozenset({"reset_prefix_cache"})  # EngineCore methods the front may call
+UTILITIES = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping"})  # EngineCore methods the front may call
 
 _SHUTDOWN = Message(Kind.SHUTDOWN)
 
@@ -121,7 +121,7 @@ class EngineCoreProc:
         if call.name not in UTILITIES:
             return UtilityResult(call.call_id, error=f"no utility {call.name!r}")
         try:
-            return UtilityResult(call.call_id, getattr(self.core, call.name)())
+            return UtilityResult(call.call_id, getattr(self.core, call.name)(*call.args))
         except Exception as exc:  # noqa: BLE001 - the caller learns why; the core goes on
             return UtilityResult(call.call_id, error=f"{type(exc).__name__}: {exc}")
 

@@ -188,6 +188,35 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    # -- sleep mode ----------------------------------------------------------------------
+    sleep_level: int = 0  # 0: awake
+
+    def sleep(self, level: int = 1) -> bool:
+        """Free the device memory of an idle engine (level 1: weights to host memory; level
+        2: weights dropped); False if it cannot sleep now (requests in flight)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.sleep_level:
+            return True
+        if self.has_unfinished():
+            return False
+        self.kv.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        self.runner.sleep(level)
+        self.sleep_level = level
+        logger.info("engine asleep (level %d)", level)
+        return True
+
+    def wake_up(self) -> bool:
+        if self.sleep_level:
+            start = time.perf_counter()
+            self.runner.wake_up()
+            logger.info("engine awake after level %d sleep in %.2f s", self.sleep_level, time.perf_counter() - start)
+            self.sleep_level = 0
+        return True
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
 
 class StepPipeline:
     """Drives an EngineCore with up to two steps on the device: `launch()` starts the

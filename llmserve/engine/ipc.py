@@ -36,7 +36,8 @@ class Message:
 @dataclass(frozen=True, slots=True)
 class UtilityCall:
     call_id: int
-    name: str  # a method of EngineCore that takes no argument
+    name: str  # a method of EngineCore (core_process.UTILITIES)
+    args: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
-from llmserve.model.loader import load_model
+from llmserve.model.loader import fill_weights, load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
 
 logger = logging.getLogger(__name__)
@@ -333,6 +333,46 @@ class ModelRunner:
             captured = 0
         if not self.tp.min_over_ranks(captured):
             self.mixed_graphs = None
+
+    # -- sleep mode ------------------------------------------------------------------------
+    @on_every_rank
+    def sleep(self, level: int) -> None:
+        """Give the device memory back: the KV cache (and its CUDA graphs) always; at level 1
+        the weights move to host memory (pinned on a GPU), at level 2 they are dropped (the
+        checkpoint is read again on waking). The engine must be idle: the cache is lost."""
+        self.release_cuda_graphs()
+        self._sleep_blocks = (self.kv_caches[0].shape[1] if self.kv_caches else 0, len(self.cpu_caches) and
+                              self.cpu_caches[0].shape[1])  # fmt: skip
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.empty(0)
+        self.kv_caches, self.cpu_caches = [], []
+        self._last_step = None
+        pin = self.device.type == "cuda"
+        self._slept: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]] = {}
+        for name, param in self.model.named_parameters():
+            kept = param.data.to("cpu").pin_memory() if level == 1 and pin else (param.data if level == 1 else None)
+            self._slept[name] = (param.shape, param.dtype, kept)
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @on_every_rank
+    def wake_up(self) -> None:
+        """Weights back on the device (from host memory, or read again), an empty KV cache of
+        the same size, the kernels and CUDA graphs ready again."""
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype, kept) in self._slept.items():
+            if kept is not None:
+                params[name].data = kept.to(self.device, non_blocking=True)
+            else:
+                params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+        if any(kept is None for _, _, kept in self._slept.values()):
+            mc = self.config.model_config
+            fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
+        self._slept = {}
+        self.init_kv_cache(*self._sleep_blocks)
+        self.capture_cuda_graphs()
 
     def release_cuda_graphs(self) -> None:
         """Destroy the CUDA graphs (decode and piecewise). Called on every rank before it

@@ -47,18 +47,25 @@ def load_model(
                 param.data = param.data.to(dtype)
     model = model.to_empty(device=device)  # allocate once
     model.model.rotary.rebuild(torch.device(device))
-    if load_format == "dummy":
-        _init_dummy(model, seed + tp.rank)
-    else:
-        loaded = model.load_weights(_checkpoint_tensors(Path(model_dir), arch, progress))
-        missing = model.expected_weight_keys() - loaded
-        if missing:
-            raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")
+    fill_weights(model, model_dir, arch, load_format, seed, tp, progress)
     if progress:
         params = sum(p.numel() for p in model.parameters())
         logger.info("loaded %s (%.1fM parameters, %s, %s) in %.1f s", model_dir if load_format != "dummy" else "dummy weights",
                     params / 1e6, str(dtype).removeprefix("torch."), device, time.perf_counter() - start)  # fmt: skip
     return model.eval()
+
+
+def fill_weights(model: LlamaForCausalLM, model_dir: str, arch: ModelArch, load_format: str = "auto", seed: int = 0,
+                 tp: TPGroup = SINGLE, progress: bool = True) -> None:  # fmt: skip
+    """Fill an allocated model's parameters: from the checkpoint, or dummy weights (the same
+    ones for the same seed). Also how a model that slept at level 2 gets its weights back."""
+    if load_format == "dummy":
+        _init_dummy(model, seed + tp.rank)
+        return
+    loaded = model.load_weights(_checkpoint_tensors(Path(model_dir), arch, progress))
+    missing = model.expected_weight_keys() - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")
 
 
 def _checkpoint_tensors(path: Path, arch: ModelArch, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,6 +12,7 @@ _TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowed",
+    409: "ConflictError",
     413: "RequestTooLarge",
     422: "UnprocessableEntityError",
     429: "RateLimitError",

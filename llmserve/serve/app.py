@@ -123,5 +123,29 @@ def build_app(
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
 
+    if config.enable_sleep_mode:
+        add_sleep_routes(app)
     return app
+
+
+def add_sleep_routes(app: FastAPI) -> None:
+    """vLLM's sleep-mode routes: an idle engine gives its device memory back until woken (by
+    POST /wake_up, or by the next request, which waits for it)."""
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1, s: ServerState = Depends(_authorized)) -> dict:
+        if level not in (1, 2):
+            raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        if not await s.require_engine().sleep(level):
+            raise APIError(409, "requests are in flight: the engine sleeps only when idle", code="busy")
+        return {"is_sleeping": True, "level": level}
+
+    @app.post("/wake_up")
+    async def wake_up(s: ServerState = Depends(_authorized)) -> dict:
+        await s.require_engine().wake_up()
+        return {"is_sleeping": False}
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(s: ServerState = Depends(_authorized)) -> dict:
+        return {"is_sleeping": await s.require_engine().is_sleeping()}
 

@@ -25,6 +25,7 @@ class ServerConfig:
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
     request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
+    enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's routes)
 
 
 @dataclass

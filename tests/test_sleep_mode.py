@@ -1,0 +1,90 @@
+"""Sleep mode: an idle engine gives its device memory back and gets it again, with the same
+outputs; a request arriving while it sleeps waits for the wake; the server's routes."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import httpx
+import pytest
+
+from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
+from server_utils import start_server
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(3)]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_greedy_outputs(model_dirs, level):
+    """Level 1 keeps the weights in host memory; level 2 reads them again (FP8 re-quantized
+    the same way): the outputs after waking are the outputs before sleeping."""
+    for family, extra in (("llama", {}), ("qwen2", {"quantization": "fp8"})):
+        llm = LLM(model_dirs[family], max_model_len=128, **extra)
+        before = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        llm.sleep(level)
+        assert llm.is_sleeping() and sum(p.numel() for p in llm.core.runner.model.parameters()) == 0
+        assert llm.core.runner.kv_caches == []
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before  # the request woke it
+        assert not llm.is_sleeping() and llm.stats().num_blocks_used == 0
+
+
+def test_requests_during_sleep_wait_for_the_wake_and_complete(llama_dir):
+    async def main():
+        engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))
+        try:
+            async def run(prompt, params=GREEDY, started=None):
+                final = None
+                async for out in engine.generate(prompt, params):
+                    final = out
+                    if started is not None:
+                        started.set()
+                return final.outputs[0].token_ids
+
+            before = [await run(p) for p in PROMPTS]
+            started = asyncio.Event()
+            long = SamplingParams(max_tokens=120, ignore_eos=True)
+            busy = asyncio.create_task(run({"prompt_token_ids": [1, 2, 3]}, long, started))
+            await started.wait()
+            assert await engine.sleep(1) is False  # a request in flight: not now
+            await busy
+            assert await engine.sleep(2) and await engine.is_sleeping()
+            after = await asyncio.gather(*(run(p) for p in PROMPTS))  # all arrive asleep, one wake
+            assert list(after) == before and not await engine.is_sleeping()
+            assert engine.stats().num_blocks_used == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_server_sleep_routes(llama_dir, tmp_path):
+    srv = start_server([llama_dir, "--max-model-len", "128", "--enable-sleep-mode", "--served-model-name", "tiny"],
+                       str(tmp_path / "server.log"))  # fmt: skip
+    url = srv.base_url
+    try:
+        body = {"model": "tiny", "prompt": [1, 5, 9, 33], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        want = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert httpx.post(url + "/sleep", params={"level": 3}).status_code == 400
+        assert httpx.post(url + "/sleep", params={"level": 1}).json() == {"is_sleeping": True, "level": 1}
+        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.get(url + "/health").status_code == 200  # asleep is healthy: requests wake it
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # requests during sleep wait, then all succeed
+            replies = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(4)))
+        assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == want for r in replies)
+        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
+        assert httpx.post(url + "/sleep", params={"level": 2}).status_code == 200
+        assert httpx.post(url + "/wake_up").json() == {"is_sleeping": False}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+    finally:
+        srv.stop()
+    plain = start_server([llama_dir, "--max-model-len", "128"], str(tmp_path / "plain.log"))
+    try:  # without the flag the routes are not there
+        assert httpx.post(plain.base_url + "/sleep").status_code == 404
+    finally:
+        plain.stop()
