@@ -233,3 +233,14 @@ def test_tp2_in_fp8_quantizes_each_ranks_slice(llama_dir):
         first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
         for token in first_a.keys() & first_b.keys():
             assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.05)
+
+
+def test_tp2_sleeps_and_wakes_on_every_rank(llama_dir):
+    """Sleep and wake are mirrored to the workers: each rank frees and gets back its shard."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(llama_dir, tensor_parallel_size=2, max_model_len=128) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params, use_tqdm=False)]
+        for level in (1, 2):
+            llm.sleep(level)
+            assert llm.is_sleeping()
+            assert [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params, use_tqdm=False)] == before
