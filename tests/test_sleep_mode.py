@@ -34,6 +34,53 @@ def test_sleep_and_wake_keep_greedy_outputs(model_dirs, level):
         assert not llm.is_sleeping() and llm.stats().num_blocks_used == 0
 
 
+def test_weight_stash_round_trip_against_the_tensors():
+    """The packed host buffer gives back every tensor bit for bit: mixed dtypes (FP8, a
+    scalar, an empty one), odd sizes; a second stash reuses the buffer when it fits."""
+    import torch
+
+    from llmserve.engine.weight_stash import ALIGN, WeightStash
+
+    torch.manual_seed(0)
+    tensors = {
+        "w": torch.randn(7, 13, dtype=torch.bfloat16), "fp8": torch.randn(5, 3).to(torch.float8_e4m3fn),
+        "scale": torch.tensor(0.25), "empty": torch.empty(0, 4), "ids": torch.arange(11),
+        "strided": torch.randn(6, 4).t(),
+    }  # fmt: skip
+    stash = WeightStash()
+    stash.stash(tensors, pin=False)
+    host = stash.host
+    assert all(s.offset % ALIGN == 0 for s in stash.slots)
+    back = stash.restore(torch.device("cpu"))
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and back[name].shape == tensor.shape
+        assert torch.equal(back[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else back[name],
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor)  # fmt: skip
+    stash.stash({"w": tensors["w"]}, pin=False)
+    assert stash.host is host  # smaller: the same buffer again
+    assert torch.equal(stash.restore(torch.device("cpu"))["w"], tensors["w"])
+
+
+def test_tied_embeddings_and_rotary_tables_survive_sleep(tmp_path):
+    """A model with a tied LM head wakes with its outputs; the rotary table, which
+    no checkpoint holds, comes back at level 2 too."""
+    import torch
+
+    from llmserve.model.random_model import make_random_model
+
+    path = make_random_model(str(tmp_path / "tied"), tie_word_embeddings=True)
+    llm = LLM(path, max_model_len=128)
+    model = llm.core.runner.model
+    before = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    tables = {n: b.clone() for n, b in model.named_buffers()}
+    for level in (2, 1):
+        llm.sleep(level)
+        assert tables and all(b.numel() == 0 for _, b in model.named_buffers())
+        llm.wake_up()
+        assert all(torch.equal(b, tables[n]) for n, b in model.named_buffers())
+        assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before
+
+
 def test_requests_during_sleep_wait_for_the_wake_and_complete(llama_dir):
     async def main():
         engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))

@@ -28,6 +28,7 @@ from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.weight_stash import WeightStash
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import fill_weights, load_model
@@ -175,6 +176,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
+        self._stash = WeightStash()  # the tensors kept in host memory while asleep
+        self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # parameters read again on waking
 
     # -- KV cache sizing ----------------------------------------------------------------
     @property
@@ -208,8 +211,10 @@ class ModelRunner:
         `gpu_memory_utilization` that would need more than is free."""
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device)  # this process's, reusable (an earlier engine's)
-        wanted = total * self.config.cache_config.gpu_memory_utilization
-        if wanted > free + cached:
+        cc = self.config.cache_config
+        sized = cc.kv_cache_memory_bytes is not None or cc.num_gpu_blocks_override is not None
+        wanted = total * cc.gpu_memory_utilization
+        if wanted > free + cached and not sized:  # a KV cache of a set size shares the GPU with others
             raise ConfigError(
                 f"gpu_memory_utilization {self.config.cache_config.gpu_memory_utilization} asks for "
                 f"{wanted / 2**30:.1f} GiB of {self.device}, but only {(free + cached) / 2**30:.1f} GiB of "
@@ -347,30 +352,35 @@ class ModelRunner:
             layer.kv_cache = torch.empty(0)
         self.kv_caches, self.cpu_caches = [], []
         self._last_step = None
-        pin = self.device.type == "cuda"
-        self._slept: dict[str, tuple[torch.Size, torch.dtype, torch.Tensor | None]] = {}
-        for name, param in self.model.named_parameters():
-            kept = param.data.to("cpu").pin_memory() if level == 1 and pin else (param.data if level == 1 else None)
-            self._slept[name] = (param.shape, param.dtype, kept)
-            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        # level 1 keeps every tensor; level 2 only the buffers (rotary tables), which no
+        # checkpoint holds: the parameters are read again on waking
+        tensors = dict(self.model.named_buffers())
+        if level == 1:
+            tensors.update(self.model.named_parameters())
+        self._stash.stash(tensors, pin=self.device.type == "cuda")
+        self._dropped = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters() if level == 2}
+        for tensor in self._tensors().values():
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
 
     @on_every_rank
     def wake_up(self) -> None:
         """Weights back on the device (from host memory, or read again), an empty KV cache of
         the same size, the kernels and CUDA graphs ready again."""
-        params = dict(self.model.named_parameters())
-        for name, (shape, dtype, kept) in self._slept.items():
-            if kept is not None:
-                params[name].data = kept.to(self.device, non_blocking=True)
-            else:
-                params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
-        if any(kept is None for _, _, kept in self._slept.values()):
+        tensors = self._tensors()
+        for name, view in self._stash.restore(self.device).items():
+            tensors[name].data = view
+        for name, (shape, dtype) in self._dropped.items():
+            tensors[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+        if self._dropped:
             mc = self.config.model_config
             fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
-        self._slept = {}
+            self._stash.release()
         self.init_kv_cache(*self._sleep_blocks)
         self.capture_cuda_graphs()
 

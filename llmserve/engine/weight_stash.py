@@ -1,0 +1,68 @@
+"""A model's tensors kept in host memory while its engine sleeps, and put back on waking.
+
+Every tensor is packed into one host buffer (pinned on a GPU, allocated at the first sleep and
+reused after), so a sleep is one pass of device-to-host copies and a wake is one host-to-device
+copy into one device buffer that the tensors then view. Copying tensor by tensor through
+pageable memory ran at 3 GB/s on an H200 (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes: every tensor starts at a multiple, as the device allocator would place it
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int  # bytes into the buffer
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class WeightStash:
+    def __init__(self) -> None:
+        self.host: torch.Tensor | None = None  # uint8, reused from sleep to sleep
+        self.slots: list[Slot] = []
+        self.nbytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.slots)
+
+    def stash(self, tensors: dict[str, torch.Tensor], pin: bool) -> None:
+        """Copy `tensors` into the host buffer; the caller then frees them on the device."""
+        self.slots, offset = [], 0
+        for name, tensor in tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            self.slots.append(Slot(name, offset, nbytes, tensor.shape, tensor.dtype))
+            offset += -(-nbytes // ALIGN) * ALIGN
+        self.nbytes = offset
+        if self.host is None or self.host.numel() < offset:
+            self.host = None  # the old buffer goes before the larger one is made
+            self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+        for slot in self.slots:
+            self._view(self.host, slot).copy_(tensors[slot.name], non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+
+    def restore(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """One device buffer holding every tensor again; returns each tensor's view of it."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        buffer.copy_(self.host[: self.nbytes], non_blocking=device.type == "cuda")
+        views = {slot.name: self._view(buffer, slot) for slot in self.slots}
+        self.slots = []
+        return views
+
+    def release(self) -> None:
+        """Give the host buffer back (level 2: nothing is kept)."""
+        self.host, self.slots, self.nbytes = None, [], 0
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, slot: Slot) -> torch.Tensor:
+        raw = buffer[slot.offset : slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).view(slot.shape) if slot.nbytes else torch.empty(slot.shape, dtype=slot.dtype,
+                                                                                      device=buffer.device)  # fmt: skip
