@@ -93,7 +93,7 @@ class AsyncEngine:
         where time to first token and end-to-end latency start, e.g. when the HTTP request came."""
         self._bind_loop()
         await self.check_health()
-        if self.sleeping:  # a request never fails for sleep: it waits for the wake
+        if self.sleeping or self._sleep_lock.locked():  # a request never fails for sleep: it waits for the wake
             await self.wake_up()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._queues:
@@ -150,6 +150,11 @@ class AsyncEngine:
 
     async def is_sleeping(self) -> bool:
         return self.sleeping
+
+    async def memory_footprint(self) -> dict:
+        """The engine's device memory: `weight_bytes` and `kv_cache_bytes` when awake (also
+        while asleep), `device_bytes` it holds now, and its KV block counts."""
+        return await self._utility("memory_footprint")
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -217,6 +217,10 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return self.sleep_level > 0
 
+    def memory_footprint(self) -> dict:
+        return {**self.runner.memory_footprint(), "num_blocks": self.kv.num_blocks,
+                "num_blocks_used": self.kv.pool.num_used}  # fmt: skip
+
 
 class StepPipeline:
     """Drives an EngineCore with up to two steps on the device: `launch()` starts the

@@ -176,7 +176,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
+        self._weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors().values())
         self._stash = WeightStash()  # the tensors kept in host memory while asleep
+        self._asleep = False
         self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # parameters read again on waking
 
     # -- KV cache sizing ----------------------------------------------------------------
@@ -361,9 +363,23 @@ class ModelRunner:
         self._dropped = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters() if level == 2}
         for tensor in self._tensors().values():
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+        self._asleep = True
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def memory_footprint(self) -> dict:
+        """`weight_bytes` and `kv_cache_bytes` of the engine awake (the same asleep), and the
+        bytes its tensors hold on the device now (`device_bytes`; on a GPU also what torch's
+        allocator has handed out, `allocated_bytes`)."""
+        on_device = sum(t.numel() * t.element_size() for t in self._tensors().values())
+        kv_now = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        blocks = self._sleep_blocks[0] if self._asleep else (self.kv_caches[0].shape[1] if self.kv_caches else 0)
+        row = {"weight_bytes": self._weight_bytes, "kv_cache_bytes": blocks * self.bytes_per_block,
+               "device_bytes": on_device + kv_now}  # fmt: skip
+        if self.device.type == "cuda":
+            row["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        return row
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
@@ -381,6 +397,7 @@ class ModelRunner:
             mc = self.config.model_config
             fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
             self._stash.release()
+        self._dropped, self._asleep = {}, False
         self.init_kv_cache(*self._sleep_blocks)
         self.capture_cuda_graphs()
 

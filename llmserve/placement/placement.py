@@ -1,0 +1,176 @@
+"""The placement decisions: which models hold device memory, within one budget.
+
+Synchronous and clock-free (every call says `now`), so the live controller and the simulator
+run the same decisions. Memory is counted as committed: a resident model, and a waking one
+from the moment its wake is planned (the idle models it displaces go to sleep first, and
+their memory is promised to it). A model with requests in flight is never put to sleep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from llmserve.placement.demand import ArrivalRate
+from llmserve.placement.model_state import ModelState, PlacedModel
+from llmserve.placement.policies import LRU, Policy, cover
+
+RESIDENT, ASLEEP, WAKING, SLEEPING = ModelState.RESIDENT, ModelState.ASLEEP, ModelState.WAKING, ModelState.SLEEPING
+
+
+@dataclass(frozen=True)
+class WakePlan:
+    """Put `victims` to sleep, then wake `model`."""
+
+    model: str
+    victims: tuple[str, ...]
+    prewarm: bool  # no request was waiting for it
+
+
+class Placement:
+    def __init__(self, models: Sequence[PlacedModel], budget_bytes: int, policy: Policy | None = None,
+                 demand: ArrivalRate | None = None, max_prewarms: int = 1) -> None:  # fmt: skip
+        self.models = {m.name: m for m in models}
+        if len(self.models) != len(models):
+            raise ValueError("placed model names must be unique")
+        too_big = [m.name for m in models if m.footprint.total > budget_bytes]
+        if too_big:
+            raise ValueError(f"models larger than the whole gpu_memory_budget ({budget_bytes} bytes) could never "
+                             f"be served: {too_big}")  # fmt: skip
+        self.budget_bytes = budget_bytes
+        self.policy = policy or LRU()
+        self.demand = demand or ArrivalRate()
+        self.max_prewarms = max_prewarms  # pre-warms running at once
+
+    # -- memory ----------------------------------------------------------------------------
+    @property
+    def committed_bytes(self) -> int:
+        return sum(m.footprint.total for m in self.models.values() if m.state in (RESIDENT, WAKING))
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.committed_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """What the models hold on the device now: the resident, those going to sleep, and the
+        waking whose weights are moving in."""
+        return sum(m.footprint.total for m in self.models.values()
+                   if m.state in (RESIDENT, SLEEPING) or (m.state is WAKING and m.loading))  # fmt: skip
+
+    # -- requests --------------------------------------------------------------------------
+    def arrive(self, name: str, now: float) -> bool:
+        """A request for `name` is admitted; True if its model is resident now."""
+        m = self.models[name]
+        self.demand.record(name, now)
+        self.policy.on_arrival(m, now, self.demand)
+        m.in_flight += 1
+        m.last_used = now
+        if m.state is not RESIDENT and m.waiting_since is None:
+            m.waiting_since = now
+        return m.state is RESIDENT
+
+    def depart(self, name: str, now: float) -> None:
+        """A request for `name` finished, or gave up waiting for the wake."""
+        m = self.models[name]
+        m.in_flight = max(0, m.in_flight - 1)
+        m.last_used = now
+        if m.in_flight == 0:
+            m.waiting_since = None
+
+    def waiting(self) -> list[PlacedModel]:
+        """Sleeping models with requests waiting, the longest waiting first."""
+        return sorted((m for m in self.models.values() if m.state is ASLEEP and m.in_flight),
+                      key=lambda m: m.waiting_since or 0.0)  # fmt: skip
+
+    # -- plans -----------------------------------------------------------------------------
+    def _idle(self, but: PlacedModel | None = None) -> list[PlacedModel]:
+        return [m for m in self.models.values() if m.state is RESIDENT and m.idle and m is not but]
+
+    def plan_wake(self, name: str, now: float) -> WakePlan | None:
+        """Wake `name` for its waiting requests, putting idle models to sleep as the policy
+        orders them; None while that cannot be done (every other resident model is busy)."""
+        m = self.models[name]
+        if m.state is not ASLEEP:
+            return None
+        need = m.footprint.total - self.free_bytes
+        victims = [] if need <= 0 else cover(need, self.policy.eviction_order(self._idle(m), now, self.demand))
+        return None if victims is None else self._commit(m, victims, prewarm=False)
+
+    def plan_prewarm(self, now: float) -> WakePlan | None:
+        """A wake ahead of requests, if the policy wants one (one at a time)."""
+        if sum(m.state is WAKING and m.prewarming for m in self.models.values()) >= self.max_prewarms:
+            return None
+        asleep = [m for m in self.models.values() if m.state is ASLEEP and not m.in_flight]
+        idle = self._idle()
+        choice = self.policy.prewarm(asleep, idle, self.free_bytes, now, self.demand) if asleep else None
+        if choice is None:
+            return None
+        model, victims = choice
+        if model not in asleep or any(v not in idle for v in victims) or \
+                model.footprint.total > self.free_bytes + sum(v.footprint.total for v in victims):  # fmt: skip
+            raise RuntimeError(f"policy {self.policy.name} chose an impossible pre-warm of {model.name}")
+        return self._commit(model, victims, prewarm=True)
+
+    def plan_fit(self, now: float) -> list[str]:
+        """Idle models to put to sleep until the committed memory is within the budget (a
+        start with more resident than fits); they are marked going to sleep."""
+        over = self.committed_bytes - self.budget_bytes
+        if over <= 0:
+            return []
+        victims = cover(over, self.policy.eviction_order(self._idle(), now, self.demand)) or []
+        for v in victims:
+            v.state = SLEEPING
+        return [v.name for v in victims]
+
+    def _commit(self, m: PlacedModel, victims: list[PlacedModel], prewarm: bool) -> WakePlan:
+        for v in victims:
+            v.state = SLEEPING
+        m.state, m.loading, m.prewarming = WAKING, not victims, prewarm
+        return WakePlan(m.name, tuple(v.name for v in victims), prewarm)
+
+    # -- outcomes --------------------------------------------------------------------------
+    def sleep_done(self, name: str, ok: bool, seconds: float, now: float) -> None:
+        """A model went to sleep (ok), or could not (it had work after all: resident again)."""
+        v = self.models[name]
+        if not ok:
+            v.state = RESIDENT
+            return
+        v.state = ASLEEP
+        v.sleeps += 1
+        v.sleep_seconds += seconds
+        self.policy.on_sleep(v, now, self.demand)
+
+    def victims_done(self, plan: WakePlan) -> bool:
+        """Whether the plan's model may load now: every victim asleep. If one stayed resident
+        the plan is off and its model asleep again (its requests plan anew)."""
+        m = self.models[plan.model]
+        if all(self.models[v].state is ASLEEP for v in plan.victims):
+            m.loading = True
+            return True
+        m.state, m.loading, m.prewarming = ASLEEP, False, False
+        return False
+
+    def wake_done(self, name: str, ok: bool, seconds: float, now: float) -> None:
+        m = self.models[name]
+        prewarm, m.loading, m.prewarming = m.prewarming, False, False
+        if not ok:
+            m.state = ASLEEP
+            m.failed_wakes += 1
+            return
+        m.state = RESIDENT
+        m.waiting_since = None
+        m.wakes += 1
+        m.prewarms += prewarm
+        m.wake_seconds += seconds
+        m.wake_cost_s = seconds
+        self.policy.on_wake(m, now, self.demand, prewarm)
+
+    def snapshot(self, now: float) -> list[dict]:
+        return [{
+            "model": m.name, "state": m.state.value, "in_flight": m.in_flight,
+            "bytes": m.footprint.total, "weight_bytes": m.footprint.weight_bytes,
+            "kv_cache_bytes": m.footprint.kv_cache_bytes, "wakes": m.wakes, "prewarms": m.prewarms,
+            "sleeps": m.sleeps, "failed_wakes": m.failed_wakes, "wake_cost_s": round(m.wake_cost_s, 3),
+            "arrival_rate": round(self.demand.rate(m.name, now), 4),
+        } for m in self.models.values()]  # fmt: skip

@@ -1,0 +1,302 @@
+"""Placement of many models under one memory budget: the decisions (budget, never evicting a
+busy model, the policies), the controller with requests waiting for wakes, and four real
+engines of which two fit."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from llmserve import AsyncEngine, EngineArgs, SamplingParams
+from llmserve.placement.controller import PlacementController, WakeTimeout
+from llmserve.placement.demand import ArrivalRate
+from llmserve.placement.engine_actuator import EngineActuator
+from llmserve.placement.footprint import Footprint, parse_budget
+from llmserve.placement.model_state import ModelState, PlacedModel
+from llmserve.placement.placement import Placement
+from llmserve.placement.policies import LRU, LRUPrewarm, QLearning, make_policy
+
+RESIDENT, ASLEEP, WAKING, SLEEPING = ModelState.RESIDENT, ModelState.ASLEEP, ModelState.WAKING, ModelState.SLEEPING
+
+
+def _models(n: int, size: int = 100, asleep: tuple[str, ...] = ()) -> list[PlacedModel]:
+    return [PlacedModel(name, Footprint(size - 10, 10), ASLEEP if name in asleep else RESIDENT)
+            for name in "abcdefgh"[:n]]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "total", "want"), [
+    (1000, None, 1000), (0.5, 800, 400), ("25%", 800, 200), ("2GiB", None, 2 << 30), ("1.5 GB", None, 1_500_000_000),
+    ("512MiB", None, 512 << 20), (1, 800, 800),
+])  # fmt: skip
+def test_budget_settings(value, total, want):
+    assert parse_budget(value, total) == want
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, "12 parsecs", "abc", True, -0.2, "150%"])
+def test_bad_budgets_are_refused(value):
+    with pytest.raises(ValueError):
+        parse_budget(value, 1000)
+
+
+def test_a_model_larger_than_the_budget_is_refused_at_start():
+    with pytest.raises(ValueError, match="never"):
+        Placement(_models(2, size=300), budget_bytes=250)
+
+
+def test_fit_then_wake_on_demand_puts_the_least_recently_used_idle_model_to_sleep():
+    p = Placement(_models(4), budget_bytes=250)
+    for i, name in enumerate("abcd"):
+        p.models[name].last_used = float(i)
+    assert p.plan_fit(now=10) == ["a", "b"]  # the two used longest ago
+    for name in "ab":
+        p.sleep_done(name, True, 0.1, 10)
+    assert p.committed_bytes == 200 and p.device_bytes == 200
+    assert p.arrive("a", 11) is False and [m.name for m in p.waiting()] == ["a"]
+    plan = p.plan_wake("a", 11)
+    assert plan.victims == ("c",) and not plan.prewarm  # c was used before d
+    assert p.models["c"].state is SLEEPING and p.models["a"].state is WAKING
+    assert p.device_bytes == 200  # a's weights are not moving yet: c still holds its memory
+    p.sleep_done("c", True, 0.1, 11.1)
+    assert p.victims_done(plan) and p.device_bytes == 200
+    p.wake_done("a", True, 0.5, 11.6)
+    assert p.models["a"].state is RESIDENT and p.models["a"].wakes == 1 and p.models["a"].wake_cost_s == 0.5
+    assert p.committed_bytes <= p.budget_bytes
+
+
+def test_a_busy_model_is_never_put_to_sleep():
+    p = Placement(_models(3, asleep=("c",)), budget_bytes=250)
+    p.arrive("a", 1)
+    p.arrive("b", 1)
+    p.arrive("c", 2)
+    assert p.plan_wake("c", 2) is None  # a and b both have requests in flight
+    p.depart("b", 3)
+    plan = p.plan_wake("c", 3)
+    assert plan.victims == ("b",)
+    assert p.plan_wake("c", 3) is None  # planned once
+
+
+def test_a_victim_that_cannot_sleep_calls_the_wake_off():
+    p = Placement(_models(2, asleep=("b",)), budget_bytes=150)
+    p.arrive("b", 1)
+    plan = p.plan_wake("b", 1)
+    p.sleep_done("a", False, 0.0, 1.1)  # the engine had work after all
+    assert not p.victims_done(plan)
+    assert p.models["a"].state is RESIDENT and p.models["b"].state is ASLEEP
+    assert [m.name for m in p.waiting()] == ["b"]  # its request plans again
+
+
+def test_random_operations_keep_the_budget_and_spare_busy_models():
+    """Arrivals, departures and plan outcomes in random order: the device never holds more
+    than the budget, no model with requests goes to sleep, counts stay consistent."""
+    rng = random.Random(7)
+    for policy in (LRU(), LRUPrewarm(horizon_s=5.0), QLearning(seed=1)):
+        p = Placement(_models(5, asleep=("c", "d", "e")), budget_bytes=250, policy=policy)
+        plans, now = [], 0.0
+        for _ in range(3000):
+            now += rng.random()
+            op = rng.random()
+            name = rng.choice("abcde")
+            if op < 0.3:
+                p.arrive(name, now)
+            elif op < 0.6:
+                busy = [m.name for m in p.models.values() if m.in_flight and m.state is RESIDENT]
+                if busy:
+                    p.depart(rng.choice(busy), now)
+            elif op < 0.8:
+                new = [p.plan_wake(m.name, now) for m in p.waiting()] + [p.plan_prewarm(now)]
+                for plan in filter(None, new):
+                    # planned victims were idle: an arrival after the plan may wait on them
+                    assert all(p.models[v].state is SLEEPING and not p.models[v].in_flight for v in plan.victims)
+                    plans.append(plan)
+            elif plans:
+                plan = plans.pop(rng.randrange(len(plans)))
+                for v in plan.victims:
+                    p.sleep_done(v, rng.random() < 0.9, 0.1, now)
+                if p.victims_done(plan):
+                    assert p.device_bytes <= p.budget_bytes
+                    p.wake_done(plan.model, rng.random() < 0.95, rng.uniform(0.1, 3), now)
+            assert p.committed_bytes <= p.budget_bytes and p.device_bytes <= p.budget_bytes
+            assert all(m.in_flight >= 0 for m in p.models.values())
+        assert sum(m.wakes for m in p.models.values()) > 10
+
+
+def test_lru_prewarm_wakes_a_model_whose_requests_are_due():
+    demand = ArrivalRate(half_life_s=30)
+    p = Placement(_models(3, asleep=("c",)), budget_bytes=250, policy=LRUPrewarm(horizon_s=60), demand=demand)
+    assert p.plan_prewarm(0.0) is None  # nobody has asked for anything
+    for t in range(0, 40, 4):  # c is asked for every 4 s (and each request finishes)
+        p.arrive("c", float(t))
+        p.depart("c", float(t) + 0.5)
+    p.arrive("b", 40.0)  # b is busy; a idle, never asked for
+    plan = p.plan_prewarm(41.0)
+    assert plan == type(plan)("c", ("a",), True)
+
+
+def test_q_learning_learns_which_sleeps_cost_a_wake():
+    """Model a is asked for often and again soon after each sleep, model b seldom and never
+    after a sleep. Each time a was idle longer than b, so LRU puts a to sleep first; after
+    some episodes the learned policy puts b to sleep first."""
+    policy = QLearning(epsilon=0.0, alpha=0.3)
+    p = Placement(_models(3, asleep=("c",)), budget_bytes=250, policy=policy)
+    a, b = p.models["a"], p.models["b"]
+    now = 0.0
+    for episode in range(40):
+        for t in range(0, 60, 6):  # a's requests: one every 6 s
+            p.arrive("a", now + t)
+            p.depart("a", now + t + 1)
+        now += 80.0
+        a.last_used, b.last_used = now - 20, now - 5
+        victim = p.models["ab"[episode % 2]]
+        victim.state = SLEEPING
+        p.sleep_done(victim.name, True, 0.1, now)
+        if victim is a:
+            p.arrive("a", now + 2.0)  # its sleep cost a wake
+            p.depart("a", now + 2.5)
+        victim.state = RESIDENT
+        now += 1000.0  # b's sleep expires with no cost
+        policy.prewarm([], [], 0, now, p.demand)
+    for t in range(0, 60, 6):
+        p.arrive("a", now + t)
+        p.depart("a", now + t + 1)
+    now += 80.0
+    a.last_used, b.last_used = now - 20, now - 5
+    assert LRU().eviction_order([a, b], now, p.demand) == [a, b]
+    assert policy.eviction_order([a, b], now, p.demand) == [b, a]
+    assert policy.q_sleep[policy.state(a, now, p.demand)] < -0.5  # about minus a's wake cost, 1 s
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="lru_prewarm"):
+        make_policy("fifo")
+
+
+class RecordingActuator:
+    """An actuator whose sleeps and wakes take a set time; it records what it was asked."""
+
+    def __init__(self, wake_s: float = 0.05, busy: set[str] | None = None):
+        self.calls: list[tuple[str, str]] = []
+        self.wake_s = wake_s
+        self.busy = busy or set()
+
+    async def sleep(self, name: str, level: int) -> bool:
+        self.calls.append(("sleep", name))
+        await asyncio.sleep(0.01)
+        return name not in self.busy
+
+    async def wake(self, name: str) -> None:
+        self.calls.append(("wake", name))
+        await asyncio.sleep(self.wake_s)
+
+
+def test_controller_wakes_for_a_request_and_times_out_when_nothing_can_sleep():
+    async def main():
+        p = Placement(_models(3, asleep=("c",)), budget_bytes=250)
+        actuator = RecordingActuator()
+        ctl = PlacementController(p, actuator, wake_timeout_s=0.5)
+        await ctl.acquire("a")  # resident: at once
+        await ctl.acquire("b")
+        with pytest.raises(WakeTimeout) as err:
+            await ctl.acquire("c")  # a and b are busy until released
+        assert err.value.retry_after_s >= 1 and p.models["c"].in_flight == 0
+        waiter = asyncio.create_task(ctl.acquire("c"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        ctl.release("a")  # a is idle now: it sleeps, c wakes
+        await asyncio.wait_for(waiter, 2)
+        assert actuator.calls == [("sleep", "a"), ("wake", "c")]
+        assert p.models["c"].state is RESIDENT and p.models["c"].in_flight == 1
+        assert p.models["a"].state is ASLEEP
+        ctl.release("c")
+        ctl.release("b")
+        await ctl.close()
+
+    asyncio.run(main())
+
+
+def test_controller_many_waiters_share_one_wake_and_a_busy_engine_is_retried():
+    async def main():
+        p = Placement(_models(2, asleep=("b",)), budget_bytes=150)
+        actuator = RecordingActuator(busy={"a"})
+        ctl = PlacementController(p, actuator, wake_timeout_s=3, prewarm_interval_s=0.05)
+        loop = asyncio.create_task(ctl.run())
+        waiters = [asyncio.create_task(ctl.acquire("b")) for _ in range(5)]
+        await asyncio.sleep(0.2)
+        assert not any(w.done() for w in waiters)  # a's engine says it is busy: b cannot wake
+        actuator.busy.clear()
+        await asyncio.wait_for(asyncio.gather(*waiters), 3)
+        assert actuator.calls.count(("wake", "b")) == 1 and p.models["b"].in_flight == 5
+        for _ in waiters:
+            ctl.release("b")
+        loop.cancel()
+        await ctl.close()
+
+    asyncio.run(main())
+
+
+def test_four_engines_two_fit_mixed_traffic(model_dirs):
+    """Four tiny engines, a budget that fits two: concurrent mixed traffic to all four is
+    served with no failed request, each model's greedy outputs as when it ran alone, at most
+    two resident at any time, and every KV block and device tensor given back."""
+    families = ["llama", "mistral", "qwen2", "qwen3"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1, 3 + i, 7, 20 + i]} for i in range(3)]
+
+    async def main():
+        engines = {f: AsyncEngine.from_engine_args(EngineArgs(model=model_dirs[f], max_model_len=128,
+                                                              kv_cache_memory_bytes=1 << 20)) for f in families}  # fmt: skip
+        try:
+            async def run(engine, prompt):
+                final = None
+                async for out in engine.generate(prompt, greedy):
+                    final = out
+                return final.outputs[0].token_ids
+
+            want = {f: [await run(e, p) for p in prompts] for f, e in engines.items()}
+            actuator = EngineActuator(engines)
+            footprints = {f: await actuator.footprint(f) for f in families}
+            size = max(fp.total for fp in footprints.values())
+            models = [PlacedModel(f, footprints[f]) for f in families]
+            placement = Placement(models, budget_bytes=int(size * 2.5), policy=LRUPrewarm(horizon_s=5))
+            ctl = PlacementController(placement, actuator, wake_timeout_s=120, prewarm_interval_s=0.1)
+            await ctl.fit()
+            assert sum(m.state is RESIDENT for m in models) == 2
+            peak = 0
+            loop = asyncio.create_task(ctl.run())
+
+            async def client(seed):
+                nonlocal peak
+                rng = random.Random(seed)
+                got = []
+                for _ in range(6):
+                    family = rng.choice(families[:2] * 3 + families[2:])  # two popular, two not
+                    i = rng.randrange(len(prompts))
+                    await ctl.acquire(family)
+                    try:
+                        live = [f for f in families if not await engines[f].is_sleeping()]
+                        peak = max(peak, len(live))
+                        got.append((family, i, await run(engines[family], prompts[i])))
+                    finally:
+                        ctl.release(family)
+                return got
+
+            results = await asyncio.gather(*(client(s) for s in range(4)))
+            loop.cancel()
+            await ctl.close()
+            assert sum(len(r) for r in results) == 24
+            for family, i, tokens in (x for r in results for x in r):
+                assert tokens == want[family][i], family
+            assert peak <= 2 and sum(m.wakes for m in models) >= 2
+            for f, engine in engines.items():
+                row = await engine.memory_footprint()
+                assert row["num_blocks_used"] == 0 and engine.stats().num_blocks_used == 0
+                if await engine.is_sleeping():
+                    assert row["device_bytes"] == 0 and placement.models[f].state is ASLEEP
+                else:
+                    assert row["device_bytes"] == footprints[f].total and placement.models[f].state is RESIDENT
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
+
+    asyncio.run(main())
