@@ -5,12 +5,13 @@
     serve        online: any OpenAI-compatible server, timed on the client
     hf-baseline  the throughput workload through transformers generate()
     accuracy     perplexity and greedy agreement of a model against its quantized form
+    placement    placement policies for many models on one GPU, on simulated traffic
 """
 
 
 def add_bench_parsers(subparsers) -> None:
     """Register every `llmserve bench` subcommand (each module imports its heavy parts lazily)."""
-    from llmserve.bench import accuracy, hf_baseline, latency, serve, throughput
+    from llmserve.bench import accuracy, hf_baseline, latency, placement, serve, throughput
 
-    for module in (throughput, latency, serve, hf_baseline, accuracy):
+    for module in (throughput, latency, serve, hf_baseline, accuracy, placement):
         module.add_parser(subparsers)

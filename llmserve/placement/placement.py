@@ -1,9 +1,11 @@
 """The placement decisions: which models hold device memory, within one budget.
 
 Synchronous and clock-free (every call says `now`), so the live controller and the simulator
-run the same decisions. Memory is counted as committed: a resident model, and a waking one
-from the moment its wake is planned (the idle models it displaces go to sleep first, and
-their memory is promised to it). A model with requests in flight is never put to sleep.
+run the same decisions. Memory is counted as committed: a resident model, one going to sleep
+(until it is asleep), and a waking one from the moment its wake is planned. The idle models
+a wake displaces sleep first and only then do its weights move in, so the device never holds
+more than the budget; while they sleep, the committed memory may exceed the budget by theirs,
+and no other wake is planned into it. A model with requests in flight is never put to sleep.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Placement:
     # -- memory ----------------------------------------------------------------------------
     @property
     def committed_bytes(self) -> int:
-        return sum(m.footprint.total for m in self.models.values() if m.state in (RESIDENT, WAKING))
+        return sum(m.footprint.total for m in self.models.values() if m.state is not ASLEEP)
 
     @property
     def free_bytes(self) -> int:
@@ -95,7 +97,9 @@ class Placement:
             return None
         need = m.footprint.total - self.free_bytes
         victims = [] if need <= 0 else cover(need, self.policy.eviction_order(self._idle(m), now, self.demand))
-        return None if victims is None else self._commit(m, victims, prewarm=False)
+        if victims is None or not self.policy.worth_waking(m, victims, now, self.demand):
+            return None
+        return self._commit(m, victims, prewarm=False)
 
     def plan_prewarm(self, now: float) -> WakePlan | None:
         """A wake ahead of requests, if the policy wants one (one at a time)."""

@@ -37,6 +37,12 @@ class Policy:
         """Idle resident models, the first to put to sleep first (a request is waiting)."""
         return sorted(idle, key=lambda m: m.last_used)
 
+    def worth_waking(self, model: PlacedModel, victims: Sequence[PlacedModel], now: float,
+                     demand: ArrivalRate) -> bool:  # fmt: skip
+        """Whether to wake `model` for its waiting requests at the cost of `victims` (else its
+        requests keep waiting, and time out unless demand changes)."""
+        return True
+
     def prewarm(self, asleep: Sequence[PlacedModel], idle: Sequence[PlacedModel], free_bytes: int,
                 now: float, demand: ArrivalRate) -> Choice | None:  # fmt: skip
         """A sleeping model to wake with no request waiting, and the idle models to put to sleep
@@ -85,6 +91,33 @@ class LRUPrewarm(Policy):
             if victims is not None:
                 return model, victims
         return None
+
+
+class DemandAware(LRUPrewarm):
+    """Keeps the memory for the demand: the idle models that sleep first are those whose
+    requests (arrival rate) times wake cost per byte is lowest; a wake that would put to
+    sleep models with more requests than it serves waits instead (its requests time out
+    unless its demand grows); pre-warms as LRUPrewarm."""
+
+    name = "demand"
+
+    def __init__(self, horizon_s: float = 60.0, margin: float = 2.0, protect: float = 1.0) -> None:
+        super().__init__(horizon_s, margin)
+        self.protect = protect  # the victims' rate over the woken model's at which a wake waits
+
+    @staticmethod
+    def _value_density(m: PlacedModel, now: float, demand: ArrivalRate) -> float:
+        return demand.rate(m.name, now) * m.wake_cost_s / max(1, m.footprint.total)
+
+    def eviction_order(self, idle, now, demand) -> list[PlacedModel]:
+        return sorted(idle, key=lambda m: (self._value_density(m, now, demand), m.last_used))
+
+    def worth_waking(self, model, victims, now, demand) -> bool:
+        if not victims:
+            return True
+        served = demand.rate(model.name, now)
+        displaced = sum(demand.rate(v.name, now) for v in victims)
+        return displaced <= self.protect * served
 
 
 RATE_EDGES = (1 / 600, 1 / 60, 1 / 10, 1.0)  # requests a second
@@ -171,7 +204,8 @@ class QLearning(Policy):
                 self._learn(self.q_wake, state, -self.churn * cost)
 
 
-POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lru_prewarm": LRUPrewarm, "q_learning": QLearning}
+POLICIES: dict[str, type[Policy]] = {"lru": LRU, "lru_prewarm": LRUPrewarm, "q_learning": QLearning,
+                                     "demand": DemandAware}  # fmt: skip
 
 
 def make_policy(name: str, **kwargs) -> Policy:
