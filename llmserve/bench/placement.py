@@ -79,7 +79,7 @@ def run_all(costs: str, duration_s: float, rate: float, slo_ttft_s: float, seed:
         trace = make_trace(spec, names, seed)
         rows.append(asdict(simulate_static(models, budget, trace, spec.name, duration_s, slo_ttft_s)) | {"costs": costs})
         for name in POLICIES:
-            policy = make_policy(name)
+            policy = make_policy(name, **({"slo_ttft_s": slo_ttft_s} if name == "demand" else {}))
             if name == "q_learning":  # it starts from one earlier trace's learning (another seed)
                 simulate(models, budget, policy, make_trace(spec, names, seed + 100), spec.name, duration_s, slo_ttft_s)
             result = simulate(models, budget, policy, trace, spec.name, duration_s, slo_ttft_s)

@@ -138,7 +138,7 @@ class AsyncEngine:
         async with self._sleep_lock:
             if self.num_unfinished:
                 return False
-            asleep = await self._utility("sleep", level)
+            asleep = await self._utility("sleep", level, timeout=600)
             self.sleeping = self.sleeping or bool(asleep)
             return asleep
 

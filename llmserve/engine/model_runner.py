@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -379,6 +380,9 @@ class ModelRunner:
                "device_bytes": on_device + kv_now}  # fmt: skip
         if self.device.type == "cuda":
             row["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            row["device_total_bytes"] = torch.cuda.mem_get_info(self.device)[1]
+        else:  # the host's memory is this device's
+            row["device_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return row
 
     def _tensors(self) -> dict[str, torch.Tensor]:

@@ -85,6 +85,31 @@ class AdmissionConfig(_Strict):
     target_queue_delay_ms: float | None = Field(default=None, gt=0)  # above it, shed lowest priority first
 
 
+class PlacementConfig(_Strict):
+    """Chat models sharing one GPU within a memory budget (docs/placement.md): the gateway
+    wakes a model for its requests, puts idle ones to sleep to make room, and pre-warms."""
+
+    gpu_memory_budget: int | float | str  # bytes, a fraction or percentage of the device, or "40GiB"
+    models: list[str] = Field(min_length=1)  # aliases of Triton chat models with sleep mode on
+    policy: str = "demand"  # lru | lru_prewarm | q_learning | demand (llmserve bench placement)
+    sleep_level: Literal[1, 2] = 1  # 1: weights kept in host memory; 2: read again on wake
+    wake_timeout_s: float = Field(default=60.0, gt=0)  # a request waits this long for a wake, then 503
+    slo_ttft_s: float = Field(default=2.0, gt=0)  # the TTFT target the demand policy protects
+    prewarm_interval_s: float = Field(default=1.0, gt=0)  # how often pre-warms are considered
+
+    @model_validator(mode="after")
+    def _check(self) -> PlacementConfig:
+        from llmserve.placement.footprint import parse_budget
+        from llmserve.placement.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"placement policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        parse_budget(self.gpu_memory_budget, device_total=1 << 40)  # its form; the size is checked at start
+        if len(set(self.models)) != len(self.models):
+            raise ValueError("placement: models are listed twice")
+        return self
+
+
 class GatewayConfig(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     keys: list[ApiKey] = []  # no keys: the gateway is open
@@ -95,6 +120,7 @@ class GatewayConfig(_Strict):
     body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
+    placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
@@ -105,6 +131,11 @@ class GatewayConfig(_Strict):
                 raise ValueError(f"alias {alias!r}: fallback {route.fallback!r} is not a configured alias")
             if route.fallback == alias:
                 raise ValueError(f"alias {alias!r} names itself as fallback")
+        if self.placement is not None:
+            for alias in self.placement.models:
+                route = self.models.get(alias)
+                if route is None or route.kind != "triton" or len(route.replicas) != 1:
+                    raise ValueError(f"placement: {alias!r} must be an alias of a Triton model with one replica")
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
             raise ValueError("key names must be unique")

@@ -51,3 +51,34 @@ class GatewayMetrics:
             "llmserve_gateway_routing", "Requests sent upstream, by how the replica was chosen.",
             ["alias", "decision"], registry=self.registry,
         )  # fmt: skip
+        # placement: chat models sharing one GPU (docs/placement.md)
+        self.model_state = Gauge(
+            "llmserve_model_state", "1 for the state a placed model is in (resident, asleep, waking, sleeping).",
+            ["model", "state"], registry=self.registry,
+        )  # fmt: skip
+        self.model_wakes = Counter(
+            "llmserve_model_wakes", "Wakes of a placed model, by why (demand: a request waited; prewarm).",
+            ["model", "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.model_sleeps = Counter(
+            "llmserve_model_sleeps", "Times a placed model was put to sleep.", ["model"], registry=self.registry
+        )
+        self.model_wake_seconds = Histogram(
+            "llmserve_model_wake_seconds", "Time one wake took.", ["model"], registry=self.registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )  # fmt: skip
+        self.model_sleep_seconds = Histogram(
+            "llmserve_model_sleep_seconds", "Time one sleep took.", ["model"], registry=self.registry,
+            buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )  # fmt: skip
+        self.model_resident_bytes = Gauge(
+            "llmserve_model_resident_bytes", "Device bytes a placed model holds now (weights and KV cache).",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
+        self.placement_budget_bytes = Gauge(
+            "llmserve_placement_budget_bytes", "The GPU memory budget the placed models share.", registry=self.registry
+        )
+        self.wake_timeouts = Counter(
+            "llmserve_model_wake_timeouts", "Requests refused (503) because their model was not awake in time.",
+            ["model"], registry=self.registry,
+        )  # fmt: skip

@@ -24,6 +24,7 @@ class PlacedModel:
     last_used: float = 0.0  # when a request last arrived or finished
     waiting_since: float | None = None  # the oldest request waiting for this model to wake
     wake_cost_s: float = 1.0  # one wake, as last measured (a guess until then)
+    sleep_cost_s: float = 1.0  # one sleep, ditto
     wakes: int = 0
     sleeps: int = 0
     prewarms: int = 0  # wakes started with no request waiting

@@ -143,6 +143,7 @@ class Placement:
         v.state = ASLEEP
         v.sleeps += 1
         v.sleep_seconds += seconds
+        v.sleep_cost_s = seconds
         self.policy.on_sleep(v, now, self.demand)
 
     def victims_done(self, plan: WakePlan) -> bool:
@@ -176,5 +177,6 @@ class Placement:
             "bytes": m.footprint.total, "weight_bytes": m.footprint.weight_bytes,
             "kv_cache_bytes": m.footprint.kv_cache_bytes, "wakes": m.wakes, "prewarms": m.prewarms,
             "sleeps": m.sleeps, "failed_wakes": m.failed_wakes, "wake_cost_s": round(m.wake_cost_s, 3),
+            "sleep_cost_s": round(m.sleep_cost_s, 3),
             "arrival_rate": round(self.demand.rate(m.name, now), 4),
         } for m in self.models.values()]  # fmt: skip

@@ -131,7 +131,7 @@ class Simulation:
                  slo_ttft_s: float, wake_timeout_s: float = 60.0, prewarm_interval_s: float = 1.0,
                  start_resident: Sequence[str] = ()) -> None:  # fmt: skip
         self.spec = {m.name: m for m in models}
-        placed = [PlacedModel(m.name, m.footprint, ModelState.ASLEEP, wake_cost_s=m.wake_s) for m in models]
+        placed = [PlacedModel(m.name, m.footprint, ModelState.ASLEEP, wake_cost_s=m.wake_s, sleep_cost_s=m.sleep_s) for m in models]
         self.placement = Placement(placed, budget_bytes, policy)
         for name in start_resident:
             self.placement.models[name].state = ModelState.RESIDENT

@@ -8,7 +8,10 @@ each with `status` (the HTTP status) and `response` (UTF-8 text):
   last `data: [DONE]`, then the final flag;
 - otherwise one response holding the whole JSON body; a refused request (a bad field, a
   prompt too long) answers its OpenAI error JSON with status 400 (404, 503).
-So a client such as the gateway forwards the bytes as they come. A request the client
+So a client such as the gateway forwards the bytes as they come. With the parameter
+`enable_sleep_mode` "true" the model also takes the control endpoints of
+llmserve/placement/engine_control.py (/sleep, /wake_up, /is_sleeping, /footprint), which a
+placement controller uses to share the GPU between models. A request the client
 cancels is aborted in the engine, which frees its KV blocks.
 
 The engine and its event loop live on a thread of their own, so `execute` only hands
@@ -39,6 +42,7 @@ def _engine_args(params: dict) -> dict:
              "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "tensor_parallel_size": int}  # fmt: skip
     args = {"model": params.pop("model_dir")}
     params.pop("tool_call_parser", None)
+    params.pop("enable_sleep_mode", None)
     for key, value in params.items():
         if key not in EngineArgs.field_names():
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
@@ -80,6 +84,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
+        self.sleep_mode = params.get("enable_sleep_mode") == "true"
         self.name = config.get("name", "chat")
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params)))
         self.loop = asyncio.new_event_loop()
@@ -101,6 +106,9 @@ class TritonPythonModel:
         except ValueError as exc:
             sender.send(_response(400, json.dumps(error_body(400, str(exc)))), flags=FINAL)
             return
+        if endpoint.startswith("/") and not endpoint.startswith("/v1/"):
+            await self._control(sender, endpoint, body)
+            return
         try:
             reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser)
             if reply.error is not None:
@@ -116,6 +124,19 @@ class TritonPythonModel:
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream
             error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+
+    async def _control(self, sender, endpoint: str, body: bytes) -> None:
+        from llmserve.openai.errors import error_body
+        from llmserve.placement.engine_control import control_call
+
+        if not self.sleep_mode:
+            status, answer = 404, error_body(404, f"{endpoint}: this model's sleep mode is off (enable_sleep_mode)")
+        else:
+            try:
+                status, answer = await control_call(self.engine, endpoint, body)
+            except Exception as exc:  # noqa: BLE001 - the caller gets the failure, the model keeps serving
+                status, answer = 500, error_body(500, f"{endpoint} failed: {type(exc).__name__}: {exc}")
+        sender.send(_response(status, json.dumps(answer)), flags=FINAL)
 
     async def _stream(self, request, sender, events) -> None:
         async for event in events:
