@@ -11,26 +11,90 @@ platform.yaml (all optional):
     gateway:  # a gateway config (docs/gateway.md); `models` defaults to one alias per Triton model
       keys: [...]
       admission: {max_concurrency: 64}
+    gpu_memory_budget: 0.6   # several chat models on one GPU (docs/placement.md): bytes, a fraction, "40GiB"
+    placement: {policy: demand, sleep_level: 1, wake_timeout_s: 60, models: [chat-a, chat-b]}
+
+With a `gpu_memory_budget`, the chat models (or those `placement.models` names) share the
+GPU: they load one at a time, each one that does not fit beside those loaded before it goes
+to sleep at once, and the gateway wakes them on demand (llmserve/gateway/placement.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import tempfile
+import time
 
 logger = logging.getLogger("llmserve.up")
 
 
-def gateway_config(spec: dict, model_names: list[str], grpc_port: int) -> dict:
-    """The gateway's config: the platform.yaml's `gateway:` section, aliases for Triton's models by default."""
+def gateway_config(spec: dict, model_names: list[str], grpc_port: int, placed: list[str] | None = None) -> dict:
+    """The gateway's config: the platform.yaml's `gateway:` section, aliases for Triton's models by default,
+    and the placement of the models sharing the GPU."""
     config = dict(spec.get("gateway") or {})
     if "models" not in config:
         replica = f"grpc://127.0.0.1:{grpc_port}"
         config["models"] = {name: {"kind": "triton", "replicas": [replica]} for name in model_names}
+    placement = placement_config(spec, placed or [])
+    if placement is not None and "placement" not in config:
+        config["placement"] = placement
     return config
+
+
+def placed_models(spec: dict, models: list) -> list[str]:
+    """The chat models that share the GPU under the platform.yaml's `gpu_memory_budget`."""
+    if spec.get("gpu_memory_budget") is None:
+        if spec.get("placement"):
+            raise ValueError("placement: needs a gpu_memory_budget")
+        return []
+    section = dict(spec.get("placement") or {})
+    chat = [m.name for m in models if m.kind == "chat"]
+    names = section.get("models", chat)
+    unknown = [n for n in names if n not in chat]
+    if unknown or not names:
+        raise ValueError(f"placement: models must name chat models of this platform ({chat}), got {names}")
+    return list(names)
+
+
+def placement_config(spec: dict, placed: list[str]) -> dict | None:
+    """The gateway's `placement:` section from the platform.yaml's budget and placement settings."""
+    if not placed:
+        return None
+    return {**dict(spec.get("placement") or {}), "gpu_memory_budget": spec["gpu_memory_budget"], "models": placed}
+
+
+async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec) -> None:
+    """Load the placed models one at a time; each that does not fit the budget beside those
+    resident goes to sleep at once, so the device holds at most the budget and one model."""
+    from llmserve.gateway.placement import TritonActuator
+    from llmserve.gateway.triton_upstream import TritonClients
+    from llmserve.placement.footprint import parse_budget
+    from llmserve.triton import control
+
+    clients = TritonClients()
+    actuator = TritonActuator(clients, {name: (grpc_url, name) for name in placed})
+    resident = 0
+    try:
+        for i, name in enumerate(placed, 1):
+            start = time.monotonic()
+            await asyncio.to_thread(control.load, http_url, name)
+            row = await actuator.footprint(name)
+            size = int(row["weight_bytes"]) + int(row["kv_cache_bytes"])
+            budget = parse_budget(budget_spec, int(row.get("device_total_bytes") or 0) or None)
+            fits = resident + size <= budget
+            if fits:
+                resident += size
+            else:
+                await actuator.sleep(name, 1)
+            logger.info("placed model %d/%d %s loaded in %.1f s (%.2f GiB): %s", i, len(placed), name,
+                        time.monotonic() - start, size / 2**30,
+                        "resident" if fits else f"asleep (over the {budget / 2**30:.2f} GiB budget)")  # fmt: skip
+    finally:
+        await clients.close()
 
 
 def _exit(signum: int, _frame) -> None:
@@ -64,14 +128,19 @@ def run(args: argparse.Namespace) -> None:
 
     spec = load_platform_yaml(args.config) or {}
     models = platform_models(spec)
+    placed = placed_models(spec, models)
+    for m in models:
+        if m.name in placed:
+            m.parameters["enable_sleep_mode"] = "true"
     # checked before anything starts: a bad gateway section fails here
-    config = GatewayConfig.model_validate(gateway_config(spec, [m.name for m in models], args.triton_grpc_port))
+    config = GatewayConfig.model_validate(gateway_config(spec, [m.name for m in models], args.triton_grpc_port, placed))
     workdir = args.workdir or tempfile.mkdtemp(prefix="llmserve-up-")
     repo = build_repo(os.path.join(workdir, "model_repository"), models)
     log_path = os.path.join(workdir, "triton.log")
     triton = TritonServer(
         str(repo), http_port=args.triton_http_port, grpc_port=args.triton_grpc_port,
         metrics_port=args.triton_metrics_port, address=args.triton_address, exit_timeout_secs=10, log_path=log_path, stop_with_parent=True,
+        load_models=[m.name for m in models if m.name not in placed],
     )  # fmt: skip
     # Ctrl-C or SIGTERM end the process through `finally` below, which stops Triton. While the
     # gateway serves, uvicorn takes the signals, drains, and raises them again once it has put
@@ -82,6 +151,10 @@ def run(args: argparse.Namespace) -> None:
     triton.start()
     try:
         triton.wait_ready(timeout=600)
+        if placed:
+            http_url = f"127.0.0.1:{args.triton_http_port}"
+            asyncio.run(load_placed(http_url, f"grpc://127.0.0.1:{args.triton_grpc_port}", placed,
+                                    spec["gpu_memory_budget"]))  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,

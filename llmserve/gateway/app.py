@@ -22,6 +22,7 @@ from llmserve.gateway.config import ApiKey, GatewayConfig
 from llmserve.gateway.dashboard import dashboard_router
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapacity
+from llmserve.gateway.placement import WakeTimeout
 from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.gateway.router import Replica, health_loop
 from llmserve.gateway.state import GatewayState, RequestContext, log_access
@@ -153,6 +154,25 @@ async def _take_slot(state: GatewayState, ctx: RequestContext, request: Request)
         raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
 
 
+async def _wait_for_model(state: GatewayState, ctx: RequestContext, request: Request) -> None:
+    """A placed model (several on one GPU) asleep: wait for its wake, bounded; then 503
+    model_waking with a Retry-After (the slot and the reservation come back)."""
+    placement = state.placement
+    if placement is None or ctx.path not in GENERATION_PATHS or not placement.manages(ctx.alias):
+        return
+    try:
+        if placement.resident(ctx.alias):  # the common case: nothing to wait for or watch
+            ctx.placed = await placement.acquire(ctx.alias)
+        else:
+            ctx.placed = await _unless_client_leaves(placement.acquire(ctx.alias), request)
+    except WakeTimeout as exc:
+        if ctx.slot is not None:
+            ctx.slot.release()
+        if ctx.key is not None:
+            await state.limiter.settle(ctx.key.name, ctx.reserved_tokens, 0)
+        raise Rejected(503, "model_waking", f"{exc}: it is waking, retry later", exc.retry_after_s) from None
+
+
 async def _unless_client_leaves(work, request: Request):
     """Await `work`, cancelled (ClientLeft) if the client disconnects first."""
     task = asyncio.ensure_future(work)
@@ -219,10 +239,14 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
             freeze_startup_objects("gateway")
             probe = functools.partial(_probe, state)
             checker = asyncio.create_task(health_loop(state.router, config.health, probe, state.on_health))
+            placing = asyncio.create_task(state.placement.run()) if state.placement is not None else None
             try:
                 yield
             finally:
                 checker.cancel()
+                if placing is not None:
+                    placing.cancel()
+                    await state.placement.close()
                 await state.limiter.close()
                 await state.triton.close()
 
@@ -238,6 +262,7 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
             body = await _read_body(request, config.max_body_bytes, config.body_timeout_s)
             ctx = await _admit(state, request, body, path, request_id)
             await _take_slot(state, ctx, request)
+            await _wait_for_model(state, ctx, request)
         except Rejected as exc:
             state.metrics.rejections.labels(exc.reason).inc()
             log_access(request_id, exc.status, rejected=exc.reason)
@@ -255,6 +280,7 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
         except BaseException:
             if ctx.slot is not None:
                 ctx.slot.release()
+            state.release_model(ctx)
             raise
 
 
@@ -292,7 +318,10 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
             for url, ok in replicas.items():
                 upstreams[url] = upstreams.get(url, True) and ok
         status = "ok" if all(any(replicas.values()) for replicas in models.values()) else "degraded"
-        return JSONResponse({"status": status, "upstreams": upstreams, "models": models})
+        body = {"status": status, "upstreams": upstreams, "models": models}
+        if state.placement is not None:  # each placed model's state: resident, asleep, waking, sleeping
+            body["placement"] = state.placement.snapshot()
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -301,6 +330,8 @@ def build_app(config: GatewayConfig) -> ProxyFirst:
         state.metrics.in_flight.set(state.admission.in_flight)
         state.metrics.queue_waiting.set(state.admission.waiting())
         state.metrics.queueing_delay.set(state.admission.queueing_delay())
+        if state.placement is not None:
+            state.placement.export()
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return ProxyFirst(app, handle)

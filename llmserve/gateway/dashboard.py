@@ -98,6 +98,7 @@ class ModelStatus:
     waiting: float
     kv_usage: float | None  # the fullest replica
     tokens_per_s: float
+    placement: str | None = None  # resident, asleep, waking, sleeping: a placed model's state
 
 
 @dataclass
@@ -109,6 +110,7 @@ class DashboardData:
     rejections: dict[str, float]  # since the gateway started, by reason
     models: list[ModelStatus]
     upstreams: list[UpstreamStatus]
+    placement: dict | None = None  # the placed models' budget, memory and states (docs/placement.md)
 
 
 def parse_metrics(text: str) -> Sample:
@@ -245,6 +247,8 @@ class StatusSampler:
 
     def data(self) -> DashboardData:
         upstreams = {u: self._upstream(u) for u in self.urls}
+        placement = self.state.placement.snapshot() if self.state.placement is not None else None
+        states = {m["model"]: m["state"] for m in (placement or {}).get("models", []) if isinstance(m, dict)}
         models = []
         for alias, replicas in self.state.router.replicas.items():
             latest = [upstreams[r.url].latest for r in replicas if upstreams[r.url].latest]
@@ -255,13 +259,14 @@ class StatusSampler:
                 requests_per_s=self._requests_per_s(alias),
                 running=sum(p.running or 0.0 for p in latest), waiting=sum(p.waiting or 0.0 for p in latest),
                 kv_usage=max(kv) if kv else None, tokens_per_s=round(sum(p.tokens_per_s or 0.0 for p in latest), 3),
+                placement=states.get(alias),
             ))  # fmt: skip
         rejections = {s.labels["reason"]: s.value for s in self.state.metrics.rejections.collect()[0].samples
                       if s.name.endswith("_total")}  # fmt: skip
         return DashboardData(
             time=time.time(), interval_s=self.interval_s, window_s=self.interval_s * (self.gateway.maxlen or 0),
             requests_per_s=self._requests_per_s(None), rejections=rejections, models=models,
-            upstreams=list(upstreams.values()),
+            upstreams=list(upstreams.values()), placement=placement,
         )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from llmserve.gateway.config import ApiKey, GatewayConfig
 from llmserve.gateway.keys import KeyStore
 from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.placement import GatewayPlacement
 from llmserve.gateway.router import Replica, Router
 from llmserve.gateway.triton_upstream import TritonClients
 
@@ -35,6 +36,7 @@ class RequestContext:
     served_by: str | None = None  # the alias whose replica answered
     slot: Slot | None = None  # the admission slot held until the response is over
     prefix: str | None = None  # what the prompt starts with, for prefix-affinity routing
+    placed: bool = False  # counted in flight by the placement (released in `finish`)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -56,6 +58,9 @@ class GatewayState:
         self.client: httpx.AsyncClient | None = None  # health checks; opened in the app's lifespan
         self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
         self.triton = TritonClients(config.upstream_timeout_s)  # gRPC clients of Triton replicas, opened on first use
+        # several chat models on one GPU: requests wait for their model to wake
+        self.placement = None if config.placement is None else \
+            GatewayPlacement(config.placement, config, self.triton, self.metrics)  # fmt: skip
         for r in self.router.all_replicas():
             self.on_health(r)
 
@@ -66,6 +71,7 @@ class GatewayState:
         """A request is over: free its slot, settle its token reservation and count it."""
         if ctx.slot is not None:
             ctx.slot.release()
+        self.release_model(ctx)
         if ctx.key is not None:
             await self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
@@ -73,6 +79,12 @@ class GatewayState:
         self.metrics.latency.labels(ctx.alias).observe(latency)
         log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,
                    served_by=ctx.served_by, latency_ms=round(latency * 1000, 1), tokens=ctx.used_tokens)  # fmt: skip
+
+
+    def release_model(self, ctx: RequestContext) -> None:
+        if ctx.placed and self.placement is not None:
+            ctx.placed = False
+            self.placement.release(ctx.alias)
 
 
 def log_access(request_id: str, status: int, **fields) -> None:

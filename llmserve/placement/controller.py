@@ -51,7 +51,7 @@ class PlacementController:
         self.wake_timeout_s = wake_timeout_s
         self.prewarm_interval_s = prewarm_interval_s
         self.clock = clock
-        self.on_event = on_event or (lambda model, event, seconds: None)  # "wake" | "sleep" | "wake_failed"
+        self.on_event = on_event or (lambda model, event, seconds: None)  # "wake" | "prewarm" | "sleep" | "wake_failed"
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -108,7 +108,7 @@ class PlacementController:
                 ok = False
             seconds = self.clock() - start
             self.placement.wake_done(plan.model, ok, seconds, self.clock())
-            self.on_event(plan.model, "wake" if ok else "wake_failed", seconds)
+            self.on_event(plan.model, ("prewarm" if plan.prewarm else "wake") if ok else "wake_failed", seconds)
             logger.info("%s %s in %.2f s%s", plan.model, "woke" if ok else "did not wake", seconds,
                         " (pre-warm)" if plan.prewarm else "")  # fmt: skip
         finally:
