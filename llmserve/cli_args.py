@@ -38,6 +38,7 @@ _HELP = {
     "max_mixed_graph_tokens": "steps with prefill tokens (prompts, chunks, mixed with decodes) of up to this many tokens replay piecewise CUDA graphs between eager attention calls; 0: such steps run eagerly",
     "step_timing_log": "PATH: the engine core appends one JSON line per step (start, launch done, tokens back, requests, tokens, prefill tokens, waiting)",
     "sampler": "batched (every request of a step at once, penalties counted on the device) or reference (one request at a time)",
+    "enable_sleep_mode": "an idle engine may give its device memory back (LLM.sleep, and on `serve` POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping); on a GPU its weights and KV cache live at fixed addresses, so a wake keeps the CUDA graphs",
     "tensor_parallel_size": "split the model over this many GPUs (gloo processes on CPU); one worker process per extra rank",
 }
 

@@ -117,6 +117,7 @@ class EngineConfig:
     max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
     step_timing_log: str | None = None  # the engine core process appends one JSON line per step (engine/step_log.py)
     sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
+    enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
 
 
 @dataclass
@@ -149,6 +150,7 @@ class EngineArgs:
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
     step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
     sampler: str = "batched"  # batched | reference (one request at a time: the tests' comparison)
+    enable_sleep_mode: bool = False  # sleep keeps addresses, so a wake keeps the CUDA graphs (vLLM's flag)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -205,7 +207,7 @@ class EngineArgs:
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
-                            _check_writable(self.step_timing_log), self.sampler)  # fmt: skip
+                            _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode)  # fmt: skip
 
 
 def _check_writable(path: str | None) -> str | None:

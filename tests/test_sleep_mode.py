@@ -135,3 +135,32 @@ def test_server_sleep_routes(llama_dir, tmp_path):
         assert httpx.post(plain.base_url + "/sleep").status_code == 404
     finally:
         plain.stop()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_mode_arenas_keep_every_address_and_the_outputs(model_dirs, tmp_path, level):
+    """With enable_sleep_mode the weights and KV cache live in arenas (on a GPU at fixed
+    virtual addresses, so the CUDA graphs stay): every tensor keeps its address across a
+    sleep, the memory under them is given back (the CPU reference scrambles it), and the
+    wake puts back exactly what the outputs need (FP8 scales and a tied head included)."""
+    from llmserve.model.random_model import make_random_model
+
+    tied = make_random_model(str(tmp_path / "tied"), tie_word_embeddings=True)
+    for path, extra in ((model_dirs["llama"], {}), (model_dirs["qwen2"], {"quantization": "fp8"}), (tied, {})):
+        llm = LLM(path, max_model_len=128, enable_sleep_mode=True, **extra)
+        runner = llm.core.runner
+        before = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        addresses = {n: t.data_ptr() for n, t in runner._tensors().items()}
+        kv = [c.data_ptr() for c in runner.kv_caches]
+        arena = runner._weights_arena.tensor
+        assert all(arena.data_ptr() <= a < arena.data_ptr() + arena.numel() for a in addresses.values())
+        llm.sleep(level)
+        assert llm.core.memory_footprint()["device_bytes"] == 0
+        assert bool((arena == 0xFF).all())  # the reference arena's memory went (scrambled)
+        for _ in range(2):  # twice: the second sleep reuses the host buffer
+            assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before  # woken by the request
+            assert {n: t.data_ptr() for n, t in runner._tensors().items()} == addresses
+            assert [c.data_ptr() for c in runner.kv_caches] == kv and llm.stats().num_blocks_used == 0
+            llm.sleep(level)
+        llm.wake_up()
+        assert not llm.is_sleeping()

@@ -29,6 +29,7 @@ from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.device_arena import make_arena
 from llmserve.engine.weight_stash import WeightStash
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
@@ -181,6 +182,13 @@ class ModelRunner:
         self._stash = WeightStash()  # the tensors kept in host memory while asleep
         self._asleep = False
         self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # parameters read again on waking
+        # sleep mode: weights and KV cache in arenas of fixed addresses, so a wake keeps the graphs
+        self._weights_arena = self._kv_arena = None
+        self._arena_views: dict[str, torch.Tensor] = {}  # each weight's view of its arena
+        self._buffer_stash = WeightStash()  # level 2 with arenas: the buffers only
+        self._arena_level = 0  # the level of a sleep with arenas
+        if config.enable_sleep_mode:
+            self._move_weights_to_arena()
 
     # -- KV cache sizing ----------------------------------------------------------------
     @property
@@ -234,7 +242,7 @@ class ModelRunner:
         num_seqs = min(sc.max_num_seqs, num_tokens)
         blocks_needed = num_seqs * (-(-sc.max_model_len // self.block_size)) + 1
         blocks = min(blocks_needed, -(-num_tokens // self.block_size) + num_seqs)
-        self.init_kv_cache(blocks, 0)
+        self.init_kv_cache(blocks, 0, False)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         seq_len = min(-(-num_tokens // num_seqs), sc.max_model_len)
@@ -250,7 +258,8 @@ class ModelRunner:
         budget = int(total * self.config.cache_config.gpu_memory_utilization)
         # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
         sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # (weights in an arena are outside torch's allocator: counted in `non_torch` instead)
+        weights = 0 if self._weights_arena is not None else sum(p.numel() * p.element_size() for p in self.model.parameters())
         graphs = graph_memory_reserve(self.config, activations=max(0, peak - kv_bytes - weights), num_tokens=num_tokens)
         budget = budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
         return self.tp.min_over_ranks(budget)
@@ -272,12 +281,22 @@ class ModelRunner:
             self.model.compute_logits(hidden[to_device(batch.logits_indices, torch.long, self.device)])
 
     @on_every_rank
-    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int, arena: bool = True) -> None:
+        """The KV cache: one tensor per layer; with sleep mode (`arena`), views of one arena."""
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)
-        ]
+        if arena and self.config.enable_sleep_mode and num_blocks:
+            per_layer = self.bytes_per_block * num_blocks // a.num_layers
+            if self._kv_arena is not None:
+                self._kv_arena.close()
+            self._kv_arena = make_arena(per_layer * a.num_layers, self.device)
+            self._kv_arena.tensor.zero_()
+            self.kv_caches = [self._kv_arena.tensor[i * per_layer : (i + 1) * per_layer].view(self.kv_dtype).view(shape)
+                              for i in range(a.num_layers)]  # fmt: skip
+        else:
+            self.kv_caches = [
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)
+            ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
@@ -347,7 +366,11 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV cache (and its CUDA graphs) always; at level 1
         the weights move to host memory (pinned on a GPU), at level 2 they are dropped (the
-        checkpoint is read again on waking). The engine must be idle: the cache is lost."""
+        checkpoint is read again on waking). The engine must be idle: the cache is lost.
+        With sleep mode's arenas the CUDA graphs stay: only the memory under them goes."""
+        if self._weights_arena is not None:
+            self._sleep_in_place(level)
+            return
         self.release_cuda_graphs()
         self._sleep_blocks = (self.kv_caches[0].shape[1] if self.kv_caches else 0, len(self.cpu_caches) and
                               self.cpu_caches[0].shape[1])  # fmt: skip
@@ -369,12 +392,81 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _move_weights_to_arena(self) -> None:
+        """At start: every weight and buffer into one arena (through host memory, so the
+        device never holds them twice), each tensor a view of it from now on."""
+        tensors = self._tensors()
+        pin = self.device.type == "cuda"
+        self._stash.stash(tensors, pin=pin)
+        for tensor in tensors.values():
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
+        gc.collect()
+        if pin:
+            torch.cuda.empty_cache()
+        self._weights_arena = make_arena(max(1, self._stash.nbytes), self.device)
+        self._arena_views = self._stash.restore_into(self._weights_arena.tensor)
+        for name, view in self._arena_views.items():
+            tensors[name].data = view
+        if pin:
+            torch.cuda.synchronize(self.device)
+
+    def _sleep_in_place(self, level: int) -> None:
+        """Sleep with arenas: the weights' bytes to host memory in one copy (level 1; level 2
+        keeps only the buffers), then the arenas' memory goes; tensors and graphs stay."""
+        pin = self.device.type == "cuda"
+        self._sleep_blocks = (self.kv_caches[0].shape[1] if self.kv_caches else 0, len(self.cpu_caches) and
+                              self.cpu_caches[0].shape[1])  # fmt: skip
+        self.cpu_caches = []
+        self._last_step = None
+        if pin:
+            torch.cuda.synchronize(self.device)
+        if level == 1:
+            self._stash.save_whole(self._weights_arena.tensor, pin)
+        else:
+            self._buffer_stash.stash(dict(self.model.named_buffers()), pin=pin)
+            self._stash.host = None  # nothing of the weights is kept
+        self._arena_level = level
+        self._weights_arena.release()
+        if self._kv_arena is not None:
+            self._kv_arena.release()
+        self._asleep = True
+
+    def _wake_in_place(self) -> None:
+        self._weights_arena.map()
+        if self._arena_level == 2:  # the buffers back, the parameters read again into their views
+            self._buffer_stash.copy_back(self._arena_views)
+            self._buffer_stash.release()
+            mc = self.config.model_config
+            fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
+            for name, tensor in self._tensors().items():  # a loader that made new tensors: into the arena
+                view = self._arena_views[name]
+                if tensor.data_ptr() != view.data_ptr():
+                    view.copy_(tensor.data)
+                    tensor.data = view
+        else:
+            self._weights_arena.tensor[: self._stash.nbytes].copy_(self._stash.host[: self._stash.nbytes],
+                                                                   non_blocking=self.device.type == "cuda")  # fmt: skip
+        if self._kv_arena is not None:
+            self._kv_arena.map()
+            self._kv_arena.tensor.zero_()  # blocks never written read as zeros, as after a fresh start
+        num_cpu_blocks = self._sleep_blocks[1]
+        if num_cpu_blocks:
+            a = self.arch
+            cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            self.cpu_caches = [torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
+                               for _ in range(a.num_layers)]  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._arena_level, self._asleep = 0, False
+
     def memory_footprint(self) -> dict:
         """`weight_bytes` and `kv_cache_bytes` of the engine awake (the same asleep), and the
         bytes its tensors hold on the device now (`device_bytes`; on a GPU also what torch's
         allocator has handed out, `allocated_bytes`)."""
         on_device = sum(t.numel() * t.element_size() for t in self._tensors().values())
         kv_now = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        if self._asleep and self._weights_arena is not None:  # the views stay; the memory under them went
+            on_device = kv_now = 0
         blocks = self._sleep_blocks[0] if self._asleep else (self.kv_caches[0].shape[1] if self.kv_caches else 0)
         row = {"weight_bytes": self._weight_bytes, "kv_cache_bytes": blocks * self.bytes_per_block,
                "device_bytes": on_device + kv_now}  # fmt: skip
@@ -391,7 +483,11 @@ class ModelRunner:
     @on_every_rank
     def wake_up(self) -> None:
         """Weights back on the device (from host memory, or read again), an empty KV cache of
-        the same size, the kernels and CUDA graphs ready again."""
+        the same size, the kernels and CUDA graphs ready again (with sleep mode's arenas the
+        graphs never went)."""
+        if self._weights_arena is not None:
+            self._wake_in_place()
+            return
         tensors = self._tensors()
         for name, view in self._stash.restore(self.device).items():
             tensors[name].data = view

@@ -57,6 +57,26 @@ class WeightStash:
         self.slots = []
         return views
 
+    def restore_into(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors back in `buffer` (an arena, uint8, at least `nbytes`) at their offsets,
+        in one copy; returns each tensor's view of it."""
+        buffer[: self.nbytes].copy_(self.host[: self.nbytes], non_blocking=buffer.device.type == "cuda")
+        return {slot.name: self._view(buffer, slot) for slot in self.slots}
+
+    def save_whole(self, buffer: torch.Tensor, pin: bool) -> None:
+        """Copy `buffer` (laid out as the last stash) to host memory in one copy."""
+        if self.host is None or self.host.numel() < self.nbytes:
+            self.host = None
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host[: self.nbytes].copy_(buffer[: self.nbytes], non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+
+    def copy_back(self, views: dict[str, torch.Tensor]) -> None:
+        """Copy the stashed tensors into existing tensors of the same shapes (`views`)."""
+        for slot in self.slots:
+            views[slot.name].copy_(self._view(self.host, slot), non_blocking=views[slot.name].device.type == "cuda")
+
     def release(self) -> None:
         """Give the host buffer back (level 2: nothing is kept)."""
         self.host, self.slots, self.nbytes = None, [], 0

@@ -33,9 +33,6 @@ def add_parser(subparsers) -> None:
                    help='serve tool_choice "auto": the model\'s output is read for tool calls (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", choices=["hermes"], default=None,  # serve/tools.TOOL_CALL_PARSERS
                    help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)")
-    p.add_argument("--enable-sleep-mode", action="store_true",
-                   help="serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping: an idle engine gives its "
-                   "device memory back (level 1 keeps the weights in host memory); the next request wakes it")
     p.add_argument("--request-timing-log", default=None, metavar="PATH",
                    help="append one JSON line per finished request with its wall-clock times (HTTP arrival, "
                    "core queue, first step, first token in the core and in the API, finish) to PATH")

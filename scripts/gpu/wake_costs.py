@@ -5,7 +5,9 @@ then sleep at level 1 and wake, sleep at level 2 and wake, timing each and readi
 memory in use; the tokens after each wake must equal the tokens before. Writes one JSON line
 per shape to $OUT/wake_costs.jsonl as soon as it is measured (a timeout keeps what finished).
 
-    python3 scripts/gpu/wake_costs.py 8b 8b-eager 1b 3b
+    python3 scripts/gpu/wake_costs.py 8b 8b-vmm 1b-vmm 14b-vmm
+
+The last level-1 sleep and wake (the second) overwrite the first's keys: the steady state.
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ def measure(label: str) -> dict:
     shape, _, variant = label.partition("-")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     start = time.perf_counter()
+    # "vmm": sleep mode's arenas (fixed addresses: the CUDA graphs stay through a sleep)
     llm = LLM(model=model_dir(shape), load_format="dummy", max_model_len=2048, kv_cache_memory_bytes=KV_BYTES,
-              enforce_eager=variant == "eager")  # fmt: skip
+              enforce_eager=variant == "eager", enable_sleep_mode=variant == "vmm")  # fmt: skip
     row = {"model": label, "startup_s": round(time.perf_counter() - start, 2), "used_gib_awake": used_gib()}
     weights = sum(p.numel() * p.element_size() for p in llm.core.runner.model.parameters())
     row["weight_gib"] = round(weights / 2**30, 2)
     before = tokens(llm, params)
-    for level in (1, 2):
+    graphs = llm.core.runner.graphs
+    for level in (1, 2, 1):
         t0 = time.perf_counter()
         llm.sleep(level)
         sync()
@@ -81,6 +85,7 @@ def measure(label: str) -> dict:
         after = tokens(llm, params)
         row[f"first_generate_after_wake{level}_s"] = round(time.perf_counter() - t0, 3)
         row[f"tokens_equal_after_wake{level}"] = after == before
+        row[f"graphs_kept_wake{level}"] = graphs is not None and llm.core.runner.graphs is graphs
     row["pcie_gb_per_s_level1"] = round(weights / row["wake1_s"] / 1e9, 1)
     llm.shutdown()
     del llm

@@ -42,7 +42,6 @@ def _engine_args(params: dict) -> dict:
              "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "tensor_parallel_size": int}  # fmt: skip
     args = {"model": params.pop("model_dir")}
     params.pop("tool_call_parser", None)
-    params.pop("enable_sleep_mode", None)
     for key, value in params.items():
         if key not in EngineArgs.field_names():
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
