@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -106,6 +107,10 @@ class CudaArena:
         _check(lib.cuMemAddressReserve(ctypes.byref(address), self.size, step, 0, 0), "cuMemAddressReserve")
         self.address = address.value
         self._handle: int | None = None
+        # the memory goes back with the arena (an engine dropped without closing it), not at exit
+        self._state = {"address": self.address, "size": self.size, "handle": None}
+        self._finalizer = weakref.finalize(self, CudaArena._free, self._state)
+        self._finalizer.atexit = False  # at exit the driver takes everything back itself
         self.map()
         self.tensor = torch.as_tensor(_Interface(self.address, nbytes), device=device)
         if self.tensor.data_ptr() != self.address:
@@ -129,7 +134,7 @@ class CudaArena:
             raise
         access = _AccessDesc(location=_Location(_LOCATION_TYPE_DEVICE, self.device_index), flags=_ACCESS_READWRITE)
         _check(lib.cuMemSetAccess(self.address, self.size, ctypes.byref(access), 1), "cuMemSetAccess")
-        self._handle = handle.value
+        self._handle = self._state["handle"] = handle.value
 
     def release(self) -> None:
         """Give the physical memory back; the addresses stay reserved (nothing may touch them)."""
@@ -139,13 +144,24 @@ class CudaArena:
         lib = _driver()
         _check(lib.cuMemUnmap(self.address, self.size), "cuMemUnmap")
         _check(lib.cuMemRelease(self._handle), "cuMemRelease")
-        self._handle = None
+        self._handle = self._state["handle"] = None
 
     def close(self) -> None:
-        self.release()
-        if self.address:
-            _driver().cuMemAddressFree(self.address, self.size)
-            self.address = 0
+        """Memory and addresses back (no tensor viewing the arena may be used after)."""
+        if self._handle is not None:
+            torch.cuda.synchronize(self.device_index)
+        self._finalizer()
+
+    @staticmethod
+    def _free(state: dict) -> None:
+        lib = _driver()
+        if state["handle"] is not None:
+            lib.cuMemUnmap(state["address"], state["size"])
+            lib.cuMemRelease(state["handle"])
+            state["handle"] = None
+        if state["address"]:
+            lib.cuMemAddressFree(state["address"], state["size"])
+            state["address"] = 0
 
 
 class HostArena:
