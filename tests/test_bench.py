@@ -428,3 +428,34 @@ def test_step_times_from_a_step_log(tmp_path):
     assert "513-1024              1     33.0     33.0     33.0" in out
     early, late = out.split("the first 0.03 s of each busy period:")[1].split("the rest:")
     assert "513-1024" in early and "decode only           1" in early and "513-1024" not in late
+
+
+def test_bench_placement_table_json_plot_and_default_policy(tmp_path, capsys):
+    """`llmserve bench placement`: every policy and the static set on four traces per cost
+    table, the table printed, the rows in JSON, a PNG; the platform's default policy is the
+    one it reports best in the worst case."""
+    from llmserve.bench.placement import POLICIES, overall_best
+    from llmserve.gateway.config import PlacementConfig
+
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    main(["bench", "placement", "--duration-s", "600", "--rate", "0.5", "--costs", "measured", "no_arenas",
+          "--output-json", str(out), "--plot", str(png)])  # fmt: skip
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 * 4 * (len(POLICIES) + 1) and "| no_arenas | mixed | demand |" in text
+    assert {r["policy"] for r in rows} == {"static", *POLICIES}
+    assert all(0.0 <= r["slo_attainment"] <= 1.0 and r["requests"] > 0 for r in rows)
+    assert all(r["wakes_per_hour"] == 0 and r["refused"] > 0 for r in rows if r["policy"] == "static")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"best worst case over the cost tables: {overall_best(rows)}" in text
+    assert PlacementConfig.model_fields["policy"].default == "demand"
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--duration-s", "0"], "must be positive"), (["--costs", "nowhere.json"], "--costs nowhere.json"),
+    (["--costs", "guessed"], "unknown cost table"),
+])  # fmt: skip
+def test_bench_placement_bad_arguments_are_clear(args, words, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "placement", *args])
+    assert exc.value.code != 0 and words in str(exc.value.code) + capsys.readouterr().err

@@ -87,31 +87,44 @@ def test_a_victim_that_cannot_sleep_calls_the_wake_off():
     assert [m.name for m in p.waiting()] == ["b"]  # its request plans again
 
 
-def test_random_operations_keep_the_budget_and_spare_busy_models():
-    """Arrivals, departures and plan outcomes in random order: the device never holds more
-    than the budget, no model with requests goes to sleep, counts stay consistent."""
+@pytest.mark.parametrize("drain_after_s", [None, 2.0])
+def test_random_operations_keep_the_budget_and_spare_busy_models(drain_after_s):
+    """Arrivals, starts, departures, give-ups and plan outcomes in random order: the device
+    never holds more than the budget, no model with a request running goes to sleep, counts
+    stay consistent; with drains too."""
     rng = random.Random(7)
-    for policy in (LRU(), LRUPrewarm(horizon_s=5.0), QLearning(seed=1)):
+    for policy in (LRU(), LRUPrewarm(horizon_s=5.0), QLearning(seed=1), make_policy("demand")):
         models = _models(5, asleep=("c", "d", "e"))
         for m, size in zip(models, (100, 60, 40, 120, 80)):  # sizes differ: a wake may need 0, 1 or 2 victims
-            m.footprint = Footprint(size - 10, 10)
-        p = Placement(models, budget_bytes=250, policy=policy)
-        plans, now = [], 0.0
-        for _ in range(3000):
+            m.footprint = Footprint(size - 10, 10, overhead_bytes=2)
+        p = Placement(models, budget_bytes=260, policy=policy, drain_after_s=drain_after_s)
+        assert p.fixed_bytes == 10
+        plans, now, drained = [], 0.0, 0
+        for _ in range(4000):
             now += rng.random()
             op = rng.random()
             name = rng.choice("abcde")
-            if op < 0.3:
+            if op < 0.25:
                 p.arrive(name, now)
-            elif op < 0.6:
-                busy = [m.name for m in p.models.values() if m.in_flight and m.state is RESIDENT]
+            elif op < 0.35:
+                waiting = [m.name for m in p.models.values() if m.in_flight > m.running]
+                if waiting:
+                    w = rng.choice(waiting)
+                    if rng.random() < 0.8:
+                        p.start(w)  # runs only if runnable
+                    else:
+                        p.depart(w, now, ran=False)  # gave up waiting
+            elif op < 0.55:
+                busy = [m.name for m in p.models.values() if m.running]
                 if busy:
                     p.depart(rng.choice(busy), now)
             elif op < 0.8:
+                p.clear_stale_drains()
                 new = [p.plan_wake(m.name, now) for m in p.waiting()] + [p.plan_prewarm(now)]
+                drained += sum(m.draining_for is not None for m in p.models.values())
                 for plan in filter(None, new):
-                    # planned victims were idle: an arrival after the plan may wait on them
-                    assert all(p.models[v].state is SLEEPING and not p.models[v].in_flight for v in plan.victims)
+                    # planned victims run nothing (an arrival after the plan waits on them)
+                    assert all(p.models[v].state is SLEEPING and not p.models[v].running for v in plan.victims)
                     plans.append(plan)
             elif plans:
                 plan = plans.pop(rng.randrange(len(plans)))
@@ -121,9 +134,54 @@ def test_random_operations_keep_the_budget_and_spare_busy_models():
                     assert p.device_bytes <= p.budget_bytes
                     p.wake_done(plan.model, rng.random() < 0.95, rng.uniform(0.1, 3), now)
             sleeping = sum(m.footprint.total for m in p.models.values() if m.state is SLEEPING)
-            assert p.committed_bytes - sleeping <= p.budget_bytes and p.device_bytes <= p.budget_bytes
-            assert all(m.in_flight >= 0 for m in p.models.values())
+            assert p.committed_bytes + p.fixed_bytes - sleeping <= p.budget_bytes and p.device_bytes <= p.budget_bytes
+            assert all(0 <= m.running <= m.in_flight for m in p.models.values())
+            assert all(m.state in (RESIDENT, SLEEPING) for m in p.models.values() if m.running)
         assert sum(m.wakes for m in p.models.values()) > 10
+        assert (drained > 0) == (drain_after_s is not None)
+
+
+def test_a_waiting_request_drains_a_busy_model_which_then_sleeps():
+    """Two models, room for one, the resident one never idle: without drains the waiting
+    model would wait as long as traffic lasts; with them, after `drain_after_s` the busy model
+    takes no new request, sleeps once its running ones finish, and the waiting one wakes."""
+    p = Placement(_models(2, asleep=("b",)), budget_bytes=150, drain_after_s=2.0)
+    assert p.arrive("a", 0.0) and p.arrive("b", 0.5) is False
+    assert p.plan_wake("b", 1.0) is None and p.models["a"].draining_for is None  # too early to drain
+    assert p.plan_wake("b", 2.6) is None and p.models["a"].draining_for == "b"  # a is busy: drained
+    assert p.arrive("a", 2.7) is False and not p.start("a")  # a's new request waits
+    assert p.plan_wake("b", 2.8) is None  # a still runs one
+    p.depart("a", 3.0)
+    plan = p.plan_wake("b", 3.0)
+    assert plan is not None and plan.victims == ("a",)
+    p.sleep_done("a", True, 0.1, 3.1)
+    assert p.models["a"].draining_for is None and p.victims_done(plan)
+    p.wake_done("b", True, 0.2, 3.3)
+    assert p.start("b") and [m.name for m in p.waiting()] == ["a"]  # a's waiter plans its own wake
+    p.depart("b", 4.0)
+    assert p.plan_wake("a", 4.0).victims == ("b",)
+
+
+def test_a_drain_ends_when_its_model_no_longer_waits():
+    p = Placement(_models(2, asleep=("b",)), budget_bytes=150, drain_after_s=1.0)
+    p.arrive("a", 0.0)
+    p.arrive("b", 0.0)
+    p.plan_wake("b", 1.5)
+    assert p.models["a"].draining_for == "b" and p.arrive("a", 1.6) is False
+    p.depart("b", 2.0, ran=False)  # b's request gave up
+    assert p.clear_stale_drains() and p.models["a"].draining_for is None
+    assert p.start("a")  # the request that waited on a runs
+
+
+def test_overheads_count_against_the_budget_asleep_too():
+    models = _models(3)
+    for m in models:
+        m.footprint = Footprint(90, 10, overhead_bytes=20)
+    p = Placement(models, budget_bytes=300)
+    assert p.fixed_bytes == 60 and p.plan_fit(0.0) != []
+    assert len([m for m in p.models.values() if m.state is SLEEPING]) == 1  # 60 + 200 fit, 60 + 300 do not
+    with pytest.raises(ValueError, match="asleep too"):  # 100 of one model + 60 held by all: 159 is too small
+        Placement([PlacedModel(m.name, Footprint(90, 10, 20)) for m in _models(3)], budget_bytes=159)
 
 
 def test_lru_prewarm_wakes_a_model_whose_requests_are_due():
@@ -239,17 +297,20 @@ def test_controller_many_waiters_share_one_wake_and_a_busy_engine_is_retried():
     asyncio.run(main())
 
 
-def test_four_engines_two_fit_mixed_traffic(model_dirs):
+@pytest.mark.parametrize(("drain_after_s", "arenas"), [(None, False), (0.2, True)])
+def test_four_engines_two_fit_mixed_traffic(model_dirs, drain_after_s, arenas):
     """Four tiny engines, a budget that fits two: concurrent mixed traffic to all four is
     served with no failed request, each model's greedy outputs as when it ran alone, at most
-    two resident at any time, and every KV block and device tensor given back."""
+    two resident at any time, and every KV block and device tensor given back (with drains
+    of busy models and sleep mode's arenas too)."""
     families = ["llama", "mistral", "qwen2", "qwen3"]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [{"prompt_token_ids": [1, 3 + i, 7, 20 + i]} for i in range(3)]
 
     async def main():
         engines = {f: AsyncEngine.from_engine_args(EngineArgs(model=model_dirs[f], max_model_len=128,
-                                                              kv_cache_memory_bytes=1 << 20)) for f in families}  # fmt: skip
+                                                              kv_cache_memory_bytes=1 << 20, enable_sleep_mode=arenas))
+                   for f in families}  # fmt: skip
         try:
             async def run(engine, prompt):
                 final = None
@@ -262,7 +323,8 @@ def test_four_engines_two_fit_mixed_traffic(model_dirs):
             footprints = {f: await actuator.footprint(f) for f in families}
             size = max(fp.total for fp in footprints.values())
             models = [PlacedModel(f, footprints[f]) for f in families]
-            placement = Placement(models, budget_bytes=int(size * 2.5), policy=LRUPrewarm(horizon_s=5))
+            placement = Placement(models, budget_bytes=int(size * 2.5), policy=LRUPrewarm(horizon_s=5),
+                                  drain_after_s=drain_after_s)  # fmt: skip
             ctl = PlacementController(placement, actuator, wake_timeout_s=120, prewarm_interval_s=0.1)
             await ctl.fit()
             assert sum(m.state is RESIDENT for m in models) == 2
@@ -304,3 +366,34 @@ def test_four_engines_two_fit_mixed_traffic(model_dirs):
                 engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_simulator_against_a_trace_worked_by_hand():
+    """Two models, room for one, wake 1 s, sleep 0.5 s, first token 0.1 s, 2 s per request.
+    A at 0 s wakes A (nothing to put to sleep): TTFT 1.1 s. B at 10 s puts A to sleep and
+    wakes B: 0.5 + 1 + 0.1 = 1.6 s. A at 20 s: 1.6 s again. Static keeps A (two requests
+    against one) and refuses B."""
+    from llmserve.placement.simulator import SimModel, simulate, simulate_static
+
+    models = [SimModel(n, Footprint(90, 10), wake_s=1.0, sleep_s=0.5, ttft_s=0.1, service_s=2.0) for n in "AB"]
+    trace = [(0.0, "A"), (10.0, "B"), (20.0, "A")]
+    r = simulate(models, 150, LRU(), trace, "hand", 3600.0, slo_ttft_s=1.5)
+    assert (r.requests, r.refused, r.slo_attainment) == (3, 0, round(1 / 3, 4))
+    assert r.ttft_mean_s == round((1.1 + 1.6 + 1.6) / 3, 3) and r.ttft_p99_s == 1.6
+    assert r.wakes_by_model == {"A": 2, "B": 1} and r.wakes_per_hour == 3.0
+    s = simulate_static(models, 150, trace, "hand", 3600.0, slo_ttft_s=1.5)
+    assert (s.refused, s.slo_attainment, s.wakes_per_hour) == (1, round(2 / 3, 4), 0.0)
+    assert s.ttft_mean_s == 0.1
+
+
+def test_simulator_refuses_what_waits_past_the_timeout():
+    from llmserve.placement.simulator import SimModel, simulate
+
+    # B's request comes while A serves a 30 s request: A cannot sleep, B's request gives up at 5 s
+    models = [SimModel(n, Footprint(90, 10), wake_s=1.0, sleep_s=0.5, ttft_s=0.1, service_s=30.0) for n in "AB"]
+    r = simulate(models, 150, LRU(), [(0.0, "A"), (2.0, "B")], "hand", 100.0, slo_ttft_s=2.0, wake_timeout_s=5.0)
+    assert r.refused == 1 and r.slo_attainment == 0.5
+    # with drains after 1 s, A is still busy for 30 s: a drain cannot shorten a running request
+    r = simulate(models, 150, LRU(), [(0.0, "A"), (2.0, "B")], "hand", 100.0, slo_ttft_s=2.0, wake_timeout_s=5.0,
+                 drain_after_s=1.0)  # fmt: skip
+    assert r.refused == 1

@@ -472,8 +472,13 @@ class ModelRunner:
                "device_bytes": on_device + kv_now}  # fmt: skip
         if self.device.type == "cuda":
             row["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            # what torch's allocator holds besides the weights and KV cache (graph pools,
+            # activations, buffers): stays while asleep (the CUDA context, ~0.5 GiB, is not counted)
+            reserved = torch.cuda.memory_reserved(self.device)
+            row["overhead_bytes"] = reserved if self._weights_arena is not None else max(0, reserved - row["device_bytes"])
             row["device_total_bytes"] = torch.cuda.mem_get_info(self.device)[1]
         else:  # the host's memory is this device's
+            row["overhead_bytes"] = 0
             row["device_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return row
 

@@ -96,6 +96,9 @@ class PlacementConfig(_Strict):
     wake_timeout_s: float = Field(default=60.0, gt=0)  # a request waits this long for a wake, then 503
     slo_ttft_s: float = Field(default=2.0, gt=0)  # the TTFT target the demand policy protects
     prewarm_interval_s: float = Field(default=1.0, gt=0)  # how often pre-warms are considered
+    # a request waiting this long for a wake with no idle model to make room drains busy ones
+    # (their new requests wait until they slept and woke again); null: never
+    drain_after_s: float | None = Field(default=5.0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> PlacementConfig:

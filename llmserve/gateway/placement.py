@@ -110,11 +110,12 @@ class GatewayPlacement:
         rows = {a: await self.actuator.footprint(a) for a in self.config.models}
         device_total = max(int(r.get("device_total_bytes", 0)) for r in rows.values()) or None
         budget = parse_budget(self.config.gpu_memory_budget, device_total)
-        models = [PlacedModel(a, Footprint(int(r["weight_bytes"]), int(r["kv_cache_bytes"])),
+        models = [PlacedModel(a, Footprint(int(r["weight_bytes"]), int(r["kv_cache_bytes"]), int(r.get("overhead_bytes", 0))),
                               ModelState.ASLEEP if r.get("is_sleeping") else ModelState.RESIDENT)
                   for a, r in rows.items()]  # fmt: skip
         kwargs = {"slo_ttft_s": self.config.slo_ttft_s} if self.config.policy == "demand" else {}
-        placement = Placement(models, budget, make_policy(self.config.policy, **kwargs))
+        placement = Placement(models, budget, make_policy(self.config.policy, **kwargs),
+                              drain_after_s=self.config.drain_after_s)  # fmt: skip
         self.metrics.placement_budget_bytes.set(budget)
         logger.info("placement: %d models, budget %.2f GiB, policy %s: %s", len(models), budget / 2**30,
                     self.config.policy, ", ".join(f"{m.name} {m.footprint.total / 2**30:.2f} GiB" for m in models))  # fmt: skip

@@ -60,18 +60,19 @@ class PlacementController:
 
     # -- requests --------------------------------------------------------------------------
     async def acquire(self, name: str) -> None:
-        """Return once `name` is resident, counted as in flight (so never put to sleep) until
-        `release(name)`; WakeTimeout after `wake_timeout_s` (the request is not counted)."""
+        """Return once `name` is resident, counted as running on it (so never put to sleep)
+        until `release(name)`; WakeTimeout after `wake_timeout_s` (the request is not counted)."""
         start = self.clock()
         if self.placement.arrive(name, start):
             return
         try:
             async with asyncio.timeout(self.wake_timeout_s):
-                while self.placement.models[name].state is not ModelState.RESIDENT:
+                while not self.placement.start(name):
                     self._plan()
                     await self._next_change()
         except BaseException as exc:
-            self.release(name)
+            self.placement.depart(name, self.clock(), ran=False)
+            self._signal()
             if isinstance(exc, TimeoutError):
                 retry = max(1.0, self.placement.models[name].wake_cost_s)
                 raise WakeTimeout(name, self.clock() - start, retry) from None
@@ -84,6 +85,8 @@ class PlacementController:
     # -- plans -----------------------------------------------------------------------------
     def _plan(self) -> None:
         now = self.clock()
+        if self.placement.clear_stale_drains():
+            self._signal()  # a drained model's own waiting requests may run again
         for model in self.placement.waiting():
             plan = self.placement.plan_wake(model.name, now)
             if plan is not None:
@@ -159,5 +162,6 @@ class PlacementController:
 
     def snapshot(self) -> dict:
         p = self.placement
-        return {"budget_bytes": p.budget_bytes, "committed_bytes": p.committed_bytes, "device_bytes": p.device_bytes,
+        return {"budget_bytes": p.budget_bytes, "committed_bytes": p.committed_bytes, "fixed_bytes": p.fixed_bytes,
+                "device_bytes": p.device_bytes,
                 "policy": p.policy.name, "models": p.snapshot(self.clock())}  # fmt: skip

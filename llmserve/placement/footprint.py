@@ -12,10 +12,13 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 @dataclass(frozen=True)
 class Footprint:
-    """What a resident model holds on its device."""
+    """What a resident model holds on its device: `total` comes and goes with sleep; the
+    `overhead_bytes` (graph pools, buffers: an engine's memory outside its weights and KV
+    cache) stay while it sleeps."""
 
     weight_bytes: int
     kv_cache_bytes: int
+    overhead_bytes: int = 0
 
     @property
     def total(self) -> int:

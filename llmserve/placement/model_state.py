@@ -21,6 +21,8 @@ class PlacedModel:
     footprint: Footprint
     state: ModelState = ModelState.RESIDENT
     in_flight: int = 0  # requests admitted and not finished, waiting for a wake included
+    running: int = 0  # of those, the ones running on it now
+    draining_for: str | None = None  # resident, making room for this model: new requests wait
     last_used: float = 0.0  # when a request last arrived or finished
     waiting_since: float | None = None  # the oldest request waiting for this model to wake
     wake_cost_s: float = 1.0  # one wake, as last measured (a guess until then)
@@ -41,4 +43,10 @@ class PlacedModel:
 
     @property
     def idle(self) -> bool:
-        return self.in_flight == 0
+        """Nothing runs on it, and no request waits to (a draining model's waiters wait for
+        it to sleep and wake again)."""
+        return self.running == 0 and (self.in_flight == 0 or self.draining_for is not None)
+
+    @property
+    def runnable(self) -> bool:
+        return self.state is ModelState.RESIDENT and self.draining_for is None

@@ -5,7 +5,9 @@ run the same decisions. Memory is counted as committed: a resident model, one go
 (until it is asleep), and a waking one from the moment its wake is planned. The idle models
 a wake displaces sleep first and only then do its weights move in, so the device never holds
 more than the budget; while they sleep, the committed memory may exceed the budget by theirs,
-and no other wake is planned into it. A model with requests in flight is never put to sleep.
+and no other wake is planned into it. A model with requests in flight is never put to sleep:
+when a request has waited `drain_after_s` and no idle model can make room, busy models are
+drained instead (their new requests wait; once their running ones finish they sleep).
 """
 
 from __future__ import annotations
@@ -31,18 +33,22 @@ class WakePlan:
 
 class Placement:
     def __init__(self, models: Sequence[PlacedModel], budget_bytes: int, policy: Policy | None = None,
-                 demand: ArrivalRate | None = None, max_prewarms: int = 1) -> None:  # fmt: skip
+                 demand: ArrivalRate | None = None, max_prewarms: int = 1,
+                 drain_after_s: float | None = None) -> None:  # fmt: skip
         self.models = {m.name: m for m in models}
         if len(self.models) != len(models):
             raise ValueError("placed model names must be unique")
-        too_big = [m.name for m in models if m.footprint.total > budget_bytes]
+        self.fixed_bytes = sum(m.footprint.overhead_bytes for m in models)  # held asleep too
+        too_big = [m.name for m in models if m.footprint.total + self.fixed_bytes > budget_bytes]
         if too_big:
-            raise ValueError(f"models larger than the whole gpu_memory_budget ({budget_bytes} bytes) could never "
-                             f"be served: {too_big}")  # fmt: skip
+            raise ValueError(f"models larger than the whole gpu_memory_budget ({budget_bytes} bytes, "
+                             f"{self.fixed_bytes} of them held by the engines asleep too) could never be served: "
+                             f"{too_big}")  # fmt: skip
         self.budget_bytes = budget_bytes
         self.policy = policy or LRU()
         self.demand = demand or ArrivalRate()
         self.max_prewarms = max_prewarms  # pre-warms running at once
+        self.drain_after_s = drain_after_s  # a wake waiting this long drains busy models; None: never
 
     # -- memory ----------------------------------------------------------------------------
     @property
@@ -51,33 +57,49 @@ class Placement:
 
     @property
     def free_bytes(self) -> int:
-        return self.budget_bytes - self.committed_bytes
+        return self.budget_bytes - self.fixed_bytes - self.committed_bytes
 
     @property
     def device_bytes(self) -> int:
         """What the models hold on the device now: the resident, those going to sleep, and the
         waking whose weights are moving in."""
-        return sum(m.footprint.total for m in self.models.values()
-                   if m.state in (RESIDENT, SLEEPING) or (m.state is WAKING and m.loading))  # fmt: skip
+        return self.fixed_bytes + sum(m.footprint.total for m in self.models.values()
+                                      if m.state in (RESIDENT, SLEEPING) or (m.state is WAKING and m.loading))  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------
     def arrive(self, name: str, now: float) -> bool:
-        """A request for `name` is admitted; True if its model is resident now."""
+        """A request for `name` is admitted; True if it runs now (counted running), False if
+        it waits (then `start` once `runnable`, or `depart(ran=False)`)."""
         m = self.models[name]
         self.demand.record(name, now)
         self.policy.on_arrival(m, now, self.demand)
         m.in_flight += 1
         m.last_used = now
-        if m.state is not RESIDENT and m.waiting_since is None:
+        if m.runnable:
+            m.running += 1
+            return True
+        if m.waiting_since is None:
             m.waiting_since = now
-        return m.state is RESIDENT
+        return False
 
-    def depart(self, name: str, now: float) -> None:
-        """A request for `name` finished, or gave up waiting for the wake."""
+    def start(self, name: str) -> bool:
+        """A waiting request runs if its model is runnable now (counted running)."""
+        m = self.models[name]
+        if not m.runnable:
+            return False
+        m.running += 1
+        if m.running >= m.in_flight:
+            m.waiting_since = None
+        return True
+
+    def depart(self, name: str, now: float, ran: bool = True) -> None:
+        """A request for `name` finished (`ran`), or gave up waiting."""
         m = self.models[name]
         m.in_flight = max(0, m.in_flight - 1)
+        if ran:
+            m.running = max(0, m.running - 1)
         m.last_used = now
-        if m.in_flight == 0:
+        if m.in_flight <= m.running:
             m.waiting_since = None
 
     def waiting(self) -> list[PlacedModel]:
@@ -85,9 +107,21 @@ class Placement:
         return sorted((m for m in self.models.values() if m.state is ASLEEP and m.in_flight),
                       key=lambda m: m.waiting_since or 0.0)  # fmt: skip
 
+    def clear_stale_drains(self) -> bool:
+        """Drains whose model no longer waits (it woke, or its requests left) end; True if any
+        did (their own waiting requests may run again)."""
+        cleared = False
+        for m in self.models.values():
+            target = self.models.get(m.draining_for) if m.draining_for else None
+            if target is not None and not (target.state is ASLEEP and target.in_flight):
+                m.draining_for = None
+                cleared = True
+        return cleared
+
     # -- plans -----------------------------------------------------------------------------
     def _idle(self, but: PlacedModel | None = None) -> list[PlacedModel]:
         return [m for m in self.models.values() if m.state is RESIDENT and m.idle and m is not but]
+
 
     def plan_wake(self, name: str, now: float) -> WakePlan | None:
         """Wake `name` for its waiting requests, putting idle models to sleep as the policy
@@ -97,9 +131,29 @@ class Placement:
             return None
         need = m.footprint.total - self.free_bytes
         victims = [] if need <= 0 else cover(need, self.policy.eviction_order(self._idle(m), now, self.demand))
-        if victims is None or not self.policy.worth_waking(m, victims, now, self.demand):
+        if victims is None:
+            self._drain_for(m, need, now)
+            return None
+        if not self.policy.worth_waking(m, victims, now, self.demand):
             return None
         return self._commit(m, victims, prewarm=False)
+
+    def _drain_for(self, m: PlacedModel, need: int, now: float) -> None:
+        """No idle models make room for `m`: after `drain_after_s` of waiting, drain busy ones
+        (the policy's order, the idle first) until what they and the idle ones hold covers it."""
+        if self.drain_after_s is None or m.waiting_since is None or now - m.waiting_since < self.drain_after_s:
+            return
+        if any(v.draining_for == m.name for v in self.models.values()):
+            return  # already draining for it
+        idle = self._idle(m)
+        busy = [v for v in self.models.values() if v.runnable and not v.idle and v is not m]
+        candidates = self.policy.eviction_order(idle, now, self.demand) + self.policy.eviction_order(busy, now, self.demand)
+        victims = cover(need, candidates)
+        if victims is None or not self.policy.worth_waking(m, victims, now, self.demand):
+            return
+        for v in victims:
+            if not v.idle:
+                v.draining_for = m.name
 
     def plan_prewarm(self, now: float) -> WakePlan | None:
         """A wake ahead of requests, if the policy wants one (one at a time)."""
@@ -119,7 +173,7 @@ class Placement:
     def plan_fit(self, now: float) -> list[str]:
         """Idle models to put to sleep until the committed memory is within the budget (a
         start with more resident than fits); they are marked going to sleep."""
-        over = self.committed_bytes - self.budget_bytes
+        over = self.committed_bytes + self.fixed_bytes - self.budget_bytes
         if over <= 0:
             return []
         victims = cover(over, self.policy.eviction_order(self._idle(), now, self.demand)) or []
@@ -137,6 +191,7 @@ class Placement:
     def sleep_done(self, name: str, ok: bool, seconds: float, now: float) -> None:
         """A model went to sleep (ok), or could not (it had work after all: resident again)."""
         v = self.models[name]
+        v.draining_for = None
         if not ok:
             v.state = RESIDENT
             return
@@ -173,9 +228,10 @@ class Placement:
 
     def snapshot(self, now: float) -> list[dict]:
         return [{
-            "model": m.name, "state": m.state.value, "in_flight": m.in_flight,
+            "model": m.name, "state": m.state.value, "in_flight": m.in_flight, "running": m.running,
+            "draining_for": m.draining_for,
             "bytes": m.footprint.total, "weight_bytes": m.footprint.weight_bytes,
-            "kv_cache_bytes": m.footprint.kv_cache_bytes, "wakes": m.wakes, "prewarms": m.prewarms,
+            "kv_cache_bytes": m.footprint.kv_cache_bytes, "overhead_bytes": m.footprint.overhead_bytes, "wakes": m.wakes, "prewarms": m.prewarms,
             "sleeps": m.sleeps, "failed_wakes": m.failed_wakes, "wake_cost_s": round(m.wake_cost_s, 3),
             "sleep_cost_s": round(m.sleep_cost_s, 3),
             "arrival_rate": round(self.demand.rate(m.name, now), 4),

@@ -129,10 +129,10 @@ class Simulation:
 
     def __init__(self, models: Sequence[SimModel], budget_bytes: int, policy: Policy, *,
                  slo_ttft_s: float, wake_timeout_s: float = 60.0, prewarm_interval_s: float = 1.0,
-                 start_resident: Sequence[str] = ()) -> None:  # fmt: skip
+                 start_resident: Sequence[str] = (), drain_after_s: float | None = None) -> None:  # fmt: skip
         self.spec = {m.name: m for m in models}
         placed = [PlacedModel(m.name, m.footprint, ModelState.ASLEEP, wake_cost_s=m.wake_s, sleep_cost_s=m.sleep_s) for m in models]
-        self.placement = Placement(placed, budget_bytes, policy)
+        self.placement = Placement(placed, budget_bytes, policy, drain_after_s=drain_after_s)
         for name in start_resident:
             self.placement.models[name].state = ModelState.RESIDENT
         self.slo = slo_ttft_s
@@ -185,7 +185,7 @@ class Simulation:
         if any(j == i for j, _ in self.waiting[model]):
             self.waiting[model] = [(j, a) for j, a in self.waiting[model] if j != i]
             self.ttft[i] = None
-            self.placement.depart(model, self.now)
+            self.placement.depart(model, self.now, ran=False)
 
     # -- plans -----------------------------------------------------------------------------
     def tick(self) -> None:
@@ -195,10 +195,19 @@ class Simulation:
             self.execute(plan)
 
     def plan(self) -> None:
+        self.placement.clear_stale_drains()
         for m in self.placement.waiting():
             plan = self.placement.plan_wake(m.name, self.now)
             if plan is not None:
                 self.execute(plan)
+        for model in self.waiting:
+            self.run_waiting(model)
+
+    def run_waiting(self, model: str) -> None:
+        """Waiting requests whose model is runnable again (woken, or no longer drained) start."""
+        while self.waiting[model] and self.placement.start(model):
+            i, arrived = self.waiting[model].pop(0)
+            self.start(i, model, arrived)
 
     def execute(self, plan: WakePlan) -> None:
         sleep_s = max((self.spec[v].sleep_s for v in plan.victims), default=0.0)  # they sleep at once
@@ -211,9 +220,7 @@ class Simulation:
 
         def woke() -> None:
             self.placement.wake_done(plan.model, True, self.spec[plan.model].wake_s, self.now)
-            for i, arrived in self.waiting[plan.model]:
-                self.start(i, plan.model, arrived)
-            self.waiting[plan.model] = []
+            self.run_waiting(plan.model)
             self.plan()
 
         self.at(self.now + sleep_s, slept)
@@ -236,8 +243,10 @@ class Simulation:
 
 
 def simulate(models: Sequence[SimModel], budget_bytes: int, policy: Policy, trace: Sequence[tuple[float, str]],
-             trace_name: str, duration_s: float, slo_ttft_s: float, wake_timeout_s: float = 60.0) -> SimResult:  # fmt: skip
-    sim = Simulation(models, budget_bytes, policy, slo_ttft_s=slo_ttft_s, wake_timeout_s=wake_timeout_s)
+             trace_name: str, duration_s: float, slo_ttft_s: float, wake_timeout_s: float = 60.0,
+             drain_after_s: float | None = None) -> SimResult:  # fmt: skip
+    sim = Simulation(models, budget_bytes, policy, slo_ttft_s=slo_ttft_s, wake_timeout_s=wake_timeout_s,
+                     drain_after_s=drain_after_s)
     sim.run(trace, duration_s)
     return sim.result(policy.name, trace_name, duration_s)
 

@@ -41,12 +41,14 @@ MODELS = {"llama-8b-a": "8b", "llama-8b-b": "8b", "llama-3b-a": "3b", "llama-3b-
           "llama-1b-a": "1b", "llama-1b-b": "1b", "llama-14b": "14b"}  # fmt: skip
 KV_BYTES = 4 << 30
 SLO_S = float(os.environ.get("SLO", "2.0"))
+DRAIN_S = float(os.environ.get("DRAIN", "5.0"))  # negative: never drain
 DURATION = float(os.environ.get("DURATION", "180"))
 RATE = float(os.environ.get("RATE", "4"))
 PROMPT_LEN, MAX_TOKENS = 256, 128
 CHECK_PROMPT = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 OUT = os.environ.get("OUT", "out")
-RESULT: dict = {"date": time.strftime("%Y-%m-%d"), "duration_s": DURATION, "rate": RATE, "slo_ttft_s": SLO_S}
+RESULT: dict = {"date": time.strftime("%Y-%m-%d"), "duration_s": DURATION, "rate": RATE, "slo_ttft_s": SLO_S,
+                "drain_after_s": DRAIN_S}
 
 
 def save() -> None:
@@ -170,9 +172,10 @@ async def main() -> None:
     def on_event(model: str, event: str, seconds: float) -> None:
         (sleeps if event == "sleep" else wakes)[model].append(round(seconds, 3)) if event != "wake_failed" else None
 
-    placed = [PlacedModel(n, Footprint(r["weight_bytes"], r["kv_cache_bytes"]), ModelState.RESIDENT)
-              for n, r in rows.items()]  # fmt: skip
-    placement = Placement(placed, budget, make_policy("demand", slo_ttft_s=SLO_S))
+    placed = [PlacedModel(n, Footprint(r["weight_bytes"], r["kv_cache_bytes"], r.get("overhead_bytes", 0)),
+                          ModelState.RESIDENT) for n, r in rows.items()]  # fmt: skip
+    RESULT["overheads_gib"] = {m.name: round(m.footprint.overhead_bytes / 2**30, 2) for m in placed}
+    placement = Placement(placed, budget, make_policy("demand", slo_ttft_s=SLO_S), drain_after_s=DRAIN_S if DRAIN_S >= 0 else None)
     controller = PlacementController(placement, EngineActuator(engines), wake_timeout_s=60.0, on_event=on_event)
     t1 = time.perf_counter()
     await controller.fit()
