@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from llmserve.placement.model_state import ModelState
 from llmserve.placement.placement import Placement, WakePlan
 
 logger = logging.getLogger("llmserve.placement")
