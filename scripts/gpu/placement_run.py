@@ -82,6 +82,11 @@ async def check_tokens(engines: dict[str, AsyncEngine]) -> dict[str, list[int]]:
     return out
 
 
+def _p99(values: list[float]) -> float | None:
+    values = sorted(values)
+    return round(values[int(0.99 * (len(values) - 1))], 3) if values else None
+
+
 class Run:
     def __init__(self, engines, controller: PlacementController | None, static: set[str] | None) -> None:
         self.engines, self.controller, self.static = engines, controller, static
@@ -142,7 +147,8 @@ class Run:
             "device_used_gib_mean": round(statistics.mean(self.memory), 2) if self.memory else None,
             "device_used_gib_peak": round(max(self.memory), 2) if self.memory else None,
             "by_model": {m: {"requests": sum(r["model"] == m for r in self.rows),
-                             "served": sum(r["model"] == m and r["status"] == "ok" for r in self.rows)}
+                             "served": sum(r["model"] == m and r["status"] == "ok" for r in self.rows),
+                             "ttft_p99_s": _p99([r["ttft_s"] for r in ok if r["model"] == m and r["ttft_s"] is not None])}
                          for m in MODELS},  # fmt: skip
         }
 
