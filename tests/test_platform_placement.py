@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +16,8 @@ import openai
 import pytest
 import yaml
 from gateway_utils import start_gateway
-from server_utils import children, free_port, stop_process
+from server_utils import free_port
+from up_utils import running_up
 
 from llmserve.config import TINY_MODEL_DIR
 
@@ -43,29 +41,9 @@ def _platform_yaml(path, wake_timeout_s: float = 120.0) -> None:
 def up(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("up-placement")
     _platform_yaml(workdir / "platform.yaml")
-    ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
-    cmd = [sys.executable, "-m", "llmserve", "up", "--config", str(workdir / "platform.yaml"),
-           "--port", str(ports["gateway"]), "--triton-http-port", str(ports["http"]),
-           "--triton-grpc-port", str(ports["grpc"]), "--triton-metrics-port", str(ports["metrics"]),
-           "--workdir", str(workdir)]  # fmt: skip
-    log = open(workdir / "up.log", "w")  # noqa: SIM115 - the child writes to it for its whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{ports['gateway']}"
-    deadline = time.monotonic() + 400
-    while True:
-        assert proc.poll() is None, (workdir / "up.log").read_text()
-        assert time.monotonic() < deadline, (workdir / "up.log").read_text()
-        with contextlib.suppress(httpx.TransportError, ValueError):
-            health = httpx.get(url + "/health", timeout=1).json()
-            if health.get("placement", {}).get("running"):
-                break
-        time.sleep(0.3)
-    yield {"url": url, "proc": proc, "workdir": workdir, "ports": ports}
-    descendants = children(proc.pid, recursive=True)
-    stop_process(proc, 60)
-    for pid in descendants:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    placing = lambda health: health.get("placement", {}).get("running")  # noqa: E731
+    with running_up(workdir, placing, "--config", str(workdir / "platform.yaml"), timeout=400) as running:
+        yield running
 
 
 def _placement(url: str) -> dict:
@@ -182,14 +160,16 @@ def test_a_wake_that_takes_longer_than_the_wait_is_a_503_with_retry_after(up, tm
         refused = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "model_waking" and float(refused.headers["retry-after"]) >= 1
-        deadline = time.monotonic() + 60
+        deadline, refusals = time.monotonic() + 60, 1
         while True:  # the wake went on without the request: a retry is served
             retry = httpx.post(url + "/v1/completions", json=body, timeout=60)
             if retry.status_code == 200 or time.monotonic() > deadline:
                 break
+            assert retry.status_code == 503, retry.text
+            refusals += 1
             time.sleep(0.2)
         assert retry.status_code == 200, retry.text
-        assert 'llmserve_model_wake_timeouts_total{model="%s"} 1.0' % asleep in httpx.get(url + "/metrics").text
+        assert f'llmserve_model_wake_timeouts_total{{model="{asleep}"}} {float(refusals)}' in httpx.get(url + "/metrics").text
     finally:
         gateway.stop()
 

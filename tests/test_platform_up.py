@@ -3,52 +3,28 @@ in front), called through the gateway with the official openai client and httpx.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import numpy as np
 import openai
 import pytest
-from server_utils import children, free_port, stop_process
+from server_utils import free_port
+from up_utils import running_up
 
 QUERY, DOCS = "where is the cat?", ["stock prices fell today", "a cat sleeps on the mat", "cats and dogs"]
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("up")
-    ports = {name: free_port() for name in ("gateway", "http", "grpc", "metrics")}
-    cmd = [sys.executable, "-m", "llmserve", "up", "--port", str(ports["gateway"]),
-           "--triton-http-port", str(ports["http"]), "--triton-grpc-port", str(ports["grpc"]),
-           "--triton-metrics-port", str(ports["metrics"]), "--workdir", str(workdir)]  # fmt: skip
-    log = open(workdir / "up.log", "w")  # noqa: SIM115 - the child writes to it for its whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{ports['gateway']}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, (workdir / "up.log").read_text()
-        assert time.monotonic() < deadline, (workdir / "up.log").read_text()
-        try:
-            if all(httpx.get(url + "/health", timeout=1).json()["upstreams"].values()):
-                break
-        except (httpx.TransportError, ValueError):
-            pass
-        time.sleep(0.3)
-    yield {"url": url, "proc": proc, "workdir": workdir, "ports": ports}
-    if proc.poll() is None:  # a test failed before the SIGTERM test: stop it the same way, leave nothing behind
-        descendants = children(proc.pid, recursive=True)
-        stop_process(proc, 60)
-        for pid in descendants:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    with running_up(tmp_path_factory.mktemp("up"), lambda health: all(health["upstreams"].values())) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
