@@ -87,7 +87,8 @@ class GatewayPlacement:
 
     # -- requests --------------------------------------------------------------------------
     def resident(self, alias: str) -> bool:
-        return self.controller is None or self.controller.placement.models[alias].state is ModelState.RESIDENT
+        """Whether a request for `alias` runs at once (resident and not drained)."""
+        return self.controller is None or self.controller.placement.models[alias].runnable
 
     async def acquire(self, alias: str) -> bool:
         """Wait until `alias` is resident (WakeTimeout after the wait); True if the request

@@ -1,0 +1,82 @@
+"""Where FP8 linear layers spend their time on the GPU (issue 19): per 8B-shape projection and
+token count, bf16 `x @ w.T` against the FP8 path (`quantize_tokens` then `torch._scaled_mm`
+with row-wise scales), and each FP8 part alone. Every variant is timed inside a CUDA graph
+(20 calls a replay), as the engine runs decode steps, so launch costs do not count twice.
+The FP8 result is checked against the float32 reference. Writes $OUT/fp8_gemm_micro.json.
+
+    python3 scripts/gpu/fp8_gemm_micro.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tokens  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = (1, 16, 128, 512, 2048, 8192)
+CALLS = 20
+
+
+def graph_time_us(fn) -> float:
+    """Mean microseconds per call of `fn`, replayed from a CUDA graph of CALLS calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (10 * CALLS)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq, ws = quantize_rows(w)
+        for m in TOKENS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_tokens(x)
+            row = {"proj": name, "N": n, "K": k, "M": m}
+            try:
+                out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+                ref = fp8_matmul_reference(x, wq, ws)
+                row["max_rel_err_vs_reference"] = round(((out.float() - ref.float()).abs().max() /
+                                                         ref.float().abs().max()).item(), 5)  # fmt: skip
+                row["bf16_us"] = round(graph_time_us(lambda: x @ w.t()), 2)
+                row["quant_us"] = round(graph_time_us(lambda: quantize_tokens(x)), 2)
+                row["scaled_mm_us"] = round(graph_time_us(
+                    lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)), 2)
+                row["fp8_total_us"] = round(row["quant_us"] + row["scaled_mm_us"], 2)
+                row["fp8_over_bf16"] = round(row["fp8_total_us"] / row["bf16_us"], 3)
+                row["weight_gb_per_s_bf16"] = round(n * k * 2 / row["bf16_us"] / 1e3, 0)
+                row["weight_gb_per_s_fp8_mm"] = round(n * k / row["scaled_mm_us"] / 1e3, 0)
+            except Exception as exc:  # noqa: BLE001 - one failing shape is a finding, not the end
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print("RESULT", json.dumps(row), flush=True)
+            rows.append(row)
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fp8_gemm_micro.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
