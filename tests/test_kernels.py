@@ -376,6 +376,42 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(out, expect, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cols", [1, 37, 4096, 5000])  # one element, odd, one block, two passes
+def test_quantize_tokens_fp8_equals_the_reference_bit_for_bit(dtype, cols):
+    """The fused per-token FP8 quantization: the same FP8 bytes and scales as the five torch
+    ops it replaces, for dynamic and static scales, an all-zero token (the scale floor), values
+    past the FP8 range (saturated), rows with a stride, no rows."""
+    from llmserve.kernels.fp8_quant import quantize_tokens_fp8
+    from llmserve.model.fp8 import quantize_tokens
+
+    g = torch.Generator().manual_seed(cols)
+    x = (torch.randn(6, cols + 3, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 1.0, 0.0])[:, None]).to(dtype)
+    x[4, 0] = 1e4 if dtype != torch.float16 else 6e4  # one large outlier: the rest round small
+    x = x[:, :cols]  # rows with a stride
+    for static in (None, torch.tensor(0.02)):
+        got_q, got_s = quantize_tokens_fp8(x, static)
+        want_q, want_s = quantize_tokens(x, static)
+        assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == x.shape and got_s.shape == (6, 1)
+        assert torch.equal(got_s, want_s)
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    empty_q, empty_s = quantize_tokens_fp8(x[:0])
+    assert empty_q.shape == (0, cols) and empty_s.shape == (0, 1)
+
+
+def test_fp8_matmul_with_the_fused_quantization_equals_scaled_mm():
+    from llmserve.kernels.fp8_quant import fp8_matmul_fused_quant
+    from llmserve.model.fp8 import fp8_matmul_reference, fp8_matmul_scaled_mm, quantize_rows
+
+    g = torch.Generator().manual_seed(9)
+    weight, scale = quantize_rows(torch.randn(48, 64, generator=g) * 0.05)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    for static in (None, torch.tensor(0.01)):
+        got = fp8_matmul_fused_quant(x, weight, scale, static)
+        assert torch.equal(got, fp8_matmul_scaled_mm(x, weight, scale, static))
+        torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, static), atol=2e-2, rtol=2e-2)
+
+
 def test_has_triton_gpu_is_false_under_the_interpreter():
     assert K.has_triton_gpu() is False
 

@@ -7,6 +7,7 @@
 | `rms_norm`, `fused_add_rms_norm` | `norm` | `llmserve.model.layers.RMSNorm` |
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
 | `silu_and_mul` | `activation` | `llmserve.model.layers.silu_and_mul` |
+| `quantize_tokens_fp8`, `fp8_matmul_fused_quant` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens`, `fp8_matmul_scaled_mm` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
@@ -33,6 +34,7 @@ def has_triton_gpu() -> bool:
 try:
     from llmserve.kernels.activation import silu_and_mul
     from llmserve.kernels.cache_write import write_kv
+    from llmserve.kernels.fp8_quant import fp8_matmul_fused_quant, quantize_tokens_fp8
     from llmserve.kernels.norm import fused_add_rms_norm, rms_norm
     from llmserve.kernels.paged_attention import (
         AttnLaunchConfig,
@@ -51,9 +53,11 @@ __all__ = [
     "AttnLaunchConfig",
     "apply_rotary",
     "choose_num_splits",
+    "fp8_matmul_fused_quant",
     "fused_add_rms_norm",
     "has_triton_gpu",
     "paged_attention_forward",
+    "quantize_tokens_fp8",
     "rms_norm",
     "silu_and_mul",
     "triton_paged_attention",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.arch import RopeConfig
-from llmserve.model.fp8 import fp8_matmul_reference, fp8_matmul_scaled_mm
+from llmserve.model.fp8 import fp8_matmul_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,8 +71,9 @@ REFERENCE_OPS = LayerOps()
 def triton_ops() -> LayerOps:
     from llmserve import kernels
 
+    # FP8 linear layers: activations quantized by one kernel, then torch._scaled_mm
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
-                    fp8_matmul_scaled_mm)  # fmt: skip
+                    kernels.fp8_matmul_fused_quant)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,7 @@
 """Where FP8 linear layers spend their time on the GPU (issue 19): per 8B-shape projection and
 token count, bf16 `x @ w.T` against the FP8 path (`quantize_tokens` then `torch._scaled_mm`
-with row-wise scales), and each FP8 part alone. Every variant is timed inside a CUDA graph
+with row-wise scales), each FP8 part alone, and the fused quantization kernel (checked bit
+for bit against the torch ops). Every variant is timed inside a CUDA graph
 (20 calls a replay), as the engine runs decode steps, so launch costs do not count twice.
 The FP8 result is checked against the float32 reference. Writes $OUT/fp8_gemm_micro.json.
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402
 from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tokens  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -66,6 +68,12 @@ def main() -> None:
                 row["scaled_mm_us"] = round(graph_time_us(
                     lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)), 2)
                 row["fp8_total_us"] = round(row["quant_us"] + row["scaled_mm_us"], 2)
+                # the fused quantization kernel (llmserve/kernels/fp8_quant.py): bytes as the reference's
+                fq, fs = quantize_tokens_fp8(x)
+                row["fused_quant_equal"] = bool(torch.equal(fq.view(torch.uint8), xq.view(torch.uint8))
+                                                and torch.equal(fs, xs))  # fmt: skip
+                row["fused_quant_us"] = round(graph_time_us(lambda: quantize_tokens_fp8(x)), 2)
+                row["fp8_fused_total_us"] = round(row["fused_quant_us"] + row["scaled_mm_us"], 2)
                 row["fp8_over_bf16"] = round(row["fp8_total_us"] / row["bf16_us"], 3)
                 row["weight_gb_per_s_bf16"] = round(n * k * 2 / row["bf16_us"] / 1e3, 0)
                 row["weight_gb_per_s_fp8_mm"] = round(n * k / row["scaled_mm_us"] / 1e3, 0)

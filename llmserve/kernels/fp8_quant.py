@@ -1,0 +1,82 @@
+"""Activations to FP8 per token in one kernel, for FP8 linear layers.
+
+PyTorch reference: `llmserve.model.fp8.quantize_tokens`. It takes five torch ops (a float32
+copy, abs, amax, divide and clamp, the cast) and cost 13-23 µs a call on an H200 at decode
+sizes, about as much as the FP8 GEMM after it (docs/benchmarks.md). Here one program per
+token reads its row twice: once for the amax, once to scale, clamp and cast. Rounding is the
+reference's: the same float32 division, then round-to-nearest-even to E4M3.
+
+The Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two, so there the
+kernel stores the scaled float32 values and torch casts them; a GPU casts in the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+MIN_SCALE = 1e-12  # the reference's floor: an all-zero token keeps a finite scale
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, static_ptr, n_cols, stride_x, stride_q,
+    HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    if HAS_STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            v = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_tokens_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, K]` (any float dtype) -> (FP8 `[T, K]`, float32 scales `[T, 1]`), per token, or
+    with a checkpoint's static scale: the reference's results, bit for bit."""
+    assert x.dim() == 2, "activations are [tokens, features]"
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, cols = x.shape
+    on_gpu = x.is_cuda
+    q = torch.empty((rows, cols), dtype=FP8 if on_gpu else torch.float32, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and cols:
+        static = static_scale.reshape(1).to(device=x.device, dtype=torch.float32) if static_scale is not None else scale
+        block = min(4096, triton.next_power_of_2(cols))
+        _quantize_rows_kernel[(rows,)](
+            x, q, scale, static, cols, x.stride(0), q.stride(0),
+            HAS_STATIC=static_scale is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+            num_warps=max(1, min(8, block // 256)),
+        )  # fmt: skip
+    elif rows and static_scale is not None:
+        scale.fill_(float(static_scale.reshape(-1)[0]))
+    elif rows:
+        scale.fill_(MIN_SCALE)
+    if not on_gpu:  # the interpreter's cast is wrong next to powers of two: torch casts
+        q = q.to(FP8)
+    return q, scale
+
+
+def fp8_matmul_fused_quant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                           input_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """`llmserve.model.fp8.fp8_matmul_scaled_mm` with its activations quantized by the kernel
+    above: the same result (its reference is `fp8_matmul_reference`)."""
+    xq, sx = quantize_tokens_fp8(x, input_scale)
+    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
