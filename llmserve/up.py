@@ -67,9 +67,10 @@ def placement_config(spec: dict, placed: list[str]) -> dict | None:
     return {**dict(spec.get("placement") or {}), "gpu_memory_budget": spec["gpu_memory_budget"], "models": placed}
 
 
-async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec) -> None:
+async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec, sleep_level: int = 1) -> None:
     """Load the placed models one at a time; each that does not fit the budget beside those
-    resident goes to sleep at once, so the device holds at most the budget and one model."""
+    resident (and every loaded engine's own memory, held asleep too) goes to sleep at once,
+    so the device holds at most the budget and one model."""
     from llmserve.gateway.placement import TritonActuator
     from llmserve.gateway.triton_upstream import TritonClients
     from llmserve.placement.footprint import parse_budget
@@ -77,19 +78,20 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
 
     clients = TritonClients()
     actuator = TritonActuator(clients, {name: (grpc_url, name) for name in placed})
-    resident = 0
+    resident = overheads = 0
     try:
         for i, name in enumerate(placed, 1):
             start = time.monotonic()
             await asyncio.to_thread(control.load, http_url, name)
             row = await actuator.footprint(name)
             size = int(row["weight_bytes"]) + int(row["kv_cache_bytes"])
+            overheads += int(row.get("overhead_bytes") or 0)
             budget = parse_budget(budget_spec, int(row.get("device_total_bytes") or 0) or None)
-            fits = resident + size <= budget
+            fits = resident + size + overheads <= budget
             if fits:
                 resident += size
             else:
-                await actuator.sleep(name, 1)
+                await actuator.sleep(name, sleep_level)
             logger.info("placed model %d/%d %s loaded in %.1f s (%.2f GiB): %s", i, len(placed), name,
                         time.monotonic() - start, size / 2**30,
                         "resident" if fits else f"asleep (over the {budget / 2**30:.2f} GiB budget)")  # fmt: skip
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> None:
         if placed:
             http_url = f"127.0.0.1:{args.triton_http_port}"
             asyncio.run(load_placed(http_url, f"grpc://127.0.0.1:{args.triton_grpc_port}", placed,
-                                    spec["gpu_memory_budget"]))  # fmt: skip
+                                    spec["gpu_memory_budget"], config.placement.sleep_level if config.placement else 1))  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,

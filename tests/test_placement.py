@@ -162,6 +162,76 @@ def test_a_waiting_request_drains_a_busy_model_which_then_sleeps():
     assert p.plan_wake("a", 4.0).victims == ("b",)
 
 
+def test_a_drain_decided_by_the_demand_policy_is_carried_out():
+    """The demand policy declines wakes that displace more requests than they serve. Once a
+    drain was decided for a model, its wake is not asked again when the drained model's own
+    requests (waiting, still counted in its rate) would tip the balance: the wake happens."""
+    demand = ArrivalRate(half_life_s=30)
+    p = Placement(_models(2, asleep=("b",)), budget_bytes=150, policy=make_policy("demand", slo_ttft_s=0.1),
+                  demand=demand, drain_after_s=1.0)  # fmt: skip
+    for m in p.models.values():
+        m.wake_cost_s = m.sleep_cost_s = 1.0  # a sleep and wake break the 0.1 s target: a's requests count
+    assert p.arrive("a", 0.0) and not p.arrive("b", 0.0)
+    assert p.plan_wake("b", 1.5) is None and p.models["a"].draining_for == "b"  # equal rates: drained
+    for t in (1.6, 1.7, 1.8):  # a's new requests wait (and raise a's rate above b's)
+        assert p.arrive("a", t) is False
+    p.depart("a", 2.0)
+    plan = p.plan_wake("b", 2.0)
+    assert plan is not None and plan.victims == ("a",)
+
+
+def test_a_drain_covers_again_when_an_idle_model_takes_a_request():
+    """Drained models include the idle ones (they take no new request); if memory still falls
+    short, the next plan drains more."""
+    models = _models(4, asleep=("c",))
+    for m in models:
+        m.footprint = Footprint(9, 1) if m.name != "c" else Footprint(18, 2)
+    p = Placement(models, budget_bytes=30, drain_after_s=1.0)  # a, b, d resident (10 each); c needs 20
+    assert p.arrive("a", 0.0) and p.arrive("d", 0.0) and not p.arrive("c", 0.0)
+    assert p.plan_wake("c", 1.5) is None
+    drained = {m.name for m in p.models.values() if m.draining_for == "c"}
+    assert len(drained) == 2 and "b" in drained  # the idle b and one busy model
+    assert p.arrive("b", 1.6) is False  # b is drained: its request waits
+    busy = next(n for n in drained if n != "b")
+    p.depart(busy, 2.0)
+    plan = p.plan_wake("c", 2.0)
+    assert plan is not None and set(plan.victims) == drained
+
+
+def test_controller_a_waiter_on_a_drained_model_runs_when_the_drain_ends():
+    """a is busy and drained for b; b's request gives up; the request waiting on a must run
+    (the drain's end signals it), not time out."""
+    async def main():
+        p = Placement(_models(2, asleep=("b",)), budget_bytes=150, drain_after_s=0.05)
+        ctl = PlacementController(p, RecordingActuator(), wake_timeout_s=0.3, prewarm_interval_s=0.02)
+        loop = asyncio.create_task(ctl.run())
+        await ctl.acquire("a")
+        b = asyncio.create_task(ctl.acquire("b"))
+        await asyncio.sleep(0.15)
+        assert p.models["a"].draining_for == "b"
+        second = asyncio.create_task(ctl.acquire("a"))  # waits: a is drained
+        with pytest.raises(WakeTimeout):
+            await b
+        await asyncio.wait_for(second, 0.5)  # the drain ended with b's request: a runs it
+        assert p.models["a"].running == 2 and p.models["a"].draining_for is None
+        ctl.release("a")
+        ctl.release("a")
+        loop.cancel()
+        await ctl.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_wake_waits_before_the_next_try():
+    p = Placement(_models(2, asleep=("b",)), budget_bytes=250)
+    p.arrive("b", 0.0)
+    plan = p.plan_wake("b", 0.0)
+    assert p.victims_done(plan)
+    p.wake_done("b", False, 0.1, 0.1)
+    assert p.plan_wake("b", 0.5) is None  # backing off
+    assert p.plan_wake("b", 1.2) is not None
+
+
 def test_a_drain_ends_when_its_model_no_longer_waits():
     p = Placement(_models(2, asleep=("b",)), budget_bytes=150, drain_after_s=1.0)
     p.arrive("a", 0.0)
@@ -397,3 +467,26 @@ def test_simulator_refuses_what_waits_past_the_timeout():
     r = simulate(models, 150, LRU(), [(0.0, "A"), (2.0, "B")], "hand", 100.0, slo_ttft_s=2.0, wake_timeout_s=5.0,
                  drain_after_s=1.0)  # fmt: skip
     assert r.refused == 1
+
+
+def test_gateway_placement_settings_are_checked():
+    from pydantic import ValidationError
+
+    from llmserve.gateway.config import GatewayConfig
+
+    grpc = {"kind": "triton", "replicas": ["grpc://127.0.0.1:1"]}
+    ok = {"models": {"a": grpc, "b": grpc}, "placement": {"gpu_memory_budget": "40GiB", "models": ["a", "b"]}}
+    assert GatewayConfig.model_validate(ok).placement.policy == "demand"
+    bad = [
+        ({**ok, "placement": {**ok["placement"], "models": ["a", "zzz"]}}, "one replica"),
+        ({**ok, "models": {"a": grpc, "b": {"replicas": ["http://127.0.0.1:1"]}}}, "one replica"),
+        ({**ok, "models": {"a": {**grpc, "fallback": "b"}, "b": grpc}}, "fallback"),
+        ({**ok, "models": {"a": grpc, "b": grpc, "c": {**grpc, "fallback": "a"}}}, "fallback"),
+        ({**ok, "placement": {**ok["placement"], "policy": "fifo"}}, "policy"),
+        ({**ok, "placement": {**ok["placement"], "gpu_memory_budget": "plenty"}}, "gpu_memory_budget"),
+        ({**ok, "placement": {**ok["placement"], "models": ["a", "a"]}}, "twice"),
+        ({**ok, "placement": {**ok["placement"], "sleep_level": 3}}, "sleep_level"),
+    ]
+    for config, words in bad:
+        with pytest.raises(ValidationError, match=words):
+            GatewayConfig.model_validate(config)

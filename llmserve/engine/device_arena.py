@@ -108,7 +108,7 @@ class CudaArena:
         self.address = address.value
         self._handle: int | None = None
         # the memory goes back with the arena (an engine dropped without closing it), not at exit
-        self._state = {"address": self.address, "size": self.size, "handle": None}
+        self._state = {"address": self.address, "size": self.size, "handle": None, "device": self.device_index}
         self._finalizer = weakref.finalize(self, CudaArena._free, self._state)
         self._finalizer.atexit = False  # at exit the driver takes everything back itself
         self.map()
@@ -125,6 +125,7 @@ class CudaArena:
         if self._handle is not None:
             return
         lib = _driver()
+        torch.cuda.set_device(self.device_index)  # the driver calls act on this thread's current context
         handle = ctypes.c_ulonglong()
         _check(lib.cuMemCreate(ctypes.byref(handle), self.size, ctypes.byref(self._prop), 0), "cuMemCreate")
         try:
@@ -133,7 +134,12 @@ class CudaArena:
             lib.cuMemRelease(handle.value)
             raise
         access = _AccessDesc(location=_Location(_LOCATION_TYPE_DEVICE, self.device_index), flags=_ACCESS_READWRITE)
-        _check(lib.cuMemSetAccess(self.address, self.size, ctypes.byref(access), 1), "cuMemSetAccess")
+        try:
+            _check(lib.cuMemSetAccess(self.address, self.size, ctypes.byref(access), 1), "cuMemSetAccess")
+        except ArenaError:  # undone, so a later map() starts clean
+            lib.cuMemUnmap(self.address, self.size)
+            lib.cuMemRelease(handle.value)
+            raise
         self._handle = self._state["handle"] = handle.value
 
     def release(self) -> None:
@@ -151,10 +157,15 @@ class CudaArena:
         if self._handle is not None:
             torch.cuda.synchronize(self.device_index)
         self._finalizer()
+        self._handle = None
 
     @staticmethod
     def _free(state: dict) -> None:
         lib = _driver()
+        try:  # collected on any thread: make the arena's device current there
+            torch.cuda.set_device(state["device"])
+        except Exception:  # noqa: BLE001 - CUDA already torn down: the process's exit frees all
+            return
         if state["handle"] is not None:
             lib.cuMemUnmap(state["address"], state["size"])
             lib.cuMemRelease(state["handle"])

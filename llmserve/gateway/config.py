@@ -135,10 +135,15 @@ class GatewayConfig(_Strict):
             if route.fallback == alias:
                 raise ValueError(f"alias {alias!r} names itself as fallback")
         if self.placement is not None:
-            for alias in self.placement.models:
+            placed = set(self.placement.models)
+            for alias in placed:
                 route = self.models.get(alias)
                 if route is None or route.kind != "triton" or len(route.replicas) != 1:
                     raise ValueError(f"placement: {alias!r} must be an alias of a Triton model with one replica")
+            for alias, route in self.models.items():  # a request is held for the model that serves it
+                if route.fallback is not None and (alias in placed or route.fallback in placed):
+                    raise ValueError(f"alias {alias!r}: a fallback to or from a placed model is not supported "
+                                     "(the placement holds requests for the alias they name)")
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
             raise ValueError("key names must be unique")

@@ -33,6 +33,10 @@ __all__ = ["GatewayPlacement", "TritonActuator", "WakeTimeout"]
 class ControlFailed(Exception):
     """A control call got an answer other than the one expected."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 class TritonActuator:
     """Puts Triton chat models to sleep and wakes them (alias -> replica address and model name)."""
@@ -50,7 +54,10 @@ class TritonActuator:
         if not answers:
             raise ControlFailed(f"{alias}: {endpoint} got no answer")
         status, text = answers[-1]
-        return status, json.loads(text)
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            raise ControlFailed(f"{alias}: {endpoint} answered {status} with no JSON: {text[:200]!r}", status) from None
 
     async def sleep(self, name: str, level: int) -> bool:
         status, answer = await self.call(name, SLEEP, {"level": level})
@@ -68,7 +75,7 @@ class TritonActuator:
     async def footprint(self, name: str) -> dict:
         status, answer = await self.call(name, FOOTPRINT)
         if status != 200:
-            raise ControlFailed(f"{name}: {FOOTPRINT} answered {status}: {answer}")
+            raise ControlFailed(f"{name}: {FOOTPRINT} answered {status}: {answer}", status)
         return answer
 
 
@@ -134,6 +141,14 @@ class GatewayPlacement:
                 self.error = str(exc)
                 logger.error("placement is off: %s", exc)
                 return
+            except ControlFailed as exc:
+                if exc.status == 404:  # the model's sleep mode is off: it can never be placed
+                    self.error = f"{exc} (set enable_sleep_mode on the placed models)"
+                    logger.error("placement is off: %s", self.error)
+                    return
+                logger.info("placement: waiting for the models to answer (%s)", exc)
+                await asyncio.sleep(1.0)
+                continue
             except Exception as exc:  # noqa: BLE001 - Triton still loading: try again
                 logger.info("placement: waiting for the models to answer (%s)", exc)
                 await asyncio.sleep(1.0)

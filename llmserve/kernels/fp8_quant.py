@@ -4,7 +4,9 @@ PyTorch reference: `llmserve.model.fp8.quantize_tokens`. It takes five torch ops
 copy, abs, amax, divide and clamp, the cast) and cost 13-23 µs a call on an H200 at decode
 sizes, about as much as the FP8 GEMM after it (docs/benchmarks.md). Here one program per
 token reads its row twice: once for the amax, once to scale, clamp and cast. Rounding is the
-reference's: the same float32 division, then round-to-nearest-even to E4M3.
+reference's: the same correctly rounded float32 division (`tl.div_rn`: Triton's `/` compiles
+to an approximate division on a GPU, which changed up to 1,114 bytes of a tensor on an H200),
+then round-to-nearest-even to E4M3.
 
 The Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two, so there the
 kernel stores the scaled float32 values and torch casts them; a GPU casts in the kernel.
@@ -37,13 +39,13 @@ def _quantize_rows_kernel(
             cols = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

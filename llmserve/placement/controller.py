@@ -67,8 +67,9 @@ class PlacementController:
         try:
             async with asyncio.timeout(self.wake_timeout_s):
                 while not self.placement.start(name):
+                    changed = self._changed  # taken before planning: a plan may signal (a drain ended)
                     self._plan()
-                    await self._next_change()
+                    await changed.wait()
         except BaseException as exc:
             self.placement.depart(name, self.clock(), ran=False)
             self._signal()
@@ -139,9 +140,6 @@ class PlacementController:
     def _signal(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
-
-    async def _next_change(self) -> None:
-        await self._changed.wait()
 
     async def run(self) -> None:
         """The pre-warm loop (and a retry of waiting plans), for the life of the server."""

@@ -33,6 +33,7 @@ class PlacedModel:
     wake_seconds: float = 0.0  # all wakes together
     sleep_seconds: float = 0.0
     failed_wakes: int = 0
+    failed_wake_at: float | None = None  # when the last wake failed (the next waits a little)
     loading: bool = False  # WAKING and its weights are moving in (its victims are asleep)
     prewarming: bool = False  # WAKING with no request waiting for it
 

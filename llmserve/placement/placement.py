@@ -20,6 +20,7 @@ from llmserve.placement.model_state import ModelState, PlacedModel
 from llmserve.placement.policies import LRU, Policy, cover
 
 RESIDENT, ASLEEP, WAKING, SLEEPING = ModelState.RESIDENT, ModelState.ASLEEP, ModelState.WAKING, ModelState.SLEEPING
+WAKE_RETRY_S = 1.0  # after a failed wake, the next try waits this long
 
 
 @dataclass(frozen=True)
@@ -125,41 +126,52 @@ class Placement:
 
     def plan_wake(self, name: str, now: float) -> WakePlan | None:
         """Wake `name` for its waiting requests, putting idle models to sleep as the policy
-        orders them; None while that cannot be done (every other resident model is busy)."""
+        orders them (those drained for it first); None while that cannot be done (every other
+        resident model is busy: after `drain_after_s` busy ones are drained)."""
         m = self.models[name]
-        if m.state is not ASLEEP:
+        if m.state is not ASLEEP or self._backing_off(m, now):
             return None
         need = m.footprint.total - self.free_bytes
-        victims = [] if need <= 0 else cover(need, self.policy.eviction_order(self._idle(m), now, self.demand))
+        drained = [v for v in self.models.values() if v.draining_for == name and v.state is RESIDENT]
+        idle = [v for v in self.policy.eviction_order(self._idle(m), now, self.demand) if v.draining_for != name]
+        victims = [] if need <= 0 else cover(need, [v for v in drained if v.idle] + idle)
         if victims is None:
             self._drain_for(m, need, now)
             return None
-        if not self.policy.worth_waking(m, victims, now, self.demand):
+        # a drain already decided that this wake is worth its victims: do not ask again
+        if not drained and not self.policy.worth_waking(m, victims, now, self.demand):
             return None
         return self._commit(m, victims, prewarm=False)
 
+    def _backing_off(self, m: PlacedModel, now: float) -> bool:
+        """A wake that failed is not tried again for WAKE_RETRY_S (not in a tight loop)."""
+        return m.failed_wake_at is not None and now - m.failed_wake_at < WAKE_RETRY_S
+
     def _drain_for(self, m: PlacedModel, need: int, now: float) -> None:
-        """No idle models make room for `m`: after `drain_after_s` of waiting, drain busy ones
-        (the policy's order, the idle first) until what they and the idle ones hold covers it."""
+        """No idle models make room for `m`: after `drain_after_s` of waiting, drain models
+        (those already drained for it, then the idle, then the busy, each in the policy's
+        order) until what they hold covers it. Drained models take no new request; the busy
+        ones sleep once their running requests finish. Drained again while it does not cover
+        (an idle model took a request in between)."""
         if self.drain_after_s is None or m.waiting_since is None or now - m.waiting_since < self.drain_after_s:
             return
-        if any(v.draining_for == m.name for v in self.models.values()):
-            return  # already draining for it
-        idle = self._idle(m)
-        busy = [v for v in self.models.values() if v.runnable and not v.idle and v is not m]
-        candidates = self.policy.eviction_order(idle, now, self.demand) + self.policy.eviction_order(busy, now, self.demand)
+        drained = [v for v in self.models.values() if v.draining_for == m.name and v.state is RESIDENT]
+        idle = [v for v in self._idle(m) if v.draining_for != m.name]
+        # running ones only: a model just woken whose waiters have not started is not busy
+        busy = [v for v in self.models.values() if v.runnable and v.running > 0 and v is not m]
+        candidates = drained + self.policy.eviction_order(idle, now, self.demand) + \
+            self.policy.eviction_order(busy, now, self.demand)  # fmt: skip
         victims = cover(need, candidates)
-        if victims is None or not self.policy.worth_waking(m, victims, now, self.demand):
+        if victims is None or (not drained and not self.policy.worth_waking(m, victims, now, self.demand)):
             return
         for v in victims:
-            if not v.idle:
-                v.draining_for = m.name
+            v.draining_for = m.name
 
     def plan_prewarm(self, now: float) -> WakePlan | None:
         """A wake ahead of requests, if the policy wants one (one at a time)."""
         if sum(m.state is WAKING and m.prewarming for m in self.models.values()) >= self.max_prewarms:
             return None
-        asleep = [m for m in self.models.values() if m.state is ASLEEP and not m.in_flight]
+        asleep = [m for m in self.models.values() if m.state is ASLEEP and not m.in_flight and not self._backing_off(m, now)]
         idle = self._idle()
         choice = self.policy.prewarm(asleep, idle, self.free_bytes, now, self.demand) if asleep else None
         if choice is None:
@@ -196,6 +208,8 @@ class Placement:
             v.state = RESIDENT
             return
         v.state = ASLEEP
+        if v.in_flight > v.running:  # its waiters (arrived while it drained) wait for a wake from now on
+            v.waiting_since = now
         v.sleeps += 1
         v.sleep_seconds += seconds
         v.sleep_cost_s = seconds
@@ -217,7 +231,9 @@ class Placement:
         if not ok:
             m.state = ASLEEP
             m.failed_wakes += 1
+            m.failed_wake_at = now
             return
+        m.failed_wake_at = None
         m.state = RESIDENT
         m.waiting_since = None
         m.wakes += 1
