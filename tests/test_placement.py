@@ -479,7 +479,8 @@ def test_gateway_placement_settings_are_checked():
     assert GatewayConfig.model_validate(ok).placement.policy == "demand"
     bad = [
         ({**ok, "placement": {**ok["placement"], "models": ["a", "zzz"]}}, "one replica"),
-        ({**ok, "models": {"a": grpc, "b": {"replicas": ["http://127.0.0.1:1"]}}}, "one replica"),
+        ({**ok, "models": {"a": grpc, "b": {**grpc, "replicas": ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]}}},
+         "one replica"),
         ({**ok, "models": {"a": {**grpc, "fallback": "b"}, "b": grpc}}, "fallback"),
         ({**ok, "models": {"a": grpc, "b": grpc, "c": {**grpc, "fallback": "a"}}}, "fallback"),
         ({**ok, "placement": {**ok["placement"], "policy": "fifo"}}, "policy"),

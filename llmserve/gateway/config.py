@@ -90,7 +90,7 @@ class PlacementConfig(_Strict):
     wakes a model for its requests, puts idle ones to sleep to make room, and pre-warms."""
 
     gpu_memory_budget: int | float | str  # bytes, a fraction or percentage of the device, or "40GiB"
-    models: list[str] = Field(min_length=1)  # aliases of Triton chat models with sleep mode on
+    models: list[str] = Field(min_length=1)  # aliases, one replica each: Triton chat models or llmserve servers, sleep mode on
     policy: str = "demand"  # lru | lru_prewarm | q_learning | demand (llmserve bench placement)
     sleep_level: Literal[1, 2] = 1  # 1: weights kept in host memory; 2: read again on wake
     wake_timeout_s: float = Field(default=60.0, gt=0)  # a request waits this long for a wake, then 503
@@ -138,8 +138,9 @@ class GatewayConfig(_Strict):
             placed = set(self.placement.models)
             for alias in placed:
                 route = self.models.get(alias)
-                if route is None or route.kind != "triton" or len(route.replicas) != 1:
-                    raise ValueError(f"placement: {alias!r} must be an alias of a Triton model with one replica")
+                if route is None or len(route.replicas) != 1:
+                    raise ValueError(f"placement: {alias!r} must be an alias with one replica (a Triton chat model, "
+                                     "or an `llmserve serve --enable-sleep-mode` server)")
             for alias, route in self.models.items():  # a request is held for the model that serves it
                 if route.fallback is not None and (alias in placed or route.fallback in placed):
                     raise ValueError(f"alias {alias!r}: a fallback to or from a placed model is not supported "

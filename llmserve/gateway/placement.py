@@ -1,4 +1,5 @@
-"""Several Triton chat models sharing one GPU, driven from the gateway (docs/placement.md).
+"""Several chat models sharing one GPU, driven from the gateway (docs/placement.md): Triton
+chat models, or `llmserve serve --enable-sleep-mode` servers.
 
 The gateway holds every request for a placed alias until its model is resident (the
 placement controller wakes it, putting idle models to sleep first), for at most
@@ -27,7 +28,7 @@ from llmserve.placement.policies import make_policy
 
 logger = logging.getLogger("llmserve.gateway.placement")
 
-__all__ = ["GatewayPlacement", "TritonActuator", "WakeTimeout"]
+__all__ = ["GatewayPlacement", "HttpActuator", "TritonActuator", "WakeTimeout"]
 
 
 class ControlFailed(Exception):
@@ -79,18 +80,87 @@ class TritonActuator:
         return answer
 
 
+class HttpActuator:
+    """Puts `llmserve serve --enable-sleep-mode` servers to sleep and wakes them (alias ->
+    base URL), with their sleep-mode routes: POST /sleep?level=, POST /wake_up, GET /footprint."""
+
+    def __init__(self, targets: dict[str, str], timeout_s: float = 600.0) -> None:
+        self.targets = targets
+        self.timeout_s = timeout_s
+        self._client = None
+
+    def _http(self):
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=2.0))
+        return self._client
+
+    async def _call(self, name: str, method: str, path: str) -> tuple[int, dict]:
+        import httpx
+
+        try:
+            resp = await self._http().request(method, self.targets[name] + path)
+            return resp.status_code, resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise ControlFailed(f"{name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
+
+    async def sleep(self, name: str, level: int) -> bool:
+        status, answer = await self._call(name, "POST", f"/sleep?level={level}")
+        if status == 409:
+            return False
+        if status != 200:
+            raise ControlFailed(f"{name}: /sleep answered {status}: {answer}", status)
+        return True
+
+    async def wake(self, name: str) -> None:
+        status, answer = await self._call(name, "POST", "/wake_up")
+        if status != 200:
+            raise ControlFailed(f"{name}: /wake_up answered {status}: {answer}", status)
+
+    async def footprint(self, name: str) -> dict:
+        status, answer = await self._call(name, "GET", "/footprint")
+        if status != 200:
+            raise ControlFailed(f"{name}: /footprint answered {status}: {answer}", status)
+        return answer
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+class RouteActuator:
+    """Each placed alias driven by the actuator of its upstream's kind (Triton or llmserve serve)."""
+
+    def __init__(self, by_alias: dict[str, TritonActuator | HttpActuator]) -> None:
+        self.by_alias = by_alias
+
+    async def sleep(self, name: str, level: int) -> bool:
+        return await self.by_alias[name].sleep(name, level)
+
+    async def wake(self, name: str) -> None:
+        await self.by_alias[name].wake(name)
+
+    async def footprint(self, name: str) -> dict:
+        return await self.by_alias[name].footprint(name)
+
+
 class GatewayPlacement:
     def __init__(self, config: PlacementConfig, gateway: GatewayConfig, clients: TritonClients,
                  metrics: GatewayMetrics) -> None:  # fmt: skip
         self.config = config
         self.metrics = metrics
-        targets = {a: (gateway.models[a].replicas[0], gateway.models[a].model or a) for a in config.models}
-        self.actuator = TritonActuator(clients, targets, gateway.upstream_timeout_s)
+        routes = {a: gateway.models[a] for a in config.models}
+        triton = TritonActuator(clients, {a: (r.replicas[0], r.model or a) for a, r in routes.items() if r.kind == "triton"},
+                                gateway.upstream_timeout_s)  # fmt: skip
+        self.http = HttpActuator({a: r.replicas[0] for a, r in routes.items() if r.kind == "openai"},
+                                 gateway.upstream_timeout_s)  # fmt: skip
+        self.actuator = RouteActuator({a: triton if r.kind == "triton" else self.http for a, r in routes.items()})
         self.controller: PlacementController | None = None  # once every model answered its footprint
         self.error: str | None = None  # why the controller could not start (a budget too small)
 
     def manages(self, alias: str) -> bool:
-        return alias in self.actuator.targets
+        return alias in self.actuator.by_alias
 
     # -- requests --------------------------------------------------------------------------
     def resident(self, alias: str) -> bool:
@@ -187,3 +257,4 @@ class GatewayPlacement:
         if self.controller is not None:
             with contextlib.suppress(Exception):
                 await self.controller.close()
+        await self.http.close()

@@ -149,3 +149,10 @@ def add_sleep_routes(app: FastAPI) -> None:
     async def is_sleeping(s: ServerState = Depends(_authorized)) -> dict:
         return {"is_sleeping": await s.require_engine().is_sleeping()}
 
+    @app.get("/footprint")
+    async def footprint(s: ServerState = Depends(_authorized)) -> dict:
+        """The engine's device memory (weights, KV cache, what it holds now, the device's
+        size), for a placement controller sharing the GPU between servers (docs/placement.md)."""
+        engine = s.require_engine()
+        return {**await engine.memory_footprint(), "is_sleeping": await engine.is_sleeping()}
+
