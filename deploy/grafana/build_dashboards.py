@@ -99,6 +99,22 @@ GATEWAY_PANELS = [
         (f"sum by (alias, served_by) (rate(llmserve_gateway_fallbacks_total{{{GATEWAY}}}[{RATE}]))",
          "fallback {{alias}} -> {{served_by}}"),
         (f"sum by (alias) (rate(llmserve_gateway_retries_total{{{GATEWAY}}}[{RATE}]))", "retry {{alias}}")], "reqps"),
+    # placement: several models sharing one GPU (docs/placement.md); empty without a `placement:` section
+    Panel("Placed models by state", [
+        (f"sum by (state) (llmserve_model_state{{{GATEWAY}}})", "{{state}}")],
+        description="How many placed models are resident, asleep, waking or going to sleep."),
+    Panel("Placed models: device memory against the budget", [
+        (f"sum(llmserve_model_resident_bytes{{{GATEWAY}}})", "resident"),
+        (f"max(llmserve_placement_budget_bytes{{{GATEWAY}}})", "budget"),
+        (f"llmserve_model_resident_bytes{{{GATEWAY}}}", "{{model}}")], "bytes"),
+    Panel("Wakes and sleeps / s", [
+        (f"sum by (model, reason) (rate(llmserve_model_wakes_total{{{GATEWAY}}}[{RATE}]))", "wake {{model}} ({{reason}})"),
+        (f"sum by (model) (rate(llmserve_model_sleeps_total{{{GATEWAY}}}[{RATE}]))", "sleep {{model}}")], "ops"),
+    Panel("Wake time", quantiles("llmserve_model_wake_seconds", GATEWAY, "model"), "s",
+          description="A level-1 wake of an 8B model took 0.34-0.43 s on an H200 (docs/benchmarks.md)."),
+    Panel("Requests refused while their model woke / s", [
+        (f"sum by (model) (rate(llmserve_model_wake_timeouts_total{{{GATEWAY}}}[{RATE}]))", "{{model}}")], "reqps",
+        description="503 model_waking after wake_timeout_s. Alert LLMServeModelWakeTimeouts fires when it lasts 5 minutes."),
 ]  # fmt: skip
 
 TRITON = 'job=~"$job", model=~"$model"'
