@@ -412,6 +412,29 @@ def test_fp8_matmul_with_the_fused_quantization_equals_scaled_mm():
         torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, static), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 48, 256, None), (5, 70, 300, 3), (16, 64, 128, 1),
+                                                    (33, 40, 520, None), (0, 8, 128, None)])  # fmt: skip
+def test_fp8_gemm_small_m_against_the_reference(m, n, k, split_k):
+    """The split-K FP8 GEMM for few tokens: the reference's product (dequantize both, float32)
+    up to float32 summation order, for odd sizes, several K slices, one slice, a slice ending
+    mid-tile, no rows; and the same result on every run (no atomics)."""
+    from llmserve.kernels.fp8_gemm import fp8_gemm_small_m
+    from llmserve.model.fp8 import quantize_rows, quantize_tokens
+
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    weight, w_scale = quantize_rows(torch.randn(n, k, generator=g) * 0.05)
+    xq, sx = quantize_tokens(torch.randn(m, k, generator=g))
+    want = (xq.float() * sx) @ (weight.float() * w_scale).t()
+    got = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.float32, split_k=split_k, block_n=32, block_k=64)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    again = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.float32, split_k=split_k, block_n=32, block_k=64)
+    assert torch.equal(got, again)
+    if m:
+        as_bf16 = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.bfloat16, split_k=split_k, block_n=32, block_k=64)
+        assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, got.to(torch.bfloat16))
+
+
 def test_has_triton_gpu_is_false_under_the_interpreter():
     assert K.has_triton_gpu() is False
 

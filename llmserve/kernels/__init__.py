@@ -8,6 +8,7 @@
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
 | `silu_and_mul` | `activation` | `llmserve.model.layers.silu_and_mul` |
 | `quantize_tokens_fp8`, `fp8_matmul_fused_quant` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens`, `fp8_matmul_scaled_mm` |
+| `fp8_gemm_small_m` (split-K, few tokens; not wired in until measured) | `fp8_gemm` | `llmserve.model.fp8.fp8_matmul_reference` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which

@@ -1,7 +1,7 @@
 """Where FP8 linear layers spend their time on the GPU (issue 19): per 8B-shape projection and
 token count, bf16 `x @ w.T` against the FP8 path (`quantize_tokens` then `torch._scaled_mm`
-with row-wise scales), each FP8 part alone, and the fused quantization kernel (checked bit
-for bit against the torch ops). Every variant is timed inside a CUDA graph
+with row-wise scales), each FP8 part alone, the fused quantization kernel (checked bit for
+bit against the torch ops) and, for few tokens, the split-K Triton FP8 GEMM. Every variant is timed inside a CUDA graph
 (20 calls a replay), as the engine runs decode steps, so launch costs do not count twice.
 The FP8 result is checked against the float32 reference. Writes $OUT/fp8_gemm_micro.json.
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from llmserve.kernels.fp8_gemm import MAX_M, fp8_gemm_small_m  # noqa: E402
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402
 from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tokens  # noqa: E402
 
@@ -74,6 +75,12 @@ def main() -> None:
                                                 and torch.equal(fs, xs))  # fmt: skip
                 row["fused_quant_us"] = round(graph_time_us(lambda: quantize_tokens_fp8(x)), 2)
                 row["fp8_fused_total_us"] = round(row["fused_quant_us"] + row["scaled_mm_us"], 2)
+                if m <= MAX_M:  # the split-K Triton GEMM for few tokens (llmserve/kernels/fp8_gemm.py)
+                    small = fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)
+                    row["small_m_max_rel_err_vs_reference"] = round(((small.float() - ref.float()).abs().max() /
+                                                                     ref.float().abs().max()).item(), 5)  # fmt: skip
+                    row["small_m_us"] = round(graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)), 2)
+                    row["weight_gb_per_s_small_m"] = round(n * k / row["small_m_us"] / 1e3, 0)
                 row["fp8_over_bf16"] = round(row["fp8_total_us"] / row["bf16_us"], 3)
                 row["weight_gb_per_s_bf16"] = round(n * k * 2 / row["bf16_us"] / 1e3, 0)
                 row["weight_gb_per_s_fp8_mm"] = round(n * k / row["scaled_mm_us"] / 1e3, 0)
