@@ -73,7 +73,7 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
     so the device holds at most the budget and one model."""
     from llmserve.gateway.placement import TritonActuator
     from llmserve.gateway.triton_upstream import TritonClients
-    from llmserve.placement.footprint import parse_budget
+    from llmserve.placement.footprint import Footprint, parse_budget
     from llmserve.triton import control
 
     clients = TritonClients()
@@ -84,8 +84,9 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
             start = time.monotonic()
             await asyncio.to_thread(control.load, http_url, name)
             row = await actuator.footprint(name)
-            size = int(row["weight_bytes"]) + int(row["kv_cache_bytes"])
-            overheads += int(row.get("overhead_bytes") or 0)
+            footprint = Footprint.from_row(row)
+            size = footprint.total
+            overheads += footprint.overhead_bytes
             budget = parse_budget(budget_spec, int(row.get("device_total_bytes") or 0) or None)
             fits = resident + size + overheads <= budget
             if fits:

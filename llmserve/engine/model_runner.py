@@ -299,11 +299,21 @@ class ModelRunner:
             ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
+        self._init_cpu_caches(num_cpu_blocks)
+
+    def _init_cpu_caches(self, num_cpu_blocks: int) -> None:
+        """Host memory for swapped-out blocks (pinned on a GPU), one tensor per layer."""
+        a = self.arch
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_caches = [
             torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
+
+    def _cache_sizes(self) -> tuple[int, int]:
+        """(device blocks, host swap blocks) of the caches now: what a wake makes again."""
+        return (self.kv_caches[0].shape[1] if self.kv_caches else 0,
+                self.cpu_caches[0].shape[1] if self.cpu_caches else 0)  # fmt: skip
 
     @on_every_rank
     def warmup(self) -> None:
@@ -372,8 +382,7 @@ class ModelRunner:
             self._sleep_in_place(level)
             return
         self.release_cuda_graphs()
-        self._sleep_blocks = (self.kv_caches[0].shape[1] if self.kv_caches else 0, len(self.cpu_caches) and
-                              self.cpu_caches[0].shape[1])  # fmt: skip
+        self._sleep_blocks = self._cache_sizes()
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.empty(0)
         self.kv_caches, self.cpu_caches = [], []
@@ -414,8 +423,7 @@ class ModelRunner:
         """Sleep with arenas: the weights' bytes to host memory in one copy (level 1; level 2
         keeps only the buffers), then the arenas' memory goes; tensors and graphs stay."""
         pin = self.device.type == "cuda"
-        self._sleep_blocks = (self.kv_caches[0].shape[1] if self.kv_caches else 0, len(self.cpu_caches) and
-                              self.cpu_caches[0].shape[1])  # fmt: skip
+        self._sleep_blocks = self._cache_sizes()
         self.cpu_caches = []
         self._last_step = None
         if pin:
@@ -449,12 +457,7 @@ class ModelRunner:
         if self._kv_arena is not None:
             self._kv_arena.map()
             self._kv_arena.tensor.zero_()  # blocks never written read as zeros, as after a fresh start
-        num_cpu_blocks = self._sleep_blocks[1]
-        if num_cpu_blocks:
-            a = self.arch
-            cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-            self.cpu_caches = [torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
-                               for _ in range(a.num_layers)]  # fmt: skip
+        self._init_cpu_caches(self._sleep_blocks[1])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._arena_level, self._asleep = 0, False

@@ -41,13 +41,17 @@ class WeightStash:
             self.slots.append(Slot(name, offset, nbytes, tensor.shape, tensor.dtype))
             offset += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = offset
-        if self.host is None or self.host.numel() < offset:
-            self.host = None  # the old buffer goes before the larger one is made
-            self.host = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
+        self._reserve_host(pin)
         for slot in self.slots:
             self._view(self.host, slot).copy_(tensors[slot.name], non_blocking=pin)
         if pin:
             torch.cuda.synchronize()
+
+    def _reserve_host(self, pin: bool) -> None:
+        """A host buffer of at least `nbytes`: the one kept from before when it is large enough."""
+        if self.host is None or self.host.numel() < self.nbytes:
+            self.host = None  # the old buffer goes before the larger one is made
+            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def restore(self, device: torch.device) -> dict[str, torch.Tensor]:
         """One device buffer holding every tensor again; returns each tensor's view of it."""
@@ -65,9 +69,7 @@ class WeightStash:
 
     def save_whole(self, buffer: torch.Tensor, pin: bool) -> None:
         """Copy `buffer` (laid out as the last stash) to host memory in one copy."""
-        if self.host is None or self.host.numel() < self.nbytes:
-            self.host = None
-            self.host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._reserve_host(pin)
         self.host[: self.nbytes].copy_(buffer[: self.nbytes], non_blocking=pin)
         if pin:
             torch.cuda.synchronize()

@@ -39,50 +39,61 @@ class ControlFailed(Exception):
         self.status = status
 
 
-class TritonActuator:
-    """Puts Triton chat models to sleep and wakes them (alias -> replica address and model name)."""
+class _ControlActuator:
+    """Sleep, wake and footprint over a model server's control calls; a subclass says how a
+    call travels (`call`: the status and the JSON answer)."""
+
+    async def call(self, name: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
+        raise NotImplementedError
+
+    async def _call_checked(self, name: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
+        status, answer = await self.call(name, endpoint, body)
+        if status not in (200, 409):
+            raise ControlFailed(f"{name}: {endpoint} answered {status}: {answer}", status)
+        return status, answer
+
+    async def sleep(self, name: str, level: int) -> bool:
+        status, answer = await self._call_checked(name, SLEEP, {"level": level})
+        return status == 200  # 409: it had work after all
+
+    async def wake(self, name: str) -> None:
+        status, answer = await self._call_checked(name, WAKE_UP)
+        if status != 200:
+            raise ControlFailed(f"{name}: {WAKE_UP} answered {status}: {answer}", status)
+
+    async def footprint(self, name: str) -> dict:
+        status, answer = await self._call_checked(name, FOOTPRINT)
+        if status != 200:
+            raise ControlFailed(f"{name}: {FOOTPRINT} answered {status}: {answer}", status)
+        return answer
+
+
+class TritonActuator(_ControlActuator):
+    """Triton chat models (alias -> replica address and model name): the control calls as the
+    chat model's `endpoint` input, over the gRPC connection requests use."""
 
     def __init__(self, clients: TritonClients, targets: dict[str, tuple[str, str]], timeout_s: float = 600.0):
         self.clients = clients
         self.targets = targets
         self.timeout_s = timeout_s
 
-    async def call(self, alias: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
-        url, model = self.targets[alias]
+    async def call(self, name: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
+        url, model = self.targets[name]
         inputs = [_strings("request", [json.dumps(body or {})], [1]), _strings("endpoint", [endpoint], [1])]
         answers = [a async for a in _responses(self.clients.get(url), {"model_name": model, "inputs": inputs},
                                                self.timeout_s)]  # fmt: skip
         if not answers:
-            raise ControlFailed(f"{alias}: {endpoint} got no answer")
+            raise ControlFailed(f"{name}: {endpoint} got no answer")
         status, text = answers[-1]
         try:
             return status, json.loads(text)
         except ValueError:
-            raise ControlFailed(f"{alias}: {endpoint} answered {status} with no JSON: {text[:200]!r}", status) from None
-
-    async def sleep(self, name: str, level: int) -> bool:
-        status, answer = await self.call(name, SLEEP, {"level": level})
-        if status == 409:  # it had work after all
-            return False
-        if status != 200:
-            raise ControlFailed(f"{name}: {SLEEP} answered {status}: {answer}")
-        return True
-
-    async def wake(self, name: str) -> None:
-        status, answer = await self.call(name, WAKE_UP)
-        if status != 200:
-            raise ControlFailed(f"{name}: {WAKE_UP} answered {status}: {answer}")
-
-    async def footprint(self, name: str) -> dict:
-        status, answer = await self.call(name, FOOTPRINT)
-        if status != 200:
-            raise ControlFailed(f"{name}: {FOOTPRINT} answered {status}: {answer}", status)
-        return answer
+            raise ControlFailed(f"{name}: {endpoint} answered {status} with no JSON: {text[:200]!r}", status) from None
 
 
-class HttpActuator:
-    """Puts `llmserve serve --enable-sleep-mode` servers to sleep and wakes them (alias ->
-    base URL), with their sleep-mode routes: POST /sleep?level=, POST /wake_up, GET /footprint."""
+class HttpActuator(_ControlActuator):
+    """`llmserve serve --enable-sleep-mode` servers (alias -> base URL), with their sleep-mode
+    routes: POST /sleep?level=, POST /wake_up, GET /footprint."""
 
     def __init__(self, targets: dict[str, str], timeout_s: float = 600.0) -> None:
         self.targets = targets
@@ -96,33 +107,17 @@ class HttpActuator:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=2.0))
         return self._client
 
-    async def _call(self, name: str, method: str, path: str) -> tuple[int, dict]:
+    async def call(self, name: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
         import httpx
 
+        method, path = ("GET", endpoint) if endpoint == FOOTPRINT else ("POST", endpoint)
+        if endpoint == SLEEP:
+            path += f"?level={(body or {}).get('level', 1)}"
         try:
             resp = await self._http().request(method, self.targets[name] + path)
             return resp.status_code, resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise ControlFailed(f"{name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
-
-    async def sleep(self, name: str, level: int) -> bool:
-        status, answer = await self._call(name, "POST", f"/sleep?level={level}")
-        if status == 409:
-            return False
-        if status != 200:
-            raise ControlFailed(f"{name}: /sleep answered {status}: {answer}", status)
-        return True
-
-    async def wake(self, name: str) -> None:
-        status, answer = await self._call(name, "POST", "/wake_up")
-        if status != 200:
-            raise ControlFailed(f"{name}: /wake_up answered {status}: {answer}", status)
-
-    async def footprint(self, name: str) -> dict:
-        status, answer = await self._call(name, "GET", "/footprint")
-        if status != 200:
-            raise ControlFailed(f"{name}: /footprint answered {status}: {answer}", status)
-        return answer
 
     async def close(self) -> None:
         if self._client is not None:
@@ -188,7 +183,7 @@ class GatewayPlacement:
         rows = {a: await self.actuator.footprint(a) for a in self.config.models}
         device_total = max(int(r.get("device_total_bytes", 0)) for r in rows.values()) or None
         budget = parse_budget(self.config.gpu_memory_budget, device_total)
-        models = [PlacedModel(a, Footprint(int(r["weight_bytes"]), int(r["kv_cache_bytes"]), int(r.get("overhead_bytes", 0))),
+        models = [PlacedModel(a, Footprint.from_row(r),
                               ModelState.ASLEEP if r.get("is_sleeping") else ModelState.RESIDENT)
                   for a, r in rows.items()]  # fmt: skip
         kwargs = {"slo_ttft_s": self.config.slo_ttft_s} if self.config.policy == "demand" else {}

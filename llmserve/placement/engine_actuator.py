@@ -18,8 +18,7 @@ class EngineActuator:
         await self.engines[name].wake_up()
 
     async def footprint(self, name: str) -> Footprint:
-        row = await self.engines[name].memory_footprint()
-        return Footprint(row["weight_bytes"], row["kv_cache_bytes"])
+        return Footprint.from_row(await self.engines[name].memory_footprint())
 
     async def is_sleeping(self, name: str) -> bool:
         return await self.engines[name].is_sleeping()

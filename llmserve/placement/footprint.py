@@ -24,6 +24,11 @@ class Footprint:
     def total(self) -> int:
         return self.weight_bytes + self.kv_cache_bytes
 
+    @classmethod
+    def from_row(cls, row: dict) -> Footprint:
+        """From an engine's `memory_footprint()` (or a server's /footprint answer)."""
+        return cls(int(row["weight_bytes"]), int(row["kv_cache_bytes"]), int(row.get("overhead_bytes") or 0))
+
 
 def parse_budget(value: int | float | str, device_total: int | None = None) -> int:
     """Bytes from a budget setting: an integer of bytes, a fraction in (0, 1] or a percentage

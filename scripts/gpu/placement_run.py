@@ -178,7 +178,7 @@ async def main() -> None:
     def on_event(model: str, event: str, seconds: float) -> None:
         (sleeps if event == "sleep" else wakes)[model].append(round(seconds, 3)) if event != "wake_failed" else None
 
-    placed = [PlacedModel(n, Footprint(r["weight_bytes"], r["kv_cache_bytes"], r.get("overhead_bytes", 0)),
+    placed = [PlacedModel(n, Footprint.from_row(r),
                           ModelState.RESIDENT) for n, r in rows.items()]  # fmt: skip
     RESULT["overheads_gib"] = {m.name: round(m.footprint.overhead_bytes / 2**30, 2) for m in placed}
     placement = Placement(placed, budget, make_policy("demand", slo_ttft_s=SLO_S), drain_after_s=DRAIN_S if DRAIN_S >= 0 else None)
