@@ -49,7 +49,7 @@ def _fp8_gemm_split_k_kernel(
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      out_dtype: torch.dtype, split_k: int | None = None, block_n: int = 64,
-                     block_k: int = 128) -> torch.Tensor:  # fmt: skip
+                     block_k: int = 128, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """`(xq * sx) @ (weight * weight_scale)^T` for FP8 `xq` [M, K] (M <= MAX_M) with float32
     scales `sx` [M, 1], FP8 `weight` [N, K] with `weight_scale` [N, 1]; returned in `out_dtype`."""
     m, k = xq.shape
@@ -68,6 +68,6 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     _fp8_gemm_split_k_kernel[(tiles_n, split_k)](
         xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), partials,
         m, n, k, k_per_split, xq.stride(0), weight.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return partials.sum(dim=0).to(out_dtype)

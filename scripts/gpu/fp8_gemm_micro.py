@@ -23,7 +23,7 @@ from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402
 from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tokens  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TOKENS = (1, 16, 128, 512, 2048, 8192)
+TOKENS = (1, 16, 64, 128, 512, 2048, 8192)
 CALLS = 20
 
 
@@ -47,6 +47,26 @@ def graph_time_us(fn) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / (10 * CALLS)
+
+
+def sweep_small_m(xq, xs, wq, ws) -> list[dict]:
+    """The split-K kernel's tile sizes, slice counts and warps: microseconds per call of each."""
+    n, k = wq.shape
+    found = []
+    for block_n in (32, 64, 128):
+        for block_k in (128, 256):
+            tiles_n = -(-n // block_n)
+            auto = max(1, min(-(-k // block_k), 512 // tiles_n))
+            for split_k in sorted({auto, 2 * auto, max(1, auto // 2), 4 * auto}):
+                for warps in (4, 8):
+                    cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": warps}
+                    try:
+                        us = graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16, **cfg))
+                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                        cfg["error"] = str(exc)[:100]
+                        us = float("inf")
+                    found.append({"config": cfg, "us": round(us, 2)})
+    return found
 
 
 def main() -> None:
@@ -81,6 +101,9 @@ def main() -> None:
                                                                      ref.float().abs().max()).item(), 5)  # fmt: skip
                     row["small_m_us"] = round(graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)), 2)
                     row["weight_gb_per_s_small_m"] = round(n * k / row["small_m_us"] / 1e3, 0)
+                    row["small_m_sweep"] = sweep_small_m(xq, xs, wq, ws)
+                    best = min(row["small_m_sweep"], key=lambda c: c["us"])
+                    row["small_m_best_us"], row["small_m_best"] = best["us"], best["config"]
                 row["fp8_over_bf16"] = round(row["fp8_total_us"] / row["bf16_us"], 3)
                 row["weight_gb_per_s_bf16"] = round(n * k * 2 / row["bf16_us"] / 1e3, 0)
                 row["weight_gb_per_s_fp8_mm"] = round(n * k / row["scaled_mm_us"] / 1e3, 0)
