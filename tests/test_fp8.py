@@ -18,6 +18,7 @@ from llmserve.model.fp8 import (
     quantize_rows,
     quantize_tokens,
 )
+from llmserve.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -69,22 +70,24 @@ def test_engine_quantizes_at_load_and_stays_close(llama_dir):
             assert abs(lx[token].logprob - ly[token].logprob) < 0.05
 
 
-def test_fast_path_is_token_exact_against_the_reference_on_cpu(llama_dir):
-    """The model built with `torch._scaled_mm` and with the reference matmul: the same
-    logits (to float32 rounding) and the same greedy token at every position."""
+@pytest.mark.parametrize("tokens", [20, 5])
+def test_fast_path_is_token_exact_against_the_reference_on_cpu(llama_dir, tokens):
+    """The model built with the reference ops and with `torch._scaled_mm`: the same logits
+    to float32 rounding and the same greedy token at every position (the fused kernels: in
+    tests/test_kernels.py, under the Triton interpreter)."""
     from llmserve.model.attention import AttentionMetadata, reference_paged_attention
+    from llmserve.model.fp8 import fp8_gemm_scaled_mm
     from llmserve.model.layers import LayerOps
-    from llmserve.model.loader import load_model
 
     cfg = EngineArgs(model=llama_dir, quantization="fp8", max_model_len=128).create_engine_config()
     mc = cfg.model_config
     logits = []
-    for matmul in (fp8_matmul_reference, fp8_matmul_scaled_mm):
+    for ops in (LayerOps(), LayerOps(fp8_matmul=fp8_matmul_scaled_mm, fp8_gemm=fp8_gemm_scaled_mm)):
         model = load_model(mc.model, mc.arch, mc.dtype, "cpu", reference_paged_attention, progress=False,
-                           quantization="fp8", ops=LayerOps(fp8_matmul=matmul))  # fmt: skip
+                           quantization="fp8", ops=ops)  # fmt: skip
         for layer in model.attention_layers():
             layer.kv_cache = torch.zeros(2, 2, 16, mc.arch.num_kv_heads, mc.arch.head_dim)
-        n = 20
+        n = tokens
         meta = AttentionMetadata(torch.arange(n), torch.tensor([0, n], dtype=torch.int32),
                                  torch.tensor([n], dtype=torch.int32), torch.tensor([[0, 1]], dtype=torch.int32), n, n)  # fmt: skip
         with torch.inference_mode():

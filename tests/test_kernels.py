@@ -399,17 +399,53 @@ def test_quantize_tokens_fp8_equals_the_reference_bit_for_bit(dtype, cols):
     assert empty_q.shape == (0, cols) and empty_s.shape == (0, 1)
 
 
-def test_fp8_matmul_with_the_fused_quantization_equals_scaled_mm():
-    from llmserve.kernels.fp8_quant import fp8_matmul_fused_quant
+@pytest.mark.parametrize("tokens", [5, 20])
+def test_fp8_matmul_with_the_fused_quantization_against_the_reference(tokens):
+    """The fast FP8 product: few tokens through the split-K kernel, more through
+    `_scaled_mm` (then equal to `fp8_matmul_scaled_mm`); the reference's result either way."""
+    from llmserve.kernels.fp8_linear import SMALL_M_ROWS, fp8_matmul_fused_quant
     from llmserve.model.fp8 import fp8_matmul_reference, fp8_matmul_scaled_mm, quantize_rows
 
     g = torch.Generator().manual_seed(9)
     weight, scale = quantize_rows(torch.randn(48, 64, generator=g) * 0.05)
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)
     for static in (None, torch.tensor(0.01)):
         got = fp8_matmul_fused_quant(x, weight, scale, static)
-        assert torch.equal(got, fp8_matmul_scaled_mm(x, weight, scale, static))
+        if tokens > SMALL_M_ROWS:
+            assert torch.equal(got, fp8_matmul_scaled_mm(x, weight, scale, static))
         torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, static), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_activation_quantized_in_their_pass_equal_the_reference(dtype):
+    """RMSNorm (with and without the residual) and SiLU-and-multiply that write FP8 rows and
+    scales: the unquantized kernel's output then the per-token quantization, bit for bit (the
+    norm kernel itself matches the reference up to float32 reduction order); the residual sum
+    unchanged; an all-zero row keeps the scale floor; no rows."""
+    from llmserve.model import layers
+    from llmserve.model.fp8 import quantized
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    x[2] = 0
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    got_a, got_res = K.fused_add_rms_norm_fp8(x, res, w, 1e-5)
+    want_a, want_res = K.fused_add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(got_res, want_res)
+    gate_up = (torch.randn(7, 2 * 80, generator=g) * 4).to(dtype)
+    gate_up[4] = 0
+    pairs = [(K.rms_norm_fp8(x, w, 1e-5), quantized(K.rms_norm(x, w, 1e-5))), (got_a, quantized(want_a)),
+             (K.silu_and_mul_fp8(gate_up), quantized(K.silu_and_mul(gate_up)))]  # fmt: skip
+    for a, b in pairs:
+        assert a.q.dtype == torch.float8_e4m3fn and a.dtype == b.dtype == dtype
+        assert torch.equal(a.q.view(torch.uint8), b.q.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    ref = layers.rms_norm_fp8(x, w, 1e-5)  # and the reference's FP8 values, up to one FP8 step
+    got_v, ref_v = pairs[0][0].q.float() * pairs[0][0].scale, ref.q.float() * ref.scale
+    assert ((got_v - ref_v).abs() <= 0.13 * ref_v.abs() + ref.scale).all()
+    floor = torch.tensor(1e-12, dtype=torch.float32)
+    assert pairs[0][0].scale[2] == floor and pairs[2][0].scale[4] == floor
+    assert K.rms_norm_fp8(x[:0], w, 1e-5).q.shape == (0, 96) and K.silu_and_mul_fp8(gate_up[:0]).q.shape == (0, 80)
 
 
 @pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 48, 256, None), (5, 70, 300, 3), (16, 64, 128, 1),
@@ -417,7 +453,8 @@ def test_fp8_matmul_with_the_fused_quantization_equals_scaled_mm():
 def test_fp8_gemm_small_m_against_the_reference(m, n, k, split_k):
     """The split-K FP8 GEMM for few tokens: the reference's product (dequantize both, float32)
     up to float32 summation order, for odd sizes, several K slices, one slice, a slice ending
-    mid-tile, no rows; and the same result on every run (no atomics)."""
+    mid-tile, no rows; and the same result on every run (partials added in slice order)."""
+    from llmserve.kernels import fp8_gemm
     from llmserve.kernels.fp8_gemm import fp8_gemm_small_m
     from llmserve.model.fp8 import quantize_rows, quantize_tokens
 
@@ -430,6 +467,7 @@ def test_fp8_gemm_small_m_against_the_reference(m, n, k, split_k):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     again = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.float32, split_k=split_k, block_n=32, block_k=64)
     assert torch.equal(got, again)
+    assert not fp8_gemm._workspaces[got.device].any()  # the tiles' counters are zero again after each call
     if m:
         as_bf16 = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.bfloat16, split_k=split_k, block_n=32, block_k=64)
         assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, got.to(torch.bfloat16))
@@ -455,6 +493,22 @@ def test_engine_with_triton_kernels_matches_transformers(llama_dir):
     assert llm.config.attention_backend == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_fp8_engine_on_the_fused_kernels_gives_the_reference_tokens(llama_dir):
+    """`--quantization fp8` on the Triton path under the interpreter (norms and SiLU-and-
+    multiply that quantize in their pass, `_scaled_mm` for prefill, the split-K kernel for the
+    decode steps' few tokens) against the engine on the PyTorch reference ops: the same
+    greedy tokens."""
+    from llmserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [1] + list(range(40, 40 + n))} for n in (21, 7)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = LLM(llama_dir, attention_backend="triton", quantization="fp8", max_model_len=64, block_size=8)
+    want = LLM(llama_dir, quantization="fp8", max_model_len=64, block_size=8)
+    assert got.config.attention_backend == "triton"
+    outs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (got, want)]
+    assert outs[0] == outs[1]
 
 
 def test_split_counts_are_powers_of_two_and_warmup_compiles_each():

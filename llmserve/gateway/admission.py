@@ -6,7 +6,8 @@ A request takes a slot before it is sent upstream and gives it back when its res
 
 Shedding: the measured queueing delay is the larger of how long the oldest request now waiting
 for a slot has waited and how long requests for the alias waited in the upstream engines' own
-queues over the last few seconds (their `vllm:request_queue_time_seconds`, scraped each second). Priority classes are the distinct key priorities, lowest first. While the delay is
+queues over the last few seconds (their `vllm:request_queue_time_seconds`, scraped each second
+by the status sampler, handed to `Admission` as its `engines`). Priority classes are the distinct key priorities, lowest first. While the delay is
 above `(i + 1) x target`, class i is shed: refused at once with 503 `queue_delay`, and its
 requests already waiting are refused once their own wait crosses that line. So the lowest class
 goes first; the highest class (when there are several) is never shed for delay, only bounded by
@@ -21,8 +22,16 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from llmserve.gateway.config import AdmissionConfig
+
+
+class EngineQueues(Protocol):
+    """What admission reads of the upstream engines (the status sampler)."""
+
+    def engine_delay(self, alias: str) -> float:
+        """Seconds requests for `alias` now wait in the upstream engines' queues."""
 
 
 class Refused(Exception):
@@ -53,8 +62,9 @@ class Slot:
 
 
 class Admission:
-    def __init__(self, config: AdmissionConfig, priorities: list[int]):
+    def __init__(self, config: AdmissionConfig, priorities: list[int], engines: EngineQueues | None = None):
         self.config = config
+        self.engines = engines  # None: shed by the gateway's own queue only
         self.classes = sorted(set(priorities)) or [0]
         self.in_flight = 0
         self._queue: list[_Waiter] = []
@@ -82,10 +92,16 @@ class Admission:
         cap = self.config.max_concurrency
         return cap is not None and (self.in_flight >= cap or self.waiting() > 0)
 
-    async def acquire(self, priority: int, engine_delay: float = 0.0) -> Slot:
-        """`engine_delay`: seconds requests now wait in the upstream engines' queues."""
+    def engine_delay(self, alias: str | None) -> float:
+        """Seconds requests for `alias` now wait in the engines' queues (0 when not shedding)."""
+        if alias is None or self.engines is None or self.config.target_queue_delay_ms is None:
+            return 0.0
+        return self.engines.engine_delay(alias)
+
+    async def acquire(self, priority: int, alias: str | None = None) -> Slot:
+        """A slot for a request of this priority for `alias` (whose engines' queues count too)."""
         limit = self.shed_after(priority)
-        if (delay := max(self.queueing_delay(), engine_delay)) > limit:
+        if (delay := max(self.queueing_delay(), self.engine_delay(alias))) > limit:
             raise Refused("queue_delay", max(1.0, math.ceil(delay)))
         if not self.would_wait():
             self.in_flight += 1

@@ -1,29 +1,28 @@
-"""The gateway's live status page: `/dashboard` (HTML) and `/dashboard/data` (JSON).
+"""The status sampler behind the live status page (`/dashboard`, `/dashboard/data`: routes.py)
+and behind admission's shedding by the engines' queues.
 
-A sampler scrapes every upstream's `/metrics` (vLLM's names) once a second and keeps the
-last five minutes in a ring buffer per upstream, beside the gateway's own request counters.
-The page (llmserve/assets/dashboard.html, no external scripts) polls `/dashboard/data` and
-draws running and waiting requests, KV-cache usage, tokens/s and latency per model and
-upstream. Mounted with one line in app.py: `app.include_router(dashboard_router(state))`.
+It scrapes every upstream's `/metrics` (vLLM's names) once a second and keeps the last five
+minutes in a ring buffer per upstream, beside the gateway's own request counters. The page
+(llmserve/assets/dashboard.html, no external scripts) polls `/dashboard/data` and draws
+running and waiting requests, KV-cache usage, tokens/s and latency per model and upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import re
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from fastapi import APIRouter, FastAPI
-from fastapi.responses import HTMLResponse, JSONResponse
 
-from llmserve.gateway.state import GatewayState
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.placement import GatewayPlacement
+from llmserve.gateway.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +175,11 @@ def engine_queue_delay(a: Sample, b: Sample) -> float | None:
 class StatusSampler:
     """Scrapes the upstreams and the gateway's counters into ring buffers."""
 
-    def __init__(self, state: GatewayState, interval_s: float = INTERVAL_S, history: int = HISTORY):
-        self.state, self.interval_s = state, interval_s
-        self.urls = sorted({r.url for r in state.router.all_replicas()})
+    def __init__(self, router: Router, metrics: GatewayMetrics, placement: GatewayPlacement | None = None,
+                 interval_s: float = INTERVAL_S, history: int = HISTORY):  # fmt: skip
+        self.router, self.metrics, self.placement = router, metrics, placement
+        self.interval_s = interval_s
+        self.urls = sorted({r.url for r in router.all_replicas()})
         self.scraped_urls = [u for u in self.urls if u.startswith(("http://", "https://"))]
         self.upstreams: dict[str, deque[Sample]] = {u: deque(maxlen=history) for u in self.urls}
         self.gateway: deque[tuple[float, dict[str, float]]] = deque(maxlen=history)  # (t, requests by alias)
@@ -196,7 +197,7 @@ class StatusSampler:
         for url, sample in zip(self.scraped_urls, samples):
             self.upstreams[url].append(sample)
         by_alias: dict[str, float] = {}
-        for s in self.state.metrics.requests.collect()[0].samples:
+        for s in self.metrics.requests.collect()[0].samples:
             if s.name.endswith("_total"):
                 by_alias[s.labels["alias"]] = by_alias.get(s.labels["alias"], 0.0) + s.value
         self.gateway.append((time.time(), by_alias))
@@ -223,7 +224,7 @@ class StatusSampler:
         smallest over its healthy replicas (the router sends to the least busy), 0 when
         nothing is known. Admission sheds by it as by the gateway's own queue."""
         delays = []
-        for replica in self.state.router.replicas.get(alias, []):
+        for replica in self.router.replicas.get(alias, []):
             samples = self.upstreams.get(replica.url)
             if not replica.healthy or not samples or len(samples) < 2:
                 continue
@@ -234,7 +235,7 @@ class StatusSampler:
 
     def _upstream(self, url: str) -> UpstreamStatus:
         samples = list(self.upstreams[url])
-        replicas = [r for r in self.state.router.all_replicas() if r.url == url]
+        replicas = [r for r in self.router.all_replicas() if r.url == url]
         series = [span_point(a, b) for a, b in itertools.pairwise(samples)]
         latest = span_point(samples[max(0, len(samples) - 1 - LATEST_SPAN)], samples[-1]) if len(samples) > 1 else None
         return UpstreamStatus(
@@ -247,10 +248,10 @@ class StatusSampler:
 
     def data(self) -> DashboardData:
         upstreams = {u: self._upstream(u) for u in self.urls}
-        placement = self.state.placement.snapshot() if self.state.placement is not None else None
+        placement = self.placement.snapshot() if self.placement is not None else None
         states = {m["model"]: m["state"] for m in (placement or {}).get("models", []) if isinstance(m, dict)}
         models = []
-        for alias, replicas in self.state.router.replicas.items():
+        for alias, replicas in self.router.replicas.items():
             latest = [upstreams[r.url].latest for r in replicas if upstreams[r.url].latest]
             kv = [p.kv_usage for p in latest if p.kv_usage is not None]
             models.append(ModelStatus(
@@ -261,36 +262,10 @@ class StatusSampler:
                 kv_usage=max(kv) if kv else None, tokens_per_s=round(sum(p.tokens_per_s or 0.0 for p in latest), 3),
                 placement=states.get(alias),
             ))  # fmt: skip
-        rejections = {s.labels["reason"]: s.value for s in self.state.metrics.rejections.collect()[0].samples
+        rejections = {s.labels["reason"]: s.value for s in self.metrics.rejections.collect()[0].samples
                       if s.name.endswith("_total")}  # fmt: skip
         return DashboardData(
             time=time.time(), interval_s=self.interval_s, window_s=self.interval_s * (self.gateway.maxlen or 0),
             requests_per_s=self._requests_per_s(None), rejections=rejections, models=models,
             upstreams=list(upstreams.values()), placement=placement,
         )  # fmt: skip
-
-
-def dashboard_router(state: GatewayState) -> APIRouter:
-    """The routes of the status page; the sampler runs for the life of the app."""
-    sampler = StatusSampler(state)
-    state.engine_delay = sampler.engine_delay  # admission sheds by the engines' queues too
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        task = asyncio.create_task(sampler.run())
-        try:
-            yield
-        finally:
-            task.cancel()
-
-    router = APIRouter(lifespan=lifespan)
-
-    @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text(), headers={"cache-control": "no-store"})
-
-    @router.get("/dashboard/data")
-    async def data() -> JSONResponse:
-        return JSONResponse(asdict(sampler.data()), headers={"cache-control": "no-store"})
-
-    return router

@@ -9,9 +9,10 @@ import aiohttp
 import anyio
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmserve.gateway.context import RequestContext
+from llmserve.gateway.gateway import Gateway
 from llmserve.gateway.opened import Opened, UpstreamFailed
-from llmserve.gateway.router import Pick
-from llmserve.gateway.state import GatewayState, RequestContext
+from llmserve.gateway.router import InFlight, Pick
 from llmserve.gateway.triton_upstream import open_triton
 from llmserve.openai.errors import sse_error
 
@@ -51,7 +52,7 @@ def _closer(response: aiohttp.ClientResponse):
     return close
 
 
-async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> Opened:
+async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Opened:
     """Send to one OpenAI-compatible replica and read up to the first byte we would pass on."""
     payload = dict(ctx.payload, model=pick.route.model or pick.alias)
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
@@ -59,7 +60,7 @@ async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> 
         payload["priority"] = -ctx.priority  # vLLM-style: lower is served first
     headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
     try:
-        response = await state.session.post(pick.replica.url + ctx.path, data=json.dumps(payload), headers=headers)
+        response = await gateway.session.post(pick.replica.url + ctx.path, data=json.dumps(payload), headers=headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
     close = _closer(response)
@@ -80,44 +81,49 @@ async def _open_openai(state: GatewayState, ctx: RequestContext, pick: Pick) -> 
         raise
 
 
-async def _open(state: GatewayState, ctx: RequestContext, pick: Pick) -> Opened:
+async def _open(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Opened:
     if pick.route.kind == "triton":
-        return await open_triton(state.triton, ctx, pick)
-    return await _open_openai(state, ctx, pick)
+        return await open_triton(gateway.triton, ctx, pick)
+    return await _open_openai(gateway, ctx, pick)
 
 
-async def forward(state: GatewayState, ctx: RequestContext) -> Response:
+async def _attempt(gateway: Gateway, ctx: RequestContext, pick: Pick) -> tuple[InFlight, Opened]:
+    """Send to the picked replica, counted there while the answer is open (no longer if it failed)."""
+    sent = pick.replica.send()
+    try:
+        return sent, await _open(gateway, ctx, pick)
+    except BaseException:
+        sent.end()
+        raise
+
+
+async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
     tried: set[str] = set()
     last_error: UpstreamFailed | None = None
     while True:
-        pick = state.router.pick(ctx.alias, tried, ctx.prefix)
+        pick = gateway.router.pick(ctx.alias, tried, ctx.prefix)
         if pick is None:
             if last_error is not None and last_error.status is not None:
-                return await _finish_plain(state, ctx, None, last_error.status, last_error.content or b"")
+                return await _finish_plain(gateway, ctx, None, last_error.status, last_error.content or b"")
             raise NoUpstream(ctx.alias)
-        pick.replica.outstanding += 1
         try:
-            opened = await _open(state, ctx, pick)
+            sent, opened = await _attempt(gateway, ctx, pick)
         except UpstreamFailed as exc:
-            pick.replica.outstanding -= 1
             tried.add(pick.replica.url)
             last_error = exc
             if not exc.overloaded:  # overloaded (503) is not broken: no breaker count
-                pick.replica.record_failure(state.config.health.failure_threshold)
-            state.metrics.retries.labels(ctx.alias).inc()
+                pick.replica.record_failure(gateway.config.health.failure_threshold)
+            gateway.metrics.retries.labels(ctx.alias).inc()
             continue
-        except BaseException:
-            pick.replica.outstanding -= 1
-            raise
         ctx.served_by = pick.alias
-        state.metrics.routing.labels(pick.alias, pick.decision).inc()
+        gateway.metrics.routing.labels(pick.alias, pick.decision).inc()
         if pick.alias != ctx.alias:
-            state.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
+            gateway.metrics.fallbacks.labels(ctx.alias, pick.alias).inc()
         if opened.lines is None:
-            pick.replica.outstanding -= 1
+            sent.end()
             await opened.close()
-            return await _finish_plain(state, ctx, pick, opened.status, opened.content or b"")
-        return _stream(state, ctx, pick, opened)
+            return await _finish_plain(gateway, ctx, pick, opened.status, opened.content or b"")
+        return _stream(gateway, ctx, pick, sent, opened)
 
 
 def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
@@ -128,7 +134,7 @@ def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:
 
 
 async def _finish_plain(
-    state: GatewayState, ctx: RequestContext, pick: Pick | None, status: int, content: bytes
+    gateway: Gateway, ctx: RequestContext, pick: Pick | None, status: int, content: bytes
 ) -> Response:
     try:
         body = json.loads(content)
@@ -139,13 +145,13 @@ async def _finish_plain(
         ctx.used_tokens = (body.get("usage") or {}).get("total_tokens", ctx.reserved_tokens)
     else:
         ctx.used_tokens = 0  # nothing generated
-    await state.finish(ctx, status)
+    await gateway.finish(ctx, status)
     if body is None:
         return Response(content, status_code=status, headers=_headers(ctx, pick))
     return JSONResponse(body, status_code=status, headers=_headers(ctx, pick))
 
 
-def _stream(state: GatewayState, ctx: RequestContext, pick: Pick, opened: Opened) -> StreamingResponse:
+def _stream(gateway: Gateway, ctx: RequestContext, pick: Pick, sent: InFlight, opened: Opened) -> StreamingResponse:
     ctx.used_tokens = ctx.reserved_tokens  # kept unless a chunk reports the real usage
     async def relay() -> AsyncIterator[str]:
         status = 200
@@ -159,7 +165,7 @@ def _stream(state: GatewayState, ctx: RequestContext, pick: Pick, opened: Opened
                 raise UpstreamFailed("the stream ended without [DONE]")
         except Exception as exc:  # noqa: BLE001 - the upstream broke mid-stream: too late to retry
             status = 502
-            pick.replica.record_failure(state.config.health.failure_threshold)
+            pick.replica.record_failure(gateway.config.health.failure_threshold)
             # the client learns it from a last event, as vLLM's server ends a failed stream
             yield "\n" + sse_error(502, f"the upstream failed mid-stream: {str(exc) or type(exc).__name__}")
             yield "data: [DONE]\n\n"
@@ -167,11 +173,11 @@ def _stream(state: GatewayState, ctx: RequestContext, pick: Pick, opened: Opened
             status = 499  # the client left
             raise
         finally:
-            pick.replica.outstanding -= 1
+            sent.end()
             # closing the upstream response drops its connection, so the replica aborts the
             # request and frees its KV blocks; shielded, as this runs while being cancelled
             with anyio.CancelScope(shield=True):
                 await opened.close()
-                await state.finish(ctx, status)
+                await gateway.finish(ctx, status)
 
     return StreamingResponse(relay(), media_type="text/event-stream", headers=_headers(ctx, pick))

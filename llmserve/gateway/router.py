@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmserve.gateway.affinity import rendezvous_score
 from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
@@ -17,9 +17,22 @@ logger = logging.getLogger(__name__)
 class Replica:
     alias: str
     url: str
-    outstanding: int = 0  # requests sent and not yet finished
     failures: int = 0  # consecutive failed health checks or requests
     healthy: bool = True  # False while the circuit breaker is open
+    _outstanding: int = field(default=0, repr=False)  # changed only by `_count`
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not yet finished."""
+        return self._outstanding
+
+    def send(self) -> InFlight:
+        """A request goes to this replica: counted until its `InFlight.end()`."""
+        self._count(1)
+        return InFlight(self)
+
+    def _count(self, delta: int) -> None:
+        self._outstanding += delta
 
     def record_failure(self, threshold: int) -> None:
         self.failures += 1
@@ -31,6 +44,19 @@ class Replica:
         if not self.healthy:
             logger.info("replica %s of %s: healthy again", self.url, self.alias)
         self.failures, self.healthy = 0, True
+
+
+class InFlight:
+    """One request sent to a replica; `end()` (when its answer is over or failed) may be called
+    more than once, and counts it out only the first time."""
+
+    def __init__(self, replica: Replica):
+        self._replica: Replica | None = replica
+
+    def end(self) -> None:
+        if self._replica is not None:
+            self._replica._count(-1)
+            self._replica = None
 
 
 @dataclass

@@ -2,7 +2,7 @@
 is a 400), by the same schemas as `llmserve serve --task embed` (openai/pooling_protocol.py).
 Chat and completions need no such step: the chat model reads the OpenAI body itself, with
 the API server's own code. (Text Triton could not carry as UTF-8, a lone surrogate, is
-refused earlier, for the whole body: app.py.)
+refused earlier, for the whole body: intake.py.)
 """
 
 from __future__ import annotations

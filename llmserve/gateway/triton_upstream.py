@@ -20,21 +20,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from llmserve.gateway.context import RequestContext
 from llmserve.gateway.opened import Opened, UpstreamFailed
+from llmserve.gateway.router import Pick
 from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_call
 from llmserve.openai.errors import error_body
 from llmserve.openai.pooling_protocol import embedding_json, rerank_order
-
-if TYPE_CHECKING:  # annotations only: state.py holds the clients defined here
-    from llmserve.gateway.router import Pick
-    from llmserve.gateway.state import RequestContext
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
 # the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)

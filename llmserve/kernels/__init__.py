@@ -4,11 +4,12 @@
 | --- | --- | --- |
 | `triton_paged_attention` (drop-in `AttentionBackend`) | `paged_attention` | `llmserve.model.attention.reference_paged_attention` |
 | `write_kv` (reshape-and-cache) | `cache_write` | `llmserve.model.attention.write_kv_cache` |
-| `rms_norm`, `fused_add_rms_norm` | `norm` | `llmserve.model.layers.RMSNorm` |
+| `rms_norm`, `fused_add_rms_norm` (and `_fp8`: quantized to FP8 per token in the same pass) | `norm` | `llmserve.model.layers.RMSNorm` (then `llmserve.model.fp8.quantize_tokens`) |
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
-| `silu_and_mul` | `activation` | `llmserve.model.layers.silu_and_mul` |
-| `quantize_tokens_fp8`, `fp8_matmul_fused_quant` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens`, `fp8_matmul_scaled_mm` |
-| `fp8_gemm_small_m` (split-K, few tokens; not wired in until measured) | `fp8_gemm` | `llmserve.model.fp8.fp8_matmul_reference` |
+| `silu_and_mul` (and `silu_and_mul_fp8`) | `activation` | `llmserve.model.layers.silu_and_mul` (then `quantize_tokens`) |
+| `quantize_tokens_fp8` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens` |
+| `fp8_gemm_small_m` (split-K, few tokens, one launch) | `fp8_gemm` | `llmserve.model.fp8.fp8_gemm_reference` |
+| `fp8_gemm_fast`, `fp8_matmul_fused_quant` (which GEMM for how many tokens) | `fp8_linear` | `llmserve.model.fp8.fp8_gemm_reference`, `fp8_matmul_reference` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
@@ -33,10 +34,11 @@ def has_triton_gpu() -> bool:
 
 
 try:
-    from llmserve.kernels.activation import silu_and_mul
+    from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8
     from llmserve.kernels.cache_write import write_kv
-    from llmserve.kernels.fp8_quant import fp8_matmul_fused_quant, quantize_tokens_fp8
-    from llmserve.kernels.norm import fused_add_rms_norm, rms_norm
+    from llmserve.kernels.fp8_linear import fp8_gemm_fast, fp8_matmul_fused_quant
+    from llmserve.kernels.fp8_quant import quantize_tokens_fp8
+    from llmserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
     from llmserve.kernels.paged_attention import (
         AttnLaunchConfig,
         choose_num_splits,
@@ -54,13 +56,17 @@ __all__ = [
     "AttnLaunchConfig",
     "apply_rotary",
     "choose_num_splits",
+    "fp8_gemm_fast",
     "fp8_matmul_fused_quant",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8",
     "has_triton_gpu",
     "paged_attention_forward",
     "quantize_tokens_fp8",
     "rms_norm",
+    "rms_norm_fp8",
     "silu_and_mul",
+    "silu_and_mul_fp8",
     "triton_paged_attention",
     "write_kv",
 ]

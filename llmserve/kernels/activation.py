@@ -3,6 +3,10 @@
 PyTorch reference: `llmserve.model.layers.silu_and_mul`: `silu(gate) * up` where
 `gate, up = x.chunk(2, dim=-1)`. Rounded like the reference (silu's result rounded to the
 input dtype before the multiply).
+
+`silu_and_mul_fp8` also quantizes each row to FP8 per token (the down projection's input),
+as `llmserve.model.fp8.quantize_tokens` quantizes the reference's output: one program per
+row, a first pass for the amax, a second that recomputes, scales and casts.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from llmserve.fp8_tokens import Fp8Tokens
 
 
 @triton.jit
@@ -25,6 +31,54 @@ def _silu_and_mul_kernel(
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     out = act * up.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_row(x_row, cols, mask, n_cols):
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # the reference's output, rounded
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, cols, cols < n_cols, n_cols)))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        q = tl.minimum(tl.maximum(tl.div_rn(_silu_mul_row(x_row, cols, mask, n_cols), scale), -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
+    """x `[..., 2 * I]` -> `silu_and_mul(x)` as FP8 rows `[T, I]` with a scale per row."""
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    # FP8 on a GPU; float32 under the interpreter, whose FP8 cast is wrong (torch casts)
+    q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn if x.is_cuda else torch.float32, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows and inter:
+        block = min(2048, triton.next_power_of_2(inter))
+        _silu_and_mul_fp8_kernel[(rows,)](
+            x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, FP8_MAX=448.0, MIN_SCALE=1e-12,
+            num_warps=max(1, min(8, block // 256)),
+        )  # fmt: skip
+    return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

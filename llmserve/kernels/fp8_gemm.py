@@ -1,4 +1,4 @@
-"""An FP8 GEMM for few tokens (decode), in Triton: split along K, row-wise scales.
+"""An FP8 GEMM for few tokens (decode), in Triton: split along K, row-wise scales, one launch.
 
 PyTorch reference: `llmserve.model.fp8.fp8_matmul_reference` (dequantize both, multiply in
 float32). On an H200, `torch._scaled_mm` read FP8 weights at only 1.1-3.2 TB/s at M <= 128
@@ -6,11 +6,14 @@ float32). On an H200, `torch._scaled_mm` read FP8 weights at only 1.1-3.2 TB/s a
 (docs/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
 the grid covers N in tiles and K in `split_k` slices, so enough programs stream it. Each
 program accumulates `x_tile @ w_tile^T` in float32 (`tl.dot` on FP8 operands), applies the
-two scales, and writes its partial sum; the partials are added in a fixed order (the same
-result every run, unlike atomics).
+two scales and writes its partial sum.
 
-Not wired into the engine yet: `scripts/gpu/fp8_gemm_micro.py` times it against
-`_scaled_mm` first.
+The partial sums are added inside the same launch (a separate sum and cast cost two more
+kernels, about 2 µs each at decode): each program counts itself in a per-tile counter after
+its store, and the program that arrives last adds the tile's partials in slice order (so the
+result is the same on every run, unlike atomic adds of the values), writes the output in its
+dtype and resets the counter for the next call. The counters live in a small per-device
+workspace that is all zeros between calls (CUDA graphs replay the same addresses).
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import triton
 import triton.language as tl
 
 MAX_M = 64  # rows this kernel is for; more rows: torch._scaled_mm
+_MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the widest projection
+_workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
 
 @triton.jit
 def _fp8_gemm_split_k_kernel(
-    x_ptr, w_ptr, sx_ptr, sw_ptr, part_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, sx_ptr, sw_ptr, part_ptr, out_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -43,13 +48,40 @@ def _fp8_gemm_split_k_kernel(
     sx = tl.load(sx_ptr + rows, mask=rows < M, other=0.0)
     sw = tl.load(sw_ptr + cols, mask=cols < N, other=0.0)
     acc = acc * sx[:, None] * sw[None, :]
-    out = part_ptr + pid_k * M * N + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    tile_mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+    else:
+        tile = rows[:, None] * N + cols[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=tile_mask)
+        tl.debug_barrier()  # every thread's store issued before the count (released by the atomic)
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last slice of this tile: add all of them in order
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tile, total.to(out_ptr.dtype.element_ty), mask=tile_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)  # zero again for the next call
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    if device not in _workspaces:
+        _workspaces[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return _workspaces[device]
+
+
+def default_config(m: int, n: int, k: int) -> dict:
+    """Tile sizes from the H200 sweep (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json): 64-wide
+    N tiles; 256-deep K steps for the long K of the MLP's down projection; split K so that
+    about 512 programs stream the weights."""
+    block_n, block_k = 64, (256 if k >= 8192 else 128)
+    return {"block_n": block_n, "block_k": block_k,
+            "split_k": max(1, min(triton.cdiv(k, block_k), 512 // triton.cdiv(n, block_n)))}  # fmt: skip
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     out_dtype: torch.dtype, split_k: int | None = None, block_n: int = 64,
-                     block_k: int = 128, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+                     out_dtype: torch.dtype, split_k: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """`(xq * sx) @ (weight * weight_scale)^T` for FP8 `xq` [M, K] (M <= MAX_M) with float32
     scales `sx` [M, 1], FP8 `weight` [N, K] with `weight_scale` [N, 1]; returned in `out_dtype`."""
     m, k = xq.shape
@@ -57,17 +89,23 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     assert m <= MAX_M and weight.shape[1] == k, (xq.shape, weight.shape)
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
+    # the interpreter (CPU) rounds float32 -> bfloat16 otherwise than torch: there torch casts
+    out = torch.empty((m, n), dtype=out_dtype if xq.is_cuda else torch.float32, device=xq.device)
     if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=xq.device)
+        return out.to(out_dtype)
+    auto = default_config(m, n, k)
+    block_n, block_k = block_n or auto["block_n"], block_k or auto["block_k"]
     tiles_n = triton.cdiv(n, block_n)
-    if split_k is None:  # enough programs to stream the weights: about 4 per SM on a large GPU
+    assert tiles_n <= _MAX_TILES
+    if split_k is None:
         split_k = max(1, min(triton.cdiv(k, block_k), 512 // tiles_n))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    partials = torch.empty((split_k, m, n), dtype=torch.float32, device=xq.device)
+    partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)
     _fp8_gemm_split_k_kernel[(tiles_n, split_k)](
-        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), partials,
-        m, n, k, k_per_split, xq.stride(0), weight.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), partials, out,
+        _counters(xq.device), m, n, k, k_per_split, xq.stride(0), weight.stride(0),
+        SPLIT_K=split_k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps,
     )  # fmt: skip
-    return partials.sum(dim=0).to(out_dtype)
+    return out.to(out_dtype)

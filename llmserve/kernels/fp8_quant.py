@@ -74,11 +74,3 @@ def quantize_tokens_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
     if not on_gpu:  # the interpreter's cast is wrong next to powers of two: torch casts
         q = q.to(FP8)
     return q, scale
-
-
-def fp8_matmul_fused_quant(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           input_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """`llmserve.model.fp8.fp8_matmul_scaled_mm` with its activations quantized by the kernel
-    above: the same result (its reference is `fp8_matmul_reference`)."""
-    xq, sx = quantize_tokens_fp8(x, input_scale)
-    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)

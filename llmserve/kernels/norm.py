@@ -6,6 +6,12 @@ match it bit for bit up to the fp32 reduction order:
     h = x.float() * rsqrt(mean(x.float()**2) + eps)
     out = weight * h.to(x.dtype)   (in torch's promoted dtype of weight and x)
 One program normalises one row.
+
+With `quantize=True` (FP8 linear layers next) the row is also quantized to FP8 per token,
+as `llmserve.model.fp8.quantize_tokens` quantizes the reference's output: the normalised row
+rounded to its dtype, its amax, the correctly rounded division (`tl.div_rn`), saturated at
+±448. The FP8 row and its scale are written instead of the normalised row, which saves a
+kernel and a pass over the activations before each QKV and gate/up projection.
 """
 
 from __future__ import annotations
@@ -14,13 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.fp8_tokens import Fp8Tokens
+
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_nr,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -36,7 +45,14 @@ def _rms_norm_kernel(
     h = h * tl.math.rsqrt(var + eps)
     h = h.to(x.dtype).to(tl.float32)  # the reference's `h.to(dtype)` before the weight
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:  # weight and x share a dtype here: the reference's output rounded to it
+        y = (w * h).to(x.dtype).to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -44,12 +60,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, quantize: bool = False):
     hidden = x.shape[-1]
     x2 = _rows(x)
     sum_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
     out_dtype = torch.promote_types(weight.dtype, sum_dtype)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    scale = None
+    if quantize:  # FP8 rows (float32 under the interpreter, whose FP8 cast is wrong: torch casts)
+        assert weight.dtype == sum_dtype, "the fused quantization needs weight and activations in one dtype"
+        out_dtype = torch.float8_e4m3fn if x.is_cuda else torch.float32
+        scale = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+    out = torch.empty(x2.shape if quantize else x.shape, dtype=out_dtype, device=x.device)
     out2 = out.view(-1, hidden)
     if residual is not None:
         r2 = _rows(residual)
@@ -62,12 +83,14 @@ def _launch(x, residual, weight, eps):
     if rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out2, nr2,
+            x2, r2, weight, out2, nr2, scale if quantize else out2,
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=block,
             num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
+    if quantize:
+        return Fp8Tokens(out.to(torch.float8_e4m3fn), scale, sum_dtype), new_res
     return out, new_res
 
 
@@ -85,3 +108,18 @@ def fused_add_rms_norm(
     assert residual.shape == x.shape
     out, new_res = _launch(x, residual, weight, eps)
     return out, new_res
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Tokens:
+    """`rms_norm` quantized to FP8 per token in the same pass (rows flattened)."""
+    assert weight.is_contiguous() and weight.shape[-1] == x.shape[-1]
+    return _launch(x, None, weight, eps, quantize=True)[0]
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Tokens, torch.Tensor]:
+    """`fused_add_rms_norm` with the normalised rows quantized to FP8 per token."""
+    assert weight.is_contiguous() and weight.shape[-1] == x.shape[-1]
+    assert residual.shape == x.shape
+    return _launch(x, residual, weight, eps, quantize=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.fp8_tokens import Fp8Tokens
 from llmserve.model.tensor_parallel import TPGroup
 
 FP8 = torch.float8_e4m3fn
@@ -37,10 +38,20 @@ def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -
     """Activations [T, K] in FP8, dynamically per token (or with a checkpoint's static scale)."""
     x = x.to(torch.float32)
     if static_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        # a tensor divisor: torch on CUDA divides by a Python number as a multiply by its
+        # reciprocal, which rounds some scales one ulp away from the kernels' true division
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
     else:
         scale = static_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """FP8 tokens [T, K] with scales [T, 1] @ (FP8 weight [N, K] * scale [N, 1])^T: both
+    dequantized, multiplied in float32, returned in `out_dtype`."""
+    return ((xq.to(torch.float32) * sx) @ (weight.to(torch.float32) * weight_scale).t()).to(out_dtype)
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -48,44 +59,65 @@ def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     """x [T, K] (any float dtype) @ (FP8 weight [N, K] * scale [N, 1])^T, the activations
     quantized as the fast path quantizes them; computed in float32, returned in x's dtype."""
     xq, sx = quantize_tokens(x, input_scale)
-    return ((xq.to(torch.float32) * sx) @ (weight.to(torch.float32) * weight_scale).t()).to(x.dtype)
+    return fp8_gemm_reference(xq, sx, weight, weight_scale, x.dtype)
+
+
+def quantized(x: torch.Tensor) -> Fp8Tokens:
+    """x [..., K] as FP8 tokens [T, K] (the reference of the fused norm and activation kernels)."""
+    return Fp8Tokens(*quantize_tokens(x.reshape(-1, x.shape[-1])), x.dtype)
 
 
 def fp8_matmul_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          input_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The same product by `torch._scaled_mm` (FP8 operands, row-wise scales)."""
     xq, sx = quantize_tokens(x, input_scale)
-    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=x.dtype)
+    return fp8_gemm_scaled_mm(xq, sx, weight, weight_scale, x.dtype)
+
+
+def fp8_gemm_scaled_mm(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """`fp8_gemm_reference` by `torch._scaled_mm` (cuBLASLt on a GPU)."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.t(), out_dtype=out_dtype)
 
 
 class Fp8Linear(nn.Module):
     """A linear layer with FP8 weights: column-parallel or plain (`tp` None), or row-parallel
-    (`tp` given: the input is this rank's slice, the outputs are summed over ranks)."""
+    (`tp` given: the input is this rank's slice, the outputs are summed over ranks). Its input
+    is activations in a float dtype, or `Fp8Tokens` already quantized by the kernel before it
+    (only when the layer has no static input scale: `takes_fp8_tokens`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, matmul=fp8_matmul_reference,
-                 tp: TPGroup | None = None) -> None:  # fmt: skip
+                 tp: TPGroup | None = None, gemm=fp8_gemm_reference) -> None:  # fmt: skip
         super().__init__()
         self.matmul = matmul
+        self.gemm = gemm
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(out_features, 1, dtype=torch.float32), requires_grad=False)
         self.input_scale: nn.Parameter | None = None  # a checkpoint's static activation scale
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self.matmul(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.input_scale)
-        y = y.reshape(*shape[:-1], y.shape[-1])
+    @property
+    def takes_fp8_tokens(self) -> bool:
+        return self.input_scale is None
+
+    def forward(self, x: torch.Tensor | Fp8Tokens) -> torch.Tensor:
+        if isinstance(x, Fp8Tokens):
+            y = self.gemm(x.q, x.scale, self.weight, self.weight_scale, x.dtype)
+        else:
+            shape = x.shape
+            y = self.matmul(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.input_scale)
+            y = y.reshape(*shape[:-1], y.shape[-1])
         if self.tp is not None and self.tp.world_size > 1:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None, matmul,
-                tp: TPGroup | None = None) -> nn.Module:  # fmt: skip
+                tp: TPGroup | None = None, gemm=fp8_gemm_reference) -> nn.Module:  # fmt: skip
     """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form."""
     if quantization == "fp8":
-        return Fp8Linear(in_features, out_features, bias, matmul, tp)
+        return Fp8Linear(in_features, out_features, bias, matmul, tp, gemm)
     if tp is not None:
         from llmserve.model.tensor_parallel import RowParallelLinear
 
@@ -104,12 +136,16 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "FP8",
     "Fp8Linear",
+    "Fp8Tokens",
     "QUANTIZATION_METHODS",
     "dequantize",
+    "fp8_gemm_reference",
+    "fp8_gemm_scaled_mm",
     "fp8_matmul_reference",
     "fp8_matmul_scaled_mm",
     "is_fp8",
     "make_linear",
     "quantize_rows",
     "quantize_tokens",
+    "quantized",
 ]

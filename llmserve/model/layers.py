@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.arch import RopeConfig
-from llmserve.model.fp8 import fp8_matmul_reference
+from llmserve.model.fp8 import Fp8Tokens, fp8_gemm_reference, fp8_matmul_reference, quantized
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,6 +32,17 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual
     return rms_norm(x, weight, eps), x
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Tokens:
+    return quantized(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Tokens, torch.Tensor]:
+    out, x = fused_add_rms_norm(x, residual, weight, eps)
+    return quantized(out), x
 
 
 def apply_rotary(
@@ -53,6 +64,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Tokens:
+    return quantized(silu_and_mul(gate_up))
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise ops the model runs: these PyTorch references, or fused kernels
@@ -63,6 +78,11 @@ class LayerOps:
     apply_rotary: Callable = apply_rotary
     silu_and_mul: Callable = silu_and_mul
     fp8_matmul: Callable = fp8_matmul_reference  # FP8 linear layers (model/fp8.py)
+    fp8_gemm: Callable = fp8_gemm_reference  # ... on activations already quantized (Fp8Tokens)
+    # the norms and the activation with their output quantized to FP8 per token (for FP8 layers)
+    rms_norm_fp8: Callable = rms_norm_fp8
+    fused_add_rms_norm_fp8: Callable = fused_add_rms_norm_fp8
+    silu_and_mul_fp8: Callable = silu_and_mul_fp8
 
 
 REFERENCE_OPS = LayerOps()
@@ -71,9 +91,9 @@ REFERENCE_OPS = LayerOps()
 def triton_ops() -> LayerOps:
     from llmserve import kernels
 
-    # FP8 linear layers: activations quantized by one kernel, then torch._scaled_mm
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
-                    kernels.fp8_matmul_fused_quant)  # fmt: skip
+                    kernels.fp8_matmul_fused_quant, kernels.fp8_gemm_fast, kernels.rms_norm_fp8,
+                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8)  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +110,12 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Fp8Tokens | tuple[Fp8Tokens, torch.Tensor]:
+        """`forward`, the output quantized to FP8 per token (the input of an FP8 linear layer)."""
+        if residual is None:
+            return self.ops.rms_norm_fp8(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:

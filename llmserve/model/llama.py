@@ -17,7 +17,7 @@ from torch import nn
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
-from llmserve.model.fp8 import is_fp8, make_linear, quantize_rows
+from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, make_linear, quantize_rows
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
     SINGLE,
@@ -26,6 +26,11 @@ from llmserve.model.tensor_parallel import (
     local_arch,
     rank_slice,
 )
+
+
+def takes_fp8_tokens(layer: nn.Module) -> bool:
+    """Whether `layer` is an FP8 linear layer that takes activations already quantized."""
+    return isinstance(layer, Fp8Linear) and layer.takes_fp8_tokens
 
 
 class Attention(nn.Module):
@@ -38,8 +43,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = make_linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias,
-                                    quantization, ops.fp8_matmul)  # fmt: skip
-        self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp)
+                                    quantization, ops.fp8_matmul, gemm=ops.fp8_gemm)  # fmt: skip
+        self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp,
+                                  ops.fp8_gemm)  # fmt: skip
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -47,7 +53,7 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)  # bound by the model runner
 
     def project(
-        self, positions: torch.Tensor, x: torch.Tensor
+        self, positions: torch.Tensor, x: torch.Tensor | Fp8Tokens
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D], rotated: everything before the cache."""
         a = self.arch
@@ -73,13 +79,18 @@ class MLP(nn.Module):
     def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup, quantization: str | None = None) -> None:
         super().__init__()
         self.act = ops.silu_and_mul
+        self.act_fp8 = ops.silu_and_mul_fp8
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
-                                        ops.fp8_matmul)  # fmt: skip
+                                        ops.fp8_matmul, gemm=ops.fp8_gemm)  # fmt: skip
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, quantization,
-                                     ops.fp8_matmul, tp)  # fmt: skip
+                                     ops.fp8_matmul, tp, ops.fp8_gemm)  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Tokens) -> torch.Tensor:
+        """`x`: the normalised hidden states, or with FP8 layers already quantized (Fp8Tokens)."""
+        h = self.gate_up_proj(x)
+        if takes_fp8_tokens(self.down_proj):  # the activation quantizes for the FP8 layer in its pass
+            return self.down_proj(self.act_fp8(h))
+        return self.down_proj(self.act(h))
 
 
 class DecoderLayer(nn.Module):
@@ -107,16 +118,20 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Before attention: norm (adding the residual), project: (q, k, v, residual)."""
+        # FP8 layers without a static input scale take their input quantized by the norm's kernel
+        norm = self.input_layernorm.fp8 if takes_fp8_tokens(self.self_attn.qkv_proj) else self.input_layernorm
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = norm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = norm(x, residual)
         return (*self.self_attn.project(positions, x), residual)
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After attention: output projection, norm (adding the residual), MLP."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        norm = self.post_attention_layernorm
+        x, residual = (norm.fp8 if takes_fp8_tokens(self.mlp.gate_up_proj) else norm)(self.self_attn.o_proj(attn_out),
+                                                                                     residual)  # fmt: skip
         return self.mlp(x), residual
 
 

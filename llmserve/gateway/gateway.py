@@ -1,0 +1,154 @@
+"""The gateway as one object: built from its config, it holds every part a request meets
+(keys, limits, admission, router, upstream clients, placement, the status sampler) and runs
+their background work while it is `running()`. routes.py puts HTTP in front of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import httpx
+from prometheus_client import generate_latest
+
+from llmserve.gateway.admission import Admission
+from llmserve.gateway.config import GatewayConfig
+from llmserve.gateway.context import RequestContext, log_access
+from llmserve.gateway.dashboard import StatusSampler
+from llmserve.gateway.keys import KeyStore
+from llmserve.gateway.limits import build_limiter
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.placement import GatewayPlacement
+from llmserve.gateway.router import Replica, Router, health_loop
+from llmserve.gateway.triton_upstream import TritonClients
+
+
+@dataclass
+class Health:
+    """The body of GET /health."""
+
+    status: str  # "ok" when every alias has a healthy replica, else "degraded"
+    upstreams: dict[str, bool]  # address -> healthy only if every alias it serves is
+    models: dict[str, dict[str, bool]]  # alias -> replica address -> healthy
+    placement: dict | None = None  # each placed model's state (resident, asleep, waking, sleeping)
+
+    def body(self) -> dict:
+        body = {"status": self.status, "upstreams": self.upstreams, "models": self.models}
+        if self.placement is not None:
+            body["placement"] = self.placement
+        return body
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.keys = KeyStore(config.keys)
+        self.limiter = build_limiter(config.keys, config.limits)
+        self.router = Router(config)
+        self.metrics = GatewayMetrics()
+        self.triton = TritonClients(config.upstream_timeout_s)  # gRPC clients of Triton replicas, opened on first use
+        # several chat models on one GPU: requests wait for their model to wake
+        self.placement = None if config.placement is None else \
+            GatewayPlacement(config.placement, config, self.triton, self.metrics)  # fmt: skip
+        self.sampler = StatusSampler(self.router, self.metrics, self.placement)
+        # admission sheds by the engines' queues (the sampler's scrapes) as by its own
+        self.admission = Admission(config.admission, [k.priority for k in config.keys], self.sampler)
+        self.client: httpx.AsyncClient | None = None  # health checks; opened while running
+        self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
+        for r in self.router.all_replicas():
+            self.on_health(r)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Open the upstream clients and run the health checks, the placement and the sampler
+        (the app's lifespan); everything is closed again on the way out."""
+        config = self.config
+        timeout = httpx.Timeout(config.upstream_timeout_s, connect=2.0)
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+        upstream = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=config.upstream_timeout_s)
+        connector = aiohttp.TCPConnector(limit=1000, keepalive_timeout=30)
+        async with (
+            httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+            aiohttp.ClientSession(connector=connector, timeout=upstream, auto_decompress=False) as session,
+        ):
+            self.client, self.session = client, session
+            checker = asyncio.create_task(health_loop(self.router, config.health, self.probe, self.on_health))
+            placing = asyncio.create_task(self.placement.run()) if self.placement is not None else None
+            sampling = asyncio.create_task(self.sampler.run())
+            try:
+                yield
+            finally:
+                sampling.cancel()
+                checker.cancel()
+                if placing is not None:
+                    placing.cancel()
+                    await self.placement.close()
+                await self.limiter.close()
+                await self.triton.close()
+
+    # -- replicas --------------------------------------------------------------------------
+    async def probe(self, replica: Replica) -> bool:
+        """A replica is up: its /health answers 200 (OpenAI servers), its model is ready (Triton)."""
+        route = self.config.models[replica.alias]
+        timeout = self.config.health.timeout_s
+        if route.kind == "triton":
+            return await self.triton.ready(replica.url, route.model or replica.alias, timeout)
+        try:
+            return (await self.client.get(f"{replica.url}/health", timeout=timeout)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def on_health(self, replica: Replica) -> None:
+        self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)
+
+    def health(self) -> Health:
+        """Each replica's health per alias (aliases may share one Triton server), and each address's."""
+        models: dict[str, dict[str, bool]] = {}
+        for r in self.router.all_replicas():
+            models.setdefault(r.alias, {})[r.url] = r.healthy
+        upstreams: dict[str, bool] = {}
+        for replicas in models.values():
+            for url, ok in replicas.items():
+                upstreams[url] = upstreams.get(url, True) and ok
+        status = "ok" if all(any(replicas.values()) for replicas in models.values()) else "degraded"
+        placement = self.placement.snapshot() if self.placement is not None else None
+        return Health(status, upstreams, models, placement)
+
+    def metrics_page(self) -> bytes:
+        """The Prometheus page, its gauges set from the live counts first."""
+        for r in self.router.all_replicas():
+            self.metrics.outstanding.labels(r.alias, r.url).set(r.outstanding)
+        self.metrics.in_flight.set(self.admission.in_flight)
+        self.metrics.queue_waiting.set(self.admission.waiting())
+        self.metrics.queueing_delay.set(self.admission.queueing_delay())
+        if self.placement is not None:
+            self.placement.export()
+        return generate_latest(self.metrics.registry)
+
+    # -- requests --------------------------------------------------------------------------
+    def release(self, ctx: RequestContext) -> None:
+        """Free what a request holds: its admission slot, and its place on a placed model."""
+        if ctx.slot is not None:
+            ctx.slot.release()
+        if ctx.placed and self.placement is not None:
+            ctx.placed = False
+            self.placement.release(ctx.alias)
+
+    async def give_back(self, ctx: RequestContext) -> None:
+        """`release`, and settle the token reservation with what was used (nothing, if refused)."""
+        self.release(ctx)
+        if ctx.key is not None:
+            await self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
+
+    async def finish(self, ctx: RequestContext, status: int) -> None:
+        """A request is over: `give_back` what it held, and count it."""
+        await self.give_back(ctx)
+        self.metrics.requests.labels(ctx.alias, str(status)).inc()
+        latency = time.monotonic() - ctx.started
+        self.metrics.latency.labels(ctx.alias).observe(latency)
+        log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,
+                   served_by=ctx.served_by, latency_ms=round(latency * 1000, 1), tokens=ctx.used_tokens)  # fmt: skip
