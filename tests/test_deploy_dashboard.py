@@ -57,15 +57,14 @@ def test_sampler_over_unreachable_and_triton_upstreams():
     from server_utils import free_port
 
     from llmserve.gateway.config import GatewayConfig
-    from llmserve.gateway.dashboard import StatusSampler
-    from llmserve.gateway.state import GatewayState
+    from llmserve.gateway.gateway import Gateway
 
     down = f"http://127.0.0.1:{free_port()}"
     config = GatewayConfig.model_validate({"models": {
         "chat": {"replicas": [down]},
         "embed": {"kind": "triton", "replicas": [f"grpc://127.0.0.1:{free_port()}"]},
     }})  # fmt: skip
-    sampler = StatusSampler(GatewayState(config))
+    sampler = Gateway(config).sampler
 
     async def sample_twice() -> None:
         async with httpx.AsyncClient(timeout=1.0) as client:

@@ -211,14 +211,25 @@ def test_engine_queue_delay_from_two_scrapes():
     assert engine_queue_delay(a, Sample(105.0, {})) is None  # the scrape failed
 
 
+class _EngineQueues:
+    """The engines' queueing delay per alias, as the status sampler would report it."""
+
+    def __init__(self, delays: dict[str, float]):
+        self.delays = delays
+
+    def engine_delay(self, alias: str) -> float:
+        return self.delays[alias]
+
+
 def test_engine_delay_sheds_the_lowest_priority_without_a_cap():
     async def scenario() -> None:
-        adm = Admission(AdmissionConfig(target_queue_delay_ms=300), [0, 10])
+        engines = _EngineQueues({"busy": 0.5, "calm": 0.1, "jammed": 5.0})
+        adm = Admission(AdmissionConfig(target_queue_delay_ms=300), [0, 10], engines)
         with pytest.raises(Refused) as refused:
-            await adm.acquire(0, engine_delay=0.5)
+            await adm.acquire(0, "busy")
         assert refused.value.reason == "queue_delay"
-        (await adm.acquire(0, engine_delay=0.1)).release()  # under the target
-        (await adm.acquire(10, engine_delay=5.0)).release()  # the top class is never shed for delay
+        (await adm.acquire(0, "calm")).release()  # under the target
+        (await adm.acquire(10, "jammed")).release()  # the top class is never shed for delay
 
     asyncio.run(scenario())
 
