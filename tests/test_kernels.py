@@ -416,14 +416,19 @@ def test_fp8_matmul_with_the_fused_quantization_against_the_reference(tokens):
         torch.testing.assert_close(got, fp8_matmul_reference(x, weight, scale, static), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_and_activation_quantized_in_their_pass_equal_the_reference(dtype):
+@pytest.mark.parametrize(("dtype", "one_pass_cols"), [(torch.float32, 16384), (torch.bfloat16, 16384),
+                                                     (torch.bfloat16, 32)])  # fmt: skip
+def test_norm_and_activation_quantized_in_their_pass_equal_the_reference(dtype, one_pass_cols, monkeypatch):
     """RMSNorm (with and without the residual) and SiLU-and-multiply that write FP8 rows and
     scales: the unquantized kernel's output then the per-token quantization, bit for bit (the
     norm kernel itself matches the reference up to float32 reduction order); the residual sum
-    unchanged; an all-zero row keeps the scale floor; no rows."""
+    unchanged; an all-zero row keeps the scale floor; no rows. SiLU-and-multiply holds short
+    rows whole and loops over long ones (forced here with a small limit: three steps)."""
     from llmserve.model import layers
     from llmserve.model.fp8 import quantized
+
+    monkeypatch.setattr(activation, "ONE_PASS_COLS", one_pass_cols)
+    monkeypatch.setattr(activation, "LOOP_BLOCK", 32)
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(7, 96, generator=g) * 3).to(dtype)

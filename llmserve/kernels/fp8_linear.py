@@ -2,8 +2,9 @@
 
 PyTorch reference: `llmserve.model.fp8.fp8_gemm_reference` / `fp8_matmul_reference`.
 - few tokens (decode, M <= SMALL_M_ROWS): the split-K Triton kernel (`fp8_gemm_small_m`), which
-  beat `torch._scaled_mm` on every 8B projection at M = 1 and 16 on an H200 (9.7 against
-  18.2 µs for QKV at M = 1; docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json);
+  beat `torch._scaled_mm` on every 8B projection at M = 1, 16, 32 and 64 on an H200 (QKV: 8.1
+  against 18.6 µs at M = 1, 12.8 against 13.5 at 64; gate/up: 31.8 against 46.0 and 33.6
+  against 42.3; docs/gpu_fp8_gemm_micro_fused_2026-12-01.json);
 - more tokens: `torch._scaled_mm` (cuBLASLt), 1.6-1.8x a bf16 GEMM at M >= 512.
 Activations arrive quantized (`Fp8Tokens`, from the fused RMSNorm or SiLU-and-multiply), or
 plain, then quantized here by `quantize_tokens_fp8`.
@@ -16,7 +17,7 @@ import torch
 from llmserve.kernels.fp8_gemm import fp8_gemm_small_m
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8
 
-SMALL_M_ROWS = 16
+SMALL_M_ROWS = 64  # = fp8_gemm.MAX_M
 
 
 def fp8_gemm_fast(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
