@@ -7,11 +7,11 @@ A request takes a slot before it is sent upstream and gives it back when its res
 Shedding: the measured queueing delay is the larger of how long the oldest request now waiting
 for a slot has waited and how long requests for the alias waited in the upstream engines' own
 queues over the last few seconds (their `vllm:request_queue_time_seconds`, scraped each second
-by the status sampler, handed to `Admission` as its `engines`). Priority classes are the distinct key priorities, lowest first. While the delay is
-above `(i + 1) x target`, class i is shed: refused at once with 503 `queue_delay`, and its
-requests already waiting are refused once their own wait crosses that line. So the lowest class
-goes first; the highest class (when there are several) is never shed for delay, only bounded by
-the queue timeout.
+by the status sampler, handed to `Admission` as its `engines`). Priority classes are the
+distinct key priorities, lowest first. While the delay is above `(i + 1) x target`, class i
+is shed: refused at once with 503 `queue_delay`, and its requests already waiting are refused
+once their own wait crosses that line. So the lowest class goes first; the highest class (when
+there are several) is never shed for delay, only bounded by the queue timeout.
 """
 
 from __future__ import annotations

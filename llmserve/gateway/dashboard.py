@@ -17,6 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import httpx
 
@@ -32,7 +33,7 @@ LATEST_SPAN = 5  # the headline numbers are rates over the last five samples
 PAGE = Path(__file__).resolve().parents[1] / "assets" / "dashboard.html"
 
 # sample field -> the upstream's metric (summed over its label sets)
-_METRICS = {
+_METRICS = MappingProxyType({
     "running": "vllm:num_requests_running",
     "waiting": "vllm:num_requests_waiting",
     "kv_usage": "vllm:kv_cache_usage_perc",
@@ -45,8 +46,8 @@ _METRICS = {
     "e2e_count": "vllm:e2e_request_latency_seconds_count",
     "queue_sum": "vllm:request_queue_time_seconds_sum",
     "queue_count": "vllm:request_queue_time_seconds_count",
-}
-_NAMES = {metric: field for field, metric in _METRICS.items()}
+})
+_NAMES = MappingProxyType({metric: field for field, metric in _METRICS.items()})
 _MODEL_NAME = re.compile(r'model_name="((?:[^"\\]|\\.)*)"')
 
 

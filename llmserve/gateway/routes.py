@@ -17,11 +17,20 @@ from llmserve.gateway.context import RequestContext, log_access
 from llmserve.gateway.dashboard import PAGE
 from llmserve.gateway.disconnect import ClientLeft, unless_client_leaves
 from llmserve.gateway.gateway import Gateway
-from llmserve.gateway.intake import Rejected, admit, caller, read_body, reject_response, take_slot, wait_for_model
+from llmserve.gateway.intake import (
+    GENERATION_PATHS,
+    Rejected,
+    admit,
+    caller,
+    read_body,
+    reject_response,
+    take_slot,
+    wait_for_model,
+)
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.proxy import NoUpstream, forward
 
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
+PROXIED_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/v1/rerank")
 
 ProxyRoute = Callable[[Request, str], Awaitable[Response]]
 
@@ -84,7 +93,8 @@ def api_router(gateway: Gateway) -> APIRouter:
             key = caller(gateway, request)
         except Rejected as exc:
             return reject_response(exc, "")
-        return JSONResponse({"object": "list", "data": [_card(a) for a in config.models if key is None or may_call(key, a)]})
+        cards = [_card(a) for a in config.models if key is None or may_call(key, a)]
+        return JSONResponse({"object": "list", "data": cards})
 
     @router.get("/v1/models/{alias:path}")
     async def model(alias: str, request: Request) -> Response:

@@ -20,6 +20,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 
 import grpc
 import numpy as np
@@ -35,8 +36,10 @@ from llmserve.openai.pooling_protocol import embedding_json, rerank_order
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
 # the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)
-ENDPOINT_INPUTS = {"/v1/chat/completions": frozenset({"request"}), "/v1/completions": frozenset({"request"}),
-                   "/v1/embeddings": frozenset({"text"}), "/v1/rerank": frozenset({"query", "documents"})}
+ENDPOINT_INPUTS = MappingProxyType({
+    "/v1/chat/completions": frozenset({"request"}), "/v1/completions": frozenset({"request"}),
+    "/v1/embeddings": frozenset({"text"}), "/v1/rerank": frozenset({"query", "documents"}),
+})  # fmt: skip
 
 
 class TritonClients:
