@@ -39,13 +39,14 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def weight_bytes_per_step(arch, dtype) -> int:
-    """Bytes of weights one decode step reads: every matrix once; the input embedding only
-    for its few rows (so it counts only when tied to the LM head). Norms are negligible."""
+def weight_bytes_per_step(arch, dtype, quantization: str | None = None) -> int:
+    """Bytes of weights one decode step reads: every matrix once (one byte a weight in FP8,
+    whose LM head stays in `dtype`); the input embedding only for its few rows (so it counts
+    only when tied to the LM head). Norms and scales are negligible."""
     h, layers = arch.hidden_size, arch.num_layers
     per_layer = h * arch.q_size + 2 * h * arch.kv_size + arch.q_size * h + 3 * h * arch.intermediate_size
-    params = layers * per_layer + arch.vocab_size * h  # + the LM head
-    return params * dtype.itemsize
+    layer_bytes = 1 if quantization == "fp8" else dtype.itemsize
+    return layers * per_layer * layer_bytes + arch.vocab_size * h * dtype.itemsize  # + the LM head
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -95,13 +96,14 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
     # move the TTFT it is subtracted from (a mean did: 4.65 ms for a true 4.83 on the H200)
     ttft, avg = float(np.median(ttfts)), float(np.mean(latencies))
     tpot = (float(np.median(latencies)) - ttft) / (args.output_len - 1) if args.output_len > 1 else None
-    wbytes = weight_bytes_per_step(mc.arch, mc.dtype)
+    wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization)
     result = {
         "model": mc.model,
         "device": llm.config.device,
         "dtype": str(mc.dtype).removeprefix("torch."),
         "quantization": mc.quantization,
         "kv_cache_dtype": getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
+        "kv_cache_tokens": llm.stats().kv_cache_tokens,
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,

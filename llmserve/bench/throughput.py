@@ -37,6 +37,7 @@ class ThroughputResult:
     prefix_len: int = 0
     quantization: str | None = None  # the engine's (fp8), and its KV cache's dtype
     kv_cache_dtype: str = "auto"
+    kv_cache_tokens: int = 0  # tokens the engine's KV cache holds
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
 
@@ -107,6 +108,7 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         prefix_len=args.prefix_len,
         quantization=llm.config.model_config.quantization,
         kv_cache_dtype=getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
+        kv_cache_tokens=llm.stats().kv_cache_tokens,
         sampling=sampling_label(args) or None,
         gpu=usage.as_dict() if usage is not None else None,
     )

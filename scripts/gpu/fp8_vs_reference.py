@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -57,6 +58,7 @@ def greedy(path: str, batch: list[list[int]], device: str, **kw) -> tuple[list[l
 
 
 def compare(name: str, path: str, vocab: int, **kw) -> dict:
+    started = time.perf_counter()
     batch = prompts(vocab)
     cpu, margins = greedy(path, batch, "cpu", attention_backend="reference", **kw)
     gpu, _ = greedy(path, batch, "cuda", attention_backend="triton", **kw)
@@ -69,7 +71,7 @@ def compare(name: str, path: str, vocab: int, **kw) -> dict:
         if n < len(want):
             firsts.append({"position": n, "reference_top2_margin": round(margin[n], 5) if n < len(margin) else None})
     row = {"model": name, **kw, "sequences": len(batch), "equal_sequences": len(batch) - len(firsts),
-           "positions_equal_before_first_difference": f"{same} of {total}", "first_differences": firsts}  # fmt: skip
+           "positions_equal_before_first_difference": f"{same} of {total}", "first_differences": firsts, "seconds": round(time.perf_counter() - started, 1)}  # fmt: skip
     print("RESULT", json.dumps(row), flush=True)
     return row
 
