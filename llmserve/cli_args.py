@@ -29,8 +29,8 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides gpu_memory_utilization)",
     "num_gpu_blocks_override": "exact number of KV blocks",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "most tokens in one step",
+    "max_num_seqs": "most sequences in one step (default by device: 1024 on a GPU of 70 GiB or more, else 256)",
+    "max_num_batched_tokens": "most tokens in one step (default by device and command: on a GPU of 70 GiB or more 16384 offline, 8192 for serve; a smaller GPU 8192 / 2048; CPU 2048)",
     "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
     "enforce_eager": "never capture CUDA graphs",
     "attention_backend": "auto (triton on GPU, reference on CPU), reference or triton",
@@ -43,6 +43,9 @@ _HELP = {
 }
 
 
+_NOT_FLAGS = {"usage_context"}  # set by the command, not the user
+
+
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
@@ -50,6 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
         parser.add_argument("model_tag", nargs="?", default=None, help="model folder (same as --model)")
     hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
+        if f.name in _NOT_FLAGS:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kind = _base_type(hints[f.name])
@@ -60,8 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
-def engine_args_from_cli(ns: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+def engine_args_from_cli(ns: argparse.Namespace, usage_context: str = "llm") -> EngineArgs:
+    """`usage_context`: llm for offline commands, api_server for `serve` (default budgets)."""
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if f.name not in _NOT_FLAGS}
+    values["usage_context"] = usage_context
     if getattr(ns, "model_tag", None):
         values["model"] = ns.model_tag
     return EngineArgs(**values)

@@ -268,3 +268,30 @@ def test_stop_token_ids_are_kept_once_each():
     assert SamplingParams(stop_token_ids=[5, 7, 5] * 1000).stop_token_ids == [5, 7]
     with pytest.raises(SamplingParamsError, match="at most 256 stop strings"):
         SamplingParams(stop=[f"s{i}" for i in range(257)])
+
+
+def test_scheduler_budgets_default_by_device_and_command(monkeypatch, llama_dir):
+    """No --max-num-seqs / --max-num-batched-tokens: vLLM's choices by device and caller (a
+    large GPU: 1024 sequences, 16384 tokens offline and 8192 for a server; a smaller GPU 256
+    and 8192 / 2048; a CPU 256 and 2048); given values win; the caller is not a user flag."""
+    import argparse
+    import types
+
+    from llmserve.cli_args import add_engine_args, engine_args_from_cli
+    from llmserve.config import ConfigError, EngineArgs, default_budgets
+
+    assert default_budgets("cpu", "llm") == default_budgets("cpu", "api_server") == (256, 2048)
+    for memory, want in ((141 << 30, {"llm": (1024, 16384), "api_server": (1024, 8192)}),
+                         (24 << 30, {"llm": (256, 8192), "api_server": (256, 2048)})):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i, m=memory: types.SimpleNamespace(total_memory=m))
+        assert {ctx: default_budgets("cuda", ctx) for ctx in want} == want
+    with pytest.raises(ConfigError, match="usage_context"):
+        default_budgets("cpu", "browser")
+    sc = EngineArgs(model=llama_dir, device="cpu").create_engine_config().scheduler_config
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (256, 2048)
+    sc = EngineArgs(model=llama_dir, device="cpu", max_num_seqs=7, max_num_batched_tokens=300).create_engine_config().scheduler_config
+    assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (7, 300)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert "--usage-context" not in parser.format_help()
+    assert engine_args_from_cli(parser.parse_args([]), "api_server").usage_context == "api_server"

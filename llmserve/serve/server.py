@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> None:
 
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise SystemExit("llmserve serve: --enable-auto-tool-choice and --tool-call-parser go together")
-    engine_config = engine_args_from_cli(args).create_engine_config()  # bad flags fail here, fast
+    engine_config = engine_args_from_cli(args, "api_server").create_engine_config()  # bad flags fail here, fast
     mc = engine_config.model_config
     config = ServerConfig(
         served_model_names=[mc.served_model_name],

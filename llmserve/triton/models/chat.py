@@ -43,7 +43,7 @@ def _engine_args(params: dict) -> dict:
     args = {"model": params.pop("model_dir")}
     params.pop("tool_call_parser", None)
     for key, value in params.items():
-        if key not in EngineArgs.field_names():
+        if key not in EngineArgs.field_names() or key == "usage_context":
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
         if key in types:
             value = types[key](value)
@@ -85,7 +85,7 @@ class TritonPythonModel:
         self.tool_call_parser = params.get("tool_call_parser") or None
         self.sleep_mode = params.get("enable_sleep_mode") == "true"
         self.name = config.get("name", "chat")
-        self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params)))
+        self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
         self.thread.start()
