@@ -43,9 +43,11 @@ def reload(url: str, model: str) -> None:
     load(url, model)
 
 
-def restart(url: str, model: str) -> None:
+def restart(url: str, model: str, wait: float = 60.0) -> None:
     """Unload, then load: for a model whose backend died (its stub was killed). Triton's load
     of a model whose files did not change does nothing, so `reload` cannot bring it back;
-    requests in between are refused (unavailable), as the model is gone for that moment."""
-    unload(url, model)
+    requests in between are refused (unavailable), as the model is gone for that moment.
+    `wait`: how long the unload may wait for in-flight requests (a decoupled request the dead
+    stub was streaming never finishes, and its version stays UNLOADING; the load works anyway)."""
+    unload(url, model, wait)
     load(url, model)
