@@ -216,19 +216,20 @@ LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory
 
 
 def default_budgets(device: str, usage_context: str = "llm") -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) when the user gives none, as vLLM chooses them:
-    on a GPU with 70 GiB or more, 1,024 sequences and 16,384 tokens offline (8,192 for a
-    server); on a smaller GPU 256 sequences and 8,192 tokens offline (2,048 for a server);
-    on a CPU 256 and 2,048. On an H200, `serve` with 1,024/8,192 gave 10,106 output tok/s at
-    an unlimited rate where 256/2,048 gave 9,482 (issue 19)."""
+    """(max_num_seqs, max_num_batched_tokens) when the user gives none. Offline (`LLM`, the
+    benchmarks) as vLLM chooses them: on a GPU with 70 GiB or more 1,024 sequences and 16,384
+    tokens (the budgets every H200 row in docs/benchmarks.md was measured with), on a smaller
+    GPU 256 and 8,192, on a CPU 256 and 2,048. A server (`serve`, the Triton chat model) keeps
+    256 and 2,048 for now: vLLM's 1,024/8,192 gave 10,106 output tok/s at an unlimited rate on
+    an H200 against 9,482 (issue 19), but its effect on TTFT at 16 req/s (workload (d)) is not
+    measured yet, and that row must not get worse."""
     if usage_context not in ("llm", "api_server"):
         raise ConfigError(f"usage_context must be llm or api_server; got {usage_context!r}")
-    if device != "cuda":
+    if device != "cuda" or usage_context == "api_server":
         return 256, 2048
-    offline = usage_context == "llm"
     if torch.cuda.get_device_properties(0).total_memory >= LARGE_GPU_BYTES:
-        return 1024, 16384 if offline else 8192
-    return 256, 8192 if offline else 2048
+        return 1024, 16384
+    return 256, 8192
 
 
 def _check_writable(path: str | None) -> str | None:

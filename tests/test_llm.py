@@ -271,9 +271,9 @@ def test_stop_token_ids_are_kept_once_each():
 
 
 def test_scheduler_budgets_default_by_device_and_command(monkeypatch, llama_dir):
-    """No --max-num-seqs / --max-num-batched-tokens: vLLM's choices by device and caller (a
-    large GPU: 1024 sequences, 16384 tokens offline and 8192 for a server; a smaller GPU 256
-    and 8192 / 2048; a CPU 256 and 2048); given values win; the caller is not a user flag."""
+    """No --max-num-seqs / --max-num-batched-tokens: offline, vLLM's choices by device (a large
+    GPU: 1024 sequences and 16384 tokens; a smaller GPU 256 and 8192; a CPU 256 and 2048); a
+    server keeps 256 and 2048; given values win; the caller is not a user flag."""
     import argparse
     import types
 
@@ -281,7 +281,7 @@ def test_scheduler_budgets_default_by_device_and_command(monkeypatch, llama_dir)
     from llmserve.config import ConfigError, EngineArgs, default_budgets
 
     assert default_budgets("cpu", "llm") == default_budgets("cpu", "api_server") == (256, 2048)
-    for memory, want in ((141 << 30, {"llm": (1024, 16384), "api_server": (1024, 8192)}),
+    for memory, want in ((141 << 30, {"llm": (1024, 16384), "api_server": (256, 2048)}),
                          (24 << 30, {"llm": (256, 8192), "api_server": (256, 2048)})):  # fmt: skip
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i, m=memory: types.SimpleNamespace(total_memory=m))
         assert {ctx: default_budgets("cuda", ctx) for ctx in want} == want
