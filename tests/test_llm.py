@@ -295,3 +295,21 @@ def test_scheduler_budgets_default_by_device_and_command(monkeypatch, llama_dir)
     add_engine_args(parser)
     assert "--usage-context" not in parser.format_help()
     assert engine_args_from_cli(parser.parse_args([]), "api_server").usage_context == "api_server"
+
+
+def test_the_core_checks_requests_with_the_fronts_own_check(llm):
+    """One request check: what the front raises as PromptError (a 400), the engine core
+    answers with an error output carrying the same message when a request reaches it
+    directly; a duplicate id is refused too."""
+    from llmserve.engine.request import EngineCoreRequest
+
+    core, max_len = llm.core, llm.config.model_config.max_model_len
+    params = SamplingParams(max_tokens=2)
+    for ids in ([], [1] * max_len, [1, 10**9]):
+        with pytest.raises(PromptError) as front:
+            llm.input_processor.process("x", {"prompt_token_ids": ids}, params)
+        out = core.add_request(EngineCoreRequest("direct", ids, params, 2, (2,)))
+        assert out.finish_reason == "abort" and out.error == str(front.value)
+    assert core.add_request(EngineCoreRequest("twice", [1, 2], params, 2, (2,))) is None
+    assert "already in use" in core.add_request(EngineCoreRequest("twice", [1, 2], params, 2, (2,))).error
+    core.abort_requests(["twice"])

@@ -114,11 +114,31 @@ def test_a_slow_compile_does_not_hold_other_requests_and_can_be_aborted(llm):
         assert len(outs[0].outputs[0].token_ids) == 8 and re.fullmatch(REGEX, outs[1].outputs[0].text)
         from llmserve.engine.request import EngineCoreRequest
 
+        from llmserve.engine.request import RequestStatus
+
         core.add_request(EngineCoreRequest("compiling", [1, 5, 9], params[1], 20, (2,)))
+        # it waits in the scheduler's queue, which passes it over: the step schedules nothing
+        assert core.scheduler.requests["compiling"].status == RequestStatus.WAITING_FOR_GRAMMAR
+        assert core.step().outputs == [] and core.stats().num_waiting == 1
         assert core.has_unfinished() and core.abort_requests(["compiling"]) == ["compiling"]
-        assert not core.has_unfinished()
+        assert not core.has_unfinished() and core.kv.pool.num_used == 0
     finally:
         core.structured.matcher = real
+
+
+def test_a_spec_that_fails_in_the_core_finishes_its_request_with_the_reason(llm):
+    """A request sent to the core directly (no front to compile its spec first): the compile
+    fails on the core's grammar threads, and the request ends with the reason, once."""
+    from llmserve.engine.request import EngineCoreRequest
+
+    core = llm.core
+    bad = SamplingParams(temperature=0, max_tokens=5, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    assert core.add_request(EngineCoreRequest("bad-spec", [1, 5, 9], bad, 5, (2,))) is None
+    outputs = []
+    while core.has_unfinished():
+        outputs += core.step().outputs
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad-spec", "abort")] and outputs[0].error
+    assert "bad-spec" not in core.scheduler.requests and core.kv.pool.num_used == 0
 
 
 def test_json_object_is_an_object_when_it_finishes(llm):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.kv_cache_manager import KVCacheManager
@@ -15,13 +13,15 @@ from llmserve.engine.request import (
     EngineCoreOutputs,
     EngineCoreRequest,
     Request,
+    RequestStatus,
     SchedulerStats,
 )
+from llmserve.engine.grammar_manager import GrammarManager
+from llmserve.engine.request_checks import PromptError, check_request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_log import StepTimingLog
-from llmserve.engine.structured_output import StructuredOutputError, StructuredOutputs
+from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
-from llmserve.sampling_params import token_ids_outside
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +33,8 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.tp_driver: TPDriver | None = None
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # structured outputs: grammar compiling
-        self._refused: list[EngineCoreOutput] = []  # their compile failed: reported by the next finish
-        self._grammar_pool: ThreadPoolExecutor | None = None
+        self.grammars: GrammarManager | None = None
+        self._refused: list[EngineCoreOutput] = []  # their grammar did not compile: reported by the next finish
         try:
             self._start(config, progress, exit_on_worker_death)
         except BaseException:
@@ -74,11 +73,12 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0)
         mc = config.model_config
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
+        self.grammars = GrammarManager(self.structured)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the grammar compile thread."""
-        if self._grammar_pool is not None:
-            self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the tensor-parallel workers, if any, and the grammar compile threads."""
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.tp_driver is not None:
             if hasattr(self, "runner"):
                 self.runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
@@ -87,63 +87,36 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; a request the core cannot take comes back as an error output."""
-        max_len = self.config.model_config.max_model_len
-        vocab = self.config.model_config.arch.vocab_size
-        error = None
-        if not req.prompt_token_ids:
-            error = "the prompt is empty"
-        elif len(req.prompt_token_ids) >= max_len:
-            error = f"prompt has {len(req.prompt_token_ids)} tokens; max_model_len is {max_len}"
-        elif not all(0 <= t < vocab for t in req.prompt_token_ids):
-            error = f"prompt token ids must be in [0, {vocab})"
-        elif outside := token_ids_outside(req.sampling_params, vocab):
-            error = outside
-        elif req.request_id in self.scheduler.requests or req.request_id in self._compiling:
-            error = f"request id {req.request_id!r} is already in use"
-        if error:
-            return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=error)
+        mc = self.config.model_config
+        try:
+            check_request(req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size)
+            if req.request_id in self.scheduler.requests:
+                raise PromptError(f"request id {req.request_id!r} is already in use")
+        except PromptError as exc:
+            return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(exc))
         request = Request(req)
-        spec = req.sampling_params.structured_outputs
-        if spec is None:
-            self.scheduler.add_request(request)
-        else:  # compiled off the step loop (a big schema takes long); scheduled once ready
-            self._compiling[req.request_id] = (request, self._compile_pool().submit(
-                self.structured.matcher, spec, req.eos_token_ids))  # fmt: skip
+        self.scheduler.add_request(request)
+        if req.sampling_params.structured_outputs is not None:
+            self.grammars.submit(request)  # compiled off the step loop; scheduled once ready
         return None
 
-    def _compile_pool(self) -> ThreadPoolExecutor:
-        """Grammar compiles (xgrammar works mostly outside the GIL): half the CPU cores,
-        1 to 8 threads (vLLM's sizing), so one huge schema does not hold every other
-        constrained request where cores allow."""
-        if self._grammar_pool is None:
-            workers = max(1, min((os.cpu_count() or 2) // 2, 8))
-            self._grammar_pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        return self._grammar_pool
-
     def _admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the scheduler; failures are refused. If
+        """Requests whose grammar compiled become schedulable; failures are refused. If
         nothing else can run, wait a little for a compile instead of spinning."""
-        if not self._compiling:
+        if not self.grammars.pending:
             return
-        if not self.scheduler.has_unfinished():
-            wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-        for request_id, (request, future) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
-            try:
-                request.matcher = future.result()
-            except StructuredOutputError as exc:
-                self._refused.append(EngineCoreOutput(request_id, [], finish_reason="abort", error=str(exc)))
-                continue
-            self.scheduler.add_request(request)
+        idle = all(r.status == RequestStatus.WAITING_FOR_GRAMMAR for r in self.scheduler.requests.values())
+        failures = self.grammars.poll(wait_s=0.05 if idle else 0.0)
+        for failure in failures:
+            self.scheduler.abort_requests([failure.request_id])
+            self._refused.append(EngineCoreOutput(failure.request_id, [], finish_reason="abort", error=failure.error))
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
-        waiting = [r for r in request_ids if self._compiling.pop(r, None) is not None]
-        return waiting + self.scheduler.abort_requests([r for r in request_ids if r not in waiting])
+        self.grammars.forget(request_ids)
+        return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling) or bool(self._refused)
+        return self.scheduler.has_unfinished() or bool(self._refused)
 
     def step(self) -> EngineCoreOutputs:
         """One step, synchronously (tests and simple drivers; see `StepPipeline`)."""

@@ -12,18 +12,12 @@ from transformers import PreTrainedTokenizerBase
 
 from llmserve.config import ModelConfig
 from llmserve.engine.request import EngineCoreRequest
+from llmserve.engine.request_checks import PromptError, PromptTooLongError, check_request, check_token_ids
 from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.sampling_params import SamplingParams, token_ids_outside
 
 PromptType = str | dict[str, Any] | list[int]
-
-
-class PromptError(ValueError):
-    """A prompt the engine cannot take; the message says what to change."""
-
-
-class PromptTooLongError(PromptError):
-    pass
+__all__ = ["InputProcessor", "ProcessedRequest", "PromptError", "PromptTooLongError", "PromptType"]
 
 
 @dataclass(slots=True)
@@ -78,19 +72,17 @@ class InputProcessor:
         raise PromptError(f"a prompt must be a string, token ids or a dict, not {type(prompt).__name__}")
 
     def _check_ids(self, ids: Any) -> list[int]:
-        vocab = self.model_config.arch.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise PromptError("prompt_token_ids must be a list of integers")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return list(ids)
+        return list(check_token_ids(ids, self.model_config.arch.vocab_size))
 
     def check_params(self, params: SamplingParams) -> None:
-        """ValueError (a 400) for sampling parameters this model cannot take."""
+        """ValueError (a 400) for sampling parameters this model cannot take (before a
+        stream starts: the prompt is checked with it in `process`)."""
         error = token_ids_outside(params, self.model_config.arch.vocab_size)
         if error:
             raise PromptError(error)
+        self._check_grammar(params)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
         if params.structured_outputs is not None:
             self.structured.compile(params.structured_outputs)  # StructuredOutputError: a ValueError
 
@@ -104,15 +96,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
-        if not ids:
-            raise PromptError("the prompt is empty: give at least one token")
-        if len(ids) >= max_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(ids)} tokens, but this model's maximum context length "
-                f"(max_model_len) is {max_len} and at least one token must be generated: "
-                "shorten the prompt or raise --max-model-len"
-            )
-        self.check_params(params)
+        check_request(ids, params, max_len, self.model_config.arch.vocab_size)
+        self._check_grammar(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -13,6 +13,7 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after SWAPPED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_GRAMMAR = enum.auto()  # in the waiting queue, passed over until its grammar compiles
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # back in the waiting queue, KV recomputed on resume
     SWAPPED = enum.auto()  # back in the waiting queue, KV held in CPU swap blocks

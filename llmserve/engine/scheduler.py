@@ -163,8 +163,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[idx]
-            if req.share_group in prefilling_groups:
-                idx += 1  # wait until a sibling has filled the shared prompt blocks
+            if req.share_group in prefilling_groups or req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                idx += 1  # wait until a sibling has filled the shared prompt blocks / the grammar compiled
                 continue
             reserve = self.watermark if self.running else 0
             num_new = self._admit(req, budget, reserve, out)

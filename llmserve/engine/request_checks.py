@@ -1,0 +1,47 @@
+"""The one check of what a request asks, against the model it goes to.
+
+The front (`InputProcessor`) runs it before a request is sent, so a bad prompt is the
+caller's 400 with the reason; the engine core runs the same function on what arrives (a
+core can be driven directly, or by a front of another version), and answers a failure
+with an error output instead of raising inside the step loop.
+"""
+
+from __future__ import annotations
+
+from llmserve.sampling_params import SamplingParams, token_ids_outside
+
+
+class PromptError(ValueError):
+    """A prompt the engine cannot take; the message says what to change."""
+
+
+class PromptTooLongError(PromptError):
+    pass
+
+
+def check_token_ids(ids: object, vocab_size: int) -> list[int]:
+    """`ids` as a list of token ids inside the vocabulary, or PromptError."""
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise PromptError("prompt_token_ids must be a list of integers")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    """PromptError (PromptTooLongError for length) unless the model can take this prompt
+    with these sampling parameters: not empty, leaving room for one generated token, ids
+    and every token id in the parameters inside the vocabulary."""
+    if not ids:
+        raise PromptError("the prompt is empty: give at least one token")
+    if len(ids) >= max_model_len:
+        raise PromptTooLongError(
+            f"the prompt has {len(ids)} tokens, but this model's maximum context length "
+            f"(max_model_len) is {max_model_len} and at least one token must be generated: "
+            "shorten the prompt or raise --max-model-len"
+        )
+    check_token_ids(ids, vocab_size)
+    error = token_ids_outside(params, vocab_size)
+    if error:
+        raise PromptError(error)
