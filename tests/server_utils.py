@@ -38,10 +38,11 @@ class ServerProcess:
         return stop_process(self.proc, timeout)
 
 
-def spawn(cmd: list[str], port: int, log_path: str) -> ServerProcess:
-    """Start a server process whose output goes to `log_path`; not yet waited for."""
+def spawn(cmd: list[str], port: int, log_path: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start a server process whose output goes to `log_path` (`env`: variables added to
+    this process's); not yet waited for."""
     log = open(log_path, "w")  # the child writes to it for its whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     return ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
 
 
@@ -61,10 +62,10 @@ def wait_healthy(server: ServerProcess, timeout: float = 120.0) -> ServerProcess
     raise RuntimeError(f"not healthy after {timeout} s:\n{server.log()}")
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 120.0) -> ServerProcess:
+def start_server(args: list[str], log_path: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), *args]
-    return wait_healthy(spawn(cmd, port, log_path), timeout)
+    return wait_healthy(spawn(cmd, port, log_path, env), timeout)
 
 
 def metric(base_url: str, name: str) -> float:

@@ -111,23 +111,38 @@ def test_requests_during_sleep_wait_for_the_wake_and_complete(llama_dir):
 
 
 def test_server_sleep_routes(llama_dir, tmp_path):
-    srv = start_server([llama_dir, "--max-model-len", "128", "--enable-sleep-mode", "--served-model-name", "tiny"],
-                       str(tmp_path / "server.log"))  # fmt: skip
+    """The sleep-mode routes, behind the admin key (the API itself stays open here); and the
+    server's body size limit (413 in OpenAI's shape, declared or streamed)."""
+    srv = start_server([llama_dir, "--max-model-len", "128", "--enable-sleep-mode", "--served-model-name", "tiny",
+                        "--max-request-body-bytes", "4096"], str(tmp_path / "server.log"),
+                       env={"LLMSERVE_ADMIN_API_KEY": "adm1n"})  # fmt: skip
     url = srv.base_url
+    admin = {"Authorization": "Bearer adm1n"}
     try:
         body = {"model": "tiny", "prompt": [1, 5, 9, 33], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         want = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-        assert httpx.post(url + "/sleep", params={"level": 3}).status_code == 400
-        assert httpx.post(url + "/sleep", params={"level": 1}).json() == {"is_sleeping": True, "level": 1}
-        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "adm1n"}):
+            refused = httpx.post(url + "/sleep", params={"level": 1}, headers=headers)
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert "adm1n" not in open(tmp_path / "server.log").read()  # never logged
+        assert httpx.post(url + "/sleep", params={"level": 3}, headers=admin).status_code == 400
+        assert httpx.post(url + "/sleep", params={"level": 1}, headers=admin).json() == {"is_sleeping": True, "level": 1}
+        assert httpx.get(url + "/is_sleeping", headers=admin).json() == {"is_sleeping": True}
         assert httpx.get(url + "/health").status_code == 200  # asleep is healthy: requests wake it
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # requests during sleep wait, then all succeed
             replies = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(4)))
         assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == want for r in replies)
-        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": False}
-        assert httpx.post(url + "/sleep", params={"level": 2}).status_code == 200
-        assert httpx.post(url + "/wake_up").json() == {"is_sleeping": False}
+        assert httpx.get(url + "/is_sleeping", headers=admin).json() == {"is_sleeping": False}
+        assert httpx.post(url + "/sleep", params={"level": 2}, headers=admin).status_code == 200
+        assert httpx.post(url + "/wake_up", headers=admin).json() == {"is_sleeping": False}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == want
+        big = {**body, "prompt": [1] * 3000}  # about 6 KB of JSON
+        declared = httpx.post(url + "/v1/completions", json=big, timeout=30)
+        streamed = httpx.post(url + "/v1/completions", content=iter([b'{"prompt": [', b"1, " * 3000, b"1]}"]),
+                              headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        for refused in (declared, streamed):
+            assert refused.status_code == 413 and refused.json()["error"]["type"] == "RequestTooLarge"
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200  # still serving
     finally:
         srv.stop()
     plain = start_server([llama_dir, "--max-model-len", "128"], str(tmp_path / "plain.log"))

@@ -26,7 +26,15 @@ from llmserve.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from llmserve.serve.state import ServerConfig, ServerState, check_api_key, get_state, run_until_disconnect
+from llmserve.http_limits import BodyLimit
+from llmserve.serve.state import (
+    ServerConfig,
+    ServerState,
+    check_admin_key,
+    check_api_key,
+    get_state,
+    run_until_disconnect,
+)
 from llmserve.serve.text_checks import refuse_lone_surrogates
 from llmserve.serve.timing_log import RequestTimingLog
 from llmserve.openai.tools import template_messages, template_tools
@@ -40,6 +48,12 @@ async def _authorized(request: Request) -> ServerState:
     state = get_state(request)
     check_api_key(state, request)
     await refuse_lone_surrogates(request)
+    return state
+
+
+async def _admin(request: Request) -> ServerState:
+    state = get_state(request)
+    check_admin_key(state, request)
     return state
 
 
@@ -125,6 +139,7 @@ def build_app(
 
     if config.enable_sleep_mode:
         add_sleep_routes(app)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     return app
 
 
@@ -133,7 +148,7 @@ def add_sleep_routes(app: FastAPI) -> None:
     POST /wake_up, or by the next request, which waits for it)."""
 
     @app.post("/sleep")
-    async def sleep(level: int = 1, s: ServerState = Depends(_authorized)) -> dict:
+    async def sleep(level: int = 1, s: ServerState = Depends(_admin)) -> dict:
         if level not in (1, 2):
             raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
         if not await s.require_engine().sleep(level):
@@ -141,16 +156,16 @@ def add_sleep_routes(app: FastAPI) -> None:
         return {"is_sleeping": True, "level": level}
 
     @app.post("/wake_up")
-    async def wake_up(s: ServerState = Depends(_authorized)) -> dict:
+    async def wake_up(s: ServerState = Depends(_admin)) -> dict:
         await s.require_engine().wake_up()
         return {"is_sleeping": False}
 
     @app.get("/is_sleeping")
-    async def is_sleeping(s: ServerState = Depends(_authorized)) -> dict:
+    async def is_sleeping(s: ServerState = Depends(_admin)) -> dict:
         return {"is_sleeping": await s.require_engine().is_sleeping()}
 
     @app.get("/footprint")
-    async def footprint(s: ServerState = Depends(_authorized)) -> dict:
+    async def footprint(s: ServerState = Depends(_admin)) -> dict:
         """The engine's device memory (weights, KV cache, what it holds now, the device's
         size), for a placement controller sharing the GPU between servers (docs/placement.md)."""
         engine = s.require_engine()

@@ -37,6 +37,7 @@ from llmserve.openai.pooling_protocol import (
     embedding_json,
     rerank_order,
 )
+from llmserve.http_limits import BodyLimit
 from llmserve.serve.state import ServerConfig, check_api_key, resolve_model
 from llmserve.serve.text_checks import refuse_lone_surrogates
 
@@ -176,6 +177,7 @@ def build_pooling_app(
 
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         app.post(path, response_model=RerankResponse, response_model_exclude_none=True)(rerank)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     return app
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
+from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,14 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model with the OpenAI API (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on the API")
+    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on the API (default: $LLMSERVE_API_KEY; a key on "
+                   "the command line shows in the process list)")
+    p.add_argument("--admin-api-key", default=os.environ.get("LLMSERVE_ADMIN_API_KEY"),
+                   help="the key the admin routes (/sleep, /wake_up, /is_sleeping, /footprint) need instead of "
+                   "--api-key (default: $LLMSERVE_ADMIN_API_KEY)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="413 for a request body over this size")
     p.add_argument("--max-queued-requests", type=int, default=None, help="503 above this many requests in flight")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -84,7 +93,8 @@ def run_embed(args: argparse.Namespace) -> None:
     model = model or default_embedding_model_dir()
     device = _resolve_device(args.device)  # as for the engine: a GPU asked for but absent fails here
     name = args.served_model_name or default_name
-    config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key)
+    config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key,
+                          max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     _serve(lambda on_fatal, on_ready: build_pooling_app(
         config, lambda: SentenceEncoder(model, device, args.max_batch_inputs), on_fatal, on_ready,
     ), args, f"embeddings of {model} as {name}")  # fmt: skip
@@ -106,6 +116,8 @@ def run(args: argparse.Namespace) -> None:
         served_model_names=[mc.served_model_name],
         model_path=mc.model,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests,
         tool_call_parser=args.tool_call_parser,
         request_timing_log=args.request_timing_log,

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
+from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
 from llmserve.openai.errors import APIError
 
 T = TypeVar("T")
@@ -22,6 +23,8 @@ class ServerConfig:
     served_model_names: list[str]
     model_path: str
     api_key: str | None = None
+    admin_api_key: str | None = None  # set: admin routes (sleep, wake) need it instead of api_key
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 above
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
     request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
@@ -72,13 +75,25 @@ def get_state(request: Request) -> ServerState:
 
 
 def check_api_key(state: ServerState, request: Request) -> None:
-    key = state.config.api_key
+    _check_bearer(request, state.config.api_key, "API key")
+
+
+def check_admin_key(state: ServerState, request: Request) -> None:
+    """Admin routes (sleep, wake): the admin key when one is set, else the API key."""
+    if state.config.admin_api_key is not None:
+        _check_bearer(request, state.config.admin_api_key, "admin API key")
+    else:
+        check_api_key(state, request)
+
+
+def _check_bearer(request: Request, key: str | None, what: str) -> None:
+    """401 unless the request carries `key` as a bearer token (compared in constant time)."""
     if key is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(401, f"invalid or missing {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
 async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
