@@ -1,0 +1,88 @@
+"""LoRA on llmserve's Llama at run time, without touching the model's code: each decoder
+layer's qkv_proj, o_proj, gate_up_proj and down_proj is replaced by a LoRALinear that calls
+the original layer, then adds each token's adapter delta read from the slot store, for the
+token -> slot mapping of the step held by a shared LoRAContext.
+
+The original layer becomes the wrapper's `base_layer` (PEFT's name for it), so parameter
+names gain `.base_layer`: load weights before applying, or `remove()` first. A wrapped FP8
+layer takes unquantized activations (the fused norm/activation quantization is skipped for
+it, since `takes_fp8_tokens` sees a LoRALinear): the adapter must see the real input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmserve.lora.context import LoRAContext
+from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
+from llmserve.lora.slot_weights import ProjectionLoRA
+from llmserve.lora.store import LoRASlotStore
+from llmserve.model.llama import LlamaForCausalLM
+
+
+class LoRALinear(nn.Module):
+    """base_layer(x) + for each token t with slot s: scaling[s] * (x_t @ A[s]^T) @ B[s]^T, slice by
+    slice of a fused projection."""
+
+    def __init__(self, base_layer: nn.Module, lora: ProjectionLoRA, context: LoRAContext, ops: LoRAOps) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora = lora  # views of the store's tensors: not parameters, not in the state dict
+        self.context = context
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        batch = self.context.batch(x.shape[0])
+        if not batch.has_adapters:
+            return y
+        lora = self.lora
+        t = self.ops.shrink(x, lora.a, lora.scaling, batch)
+        self.ops.expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
+        return y
+
+
+@dataclass
+class AppliedLoRA:
+    """The handle of a model with LoRA layers: `remove()` puts the original layers back."""
+
+    model: LlamaForCausalLM
+    store: LoRASlotStore
+    context: LoRAContext
+
+    def layers(self) -> list[LoRALinear]:
+        return [m for m in self.model.modules() if isinstance(m, LoRALinear)]
+
+    def remove(self) -> None:
+        for layer in self.model.model.layers:
+            for spec in self.store.weights.specs.values():
+                parent = getattr(layer, spec.parent)
+                wrapped = getattr(parent, spec.name)
+                if isinstance(wrapped, LoRALinear):
+                    setattr(parent, spec.name, wrapped.base_layer)
+
+
+def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAContext,
+               ops: LoRAOps = REFERENCE_LORA_OPS) -> AppliedLoRA:  # fmt: skip
+    """Wrap every adaptable projection of `model` (loaded) in a LoRALinear over `store`'s slots,
+    reading the step's token slots from `context`."""
+    if model.tp.world_size > 1:
+        raise NotImplementedError("LoRA with tensor parallelism (sharded A/B) is not built yet")
+    if store.weights.arch != model.arch:
+        raise ValueError("the LoRA slot store was made for another model architecture")
+    dtype = model.model.embed_tokens.weight.dtype  # the activations' (FP8 layers keep theirs)
+    if store.weights.dtype != dtype:
+        raise ValueError(f"the LoRA slots hold {store.weights.dtype}, the model computes in {dtype}")
+    if context.num_slots != store.num_slots:
+        raise ValueError(f"the LoRA context has {context.num_slots} slots, the store {store.num_slots}")
+    for i, layer in enumerate(model.model.layers):
+        for spec in store.weights.specs.values():
+            parent = getattr(layer, spec.parent)
+            base = getattr(parent, spec.name)
+            if isinstance(base, LoRALinear):
+                raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
+            setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops))
+    return AppliedLoRA(model, store, context)

@@ -1,0 +1,56 @@
+"""The per-step token -> slot mapping that every LoRA layer of one model reads.
+
+Fixed buffers sized for the largest batch, filled once per step (by the model runner, or a
+test): the grouping by slot is computed on the host and copied in, so the layers (and CUDA
+graphs captured over them) always read the same addresses and nothing depends on the values
+in Python. Tokens past the step's count read NO_ADAPTER (padding in a captured graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llmserve.lora_batch import NO_ADAPTER, LoRABatch, check_token_slots, group_by_slot
+
+
+class LoRAContext:
+    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device | str = "cpu") -> None:
+        self.max_num_tokens = max_num_tokens
+        self.num_slots = num_slots
+        self.token_slots = torch.full((max_num_tokens,), NO_ADAPTER, dtype=torch.int32, device=device)
+        self.sorted_tokens = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.slot_starts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.slot_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.num_tokens = 0  # tokens set by the last `set_token_slots`
+        self.has_adapters = False
+
+    def set_token_slots(self, token_slots: Sequence[int] | torch.Tensor) -> None:
+        """This step's slot of each token (NO_ADAPTER: the base model), from the host."""
+        slots = torch.as_tensor(token_slots, dtype=torch.int32, device="cpu").reshape(-1)
+        n = slots.shape[0]
+        if n > self.max_num_tokens:
+            raise ValueError(f"{n} tokens, the LoRA context holds at most {self.max_num_tokens}")
+        check_token_slots(slots, self.num_slots)
+        sorted_tokens, starts, counts = group_by_slot(slots, self.num_slots)
+        self.token_slots[:n].copy_(slots, non_blocking=True)
+        self.token_slots[n:].fill_(NO_ADAPTER)
+        self.sorted_tokens[:n].copy_(sorted_tokens, non_blocking=True)
+        self.slot_starts.copy_(starts, non_blocking=True)
+        self.slot_counts.copy_(counts, non_blocking=True)
+        self.num_tokens = n
+        self.has_adapters = bool((slots != NO_ADAPTER).any())
+
+    def clear(self) -> None:
+        """No token uses an adapter (the base model alone)."""
+        self.set_token_slots([])
+
+    def batch(self, num_tokens: int) -> LoRABatch:
+        """The LoRABatch of a layer input of `num_tokens` rows (at least the tokens set: more
+        are padding)."""
+        if not self.num_tokens <= num_tokens <= self.max_num_tokens:
+            raise ValueError(f"a LoRA layer got {num_tokens} tokens; the step set {self.num_tokens} "
+                             f"(at most {self.max_num_tokens})")  # fmt: skip
+        return LoRABatch(self.token_slots[:num_tokens], self.sorted_tokens, self.slot_starts, self.slot_counts,
+                         self.has_adapters)  # fmt: skip

@@ -1,0 +1,118 @@
+"""Read a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) and check
+it against the base model's shapes: an adapter that loads here fits the slots and the layers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llmserve.lora.adapter import LoRAAdapter, LoRAModuleWeights
+from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind
+from llmserve.lora.peft_config import PeftLoRAConfig, parse_peft_config
+from llmserve.lora.projections import SUPPORTED_MODULES, module_parent, module_shapes
+from llmserve.model.arch import ModelArch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's saved names: base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an
+# adapter name may follow lora_A in older saves)
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+def read_peft_adapter(path: str | Path, name: str, arch: ModelArch, max_rank: int,
+                      dtype: torch.dtype = torch.float32) -> LoRAAdapter:  # fmt: skip
+    """The adapter in folder `path`, its tensors in `dtype` on the CPU. Raises LoRAAdapterError
+    (a ValueError: HTTP 400) for a missing file, a bad config, a rank above `max_rank`, a module
+    other than q/k/v/o/gate/up/down_proj, shapes that do not fit `arch`, or a PEFT feature that
+    is not implemented (DoRA, biases, modules_to_save ...)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"no adapter folder at {str(path)!r}")
+    config = parse_peft_config(_read_json(folder / CONFIG_FILE), max_rank)
+    tensors = _read_tensors(folder)
+    modules = _pair_modules(tensors, config, arch)
+    return LoRAAdapter(name, str(folder), config.rank, config.scaling,
+                       {key: LoRAModuleWeights(w.a.to(dtype), w.b.to(dtype)) for key, w in modules.items()})  # fmt: skip
+
+
+def _read_json(file: Path) -> object:
+    if not file.is_file():
+        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"{CONFIG_FILE} is missing in {str(file.parent)!r}")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LoRAAdapterError(LoRAErrorKind.INVALID_CONFIG, f"{CONFIG_FILE} is not valid JSON: {e}") from None
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_FEATURE,
+                                   f"{str(folder)!r} holds adapter_model.bin: only {WEIGHTS_FILE} is read")  # fmt: skip
+        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"{WEIGHTS_FILE} is missing in {str(folder)!r}")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS, f"{WEIGHTS_FILE} cannot be read: {e}") from None
+
+
+def _pair_modules(tensors: dict[str, torch.Tensor], config: PeftLoRAConfig,
+                  arch: ModelArch) -> dict[tuple[int, str], LoRAModuleWeights]:  # fmt: skip
+    """(layer, module) -> A and B, every tensor named, paired and of the base model's shape."""
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        layer, module, half = _parse_key(key, arch)
+        halves.setdefault((layer, module), {})[half] = tensor
+    if not halves:
+        raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS, f"{WEIGHTS_FILE} holds no LoRA weights")
+    if config.target_modules is not None:
+        extra = sorted({m for _, m in halves} - set(config.target_modules))
+        if extra:
+            raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS,
+                                   f"weights for {extra}, which target_modules does not list")  # fmt: skip
+    shapes = module_shapes(arch)
+    modules = {}
+    for (layer, module), pair in sorted(halves.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS, f"layer {layer} {module}: lora_A and lora_B must "
+                                   f"both be present, found only lora_{''.join(pair)}")  # fmt: skip
+        in_features, out_features = shapes[module]
+        _check_shape(pair["A"], (config.rank, in_features), layer, module, "lora_A")
+        _check_shape(pair["B"], (out_features, config.rank), layer, module, "lora_B")
+        modules[(layer, module)] = LoRAModuleWeights(pair["A"], pair["B"])
+    return modules
+
+
+def _parse_key(key: str, arch: ModelArch) -> tuple[int, str, str]:
+    match = _KEY.match(key)
+    if match is None:
+        if "lora_magnitude_vector" in key:
+            raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_FEATURE, f"DoRA weights ({key}) are not supported")
+        raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE,
+                               f"tensor {key!r} is not the LoRA A/B of a decoder layer's "
+                               f"{', '.join(SUPPORTED_MODULES)}")  # fmt: skip
+    layer, parent, module, half = int(match[1]), match[2], match[3], match[4]
+    if module not in SUPPORTED_MODULES or parent != module_parent(module):
+        raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE, f"tensor {key!r}: {parent}.{module} is not supported; "
+                               f"supported: {', '.join(SUPPORTED_MODULES)}")  # fmt: skip
+    if layer >= arch.num_layers:
+        raise LoRAAdapterError(LoRAErrorKind.SHAPE_MISMATCH,
+                               f"tensor {key!r} is for layer {layer}; the base model has {arch.num_layers} layers")  # fmt: skip
+    return layer, module, half
+
+
+def _check_shape(tensor: torch.Tensor, expected: tuple[int, int], layer: int, module: str, half: str) -> None:
+    rank_dim = 0 if half == "lora_A" else 1
+    if tensor.dim() == 2 and tensor.shape[rank_dim] != expected[rank_dim]:
+        raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS, f"layer {layer} {module}.{half} is "
+                               f"{list(tensor.shape)}: rank {tensor.shape[rank_dim]}, but r is {expected[rank_dim]}")  # fmt: skip
+    if tuple(tensor.shape) != expected:
+        raise LoRAAdapterError(LoRAErrorKind.SHAPE_MISMATCH,
+                               f"layer {layer} {module}.{half} is {list(tensor.shape)}, the base model needs "
+                               f"{list(expected)}")  # fmt: skip
