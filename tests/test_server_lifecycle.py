@@ -52,17 +52,36 @@ def test_health_503_until_engine_ready(llama_dir):
         thread.join(30)
 
 
-def test_dead_engine_core_gives_503(llama_dir, tmp_path):
-    srv = start_server(["--model", llama_dir, "--max-model-len", "128"], str(tmp_path / "log"))
+def test_a_killed_engine_core_fails_its_requests_and_stops_the_server(llama_dir, tmp_path):
+    """SIGKILL of the engine core under load: /health turns 503 at once, a stream in flight
+    ends with an error event (no hang), new requests get 503 with the reason, and the server
+    exits with status 1 after a short grace, for its supervisor to restart it."""
+    srv = start_server(["--model", llama_dir, "--max-model-len", "512"], str(tmp_path / "log"))
+    events: list[str] = []
+    body = {"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=30) as resp:
+            events.extend(line for line in resp.iter_lines() if line)
+
     try:
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while not events:  # the stream has begun
+            time.sleep(0.02)
+        killed = time.monotonic()
         for child in children(srv.proc.pid):
             os.kill(child, signal.SIGKILL)
-        deadline = time.monotonic() + 10
         while httpx.get(f"{srv.base_url}/health").status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+            assert time.monotonic() - killed < 5
+            time.sleep(0.05)
         resp = httpx.post(f"{srv.base_url}/v1/completions", json={"prompt": "x"})
-        assert resp.status_code == 503 and resp.json()["error"]["message"]
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
+        reader.join(10)
+        assert not reader.is_alive() and events[-1] == "data: [DONE]"
+        assert '"error"' in events[-2] and "engine core process was killed by signal 9" in events[-2]
+        assert srv.proc.wait(timeout=20) == 1
+        assert "the engine core died" in srv.log()
     finally:
         srv.stop()
 

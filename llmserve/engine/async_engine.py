@@ -43,6 +43,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats = SchedulerStats()
         self._stats_listeners: list = []
+        self._death_listeners: list[Callable[[str], None]] = []
         self._utility_waiters: dict[int, asyncio.Future] = {}  # by call id: concurrent calls each get theirs
         self._call_ids = itertools.count()
         self.sleeping = False  # the core gave its device memory back (sleep); the next request wakes it
@@ -70,6 +71,9 @@ class AsyncEngine:
     def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None:
         """Call `listener(IterationStats)` in the event loop after each batch of outputs."""
         self._stats_listeners.append(listener)
+
+    def add_death_listener(self, listener: Callable[[str], None]) -> None:
+        self._death_listeners.append(listener)
 
     async def check_health(self) -> None:
         if self.errored:
@@ -232,3 +236,5 @@ class AsyncEngine:
     def _fail_all(self, reason: str) -> None:
         for queue in self._queues.values():
             queue.put_nowait(EngineDeadError(reason))
+        for listener in self._death_listeners:
+            listener(reason)

@@ -128,7 +128,10 @@ class CoreClient:
     def _watch(self) -> None:
         wait([self.proc.sentinel])
         if not self._closing:
-            self._mark_dead(f"engine core process exited (exit code {self.proc.exitcode})")
+            self.proc.join(timeout=1.0)  # reaped, so its exit code (or signal) is known
+            code = self.proc.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (exit code {code})"
+            self._mark_dead(f"engine core process {how}")
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is None:

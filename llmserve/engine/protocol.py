@@ -53,6 +53,10 @@ class EngineClient(Protocol):
 
     def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None: ...
 
+    def add_death_listener(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` in the event loop once, if the engine dies (after every
+        request in flight has been failed with that reason)."""
+
     async def sleep(self, level: int = 1) -> bool:
         """Give the device memory back while idle (False: requests in flight); requests wake it."""
         ...

@@ -42,6 +42,7 @@ from llmserve.openai.tools import template_messages, template_tools
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], EngineClient]
+ENGINE_DEATH_GRACE_S = 2.0  # from a dead engine core to the server's exit
 
 
 async def _authorized(request: Request) -> ServerState:
@@ -77,7 +78,16 @@ def build_app(
     state = ServerState(config)
     timing_log = RequestTimingLog(config.request_timing_log) if config.request_timing_log else None
 
+    def died(reason: str) -> None:
+        """The engine core died: /health is 503 already and the requests in flight end with
+        the reason; after a short grace (their error events reach the clients) the server
+        stops with exit status 1, so its supervisor restarts it with a fresh core."""
+        logger.error("engine core died (%s): stopping in %.0f s", reason, ENGINE_DEATH_GRACE_S)
+        if on_fatal is not None:
+            asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, on_fatal, f"the engine core died: {reason}")
+
     def loaded(engine: EngineClient) -> None:
+        engine.add_death_listener(died)
         state.metrics = EngineMetrics(engine, config.served_model_names[0])
         if timing_log is not None:
             engine.add_stats_listener(timing_log.observe)
