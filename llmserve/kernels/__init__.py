@@ -10,6 +10,7 @@
 | `quantize_tokens_fp8` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens` |
 | `fp8_gemm_small_m` (split-K, few tokens, one launch) | `fp8_gemm` | `llmserve.model.fp8.fp8_gemm_reference` |
 | `fp8_gemm_fast`, `fp8_matmul_fused_quant` (which GEMM for how many tokens) | `fp8_linear` | `llmserve.model.fp8.fp8_gemm_reference`, `fp8_matmul_reference` |
+| `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
@@ -38,6 +39,7 @@ try:
     from llmserve.kernels.cache_write import write_kv
     from llmserve.kernels.fp8_linear import fp8_gemm_fast, fp8_matmul_fused_quant
     from llmserve.kernels.fp8_quant import quantize_tokens_fp8
+    from llmserve.kernels.lora import lora_expand, lora_shrink
     from llmserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
     from llmserve.kernels.paged_attention import (
         AttnLaunchConfig,
@@ -61,6 +63,8 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_fp8",
     "has_triton_gpu",
+    "lora_expand",
+    "lora_shrink",
     "paged_attention_forward",
     "quantize_tokens_fp8",
     "rms_norm",

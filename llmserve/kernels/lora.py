@@ -1,0 +1,143 @@
+"""Batched multi-LoRA in Triton: shrink (x @ A^T of each token's adapter) and expand (t @ B^T
+added into the fused projection's output, per output slice).
+
+PyTorch reference: `llmserve.lora.reference` (lora_shrink_reference, lora_expand_reference).
+
+Tokens come grouped by adapter slot (`LoRABatch.sorted_tokens`, `slot_starts`, `slot_counts`,
+computed once per step), so a program works on up to BLOCK_M tokens of one slot and reads that
+slot's A or B tile once for all of them: prefill tokens of one request share their tiles, and
+decode tokens of requests on the same adapter do too. The grid's last axis is the slot; a
+program whose slot has fewer tokens than its row block returns at once. The grid depends only
+on the token count and the fixed number of slots, never on which slots are used, so a CUDA
+graph captured for a token count replays for any mix of adapters.
+
+Layouts (llmserve/lora/slot_weights.py): A [slots, slices, max_rank, in], B [slots, out,
+max_rank] with the slices' rows concatenated as the fused output is; t [T, slices, max_rank]
+in float32, the per-slot scaling already applied by the shrink.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.lora_batch import LoRABatch
+
+
+@triton.jit
+def _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M: tl.constexpr):
+    """Row block `pid_m` of slot `s`'s tokens: their indices in the batch, and which are real."""
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs < count
+    tok = tl.load(sorted_ptr + tl.load(starts_ptr + s) + offs, mask=row_ok, other=0).to(tl.int64)
+    return tok, row_ok
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, scale_ptr, sorted_ptr, starts_ptr, counts_ptr, t_ptr, K,
+    stride_xm, stride_as, stride_aj, stride_ar, stride_tm, stride_tj,
+    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    j = tl.program_id(1)  # output slice (q, k, v ...): each has its own A
+    s = tl.program_id(2)  # adapter slot
+    count = tl.load(counts_ptr + s)
+    if pid_m * BLOCK_M >= count:
+        return
+    tok, row_ok = _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M)
+    rs = tl.arange(0, BLOCK_R)
+    r_ok = rs < RANK
+    a_base = a_ptr + s.to(tl.int64) * stride_as + j * stride_aj
+    acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_base + rs[:, None] * stride_ar + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(a), input_precision=DOT_PREC)
+    acc = acc * tl.load(scale_ptr + s)
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
+    tl.store(t_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _expand_kernel(
+    t_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, starts_ptr, counts_ptr,
+    stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
+    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    j = tl.program_id(1) // N_BLOCKS  # output slice
+    nb = tl.program_id(1) % N_BLOCKS  # column block inside the slice
+    s = tl.program_id(2)
+    count = tl.load(counts_ptr + s)
+    lo = tl.load(offsets_ptr + j)
+    hi = tl.load(offsets_ptr + j + 1)
+    if (pid_m * BLOCK_M >= count) | (lo + nb * BLOCK_N >= hi):  # no tokens here, or past a narrower slice
+        return
+    tok, row_ok = _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M)
+    rs = tl.arange(0, BLOCK_R)
+    r_ok = rs < RANK
+    cols = lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < hi
+    t = tl.load(t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :], mask=row_ok[:, None] & r_ok[None, :],
+                other=0.0)  # fmt: skip
+    b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + rs[None, :],
+                mask=c_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+    delta = tl.dot(t.to(b.dtype), tl.trans(b), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] float32
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + cols[None, :]
+    mask = row_ok[:, None] & c_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def _block_m(num_tokens: int) -> int:
+    return 16 if num_tokens <= 64 else 64
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: LoRABatch,
+                block_k: int = 64, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """x [T, in], a [slots, slices, max_rank, in], scaling [slots] -> t [T, slices, max_rank]
+    float32: scaling[s] * x @ a[s, j]^T for each token of slot s, zero for tokens without one."""
+    num_tokens, k = x.shape
+    num_slots, slices, rank, k_a = a.shape
+    assert k_a == k and x.dtype == a.dtype and a.stride(-1) == 1, (x.shape, x.dtype, a.shape, a.dtype)
+    t = torch.zeros(num_tokens, slices, rank, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return t
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_m = _block_m(num_tokens)
+    _shrink_kernel[(triton.cdiv(num_tokens, block_m), slices, num_slots)](
+        x, a, scaling, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t, k,
+        x.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+        RANK=rank, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k,
+        DOT_PREC=_dot_precision(x.dtype), num_warps=num_warps,
+    )  # fmt: skip
+    return t
+
+
+def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets: torch.Tensor, max_slice_width: int,
+                batch: LoRABatch, block_n: int = 64, num_warps: int = 4) -> None:  # fmt: skip
+    """y [T, out] += t[:, j] @ b[s, offsets[j]:offsets[j + 1]]^T for each token of slot s and each
+    slice j, in place (t rounded to b's dtype, the sum in float32); tokens without a slot keep y."""
+    num_tokens = y.shape[0]
+    num_slots, _, rank = b.shape
+    slices = slice_offsets.shape[0] - 1
+    assert t.shape == (num_tokens, slices, rank) and y.stride(-1) == 1 and b.stride(-1) == 1, (t.shape, y.shape, b.shape)
+    if num_tokens == 0:
+        return
+    block_m = _block_m(num_tokens)
+    n_blocks = triton.cdiv(max_slice_width, block_n)
+    _expand_kernel[(triton.cdiv(num_tokens, block_m), slices * n_blocks, num_slots)](
+        t, b, y, slice_offsets, batch.sorted_tokens, batch.slot_starts, batch.slot_counts,
+        t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0), n_blocks,
+        RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        DOT_PREC=_dot_precision(b.dtype), num_warps=num_warps,
+    )  # fmt: skip

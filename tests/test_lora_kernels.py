@@ -1,0 +1,142 @@
+"""The batched LoRA Triton kernels (shrink, expand) against their PyTorch references, on CPU
+under the Triton interpreter; then the whole tiny model with LoRA through the kernels.
+
+Its own module because TRITON_INTERPRET=1 must be set before triton is first imported (as in
+tests/test_kernels.py). Covered: mixed batches (tokens of several slots interleaved, tokens
+without an adapter, a slot with no token, padding rows past the step's tokens), more tokens
+of one slot than a row block, ranks below the padded maximum, 1/2/3 output slices of
+unequal widths, an input size that is not a multiple of the K block, float32 and float16.
+No bfloat16 case: the interpreter's bf16 `tl.dot` multiplies raw bit patterns (as
+tests/test_kernels.py notes); bf16 is for a GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run tests/test_lora_kernels.py "
+                "in its own process", allow_module_level=True)  # fmt: skip
+
+from llmserve.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from llmserve.lora.context import LoRAContext  # noqa: E402
+from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def make_slots(num_slots: int, slices: int, max_rank: int, in_features: int, widths: list[int], dtype: torch.dtype,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Stacked A [S, J, R, in] and B [S, out, R] with slot s of rank max_rank >> s (zero-padded),
+    and a scaling per slot."""
+    a = torch.zeros(num_slots, slices, max_rank, in_features)
+    b = torch.zeros(num_slots, sum(widths), max_rank)
+    for s in range(num_slots):
+        rank = max(1, max_rank >> s)
+        a[s, :, :rank] = torch.randn(slices, rank, in_features, generator=gen) / in_features**0.5
+        b[s, :, :rank] = torch.randn(sum(widths), rank, generator=gen) / rank**0.5
+    scaling = torch.rand(num_slots, generator=gen) + 0.5
+    return a.to(dtype), b.to(dtype), scaling
+
+
+def offsets(widths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+CASES = [  # (token slots, in_features, max_rank, slice widths)
+    ([0, 1, -1, 2, 1, 0, 0, -1, 2], 64, 16, [64, 32, 32]),  # qkv-like: q wider than k, v
+    ([1] * 20 + [-1, 0] * 3, 72, 8, [48]),  # 20 tokens of one slot: two row blocks; rank 8 padded to 16
+    ([2, 2, -1, -1], 40, 32, [24, 24]),  # gate/up-like; slots 0 and 1 have no token
+    ([-1, -1, -1], 64, 16, [64]),  # no adapter at all: nothing changes
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_shrink_and_expand_match_the_reference(case, dtype):
+    token_slots, in_features, max_rank, widths = CASES[case]
+    gen = torch.Generator().manual_seed(case)
+    a, b, scaling = make_slots(3, len(widths), max_rank, in_features, widths, dtype, gen)
+    num_tokens = len(token_slots) + 2  # two padding rows, as a captured CUDA graph would have
+    ctx = LoRAContext(max_num_tokens=32, num_slots=3)
+    ctx.set_token_slots(token_slots)
+    batch = ctx.batch(num_tokens)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    t = lora_shrink(x, a, scaling, batch)
+    t_ref = lora_shrink_reference(x, a, scaling, batch)
+    torch.testing.assert_close(t, t_ref, **TOL[torch.float32])  # float32 sums of the same products
+    y0 = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
+    y, y_ref = y0.clone(), y0.clone()
+    lora_expand(y, t_ref, b, offsets(widths), max(widths), batch)
+    lora_expand_reference(y_ref, t_ref, b, offsets(widths), max(widths), batch)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    untouched = torch.tensor([s == -1 for s in token_slots] + [True, True])
+    assert torch.equal(y[untouched], y0[untouched])  # tokens without an adapter, and padding
+    if any(s >= 0 for s in token_slots):
+        assert not torch.equal(y, y0)
+
+
+def test_empty_batch():
+    ctx = LoRAContext(max_num_tokens=4, num_slots=2)
+    ctx.clear()
+    a, b, scaling = make_slots(2, 1, 16, 32, [32], torch.float32, torch.Generator().manual_seed(0))
+    t = lora_shrink(torch.zeros(0, 32), a, scaling, ctx.batch(0))
+    assert t.shape == (0, 1, 16)
+    lora_expand(torch.zeros(0, 32), t, b, offsets([32]), 32, ctx.batch(0))
+
+
+def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
+    """The tiny Llama with two adapters in its slots, one flat batch (two adapters, the base):
+    the same logits through the Triton kernels as through the PyTorch references."""
+    from llmserve.lora import LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
+    from llmserve.lora.projections import module_shapes
+    from llmserve.model.arch import read_model_arch
+    from llmserve.model.attention import AttentionMetadata, reference_paged_attention
+    from llmserve.model.loader import load_model
+    from llmserve.model.random_model import make_random_model
+
+    model_dir = make_random_model(tmp_path / "m", "llama", config_only=True)  # dummy weights: no transformers model
+    arch = read_model_arch(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    adapters = [LoRAAdapter(f"a{rank}", "", rank, 2.0, {
+        (layer, m): LoRAModuleWeights(torch.randn(rank, i, generator=gen) / i**0.5, torch.randn(o, rank, generator=gen) / 4)
+        for layer in range(arch.num_layers) for m, (i, o) in module_shapes(arch).items()}) for rank in (4, 16)]  # fmt: skip
+    ids = torch.randint(3, arch.vocab_size, (12,), generator=gen)
+    token_slots = [0] * 5 + [-1] * 3 + [1] * 4  # three sequences: 5, 3 and 4 tokens
+    meta = AttentionMetadata(torch.cat([torch.arange(5), 16 + torch.arange(3), 32 + torch.arange(4)]),
+                             torch.tensor([0, 5, 8, 12], dtype=torch.int32), torch.tensor([5, 3, 4], dtype=torch.int32),
+                             torch.arange(3, dtype=torch.int32)[:, None], 5, 5)  # fmt: skip
+    positions = torch.cat([torch.arange(5), torch.arange(3), torch.arange(4)])
+    logits = []
+    for ops in (None, triton_lora_ops()):
+        model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
+                           progress=False)  # fmt: skip
+        store = LoRASlotStore(arch, num_slots=2, max_rank=16)
+        ctx = LoRAContext(max_num_tokens=16, num_slots=2)
+        apply_lora(model, store, ctx, *([ops] if ops else []))
+        for adapter in adapters:
+            store.load(adapter)
+        ctx.set_token_slots(token_slots)
+        for layer in model.attention_layers():
+            layer.kv_cache = torch.zeros(2, 3, 16, arch.num_kv_heads, arch.head_dim)
+        with torch.inference_mode():
+            logits.append(model.compute_logits(model(ids, positions, meta)))
+    ctx.set_token_slots([-1] * 12)  # the same batch on the base model alone
+    for layer in model.attention_layers():
+        layer.kv_cache.zero_()
+    with torch.inference_mode():
+        base = model.compute_logits(model(ids, positions, meta))
+    with_adapter = torch.tensor(token_slots) >= 0
+    assert torch.equal(base[~with_adapter], logits[1][~with_adapter])
+    assert (base[with_adapter] - logits[1][with_adapter]).abs().amax(-1).min() > 1e-3
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
