@@ -23,7 +23,7 @@ class LoRABatch:
     sorted_tokens: torch.Tensor  # [>= T] int32: token indices grouped by slot (stable within a slot)
     slot_starts: torch.Tensor  # [S] int32: where slot s's tokens begin in sorted_tokens
     slot_counts: torch.Tensor  # [S] int32: how many tokens use slot s
-    has_adapters: bool  # some token uses an adapter (host-side: none, and the LoRA ops are skipped)
+    active: bool  # host-side: run the LoRA ops (some token uses an adapter, or a CUDA graph is captured)
 
     @property
     def num_slots(self) -> int:

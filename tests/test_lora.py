@@ -28,6 +28,8 @@ from llmserve.lora import (
     apply_lora,
     read_peft_adapter,
 )
+from llmserve.lora.ops import LoRAOps
+from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
 from llmserve.lora.slot_table import SlotTable
 from llmserve.lora_batch import NO_ADAPTER, make_lora_batch
 from llmserve.model.arch import read_model_arch
@@ -167,6 +169,14 @@ def test_a_batch_without_adapters_is_the_base_model(base_dir, adapters, oracle):
     for (prompt, _), got in zip(seqs, lm.run(seqs)):
         assert_matches(got, oracle[None][PROMPTS.index(prompt)])
     assert lm.context.has_adapters is False
+    plain = lm.run(seqs)
+    calls = []
+    counting = LoRAOps(lambda *args: calls.append(1) or lora_shrink_reference(*args), lora_expand_reference)
+    for layer in lm.applied.layers():
+        layer.ops = counting
+    lm.context.always_apply = True  # as under a CUDA graph: the LoRA ops run and add nothing
+    assert all(torch.equal(a, b) for a, b in zip(lm.run(seqs), plain))
+    assert len(calls) == 2 * 4 * lm.arch.num_layers  # two steps, four projections a layer
 
 
 def test_lru_eviction_and_reload_give_the_same_logits(base_dir, adapters, oracle):
@@ -218,8 +228,6 @@ def test_an_fp8_model_takes_adapters_on_its_unquantized_activations(base_dir, ad
     """A wrapped FP8 layer quantizes its input itself (as the fused norm would have): the base
     model's rows equal FP8 without LoRA (to float32 rounding: the batch differs), and a wrapped
     layer adds exactly the reference delta to its FP8 base layer's output."""
-    from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
-
     lm = LoRAModel(base_dir, num_slots=1, quantization="fp8")
     lm.store.load(adapters["r8-all"])
     plain = LoRAModel(base_dir, num_slots=1, quantization="fp8")
@@ -348,7 +356,7 @@ def test_context_groups_tokens_by_slot_in_fixed_buffers():
     batch = ctx.batch(7)  # one padding token
     assert batch.token_slots.tolist() == [2, -1, 0, 2, 0, -1, -1]
     assert batch.slot_counts.tolist() == [2, 0, 2] and batch.slot_starts.tolist() == [2, 4, 4]
-    assert batch.sorted_tokens[:6].tolist() == [1, 5, 2, 4, 0, 3] and batch.has_adapters
+    assert batch.sorted_tokens[:6].tolist() == [1, 5, 2, 4, 0, 3] and batch.active
     assert batch.token_slots.data_ptr() == ctx.token_slots.data_ptr()  # the same buffer every step
     with pytest.raises(ValueError, match="must lie in"):
         ctx.set_token_slots([3])

@@ -37,7 +37,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         batch = self.context.batch(x.shape[0])
-        if not batch.has_adapters:
+        if not batch.active:
             return y
         lora = self.lora
         t = self.ops.shrink(x, lora.a, lora.scaling, batch)

@@ -4,6 +4,8 @@ Fixed buffers sized for the largest batch, filled once per step (by the model ru
 test): the grouping by slot is computed on the host and copied in, so the layers (and CUDA
 graphs captured over them) always read the same addresses and nothing depends on the values
 in Python. Tokens past the step's count read NO_ADAPTER (padding in a captured graph).
+A step without adapters skips the LoRA ops, unless `always_apply` (a CUDA graph is captured once
+and must contain them: with every token at NO_ADAPTER each kernel program returns at once).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from llmserve.lora_batch import NO_ADAPTER, LoRABatch, check_token_slots, group_
 
 
 class LoRAContext:
-    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, max_num_tokens: int, num_slots: int, device: torch.device | str = "cpu",
+                 always_apply: bool = False) -> None:  # fmt: skip
+        self.always_apply = always_apply
         self.max_num_tokens = max_num_tokens
         self.num_slots = num_slots
         self.token_slots = torch.full((max_num_tokens,), NO_ADAPTER, dtype=torch.int32, device=device)
@@ -53,4 +57,4 @@ class LoRAContext:
             raise ValueError(f"a LoRA layer got {num_tokens} tokens; the step set {self.num_tokens} "
                              f"(at most {self.max_num_tokens})")  # fmt: skip
         return LoRABatch(self.token_slots[:num_tokens], self.sorted_tokens, self.slot_starts, self.slot_counts,
-                         self.has_adapters)  # fmt: skip
+                         self.has_adapters or self.always_apply)  # fmt: skip
