@@ -155,6 +155,17 @@ def test_four_adapters_and_the_base_in_one_batch_equal_merged_peft(base_dir, ada
         assert any(not torch.equal(oracle[name][i].argmax(-1), oracle[None][i].argmax(-1)) for i in range(3)), name
 
 
+@pytest.mark.parametrize("family, shape", [("qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
+                                           ("qwen3", dict(head_dim=32))])  # q/k norms; q_size 128 != hidden 64
+def test_other_families_equal_merged_peft(family, shape, tmp_path):
+    base = str(make_random_model(tmp_path / family, family, seed=1, **shape))
+    folder = make_adapter(base, tmp_path / "adapter", 0, r=8, lora_alpha=16, target_modules=ALL)
+    lm = LoRAModel(base, num_slots=1)
+    lm.store.load(read_peft_adapter(folder, "a", lm.arch, MAX_RANK))
+    for got, want in zip(lm.run([(p, "a") for p in PROMPTS]), merged_logits(base, folder)):
+        assert_matches(got, want)
+
+
 def test_adapters_read_with_their_rank_scaling_and_targets(adapters):
     assert {n: (a.rank, a.scaling) for n, a in adapters.items()} == {
         "r4-qv": (4, 2.0), "r8-all": (8, 2.0), "r16-mlp-rslora": (16, 4.0), "r8-layer1": (8, 4.0)}  # fmt: skip
