@@ -1,0 +1,155 @@
+"""The LoRA Triton kernels compiled on the GPU (issue 22), run on the device machine.
+
+1. Correctness at Llama-3.1-8B shapes (hidden 4096, q 4096, k/v 1024, MLP 14336) in float32,
+   float16 and bfloat16 against the PyTorch reference, for 1 to 2048 tokens spread over 8 slots
+   of ranks 8 and 16 (max rank 16) plus tokens without an adapter.
+2. CUDA graphs: a LoRALinear (qkv_proj) captured once with every token on the base model and
+   `always_apply`, replayed with other mixes of adapters, equals the eager result.
+3. A first timing (not a benchmark): shrink + expand of qkv_proj and down_proj against the base
+   bf16 GEMM of the same projection, CUDA events, median of 50 after warm-up.
+Writes $OUT/lora_kernels_check.json.
+
+    python3 scripts/gpu/lora_kernels_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from llmserve.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from llmserve.lora.apply import LoRALinear  # noqa: E402
+from llmserve.lora.context import LoRAContext  # noqa: E402
+from llmserve.lora.ops import triton_lora_ops  # noqa: E402
+from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference  # noqa: E402
+from llmserve.lora.slot_weights import ProjectionLoRA  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "."))
+DEV = torch.device("cuda")
+SLOTS, MAX_RANK = 8, 16
+PROJ = {"qkv_proj": (4096, [4096, 1024, 1024]), "o_proj": (4096, [4096]), "gate_up_proj": (4096, [14336, 14336]),
+        "down_proj": (14336, [4096])}  # fmt: skip
+
+
+def weights(in_features: int, widths: list[int], dtype: torch.dtype, gen: torch.Generator) -> ProjectionLoRA:
+    a = torch.zeros(SLOTS, len(widths), MAX_RANK, in_features, device=DEV)
+    b = torch.zeros(SLOTS, sum(widths), MAX_RANK, device=DEV)
+    for s in range(SLOTS):
+        rank = 16 if s % 2 else 8
+        a[s, :, :rank] = torch.randn(len(widths), rank, in_features, generator=gen, device=DEV) / in_features**0.5
+        b[s, :, :rank] = torch.randn(sum(widths), rank, generator=gen, device=DEV) / rank**0.5
+    offsets = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    scaling = torch.rand(SLOTS, generator=gen, device=DEV) + 0.5
+    return ProjectionLoRA(a.to(dtype), b.to(dtype), scaling, offsets, max(widths))
+
+
+def token_slots(n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(-1, SLOTS, (n,), generator=gen, device="cpu").tolist()
+
+
+def check_correctness() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for name, (in_features, widths) in PROJ.items():
+            w = weights(in_features, widths, dtype, gen)
+            for n in (1, 7, 64, 300, 2048):
+                ctx = LoRAContext(4096, SLOTS, DEV)
+                ctx.set_token_slots(token_slots(n, cpu_gen))
+                batch = ctx.batch(n)
+                x = torch.randn(n, in_features, generator=gen, device=DEV).to(dtype)
+                t, t_ref = lora_shrink(x, w.a, w.scaling, batch), lora_shrink_reference(x, w.a, w.scaling, batch)
+                y0 = torch.randn(n, sum(widths), generator=gen, device=DEV).to(dtype)
+                y, y_ref = y0.clone(), y0.clone()
+                lora_expand(y, t_ref, w.b, w.slice_offsets, w.max_slice_width, batch)
+                lora_expand_reference(y_ref, t_ref, w.b, w.slice_offsets, w.max_slice_width, batch)
+                torch.cuda.synchronize()
+                rows.append({"dtype": str(dtype).removeprefix("torch."), "proj": name, "tokens": n,
+                             "shrink_max_abs": (t - t_ref).abs().max().item(),
+                             "shrink_ref_max": t_ref.abs().max().item(),
+                             "expand_max_abs": (y.float() - y_ref.float()).abs().max().item(),
+                             "delta_max": (y_ref.float() - y0.float()).abs().max().item()})  # fmt: skip
+                print("RESULT correctness", rows[-1], flush=True)
+    return rows
+
+
+def check_graphs() -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    cpu_gen = torch.Generator().manual_seed(1)
+    in_features, widths = PROJ["qkv_proj"]
+    base = torch.nn.Linear(in_features, sum(widths), bias=False, device=DEV, dtype=torch.bfloat16)
+    n = 64
+    ctx = LoRAContext(256, SLOTS, DEV, always_apply=True)
+    layer = LoRALinear(base, weights(in_features, widths, torch.bfloat16, gen), ctx, triton_lora_ops())
+    x = torch.randn(n, in_features, generator=gen, device=DEV).to(torch.bfloat16)
+    ctx.set_token_slots([-1] * n)
+    with torch.inference_mode():
+        layer(x)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x)
+        worst = 0.0
+        for _ in range(5):
+            ctx.set_token_slots(token_slots(n - 3, cpu_gen))  # and 3 padding rows
+            graph.replay()
+            eager = layer(x)
+            torch.cuda.synchronize()
+            worst = max(worst, (out.float() - eager.float()).abs().max().item())
+    result = {"graph_vs_eager_max_abs": worst}
+    print("RESULT graphs", result, flush=True)
+    return result
+
+
+def time_ms(fn) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def timings() -> list[dict]:
+    rows = []
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    cpu_gen = torch.Generator().manual_seed(2)
+    for name in ("qkv_proj", "down_proj"):
+        in_features, widths = PROJ[name]
+        w = weights(in_features, widths, torch.bfloat16, gen)
+        base = torch.randn(sum(widths), in_features, generator=gen, device=DEV).to(torch.bfloat16)
+        for n in (1, 8, 64, 256, 2048):
+            ctx = LoRAContext(4096, SLOTS, DEV)
+            ctx.set_token_slots(token_slots(n, cpu_gen))
+            batch = ctx.batch(n)
+            x = torch.randn(n, in_features, generator=gen, device=DEV).to(torch.bfloat16)
+            y = x @ base.t()
+            shrink = time_ms(lambda: lora_shrink(x, w.a, w.scaling, batch))
+            t = lora_shrink(x, w.a, w.scaling, batch)
+            expand = time_ms(lambda: lora_expand(y, t, w.b, w.slice_offsets, w.max_slice_width, batch))
+            gemm = time_ms(lambda: x @ base.t())
+            rows.append({"proj": name, "tokens": n, "shrink_ms": shrink, "expand_ms": expand, "base_gemm_ms": gemm})
+            print("RESULT timing", rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    report = {"correctness": check_correctness(), "graphs": check_graphs(), "timings": timings()}
+    (OUT / "lora_kernels_check.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
