@@ -459,3 +459,33 @@ def test_bench_placement_bad_arguments_are_clear(args, words, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "placement", *args])
     assert exc.value.code != 0 and words in str(exc.value.code) + capsys.readouterr().err
+
+
+def test_bench_soak_records_every_window_of_a_real_server(server, tmp_path, capsys):
+    """A short soak of the real server: every window has its requests (ok, left on purpose,
+    none failed), SLO attainment, TTFT, the server process's memory and open files and its
+    queue gauges; the summary, the JSON and the PNG."""
+    out, png = tmp_path / "soak.json", tmp_path / "soak.png"
+    main(["bench", "soak", "--base-url", server.base_url, "--duration", "6", "--window", "2", "--rate", "4",
+          "--max-tokens", "8", "--short-words", "20", "--long-words", "60", "--pids", str(server.proc.pid),
+          "--warmup-windows", "1", "--ttft-slo-ms", "60000", "--tpot-slo-ms", "10000", "--seed", "3",
+          "--chat-share", "0",  # this random model has no chat template
+          "--output-json", str(out), "--plot", str(png)])  # fmt: skip
+    result = json.loads(out.read_text())
+    windows, summary = result["windows"], result["summary"]
+    assert [w["start_s"] for w in windows] == [0, 2, 4] and sum(w["sent"] for w in windows) == summary["requests"] > 8
+    assert summary["errors"] == {} and summary["shed"] == 0, summary["error_examples"]
+    assert summary["ok"] + summary["left_on_purpose"] == summary["requests"] and summary["ok"] > 0
+    assert summary["slo_attainment"] == 1.0  # generous targets: every finished request meets them
+    for w in windows:
+        server_procs = [p for p in w["rss_mb"] if p.startswith(f"{server.proc.pid} ")]
+        assert server_procs and w["rss_mb"][server_procs[0]] > 50 and w["open_files"][server_procs[0]] > 0
+        assert {"running", "waiting", "kv_cache_usage"} <= set(w["server"])
+    assert windows[0]["ttft_p50_ms"] > 0 and set(summary["rss_growth_pct_after_warmup"]) == set(windows[-1]["rss_mb"])
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    assert "SLO attainment 1.0" in capsys.readouterr().out
+
+
+def test_bench_soak_bad_arguments_are_clear(capsys):
+    with pytest.raises(SystemExit, match="must be positive"):
+        main(["bench", "soak", "--base-url", "http://127.0.0.1:9", "--rate", "0"])
