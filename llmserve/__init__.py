@@ -15,12 +15,13 @@ _EXPORTS = {
     "CompletionOutput": "llmserve.outputs",
     "EngineArgs": "llmserve.config",
     "LLM": "llmserve.llm",
+    "LoRARequest": "llmserve.lora_request",
     "RequestOutput": "llmserve.outputs",
     "SamplingParams": "llmserve.sampling_params",
     "StructuredOutputsParams": "llmserve.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "AsyncEngine", "LoRARequest", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "__version__"]
 
 

@@ -9,6 +9,7 @@ environment variables or CLI flags.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from llmserve.model.arch import ModelArch, UnsupportedModelError, read_model_arc
 
 if TYPE_CHECKING:
     from llmserve.model.fp8_checkpoint import CheckpointQuantization
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -118,6 +121,14 @@ class EngineConfig:
     step_timing_log: str | None = None  # the engine core process appends one JSON line per step (engine/step_log.py)
     sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
     enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
+    lora: LoRAConfig | None = None  # set: requests may name LoRA adapters (--enable-lora)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int  # adapters in device slots at once (and in one step)
+    max_lora_rank: int
+    max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
 
 
 @dataclass
@@ -152,6 +163,10 @@ class EngineArgs:
     sampler: str = "batched"  # batched | reference (one request at a time: the tests' comparison)
     enable_sleep_mode: bool = False  # sleep keeps addresses, so a wake keeps the CUDA graphs (vLLM's flag)
     usage_context: str = "llm"  # llm (offline: LLM, bench) | api_server (serve, Triton): picks default budgets
+    enable_lora: bool = False  # requests may name LoRA adapters (PEFT folders), applied per token in one batch
+    max_loras: int = 1  # adapters in device slots at once
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (default: max_loras)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -208,8 +223,26 @@ class EngineArgs:
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
+        lora = self._lora_config(tp)
+        if lora is not None and not eager:
+            logger.warning("LoRA: CUDA graphs are not captured with adapters yet (issue 22); running eager")
+            eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
-                            _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode)  # fmt: skip
+                            _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora)  # fmt: skip
+
+    def _lora_config(self, tp: int) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras and max_lora_rank must be >= 1; got {self.max_loras}, {self.max_lora_rank}")
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        if cpu < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
+        if tp > 1:
+            raise ConfigError("LoRA adapters with tensor parallelism are not supported yet (issue 22)")
+        if self.enable_sleep_mode:
+            raise ConfigError("LoRA adapters with sleep mode are not supported yet (issue 22)")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

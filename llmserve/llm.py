@@ -20,6 +20,7 @@ from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType
+from llmserve.lora_request import LoRARequest
 from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
@@ -53,8 +54,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one output per prompt, in prompt order.
+        `lora_request`: the LoRA adapter every prompt runs with, or one per prompt (None: the
+        base model; the engine needs `enable_lora=True`).
 
         Every prompt is checked before any is queued, so a bad one raises and leaves the
         engine as it was."""
@@ -66,11 +70,12 @@ class LLM:
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(params_list) != len(prompts) or len(priorities) != len(prompts):
-            raise ValueError("sampling_params and priority must match the number of prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(params_list) != len(prompts) or len(priorities) != len(prompts) or len(loras) != len(prompts):
+            raise ValueError("sampling_params, priority and lora_request must match the number of prompts")
         processed = [
-            self.input_processor.process(str(next(self._counter)), prompt, p, prio)
-            for prompt, p, prio in zip(prompts, params_list, priorities)
+            self.input_processor.process(str(next(self._counter)), prompt, p, prio, lora_request=lora)
+            for prompt, p, prio, lora in zip(prompts, params_list, priorities, loras)
         ]
         self.core.wake_up()  # asleep: the weights and the KV cache come back first
         order = {p.request_id: i for i, p in enumerate(processed)}

@@ -21,6 +21,7 @@ from typing import Any
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.core_client import CoreClient, EngineDeadError
+from llmserve.lora_request import LoRARequest
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
@@ -91,6 +92,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield cumulative outputs until the request finishes. Bad input raises a
         ValueError before anything is queued. `arrival_time` (wall clock; default: now) is
@@ -103,7 +105,7 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed = self.input_processor.process(
-            request_id, prompt, sampling_params or SamplingParams(), priority, arrival_time
+            request_id, prompt, sampling_params or SamplingParams(), priority, arrival_time, lora_request
         )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue

@@ -17,11 +17,13 @@ from llmserve.engine.request import (
     SchedulerStats,
 )
 from llmserve.engine.grammar_manager import GrammarManager
+from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.request_checks import PromptError, check_request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
+from llmserve.lora.errors import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class EngineCore:
         self.config = config
         self.tp_driver: TPDriver | None = None
         self.grammars: GrammarManager | None = None
+        self.loras: LoRAManager | None = None
         self._refused: list[EngineCoreOutput] = []  # their grammar did not compile: reported by the next finish
         try:
             self._start(config, progress, exit_on_worker_death)
@@ -70,7 +73,9 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)  # fmt: skip
+        self.loras = LoRAManager(config.lora, config.model_config.arch, self.runner.lora) if self.runner.lora else None
         mc = config.model_config
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
         self.grammars = GrammarManager(self.structured)
@@ -92,7 +97,11 @@ class EngineCore:
             check_request(req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size)
             if req.request_id in self.scheduler.requests:
                 raise PromptError(f"request id {req.request_id!r} is already in use")
-        except PromptError as exc:
+            if req.lora_request is not None:
+                if self.loras is None:
+                    raise PromptError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+                self.loras.adapter(req.lora_request)  # read and checked once; LoRAAdapterError says why not
+        except (PromptError, LoRAAdapterError) as exc:
             return EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(exc))
         request = Request(req)
         self.scheduler.add_request(request)
@@ -131,6 +140,9 @@ class EngineCore:
         if sched.is_empty:
             self.runner.sampler.forget(sched.finished_request_ids)
             return sched, None
+        if self.loras is not None and sched.scheduled:  # the step's adapters in slots, its tokens mapped
+            self.loras.prepare_step([s.request.lora_request for s in sched.scheduled],
+                                    [s.num_new_tokens for s in sched.scheduled])  # fmt: skip
         pending = self.runner.execute_async(sched)
         self.scheduler.after_launch(sched)
         return sched, pending

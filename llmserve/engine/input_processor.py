@@ -14,6 +14,7 @@ from llmserve.config import ModelConfig
 from llmserve.engine.request import EngineCoreRequest
 from llmserve.engine.request_checks import PromptError, PromptTooLongError, check_request, check_token_ids
 from llmserve.engine.structured_output import StructuredOutputs
+from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams, token_ids_outside
 
 PromptType = str | dict[str, Any] | list[int]
@@ -93,6 +94,7 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
@@ -119,6 +121,7 @@ class InputProcessor:
                     priority=priority,
                     arrival_time=arrival,
                     share_group=group,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(request_id, text, ids, params, core)

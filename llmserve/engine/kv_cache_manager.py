@@ -30,10 +30,13 @@ class KVCacheManager:
 
     # -- prefix cache -------------------------------------------------------------------
     def _salt(self, req: Request) -> str | None | bool:
-        """None: the global cache; a string: a private cache; False: no caching."""
+        """None: the global cache; a string: a private cache (a LoRA adapter's: two adapters
+        never share KV blocks, nor an adapter and the base model); False: no caching."""
         if self.enable_prefix_caching:
-            return None
-        return req.share_group if req.share_group is not None else False
+            return req.lora_request.key if req.lora_request is not None else None
+        if req.share_group is not None:  # n > 1 siblings (of one request, so of one adapter)
+            return req.share_group
+        return False
 
     def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
         salt = self._salt(req)

@@ -23,6 +23,7 @@ import torch
 
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.block_table import BlockTableBuffer
+from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
@@ -169,6 +170,10 @@ class ModelRunner:
             max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
+        self.lora: RunnerLoRA | None = None  # --enable-lora: adapter slots around the projections
+        if config.lora is not None:
+            self.lora = RunnerLoRA(config.lora, self.model, config.scheduler_config.max_num_batched_tokens,
+                                   self.dtype, self.device, use_kernels=config.attention_backend == "triton")  # fmt: skip
         self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []

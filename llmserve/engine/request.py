@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from llmserve.lora_request import LoRARequest
 from llmserve.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     share_group: str | None = None  # siblings of an n > 1 request share prompt blocks
     received_time: float | None = None  # wall clock: the core process read it (its input thread sets it)
+    lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
 
 
 @dataclass(slots=True)
@@ -107,7 +109,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
-        "first_scheduled_time", "queued_time", "num_pending", "matcher", "logit_bias",
+        "first_scheduled_time", "queued_time", "num_pending", "matcher", "logit_bias", "lora_request",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -119,6 +121,7 @@ class Request:
         self.priority = req.priority
         self.arrival_time = req.arrival_time
         self.share_group = req.share_group
+        self.lora_request = req.lora_request
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache

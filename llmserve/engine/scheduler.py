@@ -53,9 +53,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool
+        self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool, max_loras: int | None = None
     ) -> None:
+        """`max_loras`: the most distinct LoRA adapters running at once (the device's slots)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv = kv
         self.swap_enabled = swap_enabled
         self.block_size = kv.block_size
@@ -158,6 +160,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         prefilling_groups = {r.share_group for r in self.running if self._fills_shared_blocks(r)}
+        adapters = {r.lora_request.key for r in self.running if r.lora_request is not None}
         idx = 0
         while idx < len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -165,6 +168,10 @@ class Scheduler:
             req = self.waiting[idx]
             if req.share_group in prefilling_groups or req.status == RequestStatus.WAITING_FOR_GRAMMAR:
                 idx += 1  # wait until a sibling has filled the shared prompt blocks / the grammar compiled
+                continue
+            lora = req.lora_request.key if req.lora_request is not None else None
+            if lora is not None and lora not in adapters and len(adapters) >= (self.max_loras or 0):
+                idx += 1  # every adapter slot is held by running requests: wait for one to free
                 continue
             reserve = self.watermark if self.running else 0
             num_new = self._admit(req, budget, reserve, out)
@@ -175,6 +182,8 @@ class Scheduler:
                 req.first_scheduled_time = time.time()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if lora is not None:
+                adapters.add(lora)
             out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_table(req.request_id)))
             budget -= num_new
             if self._fills_shared_blocks(req):

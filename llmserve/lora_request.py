@@ -1,0 +1,27 @@
+"""A request for a LoRA adapter, as vLLM spells it: `LoRARequest(lora_name, lora_int_id, lora_path)`.
+
+Plain data: it travels with each request from the front to the engine core, which reads the
+adapter from `lora_path` the first time it sees (name, id) and keeps it in a slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.lora_name or not isinstance(self.lora_name, str):
+            raise ValueError("lora_name must be a non-empty string")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+
+    @property
+    def key(self) -> str:
+        """What separates this adapter's prefix cache from every other's (and the base's)."""
+        return f"lora:{self.lora_name}:{self.lora_int_id}"

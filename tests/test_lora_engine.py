@@ -1,0 +1,85 @@
+"""LoRA adapters through the engine (issue 22): `LLM(..., enable_lora=True).generate(...,
+lora_request=LoRARequest(...))` against Hugging Face PEFT with each adapter merged, several
+adapters and the base model in one call, more adapters than device slots, prefix caching
+kept apart per adapter, bad adapters refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, LoRARequest, SamplingParams
+from llmserve.engine.output_processor import RequestFailedError
+from llmserve.model.random_model import make_random_model
+from test_lora import ADAPTERS, make_adapter
+
+NEW_TOKENS = 6
+# longer than two KV blocks of 8, sharing their first 17 tokens: prefix-cache hits across requests
+SHARED = [1, 17, 94, 250, 33, 7, 401, 62, 5, 300, 12, 12, 88, 140, 230, 77, 19]
+PROMPTS = [SHARED + [402, 9, 3], SHARED + [8, 8]]
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_engine")
+    base = str(make_random_model(root / "base", "llama", seed=3))
+    paths = {name: make_adapter(base, root / name, i, **cfg) for i, (name, cfg) in enumerate(ADAPTERS.items())}
+    return base, paths
+
+
+def merged_greedy(base: str, adapter, prompts: list[list[int]]) -> list[list[int]]:
+    """The oracle: transformers with the adapter merged, each prompt alone, greedy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            gen = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def test_adapters_and_the_base_in_one_call_give_each_merged_models_tokens(lora_setup):
+    """Four adapters (ranks 4, 8, 16 rsLoRA, 8 on one layer) and the base model, every prompt
+    with each, in one generate call, on an engine with two device slots (the scheduler runs
+    at most two adapters at once; the rest wait and take an evicted slot) and prefix caching
+    on (each adapter's prompts share blocks with its own, never with another's)."""
+    base, paths = lora_setup
+    want = {None: merged_greedy(base, None, PROMPTS)} | {n: merged_greedy(base, p, PROMPTS) for n, p in paths.items()}
+    assert len({tuple(map(tuple, v)) for v in want.values()}) == len(want)  # every adapter changes the tokens
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=3,
+              block_size=8, max_model_len=128)  # fmt: skip
+    names = [None, *paths]
+    requests = {n: LoRARequest(n, i + 1, str(paths[n])) if n else None for i, n in enumerate(names)}
+    prompts = [{"prompt_token_ids": p} for _ in names for p in PROMPTS]
+    loras = [requests[n] for n in names for _ in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second time, from the prefix cache (and adapters read from the host cache)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == [t for n in names for t in want[n]]
+    assert llm.stats().prefix_cache_hits > 0
+    assert llm.core.kv.pool.num_used == 0 and len(llm.core.runner.lora.store.loaded()) <= 2
+
+
+def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
+    base, paths = lora_setup
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64)
+    params = SamplingParams(max_tokens=2)
+    cases = {
+        "missing": (LoRARequest("missing", 1, str(tmp_path / "nowhere")), "no adapter folder"),
+        "rank": (LoRARequest("big", 2, str(paths["r16-mlp-rslora"])), "rank"),
+    }
+    for request, words in cases.values():
+        with pytest.raises(RequestFailedError, match=words):
+            llm.generate([[1, 5, 9]], params, use_tqdm=False, lora_request=request)
+    assert llm.generate([[1, 5, 9]], params, use_tqdm=False)[0].outputs[0].token_ids  # still serving
+    plain = LLM(base, dtype="float32", max_model_len=64)
+    with pytest.raises(RequestFailedError, match="enable-lora"):
+        plain.generate([[1, 5, 9]], params, use_tqdm=False, lora_request=LoRARequest("a", 1, str(paths["r4-qv"])))
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "x")
