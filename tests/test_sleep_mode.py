@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 
 import httpx
 import pytest
 
 from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
-from server_utils import start_server
+from server_utils import free_port, spawn, start_server, wait_healthy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(3)]
@@ -113,6 +114,18 @@ def test_requests_during_sleep_wait_for_the_wake_and_complete(llama_dir):
 def test_server_sleep_routes(llama_dir, tmp_path):
     """The sleep-mode routes, behind the admin key (the API itself stays open here); and the
     server's body size limit (413 in OpenAI's shape, declared or streamed)."""
+    port = free_port()  # a server without the flag, started now and looked at last (two cores: side by side)
+    plain = spawn([sys.executable, "-m", "llmserve", "serve", llama_dir, "--max-model-len", "128", "--port", str(port)],
+                  port, str(tmp_path / "plain.log"))  # fmt: skip
+    try:
+        _sleep_routes(llama_dir, tmp_path)
+        wait_healthy(plain)  # without the flag the routes are not there
+        assert httpx.post(plain.base_url + "/sleep").status_code == 404
+    finally:
+        plain.stop()
+
+
+def _sleep_routes(llama_dir, tmp_path) -> None:
     srv = start_server([llama_dir, "--max-model-len", "128", "--enable-sleep-mode", "--served-model-name", "tiny",
                         "--max-request-body-bytes", "4096"], str(tmp_path / "server.log"),
                        env={"LLMSERVE_ADMIN_API_KEY": "adm1n"})  # fmt: skip
@@ -145,11 +158,6 @@ def test_server_sleep_routes(llama_dir, tmp_path):
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200  # still serving
     finally:
         srv.stop()
-    plain = start_server([llama_dir, "--max-model-len", "128"], str(tmp_path / "plain.log"))
-    try:  # without the flag the routes are not there
-        assert httpx.post(plain.base_url + "/sleep").status_code == 404
-    finally:
-        plain.stop()
 
 
 @pytest.mark.parametrize("level", [1, 2])
