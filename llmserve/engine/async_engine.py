@@ -157,6 +157,15 @@ class AsyncEngine:
     async def is_sleeping(self) -> bool:
         return self.sleeping
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Read and check a LoRA adapter in the engine core (ValueError with the reason)."""
+        error = await self._utility("add_lora", lora, timeout=300)
+        if error is not None:
+            raise ValueError(error)
+
+    async def remove_lora(self, name: str) -> None:
+        await self._utility("remove_lora", name)
+
     async def memory_footprint(self) -> dict:
         """The engine's device memory: `weight_bytes` and `kv_cache_bytes` when awake (also
         while asleep), `device_bytes` it holds now, and its KV block counts."""

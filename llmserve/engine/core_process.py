@@ -24,7 +24,8 @@ from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
-UTILITIES = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "memory_footprint"})  # EngineCore methods the front may call
+UTILITIES = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "memory_footprint", "add_lora",
+                       "remove_lora"})  # EngineCore methods the front may call
 
 _SHUTDOWN = Message(Kind.SHUTDOWN)
 

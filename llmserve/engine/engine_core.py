@@ -24,6 +24,7 @@ from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
 from llmserve.lora.errors import LoRAAdapterError
+from llmserve.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,25 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         self.grammars.forget(request_ids)
         return self.scheduler.abort_requests(request_ids)
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> str | None:
+        """Read and check an adapter now (a server's load call); None, or why it cannot load."""
+        if self.loras is None:
+            return "this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)"
+        try:
+            self.loras.adapter(lora)
+        except LoRAAdapterError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, name: str) -> list[str]:
+        """Forget the adapters called `name`; those that requests still use stay until evicted
+        (no request that was accepted is lost). The keys dropped now."""
+        if self.loras is None:
+            return []
+        in_use = {r.lora_request.key for r in self.scheduler.requests.values() if r.lora_request is not None}
+        return self.loras.remove(name, keep=in_use)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._refused)

@@ -11,6 +11,7 @@ never runs more distinct adapters than there are slots, so a step's adapters alw
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from llmserve.config import LoRAConfig
 from llmserve.engine.lora_runner import RunnerLoRA
@@ -46,9 +47,10 @@ class LoRAManager:
             self.runner.load(self.adapter(lora), protected=step.keys())
         self.runner.set_step([lora.key if lora is not None else None for lora in loras], counts)
 
-    def remove(self, name: str) -> list[str]:
-        """Forget every adapter called `name` (any id): host cache and slots; the keys removed."""
-        keys = [k for k, n in self.names.items() if n == name]
+    def remove(self, name: str, keep: Collection[str] = ()) -> list[str]:
+        """Forget every adapter called `name` (any id) from the host cache and the slots, but
+        those in `keep` (requests still use them); the keys removed."""
+        keys = [k for k, n in self.names.items() if n == name and k not in keep]
         for key in keys:
             self.cache.pop(key, None)
             del self.names[key]

@@ -14,7 +14,8 @@ from llmserve import chat_template
 from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.engine.protocol import EngineClient
-from llmserve.openai.engine_calls import merge_streams, resolve_max_tokens
+from llmserve.lora_request import LoRARequest
+from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import (
     ChatChoice,
@@ -68,7 +69,7 @@ def chat_logprobs(out: CompletionOutput, start: int, top_n: int) -> ChatLogprobs
 
 
 async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
-                          tool_call_parser: str | None = None) -> Reply:  # fmt: skip
+                          tool_call_parser: str | None = None, lora_request: LoRARequest | None = None) -> Reply:  # fmt: skip
     """Start the request on `engine`; `model` is the name the answer carries. Raises APIError
     for what is wrong with the request before anything runs."""
     arrival = time.time()  # TTFT and latency count the template and tokenization too
@@ -86,7 +87,8 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
         params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("chatcmpl")
-    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival)
+    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival,
+                             **adapter_kwargs(lora_request))  # fmt: skip
     if req.stream:
         return Reply(events=sse_stream(_stream(req, model, request_id, stream, tools)))
 

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.engine.protocol import EngineClient
-from llmserve.openai.engine_calls import merge_streams, resolve_max_tokens
+from llmserve.lora_request import LoRARequest
+from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import (
     CompletionChoice,
@@ -48,9 +49,11 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
     return lp
 
 
-async def completion(engine: EngineClient, req: CompletionRequest, model: str) -> Reply:
-    """Start the request's prompts on `engine`; `model` is the name the answer carries. Raises
-    APIError for what is wrong with the request before anything runs."""
+async def completion(engine: EngineClient, req: CompletionRequest, model: str,
+                     lora_request: LoRARequest | None = None) -> Reply:  # fmt: skip
+    """Start the request's prompts on `engine` (with a LoRA adapter if given); `model` is the
+    name the answer carries. Raises APIError for what is wrong with the request before
+    anything runs."""
     arrival = time.time()  # TTFT and latency count tokenization too
     if req.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
@@ -74,7 +77,8 @@ async def completion(engine: EngineClient, req: CompletionRequest, model: str) -
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("cmpl")
     streams = [
-        engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority, arrival)
+        engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority, arrival,
+                        **adapter_kwargs(lora_request))
         for i, (text, ids) in enumerate(tokenized)
     ]
     if req.stream:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError
 from llmserve.outputs import RequestOutput
 
@@ -63,3 +64,8 @@ async def merge_streams(
         for t in tasks:
             t.cancel()  # each stream's own cleanup aborts its request
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def adapter_kwargs(lora_request: LoRARequest | None) -> dict:
+    """generate()'s LoRA keyword, only when there is an adapter (an engine without LoRA takes none)."""
+    return {"lora_request": lora_request} if lora_request is not None else {}

@@ -27,6 +27,7 @@ from llmserve.openai.protocol import (
     TokenizeResponse,
 )
 from llmserve.http_limits import BodyLimit
+from llmserve.serve.lora_routes import add_lora_routes
 from llmserve.serve.state import (
     ServerConfig,
     ServerState,
@@ -112,17 +113,19 @@ def build_app(
         registry=lambda: state.metrics.registry if state.metrics else None,
         max_model_len=lambda: state.engine.model_config.max_model_len if state.engine else None,
         authorized=_authorized,
+        adapters=lambda: state.adapters,
     )  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        return await respond(request, await completion(engine, req, model))
+        return await respond(request, await completion(engine, req, model, s.adapter(model)))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        return await respond(request, await chat_completion(engine, req, model, s.config.tool_call_parser))
+        return await respond(request, await chat_completion(engine, req, model, s.config.tool_call_parser,
+                                                            s.adapter(model)))  # fmt: skip
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:
@@ -149,6 +152,10 @@ def build_app(
 
     if config.enable_sleep_mode:
         add_sleep_routes(app)
+    if config.enable_lora:
+        add_lora_routes(app, _admin)
+        for name, path in config.lora_modules.items():  # checked by `serve` before the app starts
+            state.add_adapter(name, path)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)
     return app
 

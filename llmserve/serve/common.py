@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmserve import __version__
+from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import ModelCard, ModelList
 from llmserve.serve.state import ServerConfig
@@ -72,6 +73,7 @@ def add_common_routes(
     registry: Callable[[], CollectorRegistry | None],
     max_model_len: Callable[[], int | None],
     authorized: Callable[..., Any],
+    adapters: Callable[[], dict[str, LoRARequest]] = dict,
 ) -> None:
     """/health (200, or 503 with why: `not_ready()` says it, None when ready), /version,
     /metrics (the `registry()`, empty before there is one) and /v1/models (behind the
@@ -93,15 +95,19 @@ def add_common_routes(
         return Response(generate_latest(reg) if reg is not None else b"", media_type=CONTENT_TYPE_LATEST)
 
     def card(name: str) -> ModelCard:
+        lora = adapters().get(name)
+        if lora is not None:  # a LoRA adapter: its folder, and the base model it runs on
+            return ModelCard(id=name, root=lora.lora_path, parent=config.served_model_names[0],
+                             max_model_len=max_model_len())  # fmt: skip
         return ModelCard(id=name, root=config.model_path, max_model_len=max_model_len())
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(authorized)])
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in config.served_model_names])
+        return ModelList(data=[card(name) for name in [*config.served_model_names, *adapters()]])
 
     @app.get("/v1/models/{name:path}", response_model=ModelCard, dependencies=[Depends(authorized)])
     async def model(name: str) -> ModelCard:
         """One model card (OpenAI's retrieve-model call)."""
-        if name not in config.served_model_names:
+        if name not in config.served_model_names and name not in adapters():
             raise APIError(404, f"the model {name[:100]!r} does not exist", code="model_not_found", param="model")
         return card(name)

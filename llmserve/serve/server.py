@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
                    "--api-key (default: $LLMSERVE_ADMIN_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="413 for a request body over this size")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
     p.add_argument("--max-queued-requests", type=int, default=None, help="503 above this many requests in flight")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("llmserve serve: --enable-auto-tool-choice and --tool-call-parser go together")
     engine_config = engine_args_from_cli(args, "api_server").create_engine_config()  # bad flags fail here, fast
     mc = engine_config.model_config
+    lora_modules = _lora_modules(args.lora_modules, engine_config)
     config = ServerConfig(
         served_model_names=[mc.served_model_name],
         model_path=mc.model,
@@ -122,6 +125,8 @@ def run(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser,
         request_timing_log=args.request_timing_log,
         enable_sleep_mode=args.enable_sleep_mode,
+        enable_lora=engine_config.lora is not None,
+        lora_modules=lora_modules,
     )
 
     def build(on_fatal, on_ready):
@@ -131,3 +136,27 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"llmserve serve: --request-timing-log: {exc}") from None
 
     _serve(build, args, mc.served_model_name)
+
+
+def _lora_modules(specs: list[str], engine_config) -> dict[str, str]:
+    """`--lora-modules name=path ...`, each adapter read and checked against the model now, so
+    a bad one stops the server at start with the reason."""
+    if not specs:
+        return {}
+    if engine_config.lora is None:
+        raise SystemExit("llmserve serve: --lora-modules needs --enable-lora")
+    from llmserve.lora import LoRAAdapterError, read_peft_adapter
+
+    modules: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"llmserve serve: --lora-modules takes NAME=PATH, got {spec!r}")
+        if name == engine_config.model_config.served_model_name or name in modules:
+            raise SystemExit(f"llmserve serve: --lora-modules names {name!r} twice (or as the base model)")
+        try:
+            read_peft_adapter(path, name, engine_config.model_config.arch, engine_config.lora.max_lora_rank)
+        except LoRAAdapterError as exc:
+            raise SystemExit(f"llmserve serve: LoRA adapter {name!r}: {exc}") from None
+        modules[name] = path
+    return modules

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
@@ -13,6 +13,7 @@ from fastapi import Request
 from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
+from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError
 
 T = TypeVar("T")
@@ -29,6 +30,8 @@ class ServerConfig:
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
     request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's routes)
+    enable_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter; adapters named as models
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, served from the start
 
 
 @dataclass
@@ -38,6 +41,8 @@ class ServerState:
     metrics: EngineMetrics | None = None
     startup_error: str | None = None
     draining: bool = False
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)  # LoRA adapters served, by name
+    lora_ids: int = 0  # the last adapter id given
 
     @property
     def ready(self) -> bool:
@@ -57,7 +62,18 @@ class ServerState:
         return self.engine
 
     def resolve_model(self, requested: str | None) -> str:
+        if requested is not None and requested in self.adapters:
+            return requested
         return resolve_model(self.config, requested)
+
+    def adapter(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter a (resolved) model name means; None for the base model."""
+        return self.adapters.get(model)
+
+    def add_adapter(self, name: str, path: str) -> LoRARequest:
+        self.lora_ids += 1
+        self.adapters[name] = LoRARequest(name, self.lora_ids, path)
+        return self.adapters[name]
 
 
 def resolve_model(config: ServerConfig, requested: str | None) -> str:
