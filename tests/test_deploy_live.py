@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-import numpy as np
 import pytest
 import yaml
 from browser_utils import Browser
@@ -29,30 +28,13 @@ from deploy_utils import (
 )
 from gateway_utils import start_gateway
 from server_utils import ServerProcess, free_port, spawn, wait_healthy
+from triton_utils import echo_infer, echo_repo
 
 from llmserve.config import TINY_MODEL_DIR
 from llmserve.triton.server import TritonServer
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODEL = "llmserve-tiny"  # the tiny test model's served name
-
-# a Triton model that costs nothing to load: its per-model nv_inference_* series are real
-ECHO_CONFIG = """name: "echo"
-backend: "python"
-max_batch_size: 8
-input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]
-output [ { name: "y", data_type: TYPE_FP32, dims: [ 1 ] } ]
-dynamic_batching { }
-instance_group [ { kind: KIND_CPU, count: 1 } ]
-"""
-ECHO_MODEL = """import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
-                for r in requests]
-"""
 
 
 @dataclass
@@ -66,25 +48,6 @@ class Platform:
     @property
     def triton_metrics(self) -> str:
         return f"http://127.0.0.1:{self.triton.metrics_port}/metrics"
-
-
-def _echo_repo(root: Path) -> Path:
-    (root / "echo" / "1").mkdir(parents=True)
-    (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
-    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
-    return root
-
-
-def _triton_infer(triton: TritonServer) -> None:
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(triton.url)
-    try:  # closed at once: an open connection would hold Triton's shutdown for its exit timeout
-        x = httpclient.InferInput("x", [2, 1], "FP32")
-        x.set_data_from_numpy(np.ones((2, 1), np.float32))
-        assert client.infer("echo", [x]).as_numpy("y").tolist() == [[1.0], [1.0]]
-    finally:
-        client.close()
 
 
 def _wait(cond, timeout: float, what: str):
@@ -106,7 +69,7 @@ def platform(tmp_path_factory):
     cmd = [sys.executable, "-m", "llmserve", "serve", str(TINY_MODEL_DIR), "--port", str(port), "--max-model-len", "512"]
     server = spawn(cmd, port, str(tmp / "server.log"))
     triton = TritonServer(
-        str(_echo_repo(tmp / "repo")), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+        str(echo_repo(tmp / "repo")), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
         exit_timeout_secs=2, log_path=str(tmp / "triton.log"),
     ).start()  # fmt: skip
     config = {"models": {"chat": {"replicas": [server.base_url], "model": MODEL}},
@@ -175,7 +138,7 @@ def _query(prometheus: ServerProcess, expr: str) -> list[dict]:
 def test_prometheus_scrapes_engine_gateway_and_triton(platform):
     prometheus = platform.prometheus
     _complete(platform.gateway.base_url, max_tokens=8)  # through the gateway: both count it
-    _triton_infer(platform.triton)
+    echo_infer(platform.triton.url)
     series = _wait(lambda: [r for r in _query(prometheus, "vllm:generation_tokens_total") if float(r["value"][1]) >= 8],
                    15, "vllm:generation_tokens_total scraped after a request")  # fmt: skip
     assert series[0]["metric"]["job"] == "llmserve-engine" and series[0]["metric"]["model_name"] == MODEL
@@ -217,7 +180,7 @@ def _live_names(platform: Platform) -> set[str]:
 
 def test_every_dashboard_and_alert_query_names_an_exported_metric(platform):
     httpx.post(platform.gateway.base_url + "/v1/completions", json={"model": "nope"})  # a rejection: 404
-    _triton_infer(platform.triton)
+    echo_infer(platform.triton.url)
     live = _live_names(platform)
     assert {"vllm:generation_tokens_total", "llmserve_gateway_rejections_total", "nv_inference_queue_duration_us"} <= live
 

