@@ -33,7 +33,7 @@ def running_up(workdir, ready: Callable[[dict], bool], *extra: str, timeout: flo
         with contextlib.suppress(httpx.TransportError, ValueError):
             if ready(httpx.get(url + "/health", timeout=1).json()):
                 break
-        time.sleep(0.3)
+        time.sleep(0.1)
     try:
         yield {"url": url, "proc": proc, "workdir": workdir, "ports": ports}
     finally:
