@@ -57,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = Fa
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        kind = _base_type(hints[f.name])
+        kind = base_type(hints[f.name])
         help_text = f"{_HELP.get(f.name, '')} (default: {default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
@@ -74,7 +74,7 @@ def engine_args_from_cli(ns: argparse.Namespace, usage_context: str = "llm") -> 
     return EngineArgs(**values)
 
 
-def _base_type(hint: object) -> type:
+def base_type(hint: object) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return args[0]

@@ -139,5 +139,23 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
         assert httpx.post(srv.base_url + "/v1/unload_lora_adapter", headers=admin,
                           json={"lora_name": "all"}).status_code == 404  # fmt: skip
         assert tokens("qv") == got_qv and tokens("base") == got_base
+        # the gateway in front: an alias per adapter (`lora:`), keys limited to some of them
+        from gateway_utils import start_gateway
+        from server_utils import free_port
+
+        key = {"name": "team-a", "sha256": __import__("hashlib").sha256(b"ka").hexdigest(), "models": ["sql"]}
+        config = {"models": {"base": {"replicas": [srv.base_url], "model": "base"},
+                             "sql": {"replicas": [srv.base_url], "lora": "qv"}}, "keys": [key]}  # fmt: skip
+        gateway = start_gateway(config, free_port(), str(tmp_path))
+        try:
+            via = OpenAI(base_url=gateway.base_url + "/v1", api_key="ka")
+            reply = via.completions.create(model="sql", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+            assert reply.choices[0].text.rstrip("\ufffd") == got_qv and reply.model == "sql"
+            refused = httpx.post(gateway.base_url + "/v1/completions", headers={"Authorization": "Bearer ka"},
+                                 json={"model": "base", "prompt": prompt, "max_tokens": 2})  # fmt: skip
+            assert refused.status_code == 403  # this key may use the adapter only
+        finally:
+            gateway.stop()
     finally:
         srv.stop()

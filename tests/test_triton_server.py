@@ -36,10 +36,20 @@ CHAT_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory, llama_dir):
+def adapter_dir(tmp_path_factory, llama_dir) -> str:
+    """A PEFT LoRA adapter of the chat model's base (rank 4 on q/v), made with peft."""
+    from test_lora import make_adapter
+
+    return str(make_adapter(llama_dir, tmp_path_factory.mktemp("lora") / "qv", 0, r=4, lora_alpha=8,
+                            target_modules=["q_proj", "v_proj"]))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, llama_dir, adapter_dir):
     path = tmp_path_factory.mktemp("triton") / "model_repository"
-    models = [chat_config(model_dir=llama_dir, max_model_len=CHAT_LEN), embed_config(), rerank_config()]
-    return build_repo(path, models)
+    chat = chat_config(model_dir=llama_dir, max_model_len=CHAT_LEN, enable_lora=True, max_lora_rank=8,
+                       lora_modules={"qv": adapter_dir})  # fmt: skip
+    return build_repo(path, [chat, embed_config(), rerank_config()])
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +196,24 @@ def test_chat_grpc_stream_matches_engine(triton, llama_dir):
     import json
 
     assert len(whole) == 1 and json.loads(whole[0][1])["choices"][0]["text"] == expected[0].outputs[0].text
+
+
+def test_chat_model_serves_a_lora_adapter_named_as_the_model(triton, llama_dir, adapter_dir):
+    """The chat model with `enable_lora` and `lora_modules`: a body whose model is an adapter's
+    name runs with it (the engine's tokens with that LoRARequest), and names its answer so."""
+    import json
+
+    from llmserve import LLM, LoRARequest, SamplingParams
+
+    body = {"model": "qv", "prompt": "The json module", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    (status, text), = _chat_call(grpc_url(triton), body)
+    llm = LLM(model=llama_dir, max_model_len=CHAT_LEN, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate(["The json module"], params, lora_request=LoRARequest("qv", 1, adapter_dir))
+    base = llm.generate(["The json module"], params)
+    reply = json.loads(text)
+    assert status == 200 and reply["model"] == "qv" and reply["choices"][0]["text"] == want[0].outputs[0].text
+    assert want[0].outputs[0].text != base[0].outputs[0].text
 
 
 def test_chat_http_generate_stream(triton):

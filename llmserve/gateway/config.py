@@ -27,6 +27,7 @@ class ModelRoute(_Strict):
     kind: Literal["openai", "triton"] = "openai"  # an OpenAI-compatible server, or Triton over gRPC
     replicas: list[str] = Field(min_length=1)  # http(s)://host:port (openai), grpc://host:port (triton)
     model: str | None = None  # the name the upstreams know; the alias when unset
+    lora: str | None = None  # a LoRA adapter the upstream serves: sent as the body's model (to Triton: model stays its chat model)
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
     routing: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"

@@ -54,7 +54,7 @@ def _closer(response: aiohttp.ClientResponse):
 
 async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Opened:
     """Send to one OpenAI-compatible replica and read up to the first byte we would pass on."""
-    payload = dict(ctx.payload, model=pick.route.model or pick.alias)
+    payload = dict(ctx.payload, model=pick.route.lora or pick.route.model or pick.alias)
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
     if pick.route.send_priority and ctx.priority:
         payload["priority"] = -ctx.priority  # vLLM-style: lower is served first

@@ -133,6 +133,8 @@ def _chat_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, bo
     """The KServe request carrying the OpenAI body for the chat model, and whether the client
     asked for the stream's usage itself."""
     payload = dict(ctx.payload)
+    if pick.route.lora:  # the chat model runs the request with this adapter
+        payload["model"] = pick.route.lora
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
     if pick.route.send_priority and ctx.priority:
         payload["priority"] = -ctx.priority  # vLLM-style: lower is served first

@@ -13,6 +13,7 @@ from llmserve.engine.errors import EngineDeadError
 from llmserve.engine.protocol import EngineClient
 from llmserve.openai.chat import chat_completion
 from llmserve.openai.completions import completion
+from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError, validation_message
 from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.openai.reply import Reply
@@ -47,13 +48,17 @@ def read_request(endpoint: str, body: bytes) -> ChatCompletionRequest | Completi
 
 
 async def openai_call(engine: EngineClient, endpoint: str, body: bytes, model: str,
-                      tool_call_parser: str | None = None) -> Reply:  # fmt: skip
-    """Run the OpenAI request `body` for `endpoint` on `engine`; `model` names the answers."""
+                      tool_call_parser: str | None = None, adapters: dict[str, LoRARequest] | None = None) -> Reply:  # fmt: skip
+    """Run the OpenAI request `body` for `endpoint` on `engine`; `model` names the answers. A
+    body whose "model" is one of `adapters` runs with that LoRA adapter (and is named by it)."""
     try:
         req = read_request(endpoint, body)
+        lora = (adapters or {}).get(req.model) if req.model else None
+        if lora is not None:
+            model = req.model
         if endpoint == CHAT:
-            return await chat_completion(engine, req, model, tool_call_parser)
-        return await completion(engine, req, model)
+            return await chat_completion(engine, req, model, tool_call_parser, lora)
+        return await completion(engine, req, model, lora)
     except APIError as exc:
         return Reply.refused(exc)
     except EngineDeadError as exc:

@@ -127,17 +127,28 @@ class ModelConfig:
         return "\n".join(blocks) + "\n"
 
 
+def _param(value: Any) -> str:
+    """A config.pbtxt string parameter: booleans as the model reads them, and `lora_modules`
+    given as {name: path} as "name=path,name=path"."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return ",".join(f"{name}={path}" for name, path in value.items())
+    return str(value)
+
+
 def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: str = "chat",
                 instances: int = 1, **engine_args: Any) -> ModelConfig:  # fmt: skip
     """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
     file (default: the default model, SmolLM2-135M-Instruct). It takes an OpenAI request body
     (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
     `response`: the JSON body, or one server-sent event a response); `tool_call_parser`
-    (hermes) serves tool_choice "auto"."""
+    (hermes) serves tool_choice "auto"; `enable_lora=True, lora_modules={name: path}` serves
+    LoRA adapters a request names as its model."""
     from llmserve.config import DEFAULT_MODEL
 
     params = {"model_dir": str(model_dir or DEFAULT_MODEL), "max_model_len": str(max_model_len)}
-    params.update({k: str(v) for k, v in engine_args.items()})
+    params.update({k: _param(v) for k, v in engine_args.items()})
     return ModelConfig(
         name=name, kind="chat", max_batch_size=0,
         inputs=[TensorSpec("request", "TYPE_STRING", [1]), TensorSpec("endpoint", "TYPE_STRING", [1], optional=True)],

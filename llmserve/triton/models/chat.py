@@ -34,23 +34,41 @@ CANCEL_POLL_S = 0.05  # how often a whole-body request looks for its client's ca
 
 
 def _engine_args(params: dict) -> dict:
-    """Engine settings from config.pbtxt parameters (all strings there)."""
+    """Engine settings from config.pbtxt parameters (all strings there), typed as EngineArgs
+    declares them."""
+    import typing
+
+    from llmserve.cli_args import base_type
     from llmserve.config import EngineArgs
 
-    types = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-             "block_size": int, "seed": int, "gpu_memory_utilization": float,
-             "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "tensor_parallel_size": int}  # fmt: skip
+    hints = typing.get_type_hints(EngineArgs)
     args = {"model": params.pop("model_dir")}
     params.pop("tool_call_parser", None)
+    params.pop("lora_modules", None)
     for key, value in params.items():
         if key not in EngineArgs.field_names() or key == "usage_context":
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
-        if key in types:
-            value = types[key](value)
-        elif value in ("true", "false"):
+        kind = base_type(hints[key])
+        if kind is bool:
             value = value == "true"
+        elif kind in (int, float):
+            value = kind(value)
         args[key] = value
     return args
+
+
+def lora_modules(spec: str) -> dict:
+    """The `lora_modules` parameter ("name=path,name=path": LoRA adapters a request may name as
+    its model; the engine needs enable_lora) as LoRARequests."""
+    from llmserve.lora_request import LoRARequest
+
+    adapters = {}
+    for i, item in enumerate(p for p in spec.split(",") if p.strip()):
+        name, sep, path = item.strip().partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules takes name=path,name=path; got {item!r}")
+        adapters[name] = LoRARequest(name, i + 1, path)
+    return adapters
 
 
 def _text(request, name: str, default: str | None = None) -> str | None:
@@ -85,6 +103,7 @@ class TritonPythonModel:
         self.tool_call_parser = params.get("tool_call_parser") or None
         self.sleep_mode = params.get("enable_sleep_mode") == "true"
         self.name = config.get("name", "chat")
+        self.adapters = lora_modules(params.get("lora_modules", ""))  # a request's "model" may name one
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
@@ -109,7 +128,7 @@ class TritonPythonModel:
             await self._control(sender, endpoint, body)
             return
         try:
-            reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser)
+            reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser, self.adapters)
             if reply.error is not None:
                 sender.send(_response(reply.status, json.dumps(reply.error)), flags=FINAL)
             elif reply.events is not None:
