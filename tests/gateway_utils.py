@@ -20,13 +20,14 @@ def spawn_replica(model_dir: str, name: str, port: int, log_path: str, *extra: s
     return spawn(cmd, port, log_path)
 
 
-def spawn_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:
-    """A `llmserve gateway` process on `port`; not yet waited for."""
+def spawn_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway",
+                  env: dict[str, str] | None = None) -> ServerProcess:  # fmt: skip
+    """A `llmserve gateway` process on `port` (`env`: variables added); not yet waited for."""
     path = os.path.join(tmp_dir, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
     cmd = [sys.executable, "-m", "llmserve", "gateway", "--config", path, "--port", str(port)]
-    return spawn(cmd, port, os.path.join(tmp_dir, f"{name}.log"))
+    return spawn(cmd, port, os.path.join(tmp_dir, f"{name}.log"), env)
 
 
 def start_gateway(config: dict, port: int, tmp_dir: str, name: str = "gateway") -> ServerProcess:

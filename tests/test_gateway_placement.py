@@ -27,18 +27,20 @@ def test_placement_over_llmserve_servers(tmp_path):
         cmd = [sys.executable, "-m", "llmserve", "serve", str(TINY_MODEL_DIR), "--port", str(port),
                "--served-model-name", name, "--max-model-len", "256", "--enable-sleep-mode",
                "--kv-cache-memory-bytes", str(16 << 20)]  # fmt: skip
-        servers[name] = spawn(cmd, port, os.path.join(tmp_path, f"{name}.log"))
+        servers[name] = spawn(cmd, port, os.path.join(tmp_path, f"{name}.log"), {"LLMSERVE_ADMIN_API_KEY": "pk"})
+    admin = {"Authorization": "Bearer pk"}  # the servers' admin routes need it; the gateway reads it from its env
     gateway = None
     try:
         for server in servers.values():
             wait_healthy(server, 180)
-        rows = {n: httpx.get(s.base_url + "/footprint", timeout=10).json() for n, s in servers.items()}
+        assert httpx.get(next(iter(servers.values())).base_url + "/footprint", timeout=10).status_code == 401
+        rows = {n: httpx.get(s.base_url + "/footprint", headers=admin, timeout=10).json() for n, s in servers.items()}
         assert all(r["is_sleeping"] is False and r["weight_bytes"] > 0 and r["kv_cache_bytes"] > 0 for r in rows.values())
         size = max(r["weight_bytes"] + r["kv_cache_bytes"] for r in rows.values())
-        config = {"models": {n: {"replicas": [s.base_url]} for n, s in servers.items()},
+        config = {"models": {n: {"replicas": [s.base_url], "admin_api_key_env": "PLACEMENT_KEY"} for n, s in servers.items()},
                   "placement": {"gpu_memory_budget": int(size * 2.5), "models": NAMES, "prewarm_interval_s": 0.2}}  # fmt: skip
         port = free_port()
-        gateway = wait_healthy(spawn_gateway(config, port, str(tmp_path)), 60)
+        gateway = wait_healthy(spawn_gateway(config, port, str(tmp_path), env={"PLACEMENT_KEY": "pk"}), 60)
         deadline = time.monotonic() + 30
         while not (placement := httpx.get(gateway.base_url + "/health").json()["placement"])["running"]:
             assert time.monotonic() < deadline
@@ -51,7 +53,7 @@ def test_placement_over_llmserve_servers(tmp_path):
         assert sorted(states) == ["asleep", "resident", "resident"], states
         asleep = next(m["model"] for m in httpx.get(gateway.base_url + "/health").json()["placement"]["models"]
                       if m["state"] == "asleep")  # fmt: skip
-        assert httpx.get(servers[asleep].base_url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.get(servers[asleep].base_url + "/is_sleeping", headers=admin).json() == {"is_sleeping": True}
 
         client = openai.OpenAI(base_url=gateway.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         rng = random.Random(3)
@@ -70,7 +72,7 @@ def test_placement_over_llmserve_servers(tmp_path):
         assert placement["device_bytes"] <= placement["budget_bytes"]
         assert sum(m["wakes"] for m in placement["models"]) >= 1 and all(m["in_flight"] == 0 for m in placement["models"])
         for name, server in servers.items():  # each server's own account agrees, nothing leaked
-            row = httpx.get(server.base_url + "/footprint").json()
+            row = httpx.get(server.base_url + "/footprint", headers=admin).json()
             state = next(m["state"] for m in placement["models"] if m["model"] == name)
             assert row["is_sleeping"] == (state == "asleep") and row["num_blocks_used"] == 0
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from typing import Literal
 
@@ -34,6 +35,18 @@ class ModelRoute(_Strict):
     affinity_prefix_chars: int = Field(default=256, ge=1)  # prompt prefix hashed for prefix_affinity
     affinity_max_imbalance: int = Field(default=4, ge=0)  # outstanding over the least before leaving the home
     send_priority: bool = True  # pass the key's priority upstream (vLLM-style `priority`, lower first)
+    # the environment variable holding the admin key of `llmserve serve --admin-api-key` replicas,
+    # sent on placement's control calls (sleep, wake, footprint); the key itself never sits in the file
+    admin_api_key_env: str | None = None
+
+    def control_headers(self) -> dict[str, str]:
+        """The headers of placement's control calls to this route's replicas."""
+        if self.admin_api_key_env is None:
+            return {}
+        key = os.environ.get(self.admin_api_key_env)
+        if not key:
+            raise ValueError(f"admin_api_key_env names {self.admin_api_key_env!r}, which is not set")
+        return {"Authorization": f"Bearer {key}"}
 
     @model_validator(mode="after")
     def _urls(self) -> ModelRoute:

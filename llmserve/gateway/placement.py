@@ -95,9 +95,11 @@ class HttpActuator(_ControlActuator):
     """`llmserve serve --enable-sleep-mode` servers (alias -> base URL), with their sleep-mode
     routes: POST /sleep?level=, POST /wake_up, GET /footprint."""
 
-    def __init__(self, targets: dict[str, str], timeout_s: float = 600.0) -> None:
+    def __init__(self, targets: dict[str, str], timeout_s: float = 600.0,
+                 headers: dict[str, dict[str, str]] | None = None) -> None:  # fmt: skip
         self.targets = targets
         self.timeout_s = timeout_s
+        self.headers = headers or {}  # alias -> the control calls' headers (an admin key)
         self._client = None
 
     def _http(self):
@@ -114,7 +116,7 @@ class HttpActuator(_ControlActuator):
         if endpoint == SLEEP:
             path += f"?level={(body or {}).get('level', 1)}"
         try:
-            resp = await self._http().request(method, self.targets[name] + path)
+            resp = await self._http().request(method, self.targets[name] + path, headers=self.headers.get(name))
             return resp.status_code, resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise ControlFailed(f"{name}: {method} {path} failed: {type(exc).__name__}: {exc}") from None
@@ -148,8 +150,9 @@ class GatewayPlacement:
         routes = {a: gateway.models[a] for a in config.models}
         triton = TritonActuator(clients, {a: (r.replicas[0], r.model or a) for a, r in routes.items() if r.kind == "triton"},
                                 gateway.upstream_timeout_s)  # fmt: skip
-        self.http = HttpActuator({a: r.replicas[0] for a, r in routes.items() if r.kind == "openai"},
-                                 gateway.upstream_timeout_s)  # fmt: skip
+        openai_routes = {a: r for a, r in routes.items() if r.kind == "openai"}
+        self.http = HttpActuator({a: r.replicas[0] for a, r in openai_routes.items()}, gateway.upstream_timeout_s,
+                                 {a: r.control_headers() for a, r in openai_routes.items()})  # fmt: skip
         self.actuator = RouteActuator({a: triton if r.kind == "triton" else self.http for a, r in routes.items()})
         self.controller: PlacementController | None = None  # once every model answered its footprint
         self.error: str | None = None  # why the controller could not start (a budget too small)
