@@ -520,7 +520,10 @@ def test_a_dead_chat_backend_is_a_502_and_a_cut_stream_ends(up, tmp_path):
                     if len(events) == 3:
                         os.kill(stub, signal.SIGKILL)
         assert len(events) >= 5 and events[-1] == "data: [DONE]", events[-3:]
-        assert "within 2 s" in json.loads(events[-2][6:])["error"]["message"]
+        # the cut shows as the model's silence (the gateway's 2 s timeout) or, when Triton notices
+        # the dead stub first, as the stream removed: either way an error event, then [DONE]
+        message = json.loads(events[-2][6:])["error"]["message"]
+        assert "within 2 s" in message or "failed mid-stream" in message, message
         chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         resp = httpx.post(gateway.base_url + "/v1/chat/completions", json=chat, timeout=30)
         assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_failed", resp.text
