@@ -25,3 +25,11 @@ class LoRARequest:
     def key(self) -> str:
         """What separates this adapter's prefix cache from every other's (and the base's)."""
         return f"lora:{self.lora_name}:{self.lora_int_id}"
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`name=path` (a LoRA adapter served under `name`) -> (name, path); ValueError otherwise."""
+    name, sep, path = spec.strip().partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"a LoRA module is NAME=PATH, got {spec!r}")
+    return name, path

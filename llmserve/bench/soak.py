@@ -32,6 +32,8 @@ from pathlib import Path
 
 import httpx
 
+from llmserve.bench.serve import first_model
+from llmserve.bench.serve_client import Target
 from llmserve.bench.soak_probes import ProcessProbe, scrape_gauges
 from llmserve.bench.soak_traffic import TrafficMix, Outcome, send_one
 
@@ -110,7 +112,7 @@ async def soak(args: argparse.Namespace, pids: list[int]) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), limits=limits) as client:
-        model = args.model or await _first_model(client, args.base_url, headers)
+        model = args.model or await first_model(client, Target(args.base_url, "/v1/models", None, args.api_key))
         mix = TrafficMix(args.base_url, model, headers, args.max_tokens, args.short_words, args.long_words,
                          args.chat_share)  # fmt: skip
         count = max(1, math.ceil(args.duration / args.window - 1e-9))
@@ -140,14 +142,6 @@ async def soak(args: argparse.Namespace, pids: list[int]) -> dict:
     return {"config": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"},
             "model": model, "windows": [asdict(w) | {"slo_attainment": w.slo_attainment} for w in windows],
             "summary": summarize(windows, args.warmup_windows)}  # fmt: skip
-
-
-async def _first_model(client: httpx.AsyncClient, base_url: str, headers: dict) -> str | None:
-    try:
-        resp = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers)
-        return resp.json()["data"][0]["id"]
-    except Exception:  # noqa: BLE001 - then no model name is sent
-        return None
 
 
 async def _close(window: Window, probe: ProcessProbe, client: httpx.AsyncClient, base_url: str, headers: dict) -> None:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
+from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
 
 
 @triton.jit
@@ -58,19 +59,19 @@ def _silu_and_mul_fp8_kernel(
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         y = _silu_mul_row(x_row, cols, mask, n_cols)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), MIN_SCALE)
-        q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
+        q = fp8_scaled(y, scale, FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, cols, cols < n_cols, n_cols)))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+        scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            q = tl.minimum(tl.maximum(tl.div_rn(_silu_mul_row(x_row, cols, mask, n_cols), scale), -FP8_MAX), FP8_MAX)
+            q = fp8_scaled(_silu_mul_row(x_row, cols, mask, n_cols), scale, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
@@ -91,8 +92,8 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
         one_pass = inter <= ONE_PASS_COLS
         block = triton.next_power_of_2(inter) if one_pass else LOOP_BLOCK
         _silu_and_mul_fp8_kernel[(rows,)](
-            x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=448.0,
-            MIN_SCALE=1e-12, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
+            x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
+            MIN_SCALE=MIN_SCALE, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
         )  # fmt: skip
     return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
 

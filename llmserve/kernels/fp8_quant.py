@@ -24,6 +24,18 @@ MIN_SCALE = 1e-12  # the reference's floor: an all-zero token keeps a finite sca
 
 
 @triton.jit
+def fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A token's scale from its largest magnitude, rounded as the reference rounds it."""
+    return tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+
+
+@triton.jit
+def fp8_scaled(v, scale, FP8_MAX: tl.constexpr):
+    """`v / scale` saturated to the E4M3 range, in float32 (the cast to FP8 follows)."""
+    return tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, n_cols, stride_x, stride_q,
     HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
@@ -39,13 +51,13 @@ def _quantize_rows_kernel(
             cols = start + tl.arange(0, BLOCK)
             v = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), MIN_SCALE)
+        scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+        q = fp8_scaled(v, scale, FP8_MAX)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
+from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
 
 
 @triton.jit
@@ -29,7 +30,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_nr,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr = 448.0, MIN_SCALE: tl.constexpr = 1e-12,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -47,9 +48,9 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:  # weight and x share a dtype here: the reference's output rounded to it
         y = (w * h).to(x.dtype).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), MIN_SCALE)
+        scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        q = fp8_scaled(y, scale, FP8_MAX)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
@@ -86,7 +87,7 @@ def _launch(x, residual, weight, eps, quantize: bool = False):
             x2, r2, weight, out2, nr2, scale if quantize else out2,
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=block,
+            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
             num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     if quantize:

@@ -146,12 +146,14 @@ def _lora_modules(specs: list[str], engine_config) -> dict[str, str]:
     if engine_config.lora is None:
         raise SystemExit("llmserve serve: --lora-modules needs --enable-lora")
     from llmserve.lora import LoRAAdapterError, read_peft_adapter
+    from llmserve.lora_request import parse_lora_module
 
     modules: dict[str, str] = {}
     for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise SystemExit(f"llmserve serve: --lora-modules takes NAME=PATH, got {spec!r}")
+        try:
+            name, path = parse_lora_module(spec)
+        except ValueError as exc:
+            raise SystemExit(f"llmserve serve: --lora-modules: {exc}") from None
         if name == engine_config.model_config.served_model_name or name in modules:
             raise SystemExit(f"llmserve serve: --lora-modules names {name!r} twice (or as the base model)")
         try:

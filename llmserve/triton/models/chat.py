@@ -60,15 +60,10 @@ def _engine_args(params: dict) -> dict:
 def lora_modules(spec: str) -> dict:
     """The `lora_modules` parameter ("name=path,name=path": LoRA adapters a request may name as
     its model; the engine needs enable_lora) as LoRARequests."""
-    from llmserve.lora_request import LoRARequest
+    from llmserve.lora_request import LoRARequest, parse_lora_module
 
-    adapters = {}
-    for i, item in enumerate(p for p in spec.split(",") if p.strip()):
-        name, sep, path = item.strip().partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"lora_modules takes name=path,name=path; got {item!r}")
-        adapters[name] = LoRARequest(name, i + 1, path)
-    return adapters
+    pairs = [parse_lora_module(item) for item in spec.split(",") if item.strip()]
+    return {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(pairs)}
 
 
 def _text(request, name: str, default: str | None = None) -> str | None:
