@@ -3,6 +3,8 @@
 Triton Inference Server hosting chat (an llmserve engine on the default model, SmolLM2-135M-Instruct), embed and rerank
 (all-MiniLM-L6-v2), and the gateway in front of it speaking the OpenAI API; Prometheus
 metrics on the gateway's /metrics and Triton's metrics port. Ctrl-C or SIGTERM stops both.
+A watchdog reloads a model whose backend died and restarts a dead Triton (triton/watchdog.py);
+the gateway holds requests that no replica could start meanwhile and retries them.
 
 platform.yaml (all optional):
     models:   # the Triton models, as for `llmserve triton build-repo --config`
@@ -116,6 +118,9 @@ def add_parser(subparsers) -> None:
                    help="where Triton listens (default: this host only, so the gateway's keys and limits "
                         "cannot be gone around; 0.0.0.0 to let Prometheus elsewhere scrape it)")  # fmt: skip
     p.add_argument("--workdir", default=None, help="model repository and Triton log (default: a temporary folder)")
+    p.add_argument("--watchdog-interval-s", type=float, default=1.0,
+                   help="how often the platform looks for a dead model backend (reloaded) or a dead Triton "
+                        "(restarted); 0: never")  # fmt: skip
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=run)
 
@@ -128,6 +133,7 @@ def run(args: argparse.Namespace) -> None:
     from llmserve.triton.build_repo import build_repo, load_platform_yaml
     from llmserve.triton.repo_config import platform_models
     from llmserve.triton.server import TritonServer
+    from llmserve.triton.watchdog import Watchdog
 
     spec = load_platform_yaml(args.config) or {}
     models = platform_models(spec)
@@ -150,14 +156,22 @@ def run(args: argparse.Namespace) -> None:
     # these handlers back.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit)
-    logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
-    triton.start()
-    try:
-        triton.wait_ready(timeout=600)
+    def place() -> None:
         if placed:
             http_url = f"127.0.0.1:{args.triton_http_port}"
             asyncio.run(load_placed(http_url, f"grpc://127.0.0.1:{args.triton_grpc_port}", placed,
                                     spec["gpu_memory_budget"], config.placement.sleep_level if config.placement else 1))  # fmt: skip
+
+    logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
+    triton.start()
+    watchdog = None
+    try:
+        triton.wait_ready(timeout=600)
+        place()
+        if args.watchdog_interval_s > 0:
+            # a dead backend is reloaded, a dead server restarted; too many restarts stop the platform (exit 1)
+            watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s, after_server_restart=place,
+                                on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,
@@ -165,5 +179,9 @@ def run(args: argparse.Namespace) -> None:
         logging.getLogger("llmserve.gateway").setLevel(args.log_level.upper())
         uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         logger.info("stopping Triton")
         triton.stop()
+    if watchdog is not None and watchdog.gave_up:
+        raise SystemExit(1)

@@ -524,3 +524,31 @@ def test_triton_errors_are_told_apart():
     assert all(_client_fault(e) for e in client) and not any(_client_fault(e) for e in server)
     traced = InferenceServerException("UnicodeDecodeError: bad byte\n\nAt:\n  /tmp/x/embed/1/model.py(17): execute\n")
     assert _message(traced) == "UnicodeDecodeError: bad byte"  # no server paths to the client
+
+
+def test_a_request_waits_for_a_replica_that_comes_back_and_fails_fast_without_the_wait(llama_dir, tmp_path):
+    """Its only replica down (a restart): the request is held and retried with backoff until the
+    replica is back, within `retry_unstarted_s`; with 0 it fails at once, as before."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = {"models": {"solo": {"replicas": [url], "model": "solo-up"}},
+            "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 2}}  # fmt: skip
+    waiting = start_gateway({**base, "retry_unstarted_s": 90}, free_port(), str(tmp_path), "waiting")
+    failing = start_gateway({**base, "retry_unstarted_s": 0}, free_port(), str(tmp_path), "failing")
+    replica = None
+    try:
+        start = time.monotonic()
+        resp = httpx.post(failing.base_url + "/v1/completions", json={"model": "solo", "prompt": "x", "max_tokens": 2})
+        assert resp.status_code in (502, 503) and time.monotonic() - start < 5, resp.text
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"model": "solo", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
+            held = pool.submit(httpx.post, waiting.base_url + "/v1/completions", json=body, timeout=120)
+            time.sleep(1.5)
+            assert not held.done()  # held, not failed
+            replica = wait_healthy(spawn_replica(llama_dir, "solo-up", port, str(tmp_path / "solo.log")))
+            resp = held.result()
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3, resp.text
+    finally:
+        for server in (waiting, failing, replica):
+            if server is not None:
+                server.stop()

@@ -136,6 +136,10 @@ class GatewayConfig(_Strict):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
+    # a request no replica (nor fallback) could start because they are unreachable or their
+    # backend is down waits this long for one to come back (a restarting backend), retried
+    # with backoff; then it fails (502/503). 0: fail at once. Busy replicas (503) never wait.
+    retry_unstarted_s: float = Field(default=30.0, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
     placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
 

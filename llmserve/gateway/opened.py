@@ -9,11 +9,14 @@ from dataclasses import dataclass
 class UpstreamFailed(Exception):
     """The replica failed before anything was passed on: another may be tried.
 
-    `status`/`content` hold its error reply when it sent one (a 5xx), else None."""
+    `status`/`content` hold its error reply when it sent one (a 5xx), else None. `overloaded`:
+    busy, not broken (a 503). `unavailable`: it could not take the request at all (unreachable,
+    its backend down), so waiting for it to come back may help."""
 
-    def __init__(self, message: str, status: int | None = None, content: bytes | None = None, overloaded: bool = False):
+    def __init__(self, message: str, status: int | None = None, content: bytes | None = None,
+                 overloaded: bool = False, unavailable: bool = False):  # fmt: skip
         super().__init__(message)
-        self.status, self.content, self.overloaded = status, content, overloaded
+        self.status, self.content, self.overloaded, self.unavailable = status, content, overloaded, unavailable
 
 
 @dataclass

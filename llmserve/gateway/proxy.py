@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -62,7 +64,7 @@ async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Ope
     try:
         response = await gateway.session.post(pick.replica.url + ctx.path, data=json.dumps(payload), headers=headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
+        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True) from exc
     close = _closer(response)
     try:
         if response.status >= 500:
@@ -73,9 +75,9 @@ async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Ope
         lines = _lines(response)
         first = await anext(lines)  # a replica that dies now has sent the client nothing: retry
         return Opened(200, None, lines, first, close)
-    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:
+    except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:  # it died before answering
         response.close()
-        raise UpstreamFailed(str(exc) or type(exc).__name__) from exc
+        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True) from exc
     except BaseException:
         response.close()
         raise
@@ -98,11 +100,19 @@ async def _attempt(gateway: Gateway, ctx: RequestContext, pick: Pick) -> tuple[I
 
 
 async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
+    """Send the request to a replica, the next one if it fails before the first byte. When none
+    can start it because they are down (not busy), wait for one to come back for up to
+    `retry_unstarted_s`, trying again with backoff: a restarting backend costs time, not the request."""
     tried: set[str] = set()
     last_error: UpstreamFailed | None = None
+    waits = Backoff(gateway.config.retry_unstarted_s)
     while True:
         pick = gateway.router.pick(ctx.alias, tried, ctx.prefix)
         if pick is None:
+            down = last_error is None or last_error.unavailable  # breakers open, or unreachable
+            if down and await waits.wait():
+                tried.clear()
+                continue
             if last_error is not None and last_error.status is not None:
                 return await _finish_plain(gateway, ctx, None, last_error.status, last_error.content or b"")
             raise NoUpstream(ctx.alias)
@@ -124,6 +134,23 @@ async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
             await opened.close()
             return await _finish_plain(gateway, ctx, pick, opened.status, opened.content or b"")
         return _stream(gateway, ctx, pick, sent, opened)
+
+
+class Backoff:
+    """Pauses of 0.25 s doubling to 2 s, until `budget_s` has passed since it was made."""
+
+    def __init__(self, budget_s: float):
+        self.deadline = time.monotonic() + budget_s
+        self.pause = 0.25
+
+    async def wait(self) -> bool:
+        """Sleep the next pause; False (at once) when the budget is spent."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(self.pause, left))
+        self.pause = min(self.pause * 2, 2.0)
+        return True
 
 
 def _headers(ctx: RequestContext, pick: Pick | None) -> dict[str, str]:

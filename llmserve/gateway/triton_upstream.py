@@ -281,18 +281,29 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
             raise _failed(pick, 503, f"the Triton model is overloaded: {message}", "upstream_overloaded") from exc
         # the model or server failed (unreachable, a dead backend stub, a crash): another
         # replica may answer; the breaker counts it
-        raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed") from exc
+        raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed", _down(exc)) from exc
     except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call)
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         why = code.name if code is not None else type(exc).__name__
-        raise _failed(pick, 502, f"the Triton call failed: {why}", "upstream_failed") from exc
+        raise _failed(pick, 502, f"the Triton call failed: {why}", "upstream_failed", unavailable=True) from exc
     except TimeoutError as exc:
         message = f"the Triton model did not answer within {clients.timeout:g} s"
         raise _failed(pick, 504, message, "upstream_timeout") from exc
 
 
-def _failed(pick: Pick, status: int, message: str, code: str) -> UpstreamFailed:
+# what Triton says while a model cannot take requests at all: its stub died, or it is being
+# (re)loaded, or the server is unreachable; waiting for the watchdog's restart may help
+_DOWN = ("UNAVAILABLE", "is not healthy", "unknown model", "is not ready", "not found")
+
+
+def _down(exc: InferenceServerException) -> bool:
+    text = f"{exc.status() or ''} {_message(exc)}"
+    return any(marker in text for marker in _DOWN)
+
+
+def _failed(pick: Pick, status: int, message: str, code: str, unavailable: bool = False) -> UpstreamFailed:
     """A replica's failure: another replica is tried; if none answers, the client gets this
     status and message (a 503 is busy, not broken: no breaker count)."""
     body = json.dumps(error_body(status, message, code=code)).encode()
-    return UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", status, body, overloaded=status == 503)
+    return UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", status, body,
+                          overloaded=status == 503, unavailable=unavailable)  # fmt: skip

@@ -162,12 +162,21 @@ class TritonServer:
         tree = prepare_server_tree(Path(self.workdir))
         # our own prefix, so that cleanup only ever touches this server's regions
         self.shm_prefix = f"{SHM_PREFIX}llmserve{os.getpid()}_{self.http_port}_"
-        out = open(self.log_path, "w") if self.log_path else None
+        # a restart appends: the log of the run that died stays above
+        out = open(self.log_path, "a" if self.proc is not None else "w") if self.log_path else None
         self.proc = subprocess.Popen(
             self.command(tree), env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
             start_new_session=True, preexec_fn=_terminate_with(os.getpid()) if self.stop_with_parent else None,
         )  # fmt: skip
         return self
+
+    def restart(self) -> "TritonServer":
+        """Start again after the process exited (it crashed): its stray stubs, shared memory and
+        temporary tree are cleaned up first; the same ports, repository and models."""
+        self.cleanup()
+        if self.workdir and self.workdir.startswith(tempfile.gettempdir()):
+            self.workdir = None  # removed by cleanup: start() makes a fresh one
+        return self.start()
 
     @property
     def url(self) -> str:
