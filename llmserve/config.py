@@ -224,9 +224,6 @@ class EngineArgs:
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
         lora = self._lora_config(tp)
-        if lora is not None and not eager:
-            logger.warning("LoRA: CUDA graphs are not captured with adapters yet (issue 22); running eager")
-            eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora)  # fmt: skip
 

@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> None:
                                     spec["gpu_memory_budget"], config.placement.sleep_level if config.placement else 1))  # fmt: skip
 
     logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
+    app = build_app(config)
     triton.start()
     watchdog = None
     try:
@@ -170,14 +171,16 @@ def run(args: argparse.Namespace) -> None:
         place()
         if args.watchdog_interval_s > 0:
             # a dead backend is reloaded, a dead server restarted; too many restarts stop the platform (exit 1)
+            grpc_url = f"grpc://127.0.0.1:{args.triton_grpc_port}"
             watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s, after_server_restart=place,
+                                on_backend_dead=lambda model: app.gateway.triton_backend_died(grpc_url, model),
                                 on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,
         )  # fmt: skip
         logging.getLogger("llmserve.gateway").setLevel(args.log_level.upper())
-        uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:
         if watchdog is not None:
             watchdog.stop()

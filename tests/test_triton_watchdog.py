@@ -26,3 +26,39 @@ def test_stubs_are_found_per_model_and_instance_and_others_ignored(tmp_path):
     (proc / "15" / "cmdline").write_bytes(b"")  # a zombie
     (proc / "self").mkdir()
     assert stub_instances(repo, str(proc)) == {"chat": {"chat_0_0", "chat_0_1"}, "embed": {"embed_0_0"}}
+
+
+def test_a_backend_death_ends_the_waiting_calls_but_a_client_leaving_stays_a_cancellation():
+    """The gateway's side: calls waiting on a model's backend end with BackendDied when it dies
+    (and a call of the old generation fails at its next wait); a task cancelled for another
+    reason (the client left) is still cancelled, not turned into BackendDied."""
+    import asyncio
+
+    import pytest
+
+    from llmserve.gateway.triton_upstream import Backend, BackendDied
+
+    async def scenario():
+        backend = Backend()
+
+        async def wait_forever(generation: int):
+            async with backend.watch(generation):
+                await asyncio.Event().wait()
+
+        waiting = [asyncio.ensure_future(wait_forever(0)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert len(backend.waiting) == 3
+        backend.died()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(r, BackendDied) for r in results), results
+        assert backend.waiting == set() and backend.generation == 1
+        with pytest.raises(BackendDied):  # a call of the dead generation
+            await wait_forever(0)
+        leaving = asyncio.ensure_future(wait_forever(1))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        assert backend.waiting == set()
+
+    asyncio.run(scenario())

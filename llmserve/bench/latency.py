@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from llmserve.bench.gpu_monitor import monitor_for
+from llmserve.bench.lora_args import BenchAdapters, add_lora_bench_args, enable_lora_for_bench
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import banner, parse_percentiles, percentile_word, row, write_json
 from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
@@ -35,6 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
     add_sampling_args(p)
+    add_lora_bench_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     parse_percentiles(args.percentiles)  # a bad list fails before the engine starts
     if min(args.batch_size, args.input_len, args.output_len, args.num_iters) < 1 or args.num_iters_warmup < 0:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
+    enable_lora_for_bench(args)
     engine_args = engine_args_from_cli(args)
     return measure(LLM(**vars(engine_args)), args)
 
@@ -64,8 +67,14 @@ def measure(llm, args: argparse.Namespace) -> dict:
     several workloads on one engine)."""
     percentiles = parse_percentiles(args.percentiles)
     monitor = monitor_for(llm)
-    with frozen("bench latency"), monitor or contextlib.nullcontext():  # no full GC pass mid-measurement
-        result = _measure(args, llm, percentiles)
+    adapters = BenchAdapters(llm, args) if getattr(args, "lora_adapters", 0) else None
+    try:
+        with frozen("bench latency"), monitor or contextlib.nullcontext():  # no full GC pass mid-measurement
+            result = _measure(args, llm, percentiles, adapters.for_requests(args.batch_size) if adapters else None)
+    finally:
+        if adapters is not None:
+            adapters.close()
+    result["lora"] = adapters.label(llm) if adapters else None
     usage = monitor.usage() if monitor is not None else None
     result["gpu"] = usage.as_dict() if usage is not None else None
     print(format_report(result))
@@ -76,7 +85,7 @@ def measure(llm, args: argparse.Namespace) -> dict:
     return result
 
 
-def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
+def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None) -> dict:
     mc = llm.config.model_config
     rng = random.Random(args.bench_seed)
 
@@ -84,7 +93,8 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float]) -> dict:
         reqs = random_requests(args.batch_size, args.input_len, 1, mc.arch.vocab_size, rng.getrandbits(63))
         params = [sampling_params(args, max_tokens, i) for i in range(len(reqs))]
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False,
+                     lora_request=loras)  # fmt: skip
         return time.perf_counter() - start
 
     for _ in range(args.num_iters_warmup):
@@ -129,6 +139,8 @@ def format_report(r: dict) -> str:
         row("Batch size:", r["batch_size"]),
         row("Input / output length:", f"{r['input_len']} / {r['output_len']}"),
         row("Iterations:", r["num_iters"]),
+        *([row("LoRA adapters (rank, slots):", f"{r['lora']['adapters']} ({r['lora']['rank']}, "
+                                                 f"{r['lora']['max_loras']})")] if r.get("lora") else []),
         row("Median TTFT (ms):", r["ttft_ms"]),
         row("Mean TTFT (ms):", r["mean_ttft_ms"]),
     ]

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from llmserve.bench.gpu_monitor import monitor_for
+from llmserve.bench.lora_args import BenchAdapters, add_lora_bench_args, enable_lora_for_bench
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
@@ -40,6 +41,7 @@ class ThroughputResult:
     kv_cache_tokens: int = 0  # tokens the engine's KV cache holds
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
+    lora: dict | None = None  # the adapters the requests took in turn (--lora-adapters)
 
 
 def add_parser(subparsers) -> None:
@@ -52,6 +54,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
     add_sampling_args(p)
+    add_lora_bench_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -67,6 +70,7 @@ def make_prompts(n: int, input_len: int, output_len: int, ratio: float, vocab: i
 def run(args: argparse.Namespace) -> ThroughputResult:
     from llmserve import LLM
 
+    enable_lora_for_bench(args)
     engine_args = engine_args_from_cli(args)
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
@@ -85,12 +89,20 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.bench_seed, args.prefix_len
     )
     params = [sampling_params(args, n, i) for i, n in enumerate(out_lens)]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    monitor = monitor_for(llm)
-    with frozen("bench throughput"), monitor or contextlib.nullcontext():  # no full GC pass over the engine mid-measurement
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
+    adapters = BenchAdapters(llm, args) if getattr(args, "lora_adapters", 0) else None
+    loras = adapters.for_requests(len(prompts)) if adapters else None
+    try:
+        # warm-up (with the first adapter: its read and first load are not timed either)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
+                     lora_request=loras[:1] if loras else None)  # fmt: skip
+        monitor = monitor_for(llm)
+        with frozen("bench throughput"), monitor or contextlib.nullcontext():  # no full GC pass mid-measurement
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, lora_request=loras)
+            elapsed = time.perf_counter() - start
+    finally:
+        if adapters is not None:
+            adapters.close()
     usage = monitor.usage() if monitor is not None else None
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
@@ -111,6 +123,7 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         kv_cache_tokens=llm.stats().kv_cache_tokens,
         sampling=sampling_label(args) or None,
         gpu=usage.as_dict() if usage is not None else None,
+        lora=adapters.label(llm) if adapters else None,
     )
     print(
         f"Throughput: {result.requests_per_s:.2f} requests/s, "
@@ -118,6 +131,8 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         f"{result.output_tokens_per_s:.1f} output tokens/s "
         f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s; "
         f"engine ready in {startup:.1f} s)"
+        + (f"; {result.lora['adapters']} LoRA adapters of rank {result.lora['rank']} in turn, "
+           f"{result.lora['max_loras']} device slots" if result.lora else "")
     )
     if usage is not None:
         print(usage.line())

@@ -26,7 +26,7 @@ class LoRAManager:
         self.arch = arch
         self.runner = runner
         self.cache: OrderedDict[str, LoRAAdapter] = OrderedDict()  # key -> adapter, least recently used first
-        self.names: dict[str, str] = {}  # key -> adapter name, for every adapter read since
+        self.names: dict[str, str] = {}  # key -> adapter name, for the adapters held (host cache or slot)
 
     def adapter(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter `lora` names, read and checked on first use (LoRAAdapterError)."""
@@ -37,6 +37,9 @@ class LoRAManager:
             self.names[lora.key] = lora.lora_name
             while len(self.cache) > self.config.max_cpu_loras:
                 self.cache.popitem(last=False)
+            # only names of adapters still held somewhere (host cache or a slot): bounded
+            held = set(self.cache) | set(self.runner.store.loaded())
+            self.names = {key: name for key, name in self.names.items() if key in held}
         self.cache.move_to_end(lora.key)
         return adapter
 

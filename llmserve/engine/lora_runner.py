@@ -2,7 +2,8 @@
 
 Built once the weights are loaded: every adaptable projection of the model is wrapped
 (`llmserve.lora.apply_lora`) over a `LoRASlotStore` of `max_loras` slots and a
-`LoRAContext` sized for the largest step. Adapters are placed in slots by the engine
+`LoRAContext` sized for the largest step (`always_apply` under CUDA graphs: the graphs are
+captured with the LoRA ops in them, and replay for any mix of adapters). Adapters are placed in slots by the engine
 core's `LoRAManager` before the step that uses them; `set_step` writes which slot each of
 the step's tokens uses (the base model's tokens: none).
 """
@@ -21,9 +22,9 @@ from llmserve.lora_batch import NO_ADAPTER
 
 class RunnerLoRA:
     def __init__(self, config: LoRAConfig, model, max_num_tokens: int, dtype: torch.dtype, device: torch.device,
-                 use_kernels: bool) -> None:  # fmt: skip
+                 use_kernels: bool, always_apply: bool = False) -> None:  # fmt: skip
         self.store = LoRASlotStore(model.arch, config.max_loras, config.max_lora_rank, dtype, device)
-        self.context = LoRAContext(max_num_tokens, config.max_loras, device)
+        self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)
         self.applied = apply_lora(model, self.store, self.context, triton_lora_ops() if use_kernels else REFERENCE_LORA_OPS)
 
     def load(self, adapter: LoRAAdapter, protected: Collection[str]) -> None:

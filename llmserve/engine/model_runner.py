@@ -172,8 +172,10 @@ class ModelRunner:
         )  # fmt: skip
         self.lora: RunnerLoRA | None = None  # --enable-lora: adapter slots around the projections
         if config.lora is not None:
+            # with CUDA graphs the LoRA ops are always in the step (captured once, for any mix of adapters)
             self.lora = RunnerLoRA(config.lora, self.model, config.scheduler_config.max_num_batched_tokens,
-                                   self.dtype, self.device, use_kernels=config.attention_backend == "triton")  # fmt: skip
+                                   self.dtype, self.device, use_kernels=config.attention_backend == "triton",
+                                   always_apply=not config.enforce_eager)  # fmt: skip
         self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []

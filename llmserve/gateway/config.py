@@ -139,7 +139,7 @@ class GatewayConfig(_Strict):
     # a request no replica (nor fallback) could start because they are unreachable or their
     # backend is down waits this long for one to come back (a restarting backend), retried
     # with backoff; then it fails (502/503). 0: fail at once. Busy replicas (503) never wait.
-    retry_unstarted_s: float = Field(default=30.0, ge=0)
+    retry_unstarted_s: float = Field(default=60.0, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
     placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
 

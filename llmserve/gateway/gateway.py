@@ -57,6 +57,7 @@ class Gateway:
         self.sampler = StatusSampler(self.router, self.metrics, self.placement)
         # admission sheds by the engines' queues (the sampler's scrapes) as by its own
         self.admission = Admission(config.admission, [k.priority for k in config.keys], self.sampler)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on, while running
         self.client: httpx.AsyncClient | None = None  # health checks; opened while running
         self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
         for r in self.router.all_replicas():
@@ -76,6 +77,7 @@ class Gateway:
             aiohttp.ClientSession(connector=connector, timeout=upstream, auto_decompress=False) as session,
         ):
             self.client, self.session = client, session
+            self._loop = asyncio.get_running_loop()
             checker = asyncio.create_task(health_loop(self.router, config.health, self.probe, self.on_health))
             placing = asyncio.create_task(self.placement.run()) if self.placement is not None else None
             sampling = asyncio.create_task(self.sampler.run())
@@ -101,6 +103,12 @@ class Gateway:
             return (await self.client.get(f"{replica.url}/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def triton_backend_died(self, url: str, model: str) -> None:
+        """From another thread (`llmserve up`'s watchdog): the Triton model's backend on `url`
+        died; the calls waiting on it end (a request not yet answered is retried)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.triton.backend_died, url, model)
 
     def on_health(self, replica: Replica) -> None:
         self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)

@@ -50,12 +50,23 @@ class TritonClients:
         self.timeout = timeout
         self._clients: dict[str, grpcclient.InferenceServerClient] = {}
         self._inputs: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
+        self._backends: dict[tuple[str, str], Backend] = {}
 
     def get(self, url: str) -> grpcclient.InferenceServerClient:
         address = url.removeprefix("grpc://")
         if address not in self._clients:
             self._clients[address] = grpcclient.InferenceServerClient(address)
         return self._clients[address]
+
+    def backend(self, url: str, model: str) -> Backend:
+        """How the gateway knows `model` on `url`: its backend's generation and the calls waiting on it."""
+        return self._backends.setdefault((url, model), Backend())
+
+    def backend_died(self, url: str, model: str) -> None:
+        """The model's backend died (a new call was told so, or the platform's watchdog saw
+        it): every call waiting on it ends now with BackendDied (a dead stub's calls would
+        wait for good); calls made from here on belong to the next generation."""
+        self.backend(url, model).died()
 
     async def inputs(self, url: str, model: str) -> frozenset[str]:
         """The names of a model's inputs (its metadata, kept for a minute: a model may be
@@ -147,9 +158,64 @@ def _chat_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, bo
     return {"model_name": model, "inputs": inputs}, asked
 
 
-async def _responses(client, request: dict, timeout: float) -> AsyncIterator[tuple[int, str]]:
+class BackendDied(InferenceServerException):
+    """The backend a call was waiting on died: nothing more will come."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's backend died (its stub process is gone)", status="StatusCode.UNAVAILABLE")
+
+
+class Backend:
+    """One model on one replica: a generation counter, bumped when its backend dies, and the
+    calls waiting for a response from it (their tasks, cancelled on a death, as asyncio.timeout
+    cancels: cheap enough to wrap every response of a stream)."""
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self.waiting: set[_DeathWatch] = set()
+
+    def died(self) -> None:
+        self.generation += 1
+        waiting, self.waiting = self.waiting, set()
+        for watch in waiting:
+            watch.fire()
+
+    def watch(self, generation: int) -> _DeathWatch:
+        return _DeathWatch(self, generation)
+
+
+class _DeathWatch:
+    """`async with backend.watch(generation):` around one wait for a response: BackendDied
+    if the backend died before or while it waits."""
+
+    def __init__(self, backend: Backend, generation: int) -> None:
+        self.backend, self.generation = backend, generation
+        self.task: asyncio.Task | None = None
+        self.fired = False
+
+    async def __aenter__(self) -> _DeathWatch:
+        if self.backend.generation != self.generation:
+            raise BackendDied()
+        self.task = asyncio.current_task()
+        self.backend.waiting.add(self)
+        return self
+
+    async def __aexit__(self, kind, exc, tb) -> bool:
+        self.backend.waiting.discard(self)
+        if self.fired and kind is asyncio.CancelledError and self.task.uncancel() == 0:
+            raise BackendDied() from None  # cancelled by `fire` alone (not by a client leaving)
+        return False
+
+    def fire(self) -> None:
+        if not self.fired and self.task is not None:
+            self.fired = True
+            self.task.cancel()
+
+
+async def _responses(client, request: dict, timeout: float, backend: Backend) -> AsyncIterator[tuple[int, str]]:
     """(status, text) of each response the chat model sends; cancelled when closed early;
-    TimeoutError when the next response takes over `timeout` seconds (a model that died).
+    TimeoutError when the next response takes over `timeout` seconds (a model that died),
+    BackendDied as soon as `backend` dies (the platform found it dead).
 
     A finished request's call is left for the server to end, not cancelled: Triton 2.51
     can crash (SIGSEGV) when a cancellation races the completion of a request, a race
@@ -159,12 +225,13 @@ async def _responses(client, request: dict, timeout: float) -> AsyncIterator[tup
     async def one_request():
         yield request
 
+    generation = backend.generation
     stream = client.stream_infer(one_request())
     ended = False
     try:
         while True:
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(timeout), backend.watch(generation):
                     result, error = await anext(stream)
             except StopAsyncIteration:
                 return
@@ -212,7 +279,7 @@ def _usage_only(line: str) -> dict | None:
 
 async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
     request, asked_usage = _chat_request(ctx, pick, model)
-    responses = _responses(client, request, clients.timeout)
+    responses = _responses(client, request, clients.timeout, clients.backend(pick.replica.url, model))
     try:
         status, first = await anext(responses)  # errors before this are retried elsewhere
     except StopAsyncIteration:
@@ -274,6 +341,8 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
         return _json(400, error_body(400, str(exc), code="invalid_request"))
     except InferenceServerException as exc:
         message = _message(exc)
+        if "is not healthy" in message:  # its stub died: the calls still waiting on it are over too
+            clients.backend_died(pick.replica.url, model)
         if _client_fault(exc):
             return _json(400, error_body(400, f"the Triton model refused the request: {message}",
                                          code="upstream_rejected"))  # fmt: skip

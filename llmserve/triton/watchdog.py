@@ -64,6 +64,7 @@ class Watchdog:
     window_s: float = 600.0
     unload_wait_s: float = 3.0  # a dead stub's streams never finish: the unload does not wait for them
     after_server_restart: Callable[[], None] | None = None  # e.g. load the placed models again
+    on_backend_dead: Callable[[str], None] | None = None  # a model's backend died: end the calls waiting on it
     on_give_up: Callable[[], None] | None = None
     restarts: list[dict] = field(default_factory=list)  # {"what", "model", "at", "seconds"}: for logs and tests
     gave_up: bool = False
@@ -147,6 +148,8 @@ class Watchdog:
         if not self._allowed():
             return
         logger.warning("watchdog: the %s model's backend died (%s gone): restarting it", model, ", ".join(lost))
+        if self.on_backend_dead is not None:
+            self.on_backend_dead(model)
         start = time.monotonic()
         self._seen.pop(model, None)
         self._missing.pop(model, None)
