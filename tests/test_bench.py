@@ -489,3 +489,33 @@ def test_bench_soak_records_every_window_of_a_real_server(server, tmp_path, caps
 def test_bench_soak_bad_arguments_are_clear(capsys):
     with pytest.raises(SystemExit, match="must be positive"):
         main(["bench", "soak", "--base-url", "http://127.0.0.1:9", "--rate", "0"])
+
+
+def test_throughput_and_latency_with_lora_adapters_taken_in_turn(llama_dir, tmp_path, monkeypatch):
+    """--lora-adapters: random PEFT adapters of the model's shape (read back by the engine's own
+    reader), requests spread over them, fewer slots than adapters (swapped during the run);
+    the temporary adapters are removed afterwards."""
+    import glob
+    import tempfile
+
+    from llmserve.lora import read_peft_adapter
+    from llmserve.lora.synthetic import write_random_adapter
+    from llmserve.model.arch import read_model_arch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "tp.json"
+    main(["bench", "throughput", "--model", llama_dir, "--max-model-len", "128", "--num-prompts", "12",
+          "--input-len", "8", "--output-len", "4", "--lora-adapters", "3", "--lora-rank", "4", "--max-loras", "2",
+          "--output-json", str(out)])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["lora"] == {"adapters": 3, "rank": 4, "max_loras": 2} and r["num_requests"] == 12
+    assert r["output_tokens_per_s"] > 0
+    assert not glob.glob(str(tmp_path / "llmserve-bench-lora-*"))
+    lat = tmp_path / "lat.json"
+    main(["bench", "latency", "--model", llama_dir, "--max-model-len", "128", "--batch-size", "2", "--input-len", "8",
+          "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0", "--lora-adapters", "1",
+          "--output-json", str(lat)])  # fmt: skip
+    assert json.loads(lat.read_text())["lora"] == {"adapters": 1, "rank": 16, "max_loras": 1}
+    arch = read_model_arch(Path(llama_dir))
+    adapter = read_peft_adapter(write_random_adapter(arch, tmp_path / "one", 4, 0), "one", arch, 16)
+    assert adapter.rank == 4 and len(adapter.modules) == 7 * arch.num_layers
