@@ -38,7 +38,8 @@ def main() -> None:
     results = {}
     for mode, eager in (("graphs", False), ("eager", True)):
         llm = LLM(model=str(model), dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16,
-                  max_model_len=256, max_num_seqs=32, enforce_eager=eager, gpu_memory_utilization=0.3)  # fmt: skip
+                  max_model_len=256, max_num_seqs=32, enforce_eager=eager, lora_cuda_graphs=not eager,
+                  gpu_memory_utilization=0.3)  # fmt: skip
         arch = llm.config.model_config.arch
         loras = [LoRARequest(f"a{k}", k + 1, str(write_random_adapter(arch, work / f"a{k}", (8, 16)[k % 2], k)))
                  for k in range(4)]  # fmt: skip
