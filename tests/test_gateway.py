@@ -552,3 +552,43 @@ def test_a_request_waits_for_a_replica_that_comes_back_and_fails_fast_without_th
         for server in (waiting, failing, replica):
             if server is not None:
                 server.stop()
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_redis_stopped_and_started_under_a_running_gateway(platform, tmp_path, fail_open):
+    """Redis stopped under a gateway process: its key's requests are refused with 503
+    `limits_unavailable` (fail closed, the default) or let through (fail_open), never a 500; Redis
+    started again (empty: nothing persisted): the limits are exact again at once, 5 of 8 within rpm 5."""
+    port = free_port()
+    redis = start_redis(port, str(tmp_path))
+    lite = platform["replicas"]["lite"]
+    config = {
+        "models": {"lite": {"replicas": [lite.base_url], "model": "lite-up"}},
+        "keys": [{"name": "r", "sha256": hash_key("sk-redis"), "rpm": 5}],
+        "limits": {"backend": "redis", "url": redis.base_url, "prefix": f"gw-{uuid.uuid4().hex}", "fail_open": fail_open,
+                   "timeout_s": 0.5},
+    }  # fmt: skip
+    gateway = start_gateway(config, free_port(), str(tmp_path), name=f"redis-outage-{fail_open}")
+
+    def call(_: int = 0) -> httpx.Response:
+        body = {"model": "lite", "prompt": "x", "max_tokens": 1}
+        return httpx.post(gateway.base_url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-redis"},
+                          timeout=60)  # fmt: skip
+
+    try:
+        assert [call().status_code for _ in range(2)] == [200, 200]
+        redis.stop()
+        during = [call() for _ in range(3)]
+        if fail_open:
+            assert [r.status_code for r in during] == [200] * 3, [r.text for r in during]
+        else:
+            assert all(r.status_code == 503 and r.json()["error"]["code"] == "limits_unavailable" for r in during)
+            assert all(r.headers["Retry-After"] == "1" for r in during)
+        redis = start_redis(port, str(tmp_path))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(call, range(8)))
+        codes = sorted(r.status_code for r in replies)
+        assert codes == [200] * 5 + [429] * 3, [r.text for r in replies]
+    finally:
+        gateway.stop()
+        redis.stop()

@@ -81,7 +81,7 @@ class TritonActuator(_ControlActuator):
         url, model = self.targets[name]
         inputs = [_strings("request", [json.dumps(body or {})], [1]), _strings("endpoint", [endpoint], [1])]
         answers = [a async for a in _responses(self.clients.get(url), {"model_name": model, "inputs": inputs},
-                                               self.timeout_s)]  # fmt: skip
+                                               self.timeout_s, self.clients.backend(url, model))]  # fmt: skip
         if not answers:
             raise ControlFailed(f"{name}: {endpoint} got no answer")
         status, text = answers[-1]
