@@ -592,3 +592,28 @@ def test_redis_stopped_and_started_under_a_running_gateway(platform, tmp_path, f
     finally:
         gateway.stop()
         redis.stop()
+
+
+def test_metrics_and_dashboard_exposure_is_configurable(platform, tmp_path):
+    """`expose:` metrics keyed (a valid key, as Prometheus sends it), the dashboard off (404);
+    `keyed` on an open gateway is refused at start."""
+    lite = platform["replicas"]["lite"]
+    config = {"models": {"lite": {"replicas": [lite.base_url], "model": "lite-up"}},
+              "keys": [{"name": "ops", "sha256": hash_key("sk-ops")}, {"name": "old", "sha256": hash_key("sk-old"),
+                                                                        "revoked": True}],
+              "expose": {"metrics": "keyed", "dashboard": "off"}}  # fmt: skip
+    gateway = start_gateway(config, free_port(), str(tmp_path), name="exposure")
+    try:
+        url = gateway.base_url
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sk-old"}):
+            resp = httpx.get(url + "/metrics", headers=headers)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        resp = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-ops"})
+        assert resp.status_code == 200 and "llmserve_gateway_requests_total" in resp.text
+        for path in ("/dashboard", "/dashboard/data"):
+            assert httpx.get(url + path, headers={"Authorization": "Bearer sk-ops"}).status_code == 404
+        assert httpx.get(url + "/health").status_code == 200  # for load balancers: always open
+    finally:
+        gateway.stop()
+    with pytest.raises(ValueError, match="keyed"):
+        GatewayConfig.model_validate({"models": {"m": {"replicas": ["http://x:1"]}}, "expose": {"metrics": "keyed"}})

@@ -100,7 +100,8 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
     base, paths = lora_setup
     srv = start_server([base, "--dtype", "float32", "--max-model-len", "128", "--served-model-name", "base",
                         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-                        "--lora-modules", f"qv={paths['r4-qv']}"], str(tmp_path / "server.log"),
+                        "--lora-modules", f"qv={paths['r4-qv']}", "--lora-roots", str(paths["r8-all"].parent)],
+                       str(tmp_path / "server.log"),
                        env={"LLMSERVE_ADMIN_API_KEY": "adm"})  # fmt: skip
     admin = {"Authorization": "Bearer adm"}
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="none")
@@ -124,8 +125,12 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
         load = {"lora_name": "all", "lora_path": str(paths["r8-all"])}
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", json=load).status_code == 401  # admin only
         bad = httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin,
-                         json={"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})  # fmt: skip
+                         json={"lora_name": "bad", "lora_path": str(paths["r8-all"].parent / "nowhere")})  # fmt: skip
         assert bad.status_code == 400 and "no adapter folder" in bad.json()["error"]["message"]
+        for outside in ("/etc", str(paths["r8-all"].parent / ".." / ".."), str(tmp_path)):  # outside --lora-roots
+            refused = httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin,
+                                 json={"lora_name": "x", "lora_path": outside})  # fmt: skip
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "path_not_allowed", refused.text
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin, json=load).status_code == 200
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin, json=load).status_code == 400
         assert {m.id for m in client.models.list().data} == {"base", "qv", "all"}

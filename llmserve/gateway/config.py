@@ -127,6 +127,14 @@ class PlacementConfig(_Strict):
         return self
 
 
+class ExposureConfig(_Strict):
+    """Who may read the gateway's own pages: `open` (anyone who reaches the port), `keyed` (a
+    valid gateway key, as for the API: Prometheus sends it with `authorization`), `off` (404)."""
+
+    metrics: Literal["open", "keyed", "off"] = "open"  # /metrics
+    dashboard: Literal["open", "keyed", "off"] = "open"  # /dashboard and /dashboard/data
+
+
 class GatewayConfig(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     keys: list[ApiKey] = []  # no keys: the gateway is open
@@ -142,9 +150,12 @@ class GatewayConfig(_Strict):
     retry_unstarted_s: float = Field(default=60.0, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
     placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
+    expose: ExposureConfig = ExposureConfig()  # the metrics and the status page: open, keyed or off
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:
+        if not self.keys and "keyed" in (self.expose.metrics, self.expose.dashboard):
+            raise ValueError("expose: `keyed` needs keys (an open gateway has none to check)")
         for alias, route in self.models.items():
             if not _ALIAS.match(alias):
                 raise ValueError(f"model alias {alias!r} has characters outside [A-Za-z0-9._:/-]")

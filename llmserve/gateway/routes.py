@@ -28,6 +28,7 @@ from llmserve.gateway.intake import (
     wait_for_model,
 )
 from llmserve.gateway.keys import may_call
+from llmserve.openai.errors import error_body
 from llmserve.gateway.proxy import NoUpstream, forward
 
 PROXIED_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/v1/rerank")
@@ -113,16 +114,28 @@ def api_router(gateway: Gateway) -> APIRouter:
         alias has a healthy replica, else "degraded"; placed models' states (`placement`)."""
         return JSONResponse(gateway.health().body())
 
+    def exposed(setting: str, request: Request) -> Response | None:
+        """None when the caller may read the page (`expose:`), else the refusal."""
+        if setting == "off":
+            return JSONResponse(error_body(404, f"{request.url.path} is not served here", code="not_found"),
+                                status_code=404)  # fmt: skip
+        if setting == "keyed" and gateway.keys.authenticate(request.headers.get("authorization")) is None:
+            return reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
+        return None
+
     @router.get("/metrics")
-    async def metrics() -> Response:
-        return Response(gateway.metrics_page(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        refused = exposed(config.expose.metrics, request)
+        return refused or Response(gateway.metrics_page(), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text(), headers={"cache-control": "no-store"})
+    async def page(request: Request) -> Response:
+        refused = exposed(config.expose.dashboard, request)
+        return refused or HTMLResponse(PAGE.read_text(), headers={"cache-control": "no-store"})
 
     @router.get("/dashboard/data")
-    async def data() -> JSONResponse:
-        return JSONResponse(asdict(gateway.sampler.data()), headers={"cache-control": "no-store"})
+    async def data(request: Request) -> Response:
+        refused = exposed(config.expose.dashboard, request)
+        return refused or JSONResponse(asdict(gateway.sampler.data()), headers={"cache-control": "no-store"})
 
     return router

@@ -5,11 +5,13 @@
   request whose "model" is `lora_name` runs with it.
 - POST /v1/unload_lora_adapter {"lora_name"}: no new request can name it; requests already
   running with it finish with it (nothing accepted is lost).
-Adapters are listed in /v1/models with their base model as `parent`.
+Adapters are listed in /v1/models with their base model as `parent`. With `--lora-roots`, a
+load names a folder inside one of them, or it is refused (403) before anything is read.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +24,19 @@ from llmserve.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRe
 from llmserve.serve.state import ServerState
 
 
+def inside_roots(path: str, roots: list[str]) -> bool:
+    """Whether `path`, with symlinks and '..' resolved, is one of `roots` (resolved) or inside one."""
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
 def add_lora_routes(app: FastAPI, admin: Callable[..., Any]) -> None:
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load(req: LoadLoRAAdapterRequest, s: ServerState = Depends(admin)) -> str:
         engine = s.require_engine()
+        if s.config.lora_roots and not inside_roots(req.lora_path, s.config.lora_roots):
+            raise APIError(403, "lora_path is outside the folders this server loads adapters from (--lora-roots)",
+                           code="path_not_allowed", param="lora_path")  # fmt: skip
         if req.lora_name in s.adapters or req.lora_name in s.config.served_model_names:
             raise APIError(400, f"the LoRA adapter {req.lora_name!r} has already been loaded", code="already_loaded",
                            param="lora_name")  # fmt: skip

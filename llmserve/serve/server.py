@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
                    help="413 for a request body over this size")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
+    p.add_argument("--lora-roots", nargs="+", default=[], metavar="DIR",
+                   help="the folders /v1/load_lora_adapter may read adapters from (403 for a path outside them, "
+                        "after resolving symlinks and '..'); default: any path the server can read")  # fmt: skip
     p.add_argument("--max-queued-requests", type=int, default=None, help="503 above this many requests in flight")
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -127,6 +130,7 @@ def run(args: argparse.Namespace) -> None:
         enable_sleep_mode=args.enable_sleep_mode,
         enable_lora=engine_config.lora is not None,
         lora_modules=lora_modules,
+        lora_roots=[os.path.realpath(root) for root in args.lora_roots],
     )
 
     def build(on_fatal, on_ready):

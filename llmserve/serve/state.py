@@ -32,6 +32,8 @@ class ServerConfig:
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's routes)
     enable_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter; adapters named as models
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, served from the start
+    # set: /v1/load_lora_adapter takes only folders inside these (symlinks and .. resolved first)
+    lora_roots: list[str] = field(default_factory=list)
 
 
 @dataclass
