@@ -35,7 +35,39 @@ def gateway_app(gateway: Gateway) -> ProxyFirst:
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     install_error_handlers(app)  # unknown paths and methods, bad query values: OpenAI's error format
     app.include_router(api_router(gateway))
+    app.openapi = lambda: openapi_with_proxied_routes(app)
     return ProxyFirst(app, gateway, proxy_route(gateway))
+
+
+def openapi_with_proxied_routes(app: FastAPI) -> dict:
+    """FastAPI's schema of the app, plus the proxied POST routes with their request bodies
+    (ProxyFirst serves them ahead of FastAPI, so FastAPI alone would leave them out)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+    from pydantic.json_schema import models_json_schema
+
+    from llmserve.openai.pooling_protocol import EmbeddingRequest, RerankRequest
+    from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+              "/v1/embeddings": EmbeddingRequest, "/v1/rerank": RerankRequest}  # fmt: skip
+    assert set(bodies) == set(PROXIED_PATHS)
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    refs, defs = models_json_schema([(m, "validation") for m in bodies.values()],
+                                    ref_template="#/components/schemas/{model}")  # fmt: skip
+    schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    answer = {"description": "the upstream's answer: JSON, or server-sent events when `stream` is true"}
+    refused = {"description": "refused: OpenAI's error body"}
+    for path, model in bodies.items():
+        schema["paths"][path] = {"post": {
+            "summary": f"proxied to the route's replicas: {model.__name__}",
+            "operationId": "proxy_" + path.strip("/").replace("/", "_"),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": refs[(model, "validation")]}}},
+            "responses": {"200": answer, "4XX": refused, "503": refused},
+        }}  # fmt: skip
+    app.openapi_schema = schema
+    return schema
 
 
 class ProxyFirst:

@@ -29,6 +29,9 @@ class ModelRoute(_Strict):
     replicas: list[str] = Field(min_length=1)  # http(s)://host:port (openai), grpc://host:port (triton)
     model: str | None = None  # the name the upstreams know; the alias when unset
     lora: str | None = None  # a LoRA adapter the upstream serves: sent as the body's model (to Triton: model stays its chat model)
+    # the adapter's folder as the replicas see it: the gateway prefers replicas holding `lora` and
+    # loads it on demand onto the one it picks (POST /v1/load_lora_adapter with the admin key)
+    lora_path: str | None = None
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
     routing: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
@@ -55,6 +58,9 @@ class ModelRoute(_Strict):
             if not url.startswith(schemes):
                 raise ValueError(f"replica {url!r} of a {self.kind} upstream must start with {' or '.join(schemes)}")
         self.replicas = [u.rstrip("/") for u in self.replicas]
+        if self.lora_path is not None and (self.lora is None or self.kind != "openai"):
+            raise ValueError("lora_path (loading an adapter on demand) needs `lora` and llmserve serve replicas "
+                             "(kind: openai); a Triton chat model takes its adapters from lora_modules")  # fmt: skip
         return self
 
 

@@ -15,6 +15,7 @@ import aiohttp
 import httpx
 from prometheus_client import generate_latest
 
+from llmserve.gateway.adapters import AdapterHoldings
 from llmserve.gateway.admission import Admission
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.context import RequestContext, log_access
@@ -48,7 +49,8 @@ class Gateway:
         self.config = config
         self.keys = KeyStore(config.keys)
         self.limiter = build_limiter(config.keys, config.limits)
-        self.router = Router(config)
+        self.adapters = AdapterHoldings()  # LoRA adapters on the replicas of routes with `lora`
+        self.router = Router(config, self.adapters)
         self.metrics = GatewayMetrics()
         self.triton = TritonClients(config.upstream_timeout_s)  # gRPC clients of Triton replicas, opened on first use
         # several chat models on one GPU: requests wait for their model to wake
@@ -100,8 +102,12 @@ class Gateway:
         if route.kind == "triton":
             return await self.triton.ready(replica.url, route.model or replica.alias, timeout)
         try:
-            return (await self.client.get(f"{replica.url}/health", timeout=timeout)).status_code == 200
-        except httpx.HTTPError:
+            up = (await self.client.get(f"{replica.url}/health", timeout=timeout)).status_code == 200
+            if up and route.lora is not None:  # which adapters it holds now (loaded, unloaded, restarted)
+                models = await self.client.get(f"{replica.url}/v1/models", timeout=timeout)
+                self.adapters.seen(replica.url, models.json())
+            return up
+        except (httpx.HTTPError, ValueError):
             return False
 
     def triton_backend_died(self, url: str, model: str) -> None:
@@ -160,3 +166,4 @@ class Gateway:
         self.metrics.latency.labels(ctx.alias).observe(latency)
         log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,
                    served_by=ctx.served_by, latency_ms=round(latency * 1000, 1), tokens=ctx.used_tokens)  # fmt: skip
+

@@ -51,6 +51,10 @@ class GatewayMetrics:
             "llmserve_gateway_routing", "Requests sent upstream, by how the replica was chosen.",
             ["alias", "decision"], registry=self.registry,
         )  # fmt: skip
+        self.adapter_loads = Counter(
+            "llmserve_gateway_adapter_loads", "LoRA adapters loaded on demand onto a replica (routes with lora_path).",
+            ["alias", "replica"], registry=self.registry,
+        )  # fmt: skip
         # placement: chat models sharing one GPU (docs/placement.md)
         self.model_state = Gauge(
             "llmserve_model_state", "1 for the state a placed model is in (resident, asleep, waking, sleeping).",

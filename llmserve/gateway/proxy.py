@@ -55,7 +55,26 @@ def _closer(response: aiohttp.ClientResponse):
 
 
 async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Opened:
-    """Send to one OpenAI-compatible replica and read up to the first byte we would pass on."""
+    """Send to one OpenAI-compatible replica and read up to the first byte we would pass on; a
+    route's LoRA adapter is loaded there first if needed (and again if the replica dropped it)."""
+    route, url = pick.route, pick.replica.url
+    if route.lora_path is not None:
+        await _load_adapter(gateway, pick)
+    opened = await _send_openai(gateway, ctx, pick)
+    if opened.status == 404 and route.lora_path is not None:  # the replica dropped the adapter since
+        await opened.close()
+        gateway.adapters.dropped(url, route.lora)
+        await _load_adapter(gateway, pick)
+        opened = await _send_openai(gateway, ctx, pick)
+    return opened
+
+
+async def _load_adapter(gateway: Gateway, pick: Pick) -> None:
+    if await gateway.adapters.ensure_loaded(gateway.client, pick.route, pick.replica.url, gateway.config.upstream_timeout_s):
+        gateway.metrics.adapter_loads.labels(pick.alias, pick.replica.url).inc()
+
+
+async def _send_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Opened:
     payload = dict(ctx.payload, model=pick.route.lora or pick.route.model or pick.alias)
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
     if pick.route.send_priority and ctx.priority:

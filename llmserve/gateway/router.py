@@ -7,6 +7,7 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from llmserve.gateway.adapters import AdapterHoldings
 from llmserve.gateway.affinity import rendezvous_score
 from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
 
@@ -68,8 +69,9 @@ class Pick:
 
 
 class Router:
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, adapters: AdapterHoldings | None = None):
         self.config = config
+        self.adapters = adapters  # which replica holds which LoRA adapter (routes with `lora`)
         self.replicas = {a: [Replica(a, u) for u in r.replicas] for a, r in config.models.items()}
         self._turn = itertools.count()  # breaks ties so idle replicas take turns
         self.uses_affinity = any(r.routing == "prefix_affinity" for r in config.models.values())
@@ -95,6 +97,12 @@ class Router:
             candidates = self._available(alias, exclude)
             if candidates:
                 least = min(r.outstanding for r in candidates)
+                held = self._holding(route, candidates)
+                if held:  # a replica with the adapter loaded, unless it is busier than the rest by too much
+                    fewest = min(r.outstanding for r in held)
+                    if fewest <= least + route.affinity_max_imbalance:
+                        tied = [r for r in held if r.outstanding == fewest]
+                        return Pick(alias, route, tied[next(self._turn) % len(tied)], "adapter_held")
                 if route.routing == "prefix_affinity" and prefix is not None:
                     home = max(candidates, key=lambda r: rendezvous_score(prefix, r.url))
                     if home.outstanding <= least + route.affinity_max_imbalance:
@@ -106,6 +114,11 @@ class Router:
                 return Pick(alias, route, tied[next(self._turn) % len(tied)], decision)
             alias = route.fallback
         return None
+
+    def _holding(self, route: ModelRoute, candidates: list[Replica]) -> list[Replica]:
+        if route.lora is None or self.adapters is None:
+            return []
+        return [r for r in candidates if self.adapters.holds(r.url, route.lora)]
 
     def all_replicas(self) -> list[Replica]:
         return [r for rs in self.replicas.values() for r in rs]
