@@ -78,3 +78,30 @@ def metric(base_url: str, name: str) -> float:
     if not found:
         raise KeyError(f"{name} not in /metrics")
     return total
+
+
+def raw_http(base_url: str, head: bytes, body: bytes = b"", timeout: float = 10.0) -> bytes:
+    """Send bytes as they are (a request head the HTTP clients would not build) and read the
+    whole answer until the server closes or `timeout` passes."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=timeout) as conn:
+        try:
+            conn.sendall(head + body)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed before reading it all
+            pass
+        chunks = []
+        try:
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return b"".join(chunks)
+
+
+def big_header_request(path: str, header_bytes: int, keep_alive: bool = False) -> bytes:
+    connection = b"keep-alive" if keep_alive else b"close"
+    return (f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode() + b"a" * header_bytes
+            + b"\r\nConnection: " + connection + b"\r\n\r\n")  # fmt: skip

@@ -617,3 +617,13 @@ def test_metrics_and_dashboard_exposure_is_configurable(platform, tmp_path):
         gateway.stop()
     with pytest.raises(ValueError, match="keyed"):
         GatewayConfig.model_validate({"models": {"m": {"replicas": ["http://x:1"]}}, "expose": {"metrics": "keyed"}})
+
+
+def test_the_gateway_refuses_a_request_head_over_its_limit_with_431(platform):
+    from server_utils import big_header_request, raw_http
+
+    gateway = platform["gateway"].base_url
+    assert raw_http(gateway, big_header_request("/health", 8_000)).startswith(b"HTTP/1.1 200")
+    answer = raw_http(gateway, big_header_request("/v1/models", 70_000))
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, answer[:200]
+    assert httpx.get(gateway + "/health").status_code == 200

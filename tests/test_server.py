@@ -450,3 +450,30 @@ def test_null_fields_take_their_defaults(client, server):
     bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": None},
                      headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
     assert bad.status_code == 400  # a required field stays required
+
+
+def test_a_request_head_over_the_limit_is_a_431_and_the_connection_closes(server):
+    """uvicorn keeps no header limit of its own (a 10 MB header was read and answered 200): the
+    server answers 431 past --max-request-header-bytes (64 KiB) without reading more, in
+    OpenAI's error shape; heads under it, and big bodies, are served as before."""
+    import json as _json
+
+    from server_utils import big_header_request, raw_http
+
+    assert raw_http(server.base_url, big_header_request("/health", 8_000)).startswith(b"HTTP/1.1 200")
+    answer = raw_http(server.base_url, big_header_request("/health", 70_000))
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    assert _json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "headers_too_large"
+    # 10 MB: refused after the first 64 KiB or so; the client, still sending, may see the reset
+    # before the 431 (as with any server that closes early), but nothing more is read
+    answer = raw_http(server.base_url, big_header_request("/health", 10_000_000))
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 431"), answer[:100]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    long_url = raw_http(server.base_url, b"GET /health?" + b"q" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert long_url.startswith(b"HTTP/1.1 431")
+    # a body of 1 MB is not a head: the chat route reads it (and refuses the content, not the size)
+    body = _json.dumps({"model": "x", "prompt": "a" * 1_000_000}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    answer = raw_http(server.base_url, head, body)
+    assert not answer.startswith(b"HTTP/1.1 431") and answer.startswith(b"HTTP/1.1 4"), answer[:100]

@@ -148,6 +148,7 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     admission: AdmissionConfig = AdmissionConfig()
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_header_bytes: int = Field(default=64 << 10, ge=1024)  # request line and headers: 431 above
     body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     # a request no replica (nor fallback) could start because they are unreachable or their

@@ -62,6 +62,6 @@ async def openai_call(engine: EngineClient, endpoint: str, body: bytes, model: s
     except APIError as exc:
         return Reply.refused(exc)
     except EngineDeadError as exc:
-        return Reply.refused(APIError(503, f"the engine is not running: {exc}"))
+        return Reply.refused(APIError(503, f"the engine is not running: {exc}", code="engine_dead"))
     except ValueError as exc:  # sampling settings the engine refuses
         return Reply.refused(APIError(400, str(exc)))

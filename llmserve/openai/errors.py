@@ -37,9 +37,9 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return ErrorResponse(error=info).model_dump()
 
 
-def sse_error(status: int, message: str) -> str:
+def sse_error(status: int, message: str, code: str | None = None) -> str:
     """An error inside a stream: sent as a final SSE event."""
-    return f"data: {json.dumps(error_body(status, message))}\n\n"
+    return f"data: {json.dumps(error_body(status, message, code))}\n\n"
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -34,8 +34,10 @@ async def sse_stream(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         raise
     except APIError as exc:
         yield sse_error(exc.status, exc.message)
-    except (ValueError, EngineDeadError) as exc:
-        yield sse_error(503 if isinstance(exc, EngineDeadError) else 400, str(exc))
+    except EngineDeadError as exc:
+        yield sse_error(503, str(exc), "engine_dead")
+    except ValueError as exc:
+        yield sse_error(400, str(exc))
     except Exception as exc:  # noqa: BLE001 - the stream must end cleanly
         logger.exception("error during a stream")
         yield sse_error(500, f"internal error: {type(exc).__name__}")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
+from llmserve.http_head_limit import DEFAULT_MAX_HEADER_BYTES, head_limited_http
 from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ def add_parser(subparsers) -> None:
                    "--api-key (default: $LLMSERVE_ADMIN_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="413 for a request body over this size")
+    p.add_argument("--max-request-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="431 for a request line and headers over this size")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
     p.add_argument("--lora-roots", nargs="+", default=[], metavar="DIR",
@@ -76,6 +79,7 @@ def _serve(build: Callable[[Callable[[str], None], Callable[[], None]], Any], ar
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
+            http=head_limited_http(args.max_request_header_bytes),  # 431 past it
         )
     )  # fmt: skip
     logger.info("serving %s on http://%s:%d (model loading in the background)", what, args.host, args.port)

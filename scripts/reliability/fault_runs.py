@@ -74,7 +74,7 @@ class Load:
 
     def _one(self, i: int) -> None:
         sent = time.monotonic() - self.start
-        stream = (i % 100) < self.stream_share * 100
+        stream = (i % 10) < self.stream_share * 10  # streams and whole bodies interleaved
         body = dict(self.body, stream=stream)
         outcome, started = "ok", False
         try:
