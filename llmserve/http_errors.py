@@ -43,7 +43,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}")
+        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
