@@ -226,7 +226,7 @@ class EngineArgs:
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
         if self.sampler not in ("batched", "reference"):
             raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
-        lora = self._lora_config(tp)
+        lora = self._lora_config()
         if lora is not None and not eager and not self.lora_cuda_graphs:
             logger.warning("LoRA: running eager (CUDA graphs with adapters are behind --lora-cuda-graphs until "
                            "checked on a GPU)")  # fmt: skip
@@ -234,7 +234,7 @@ class EngineArgs:
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora)  # fmt: skip
 
-    def _lora_config(self, tp: int) -> LoRAConfig | None:
+    def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
         if self.max_loras < 1 or self.max_lora_rank < 1:
@@ -242,8 +242,6 @@ class EngineArgs:
         cpu = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
         if cpu < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
-        if tp > 1:
-            raise ConfigError("LoRA adapters with tensor parallelism are not supported yet (issue 22)")
         if self.enable_sleep_mode:
             raise ConfigError("LoRA adapters with sleep mode are not supported yet (issue 22)")
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)

@@ -519,3 +519,57 @@ def test_throughput_and_latency_with_lora_adapters_taken_in_turn(llama_dir, tmp_
     arch = read_model_arch(Path(llama_dir))
     adapter = read_peft_adapter(write_random_adapter(arch, tmp_path / "one", 4, 0), "one", arch, 16)
     assert adapter.rank == 4 and len(adapter.modules) == 7 * arch.num_layers
+
+
+def test_bench_aborts_leaves_nothing_running_after_a_storm_of_cut_streams(server, tmp_path):
+    """A short storm (the documented run sends 10,000): streams cut before their first chunk, in
+    the middle and at random moments; afterwards no request runs or waits, no KV block is held,
+    and the next request is served whole."""
+    out = tmp_path / "aborts.json"
+    main(["bench", "aborts", "--base-url", server.base_url, "--count", "300", "--concurrency", "16",
+          "--max-tokens", "32", "--chat-share", "0", "--output-json", str(out)])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["passed"] and r["next_request_ok"] and r["errors"] == {}
+    assert r["cut_before_first_chunk"] > 0 and r["cut_mid_stream"] > 100 and r["finished"] > 0
+    assert r["cut_before_first_chunk"] + r["cut_mid_stream"] + r["finished"] == 300
+    assert r["left_behind"]["vllm:num_kv_blocks_used"] == 0 and r["left_behind"]["vllm:num_requests_running"] == 0
+
+
+def test_bench_aborts_fails_when_the_server_keeps_requests(tmp_path):
+    """Against a server whose gauges never empty (a stub /metrics), the run fails (exit 1)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Stuck(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = (b"vllm:num_requests_running 3\nvllm:num_kv_blocks_used 7\n" if self.path == "/metrics"
+                    else b'{"data": [{"id": "m"}]}')  # fmt: skip
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            body = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", "aborts", "--base-url", f"http://127.0.0.1:{stub.server_port}", "--count", "10",
+                  "--concurrency", "2", "--settle-timeout", "1", "--chat-share", "0",
+                  "--output-json", str(tmp_path / "a.json")])  # fmt: skip
+        assert exc.value.code == 1
+        r = json.loads((tmp_path / "a.json").read_text())
+        assert not r["passed"] and r["left_behind"]["vllm:num_requests_running"] == 3
+    finally:
+        stub.shutdown()

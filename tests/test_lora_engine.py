@@ -66,6 +66,28 @@ def test_adapters_and_the_base_in_one_call_give_each_merged_models_tokens(lora_s
     assert llm.core.kv.pool.num_used == 0 and len(llm.core.runner.lora.store.loaded()) <= 2
 
 
+def test_tensor_parallel_ranks_share_each_adapter_and_give_merged_peft_tokens(lora_setup):
+    """tensor_parallel_size=2: each rank holds its share of every adapter (B's rows for q, k, v,
+    gate, up; A's columns for o and down, whose shrink outputs are summed over the ranks), the
+    driver's slot choices reach both ranks, and with one slot for three adapters (evictions on
+    both ranks) every request still gets its merged model's tokens."""
+    base, paths = lora_setup
+    names = ["r4-qv", "r8-all", "r16-mlp-rslora", "r8-layer1"]
+    want = {None: merged_greedy(base, None, PROMPTS)} | {n: merged_greedy(base, paths[n], PROMPTS) for n in names}
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, tensor_parallel_size=2,
+              block_size=8, max_model_len=128)  # fmt: skip
+    try:
+        requests = {n: LoRARequest(n, i + 1, str(paths[n])) for i, n in enumerate(names)}
+        order = [None, *names, "r4-qv"]  # the first adapter again after it was evicted
+        prompts = [{"prompt_token_ids": p} for _ in order for p in PROMPTS]
+        loras = [requests.get(n) for n in order for _ in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outs] == [t for n in order for t in want[n]]
+    finally:
+        llm.shutdown()
+
+
 def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
     base, paths = lora_setup
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64)

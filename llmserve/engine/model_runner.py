@@ -24,6 +24,7 @@ import torch
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.lora_runner import RunnerLoRA
+from llmserve.lora.adapter import LoRAAdapter
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
@@ -109,6 +110,7 @@ class StepInputs:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     batch: BatchInputs | None
+    lora_slots: list[int] | None = None  # with LoRA: each token's adapter slot (the driver's choice)
 
 
 def on_every_rank(method: Callable) -> Callable:
@@ -175,7 +177,7 @@ class ModelRunner:
             # with CUDA graphs the LoRA ops are always in the step (captured once, for any mix of adapters)
             self.lora = RunnerLoRA(config.lora, self.model, config.scheduler_config.max_num_batched_tokens,
                                    self.dtype, self.device, use_kernels=config.attention_backend == "triton",
-                                   always_apply=not config.enforce_eager)  # fmt: skip
+                                   always_apply=not config.enforce_eager, write_slot=self.write_lora_slot)  # fmt: skip
         self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
@@ -527,6 +529,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    @on_every_rank
+    def write_lora_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Every rank writes its share of `adapter` into `slot` (None: clears it), the slot the
+        driver's table chose."""
+        self.lora.write_shard(slot, adapter)
+
     # -- one step -----------------------------------------------------------------------
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> "PendingStep":
@@ -542,7 +550,8 @@ class ModelRunner:
             batch = self._build_batch(items, self._last_step.row_of if self._last_step else {})
         if batch is None and not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
             return PendingStep([], None)
-        logits = self.run_step(StepInputs(sched.blocks_to_swap_out, sched.blocks_to_swap_in, batch))
+        lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
+        logits = self.run_step(StepInputs(sched.blocks_to_swap_out, sched.blocks_to_swap_in, batch, lora_slots))
         step = PendingStep([], None)
         if logits is not None:
             sampling = [s.request for s in sched.scheduled if s.samples]
@@ -558,6 +567,8 @@ class ModelRunner:
         self._swap(step.swap_in, to_cpu=False)
         if step.batch is None:
             return None
+        if step.lora_slots is not None:
+            self.lora.context.set_token_slots(step.lora_slots)
         hidden = self._forward(step.batch)
         if not step.batch.logits_indices:
             return None

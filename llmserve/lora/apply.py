@@ -7,10 +7,13 @@ The original layer becomes the wrapper's `base_layer` (PEFT's name for it), so p
 names gain `.base_layer`: load weights before applying, or `remove()` first. A wrapped FP8
 layer takes unquantized activations (the fused norm/activation quantization is skipped for
 it, since `takes_fp8_tokens` sees a LoRALinear): the adapter must see the real input.
+Under tensor parallelism the store holds each rank's share (lora/shard.py), and the
+row-parallel layers sum their shrink outputs over the ranks before the expand.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,17 +25,21 @@ from llmserve.lora.slot_weights import ProjectionLoRA
 from llmserve.lora.store import LoRASlotStore
 from llmserve.model.llama import LlamaForCausalLM
 
+ROW_PARALLEL_PROJECTIONS = frozenset({"o_proj", "down_proj"})  # input split over the ranks: shrink outputs summed
+
 
 class LoRALinear(nn.Module):
     """base_layer(x) + for each token t with slot s: scaling[s] * (x_t @ A[s]^T) @ B[s]^T, slice by
     slice of a fused projection."""
 
-    def __init__(self, base_layer: nn.Module, lora: ProjectionLoRA, context: LoRAContext, ops: LoRAOps) -> None:
+    def __init__(self, base_layer: nn.Module, lora: ProjectionLoRA, context: LoRAContext, ops: LoRAOps,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:  # fmt: skip
         super().__init__()
         self.base_layer = base_layer
         self.lora = lora  # views of the store's tensors: not parameters, not in the state dict
         self.context = context
         self.ops = ops
+        self.reduce = reduce  # a row-parallel layer's: the shrink outputs summed over the ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
@@ -41,6 +48,8 @@ class LoRALinear(nn.Module):
             return y
         lora = self.lora
         t = self.ops.shrink(x, lora.a, lora.scaling, batch)
+        if self.reduce is not None:
+            t = self.reduce(t)
         self.ops.expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
         return y
 
@@ -69,10 +78,8 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
                ops: LoRAOps = REFERENCE_LORA_OPS) -> AppliedLoRA:  # fmt: skip
     """Wrap every adaptable projection of `model` (loaded) in a LoRALinear over `store`'s slots,
     reading the step's token slots from `context`."""
-    if model.tp.world_size > 1:
-        raise NotImplementedError("LoRA with tensor parallelism (sharded A/B) is not built yet")
-    if store.weights.arch != model.arch:
-        raise ValueError("the LoRA slot store was made for another model architecture")
+    if store.weights.arch != model.shard:
+        raise ValueError("the LoRA slot store was made for another model architecture (or another rank's share)")
     dtype = model.model.embed_tokens.weight.dtype  # the activations' (FP8 layers keep theirs)
     if store.weights.dtype != dtype:
         raise ValueError(f"the LoRA slots hold {store.weights.dtype}, the model computes in {dtype}")
@@ -84,5 +91,6 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
             base = getattr(parent, spec.name)
             if isinstance(base, LoRALinear):
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
-            setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops))
+            reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL_PROJECTIONS else None
+            setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce))
     return AppliedLoRA(model, store, context)
