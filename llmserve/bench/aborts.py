@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> AbortStorm:
     if args.count < 1 or args.concurrency < 1 or args.max_tokens < 1 or not 0 <= args.finish_share <= 1:
         raise SystemExit("llmserve bench aborts: --count, --concurrency and --max-tokens must be >= 1, "
                          "--finish-share in [0, 1]")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     storm = asyncio.run(abort_storm(args))
     print(json.dumps(asdict(storm) | {"passed": storm.passed}, indent=1))
     if args.output_json:
