@@ -124,12 +124,20 @@ async def _one(client: httpx.AsyncClient, storm: AbortStorm, i: int, rng: random
 
 
 async def _gauges(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
-    resp = await client.get(base_url + "/metrics", headers=headers, timeout=10)
+    """The LEFT_GAUGES the server shows now; {} when it does not answer (then nothing is proven)."""
+    try:
+        resp = await client.get(base_url + "/metrics", headers=headers, timeout=10)
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
     found: dict[str, float] = {}
     for line in resp.text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in LEFT_GAUGES:
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            try:
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
     return found
 
 
@@ -166,6 +174,9 @@ async def abort_storm(args: argparse.Namespace) -> AbortStorm:
                 break
             await asyncio.sleep(0.1)
         whole = {"model": model, "prompt": "after the storm", "max_tokens": 8, "ignore_eos": True}
-        resp = await client.post(base_url + "/v1/completions", json=whole, headers=headers)
-        storm.next_request_ok = resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+        try:
+            resp = await client.post(base_url + "/v1/completions", json=whole, headers=headers)
+            storm.next_request_ok = resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):  # no answer, or not a whole completion
+            storm.next_request_ok = False
     return storm
