@@ -16,6 +16,7 @@ from collections.abc import Collection
 from llmserve.config import LoRAConfig
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.lora import LoRAAdapter, read_peft_adapter
+from llmserve.lora.adapter import LoRAModuleWeights
 from llmserve.lora_request import LoRARequest
 from llmserve.model.arch import ModelArch
 
@@ -32,7 +33,13 @@ class LoRAManager:
         """The adapter `lora` names, read and checked on first use (LoRAAdapterError)."""
         adapter = self.cache.get(lora.key)
         if adapter is None:
-            adapter = read_peft_adapter(lora.lora_path, lora.key, self.arch, self.config.max_lora_rank)
+            # in the slots' dtype (the copy into a slot would round to it the same way): half the
+            # host memory and bytes moved of float32 for a bf16 model; pinned for a GPU, so a
+            # slot write is an asynchronous copy
+            weights = self.runner.store.weights
+            adapter = read_peft_adapter(lora.lora_path, lora.key, self.arch, self.config.max_lora_rank, weights.dtype)
+            if weights.scaling.is_cuda:
+                adapter = pinned(adapter)
             self.cache[lora.key] = adapter
             self.names[lora.key] = lora.lora_name
             while len(self.cache) > self.config.max_cpu_loras:
@@ -59,3 +66,9 @@ class LoRAManager:
             del self.names[key]
             self.runner.unload(key)
         return keys
+
+
+def pinned(adapter: LoRAAdapter) -> LoRAAdapter:
+    """The adapter with its tensors in page-locked host memory."""
+    modules = {key: LoRAModuleWeights(w.a.pin_memory(), w.b.pin_memory()) for key, w in adapter.modules.items()}
+    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, modules)

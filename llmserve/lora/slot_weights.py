@@ -64,8 +64,8 @@ class SlotWeights:
         for (layer, module), w in adapter.modules.items():
             name, j = self._place[module]
             lo, hi = self.specs[name].offsets[j], self.specs[name].offsets[j + 1]
-            self.a[name][layer, slot, j, : adapter.rank].copy_(w.a)
-            self.b[name][layer, slot, lo:hi, : adapter.rank].copy_(w.b)
+            self.a[name][layer, slot, j, : adapter.rank].copy_(w.a, non_blocking=True)  # from pinned memory: async
+            self.b[name][layer, slot, lo:hi, : adapter.rank].copy_(w.b, non_blocking=True)
         self.scaling[slot] = adapter.scaling
 
     def clear(self, slot: int) -> None:
