@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> None:
             grpc_url = f"grpc://127.0.0.1:{args.triton_grpc_port}"
             watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s, after_server_restart=place,
                                 on_backend_dead=lambda model: app.gateway.triton_backend_died(grpc_url, model),
+                                on_model_restarted=lambda model: app.gateway.triton_backend_restarted(grpc_url, model),
                                 on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "

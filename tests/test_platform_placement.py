@@ -84,6 +84,31 @@ def test_two_of_four_resident_at_start_within_the_budget(up):
         assert (row["device_bytes"] == 0) == row["is_sleeping"], (name, row)
 
 
+def test_an_asleep_model_whose_backend_died_is_restarted_and_put_to_sleep_again(up):
+    """The watchdog restarts a placed model awake; placement, which holds it asleep, puts it to
+    sleep again, so the device holds what placement counts; a request then wakes it as usual."""
+    import os
+    import signal
+
+    name = next(m for m, state in _states(up["url"]).items() if state == "asleep")
+    stub = subprocess.run(["pgrep", "-f", f"{up['workdir']}/model_repository/{name}/1/model.py"],
+                          capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
+    os.kill(int(stub[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    log = up["workdir"] / "up.log"
+    while f"placement: {name} restarted awake while placed asleep" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not (row := _footprints(up["ports"]["grpc"])[name])["is_sleeping"]:
+        assert time.monotonic() < deadline, row
+        time.sleep(0.2)
+    assert row["device_bytes"] == 0 and _states(up["url"])[name] == "asleep"
+    client = openai.OpenAI(base_url=up["url"] + "/v1", api_key="unused", max_retries=0, timeout=180)
+    reply = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert reply.choices[0].text
+
+
 def test_mixed_traffic_over_four_models_no_failure_same_answers_no_leak(up):
     client = openai.OpenAI(base_url=up["url"] + "/v1", api_key="unused", max_retries=0, timeout=180)
     rng = random.Random(0)

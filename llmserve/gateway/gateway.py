@@ -116,6 +116,14 @@ class Gateway:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.triton.backend_died, url, model)
 
+    def triton_backend_restarted(self, url: str, model: str) -> None:
+        """From another thread (the watchdog): the model's backend is back, awake; placement
+        puts it to sleep again if it holds it asleep."""
+        if self._loop is None or self.placement is None:
+            return
+        for alias in self.placement.aliases_of(url, model):
+            asyncio.run_coroutine_threadsafe(self.placement.backend_restarted(alias), self._loop)
+
     def on_health(self, replica: Replica) -> None:
         self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)
 

@@ -228,6 +228,25 @@ class GatewayPlacement:
         finally:
             await self.controller.close()
 
+    async def backend_restarted(self, alias: str) -> None:
+        """The model's backend was restarted (its stub died; `llmserve up`'s watchdog): it came
+        back awake. If placement holds it asleep, it goes back to sleep, so the device holds
+        what placement counts; a resident one is as placement thinks."""
+        if self.controller is None or alias not in self.controller.placement.models:
+            return
+        state = self.controller.placement.models[alias].state
+        if state in (ModelState.ASLEEP, ModelState.SLEEPING):
+            logger.info("placement: %s restarted awake while placed asleep: putting it to sleep again", alias)
+            try:
+                await self.actuator.sleep(alias, self.config.sleep_level)
+            except Exception as exc:  # noqa: BLE001 - logged; the next wake or sleep sets it right
+                logger.warning("placement: %s could not be put to sleep after its restart: %s", alias, exc)
+
+    def aliases_of(self, url: str, model: str) -> list[str]:
+        """The placed aliases served by Triton model `model` on `url`."""
+        triton = self.actuator.by_alias
+        return [a for a, act in triton.items() if isinstance(act, TritonActuator) and act.targets.get(a) == (url, model)]
+
     def _on_event(self, model: str, event: str, seconds: float) -> None:
         if event in ("wake", "prewarm"):
             self.metrics.model_wakes.labels(model, "prewarm" if event == "prewarm" else "demand").inc()

@@ -65,6 +65,7 @@ class Watchdog:
     unload_wait_s: float = 3.0  # a dead stub's streams never finish: the unload does not wait for them
     after_server_restart: Callable[[], None] | None = None  # e.g. load the placed models again
     on_backend_dead: Callable[[str], None] | None = None  # a model's backend died: end the calls waiting on it
+    on_model_restarted: Callable[[str], None] | None = None  # back, awake (placement may put it to sleep)
     on_give_up: Callable[[], None] | None = None
     restarts: list[dict] = field(default_factory=list)  # {"what", "model", "at", "seconds"}: for logs and tests
     gave_up: bool = False
@@ -161,6 +162,8 @@ class Watchdog:
         seconds = time.monotonic() - start
         self.restarts.append({"what": "model", "model": model, "at": time.time(), "seconds": round(seconds, 2)})
         logger.warning("watchdog: %s is back (restarted in %.1f s)", model, seconds)
+        if self.on_model_restarted is not None:
+            self.on_model_restarted(model)
 
     def _restart_server(self, code: int | None) -> None:
         if not self._allowed():
