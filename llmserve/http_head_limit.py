@@ -27,18 +27,21 @@ def head_limited_http(max_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> type:
             self._read = 0  # bytes received while the head did not end (heads over several reads)
             self._parsed = 0  # bytes of the URL and headers parsed (a head within one read)
             self._too_large = False
+            self._began = False  # a request began during the current read
 
         def data_received(self, data: bytes) -> None:
-            counting = self._in_head
+            counting, self._began = self._in_head, False
             super().data_received(data)
-            if counting and self._in_head and not self.transport.is_closing():  # the head goes on past this read
+            # the head goes on past this read; a read in which a request began may hold the body of
+            # the one before (pipelined): not counted, the head's next reads are (and `_parsed` is)
+            if counting and self._in_head and not self._began and not self.transport.is_closing():
                 self._read += len(data)
                 if self._read > max_bytes:
                     self._refuse()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head, self._read, self._parsed = True, 0, 0
+            self._in_head, self._read, self._parsed, self._began = True, 0, 0, True
 
         def on_url(self, url: bytes) -> None:
             self._count(len(url))

@@ -30,6 +30,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("llmserve.up")
 
@@ -69,10 +70,12 @@ def placement_config(spec: dict, placed: list[str]) -> dict | None:
     return {**dict(spec.get("placement") or {}), "gpu_memory_budget": spec["gpu_memory_budget"], "models": placed}
 
 
-async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec, sleep_level: int = 1) -> None:
+async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec, sleep_level: int = 1,
+                      held_asleep: Callable[[str], bool | None] | None = None) -> None:  # fmt: skip
     """Load the placed models one at a time; each that does not fit the budget beside those
     resident (and every loaded engine's own memory, held asleep too) goes to sleep at once,
-    so the device holds at most the budget and one model."""
+    so the device holds at most the budget and one model. `held_asleep(name)` (after a Triton
+    restart: the gateway's placement state) decides instead where it knows."""
     from llmserve.gateway.placement import TritonActuator
     from llmserve.gateway.triton_upstream import TritonClients
     from llmserve.placement.footprint import Footprint, parse_budget
@@ -90,7 +93,8 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
             size = footprint.total
             overheads += footprint.overhead_bytes
             budget = parse_budget(budget_spec, int(row.get("device_total_bytes") or 0) or None)
-            fits = resident + size + overheads <= budget
+            known = held_asleep(name) if held_asleep is not None else None
+            fits = resident + size + overheads <= budget if known is None else not known
             if fits:
                 resident += size
             else:
@@ -100,10 +104,6 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
                         "resident" if fits else f"asleep (over the {budget / 2**30:.2f} GiB budget)")  # fmt: skip
     finally:
         await clients.close()
-
-
-def _exit(signum: int, _frame) -> None:
-    raise SystemExit(0)
 
 
 def add_parser(subparsers) -> None:
@@ -155,13 +155,24 @@ def run(args: argparse.Namespace) -> None:
     # Ctrl-C or SIGTERM end the process through `finally` below, which stops Triton. While the
     # gateway serves, uvicorn takes the signals, drains, and raises them again once it has put
     # these handlers back.
+    exit_status = [0]  # 1 once the watchdog gave up (its SIGTERM ends the platform through here)
+
+    def _exit(signum: int, _frame) -> None:
+        raise SystemExit(exit_status[0])
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit)
-    def place() -> None:
+    grpc_url = f"grpc://127.0.0.1:{args.triton_grpc_port}"
+
+    def place(held_asleep: Callable[[str], bool | None] | None = None) -> None:
         if placed:
             http_url = f"127.0.0.1:{args.triton_http_port}"
-            asyncio.run(load_placed(http_url, f"grpc://127.0.0.1:{args.triton_grpc_port}", placed,
-                                    spec["gpu_memory_budget"], config.placement.sleep_level if config.placement else 1))  # fmt: skip
+            asyncio.run(load_placed(http_url, grpc_url, placed, spec["gpu_memory_budget"],
+                                    config.placement.sleep_level if config.placement else 1, held_asleep))  # fmt: skip
+
+    def give_up() -> None:
+        exit_status[0] = 1
+        os.kill(os.getpid(), signal.SIGTERM)
 
     logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
     app = build_app(config)
@@ -172,11 +183,12 @@ def run(args: argparse.Namespace) -> None:
         place()
         if args.watchdog_interval_s > 0:
             # a dead backend is reloaded, a dead server restarted; too many restarts stop the platform (exit 1)
-            grpc_url = f"grpc://127.0.0.1:{args.triton_grpc_port}"
-            watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s, after_server_restart=place,
+            # after a Triton restart the placed models sleep or wake as the gateway's placement holds them
+            watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s,
+                                after_server_restart=lambda: place(lambda m: app.gateway.placed_asleep(grpc_url, m)),
                                 on_backend_dead=lambda model: app.gateway.triton_backend_died(grpc_url, model),
                                 on_model_restarted=lambda model: app.gateway.triton_backend_restarted(grpc_url, model),
-                                on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
+                                on_give_up=give_up).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,
@@ -189,5 +201,5 @@ def run(args: argparse.Namespace) -> None:
             watchdog.stop()
         logger.info("stopping Triton")
         triton.stop()
-    if watchdog is not None and watchdog.gave_up:
-        raise SystemExit(1)
+    if exit_status[0]:
+        raise SystemExit(exit_status[0])

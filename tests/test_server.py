@@ -477,3 +477,18 @@ def test_a_request_head_over_the_limit_is_a_431_and_the_connection_closes(server
             f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     answer = raw_http(server.base_url, head, body)
     assert not answer.startswith(b"HTTP/1.1 431") and answer.startswith(b"HTTP/1.1 4"), answer[:100]
+    # pipelined: a 100 KB body and the next request's head in one read are not one big head
+    small = _json.dumps({"model": "x", "prompt": "a" * 100_000}).encode()
+    first = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(small)}\r\n\r\n").encode()
+    import socket
+
+    with socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1])), timeout=10) as conn:
+        conn.sendall(first + small + b"GET /health HTTP/1.1\r\nHo")  # the second head ends in a later read
+        time.sleep(0.3)
+        conn.sendall(b"st: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    assert answer.count(b"HTTP/1.1 ") == 2 and b" 431 " not in answer, answer[:300]
+    assert b"HTTP/1.1 200" in answer

@@ -62,3 +62,50 @@ def test_a_backend_death_ends_the_waiting_calls_but_a_client_leaving_stays_a_can
         assert backend.waiting == set()
 
     asyncio.run(scenario())
+
+
+def test_a_failed_restart_is_tried_again_and_too_many_restarts_give_up(tmp_path, monkeypatch):
+    """The watchdog's decisions, with Triton's answers simulated: a stub missing on two looks
+    is a restart; a restart that fails (the load ran out of memory) is tried again at the next
+    look; the sixth restart within the window gives up (the platform then exits 1)."""
+    from types import SimpleNamespace
+
+    from llmserve.triton import watchdog as wd
+
+    state = {"ready": {"chat"}, "alive": {"chat": {"chat_0_0"}}, "fail": 1, "restarts": 0}
+
+    def restart(url, model, wait):
+        state["restarts"] += 1
+        if state["fail"]:
+            state["fail"] -= 1
+            state["ready"].discard(model)  # the unload went through, the load did not
+            raise RuntimeError("out of memory")
+        state["ready"].add(model)
+        state["alive"][model] = {"chat_0_0"}
+
+    monkeypatch.setattr(wd.control, "restart", restart)
+    monkeypatch.setattr(wd, "stub_instances", lambda repo: {m: set(i) for m, i in state["alive"].items()})
+    triton = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None), model_repository=str(tmp_path), url="x")
+    gave_up = []
+    dog = wd.Watchdog(triton, max_restarts=5, on_give_up=lambda: gave_up.append(True))
+    monkeypatch.setattr(dog, "_ready_models", lambda: set(state["ready"]))
+    dog.check()  # the stub is seen
+    state["alive"]["chat"] = set()  # killed
+    dog.check()
+    assert state["restarts"] == 0  # one look is not enough
+    dog.check()
+    assert state["restarts"] == 1 and "chat" not in state["ready"]  # restarted, and the load failed
+    dog.check()
+    assert state["restarts"] == 2 and "chat" in state["ready"] and not dog._failed  # tried again: back
+    assert [r["model"] for r in dog.restarts] == ["chat"]
+    for _ in range(3):  # killed again and again: restarts 3, 4, 5 are allowed, the sixth gives up
+        dog.check()  # the new stub is seen
+        state["alive"]["chat"] = set()
+        dog.check()
+        dog.check()
+    assert state["restarts"] == 5 and not gave_up
+    dog.check()
+    state["alive"]["chat"] = set()
+    dog.check()
+    dog.check()
+    assert gave_up == [True] and dog.gave_up and state["restarts"] == 5

@@ -86,6 +86,7 @@ class Gateway:
             try:
                 yield
             finally:
+                self._loop = None  # the watchdog's calls from now on do nothing
                 sampling.cancel()
                 checker.cancel()
                 if placing is not None:
@@ -114,7 +115,16 @@ class Gateway:
         """From another thread (`llmserve up`'s watchdog): the Triton model's backend on `url`
         died; the calls waiting on it end (a request not yet answered is retried)."""
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.triton.backend_died, url, model)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutting down)
+                self._loop.call_soon_threadsafe(self.triton.backend_died, url, model)
+
+    def placed_asleep(self, url: str, model: str) -> bool | None:
+        """From another thread: whether placement holds Triton model `model` on `url` asleep
+        (None: it does not place it, or is not running)."""
+        if self.placement is None:
+            return None
+        aliases = self.placement.aliases_of(url, model)
+        return self.placement.held_asleep(aliases[0]) if aliases else None
 
     def triton_backend_restarted(self, url: str, model: str) -> None:
         """From another thread (the watchdog): the model's backend is back, awake; placement
@@ -122,7 +132,8 @@ class Gateway:
         if self._loop is None or self.placement is None:
             return
         for alias in self.placement.aliases_of(url, model):
-            asyncio.run_coroutine_threadsafe(self.placement.backend_restarted(alias), self._loop)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutting down)
+                asyncio.run_coroutine_threadsafe(self.placement.backend_restarted(alias), self._loop)
 
     def on_health(self, replica: Replica) -> None:
         self.metrics.upstream_healthy.labels(replica.alias, replica.url).set(1 if replica.healthy else 0)

@@ -10,13 +10,15 @@ class UpstreamFailed(Exception):
     """The replica failed before anything was passed on: another may be tried.
 
     `status`/`content` hold its error reply when it sent one (a 5xx), else None. `overloaded`:
-    busy, not broken (a 503). `unavailable`: it could not take the request at all (unreachable,
-    its backend down), so waiting for it to come back may help."""
+    busy, not broken (a 503). `unavailable`: it is down (unreachable, its backend dead), so
+    waiting for it to come back may help. `accepted`: it had taken the request when it failed
+    (the request may be what broke it): such a request is sent again once at most."""
 
     def __init__(self, message: str, status: int | None = None, content: bytes | None = None,
-                 overloaded: bool = False, unavailable: bool = False):  # fmt: skip
+                 overloaded: bool = False, unavailable: bool = False, accepted: bool = False):  # fmt: skip
         super().__init__(message)
         self.status, self.content, self.overloaded, self.unavailable = status, content, overloaded, unavailable
+        self.accepted = accepted
 
 
 @dataclass

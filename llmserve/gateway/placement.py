@@ -242,6 +242,12 @@ class GatewayPlacement:
             except Exception as exc:  # noqa: BLE001 - logged; the next wake or sleep sets it right
                 logger.warning("placement: %s could not be put to sleep after its restart: %s", alias, exc)
 
+    def held_asleep(self, alias: str) -> bool | None:
+        """Whether placement holds `alias` asleep now (None before it runs)."""
+        if self.controller is None or alias not in self.controller.placement.models:
+            return None
+        return self.controller.placement.models[alias].state in (ModelState.ASLEEP, ModelState.SLEEPING)
+
     def aliases_of(self, url: str, model: str) -> list[str]:
         """The placed aliases served by Triton model `model` on `url`."""
         triton = self.actuator.by_alias

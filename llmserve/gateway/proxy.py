@@ -82,8 +82,9 @@ async def _send_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Ope
     headers = {"content-type": "application/json", "x-request-id": ctx.request_id}
     try:
         response = await gateway.session.post(pick.replica.url + ctx.path, data=json.dumps(payload), headers=headers)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True) from exc
+    except (aiohttp.ClientError, TimeoutError) as exc:  # refused at the door, or dropped while sending or waiting
+        accepted = not isinstance(exc, aiohttp.ClientConnectorError)
+        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True, accepted=accepted) from exc
     close = _closer(response)
     try:
         if response.status >= 500:
@@ -96,7 +97,7 @@ async def _send_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Ope
         return Opened(200, None, lines, first, close)
     except (aiohttp.ClientError, TimeoutError, StopAsyncIteration) as exc:  # it died before answering
         response.close()
-        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True) from exc
+        raise UpstreamFailed(str(exc) or type(exc).__name__, unavailable=True, accepted=True) from exc
     except BaseException:
         response.close()
         raise
@@ -124,12 +125,14 @@ async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
     `retry_unstarted_s`, trying again with backoff: a restarting backend costs time, not the request."""
     tried: set[str] = set()
     last_error: UpstreamFailed | None = None
+    accepted_failures = 0  # failures after a replica had taken it: the request may be what breaks them
     waits = Backoff(gateway.config.retry_unstarted_s)
     while True:
         pick = gateway.router.pick(ctx.alias, tried, ctx.prefix)
         if pick is None:
-            down = last_error is None or last_error.unavailable  # breakers open, or unreachable
-            if down and await waits.wait():
+            # down (unreachable, dead backend, every breaker open), not busy (at max_concurrency: shed now)
+            down = last_error.unavailable if last_error is not None else gateway.router.all_down(ctx.alias)
+            if down and accepted_failures <= 1 and await waits.wait():
                 tried.clear()
                 continue
             if last_error is not None and last_error.status is not None:
@@ -140,6 +143,7 @@ async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
         except UpstreamFailed as exc:
             tried.add(pick.replica.url)
             last_error = exc
+            accepted_failures += exc.accepted
             if not exc.overloaded:  # overloaded (503) is not broken: no breaker count
                 pick.replica.record_failure(gateway.config.health.failure_threshold)
             gateway.metrics.retries.labels(ctx.alias).inc()

@@ -115,6 +115,16 @@ class Router:
             alias = route.fallback
         return None
 
+    def all_down(self, alias: str) -> bool:
+        """Every replica of `alias` and of its fallbacks has its breaker open (none is merely busy)."""
+        seen = set()
+        while alias is not None and alias not in seen:
+            seen.add(alias)
+            if any(r.healthy for r in self.replicas[alias]):
+                return False
+            alias = self.config.models[alias].fallback
+        return True
+
     def _holding(self, route: ModelRoute, candidates: list[Replica]) -> list[Replica]:
         if route.lora is None or self.adapters is None:
             return []

@@ -191,18 +191,20 @@ class _DeathWatch:
     def __init__(self, backend: Backend, generation: int) -> None:
         self.backend, self.generation = backend, generation
         self.task: asyncio.Task | None = None
+        self._cancelling = 0
         self.fired = False
 
     async def __aenter__(self) -> _DeathWatch:
         if self.backend.generation != self.generation:
             raise BackendDied()
         self.task = asyncio.current_task()
+        self._cancelling = self.task.cancelling()  # cancellations already pending are not ours
         self.backend.waiting.add(self)
         return self
 
     async def __aexit__(self, kind, exc, tb) -> bool:
         self.backend.waiting.discard(self)
-        if self.fired and kind is asyncio.CancelledError and self.task.uncancel() == 0:
+        if self.fired and kind is asyncio.CancelledError and self.task.uncancel() <= self._cancelling:
             raise BackendDied() from None  # cancelled by `fire` alone (not by a client leaving)
         return False
 
@@ -350,11 +352,15 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
             raise _failed(pick, 503, f"the Triton model is overloaded: {message}", "upstream_overloaded") from exc
         # the model or server failed (unreachable, a dead backend stub, a crash): another
         # replica may answer; the breaker counts it
-        raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed", _down(exc)) from exc
-    except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call)
+        raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed", _down(exc),
+                      accepted=isinstance(exc, BackendDied)) from exc  # fmt: skip
+    except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call, or was not there)
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         why = code.name if code is not None else type(exc).__name__
-        raise _failed(pick, 502, f"the Triton call failed: {why}", "upstream_failed", unavailable=True) from exc
+        details = str(exc.details() if callable(getattr(exc, "details", None)) else exc)
+        refused = "failed to connect" in details.lower() or "connection refused" in details.lower()
+        raise _failed(pick, 502, f"the Triton call failed: {why}", "upstream_failed", unavailable=True,
+                      accepted=not refused) from exc  # fmt: skip
     except TimeoutError as exc:
         message = f"the Triton model did not answer within {clients.timeout:g} s"
         raise _failed(pick, 504, message, "upstream_timeout") from exc
@@ -370,9 +376,10 @@ def _down(exc: InferenceServerException) -> bool:
     return any(marker in text for marker in _DOWN)
 
 
-def _failed(pick: Pick, status: int, message: str, code: str, unavailable: bool = False) -> UpstreamFailed:
+def _failed(pick: Pick, status: int, message: str, code: str, unavailable: bool = False,
+            accepted: bool = False) -> UpstreamFailed:  # fmt: skip
     """A replica's failure: another replica is tried; if none answers, the client gets this
     status and message (a 503 is busy, not broken: no breaker count)."""
     body = json.dumps(error_body(status, message, code=code)).encode()
     return UpstreamFailed(f"Triton replica {pick.replica.url}: {message}", status, body,
-                          overloaded=status == 503, unavailable=unavailable)  # fmt: skip
+                          overloaded=status == 503, unavailable=unavailable, accepted=accepted)  # fmt: skip

@@ -71,6 +71,7 @@ class Watchdog:
     gave_up: bool = False
     _seen: dict[str, set[str]] = field(default_factory=dict)  # instances seen alive since the model's load
     _missing: dict[str, int] = field(default_factory=dict)  # looks in a row an instance was missing
+    _failed: set[str] = field(default_factory=set)  # models whose restart failed: tried again each look
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _recent: deque = field(default_factory=deque)
@@ -105,6 +106,12 @@ class Watchdog:
         if ready is None:  # the server does not answer this moment: look again next time
             return
         alive = stub_instances(Path(self.triton.model_repository))
+        for model in sorted(self._failed):  # a restart that failed (the load ran out of memory...)
+            if model in ready and alive.get(model):
+                self._failed.discard(model)  # back after all (an operator loaded it)
+            else:
+                self._restart_model(model, [])
+                return
         for model in list(self._seen):
             if model not in ready:  # unloaded (by an operator, or being reloaded): forget it
                 self._seen.pop(model)
@@ -148,17 +155,22 @@ class Watchdog:
     def _restart_model(self, model: str, lost: list[str]) -> None:
         if not self._allowed():
             return
-        logger.warning("watchdog: the %s model's backend died (%s gone): restarting it", model, ", ".join(lost))
-        if self.on_backend_dead is not None:
-            self.on_backend_dead(model)
+        if lost:
+            logger.warning("watchdog: the %s model's backend died (%s gone): restarting it", model, ", ".join(lost))
+            if self.on_backend_dead is not None:
+                self.on_backend_dead(model)
+        else:
+            logger.warning("watchdog: restarting %s again", model)
         start = time.monotonic()
         self._seen.pop(model, None)
         self._missing.pop(model, None)
         try:
             control.restart(self.triton.url, model, wait=self.unload_wait_s)
-        except Exception:  # noqa: BLE001 - the next look tries again
-            logger.exception("watchdog: restarting %s failed", model)
+        except Exception:  # noqa: BLE001 - tried again at the next look (counted against max_restarts)
+            logger.exception("watchdog: restarting %s failed; trying again", model)
+            self._failed.add(model)
             return
+        self._failed.discard(model)
         seconds = time.monotonic() - start
         self.restarts.append({"what": "model", "model": model, "at": time.time(), "seconds": round(seconds, 2)})
         logger.warning("watchdog: %s is back (restarted in %.1f s)", model, seconds)
@@ -172,6 +184,7 @@ class Watchdog:
         start = time.monotonic()
         self._seen.clear()
         self._missing.clear()
+        self._failed.clear()  # the new server loads every model anew
         self.triton.restart()
         try:
             self.triton.wait_ready(timeout=600)
