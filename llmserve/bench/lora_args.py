@@ -17,7 +17,8 @@ from llmserve.lora_request import LoRARequest
 def add_lora_bench_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("LoRA adapters")
     group.add_argument("--lora-adapters", type=int, default=0,
-                       help="random adapters the requests take in turn (0: the base model only)")  # fmt: skip
+                       help="random adapters the requests take in turn (0: the base model only); --max-loras "
+                            "left at its default gives each its own device slot")  # fmt: skip
     group.add_argument("--lora-rank", type=int, default=16, help="their rank")
 
 
