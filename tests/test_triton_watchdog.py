@@ -109,3 +109,26 @@ def test_a_failed_restart_is_tried_again_and_too_many_restarts_give_up(tmp_path,
     dog.check()
     dog.check()
     assert gave_up == [True] and dog.gave_up and state["restarts"] == 5
+
+
+def test_a_python_model_ready_without_any_stub_is_restarted_even_if_never_seen(tmp_path, monkeypatch):
+    """A stub that died before the watchdog's first look (a fast test, a crash at start): the
+    model is READY, runs on the Python backend (its model.py is in the repository) and has no
+    stub at all: a restart after two looks. A model of another backend has no stubs to miss."""
+    from types import SimpleNamespace
+
+    from llmserve.triton import watchdog as wd
+
+    (tmp_path / "chat" / "1").mkdir(parents=True)
+    (tmp_path / "chat" / "1" / "model.py").write_text("")
+    (tmp_path / "onnx_model" / "1").mkdir(parents=True)
+    restarted = []
+    monkeypatch.setattr(wd.control, "restart", lambda url, model, wait: restarted.append(model))
+    monkeypatch.setattr(wd, "stub_instances", lambda repo: {})
+    triton = SimpleNamespace(proc=SimpleNamespace(poll=lambda: None), model_repository=str(tmp_path), url="x")
+    dog = wd.Watchdog(triton)
+    monkeypatch.setattr(dog, "_ready_models", lambda: {"chat", "onnx_model"})
+    dog.check()
+    assert restarted == []
+    dog.check()
+    assert restarted == ["chat"]

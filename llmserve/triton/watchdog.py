@@ -3,8 +3,9 @@
 Triton keeps reporting a Python-backend model READY after its stub process died (killed, out
 of memory): every request to it then fails with "Stub process ... is not healthy" until
 someone unloads and loads it. The watchdog looks every `interval_s` for the stub processes of
-each READY model of our repository (in /proc); an instance seen before and missing on two
-looks in a row is a dead backend, and the model is restarted (unload, then load). A server
+each READY model of our repository (in /proc); an instance seen before, or every instance of
+a Python-backend model, missing on two looks in a row is a dead backend, and the model is
+restarted (unload, then load). A server
 that exited is started again on the same ports with the same models. After `max_restarts`
 restarts within `window_s` it gives up: `gave_up` is set and `on_give_up` called, so that the
 platform exits non-zero and its supervisor takes over.
@@ -119,6 +120,8 @@ class Watchdog:
         for model in ready:
             now = alive.get(model, set())
             lost = self._seen.get(model, set()) - now
+            if not now and self._has_stubs(model):  # a Python-backend model READY with no stub at all
+                lost = lost or {f"every {model} stub"}  # (it died before a look saw it)
             if lost:
                 self._missing[model] = self._missing.get(model, 0) + 1
                 if self._missing[model] >= 2:
@@ -126,6 +129,10 @@ class Watchdog:
                 continue
             self._missing.pop(model, None)
             self._seen.setdefault(model, set()).update(now)
+
+    def _has_stubs(self, model: str) -> bool:
+        """Whether `model` runs on the Python backend (a stub process per instance while READY)."""
+        return any(Path(self.triton.model_repository, model).glob("*/model.py"))
 
     def _ready_models(self) -> set[str] | None:
         import tritonclient.http as httpclient
