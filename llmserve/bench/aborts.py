@@ -25,6 +25,7 @@ import httpx
 
 from llmserve.bench.serve import first_model
 from llmserve.bench.serve_client import Target
+from llmserve.bench.soak_probes import scrape_gauges
 
 LEFT_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                "vllm:num_kv_blocks_used")  # fmt: skip
@@ -123,24 +124,6 @@ async def _one(client: httpx.AsyncClient, storm: AbortStorm, i: int, rng: random
         storm.errors[kind] = storm.errors.get(kind, 0) + 1
 
 
-async def _gauges(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
-    """The LEFT_GAUGES the server shows now; {} when it does not answer (then nothing is proven)."""
-    try:
-        resp = await client.get(base_url + "/metrics", headers=headers, timeout=10)
-        resp.raise_for_status()
-    except httpx.HTTPError:
-        return {}
-    found: dict[str, float] = {}
-    for line in resp.text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in LEFT_GAUGES:
-            try:
-                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return found
-
-
 async def abort_storm(args: argparse.Namespace) -> AbortStorm:
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -165,7 +148,7 @@ async def abort_storm(args: argparse.Namespace) -> AbortStorm:
         storm.seconds = round(time.monotonic() - start, 1)
         cut = time.monotonic()
         while True:
-            gauges = await _gauges(client, base_url, headers)
+            gauges = await scrape_gauges(client, base_url, headers, {g: g for g in LEFT_GAUGES})
             storm.left_behind = gauges
             if gauges and all(v == 0 for v in gauges.values()):
                 storm.settled_after_s = round(time.monotonic() - cut, 2)

@@ -3,6 +3,8 @@ its processes (psutil), and the server's own gauges (`/metrics`, vLLM's names)."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import httpx
 
 # gauge names (vLLM's, which llmserve's servers export) -> key in a window's `server`
@@ -54,8 +56,10 @@ def _short(cmdline: list[str]) -> str:
     return " ".join(words)[:60] or "?"
 
 
-async def scrape_gauges(client: httpx.AsyncClient, base_url: str, headers: dict) -> dict[str, float]:
-    """The GAUGES the server exports now, summed over label sets; {} without /metrics."""
+async def scrape_gauges(client: httpx.AsyncClient, base_url: str, headers: dict,
+                        gauges: Mapping[str, str] = GAUGES) -> dict[str, float]:  # fmt: skip
+    """The `gauges` (metric name -> key) the server exports now, summed over label sets; {}
+    without /metrics."""
     try:
         resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
         resp.raise_for_status()
@@ -64,7 +68,7 @@ async def scrape_gauges(client: httpx.AsyncClient, base_url: str, headers: dict)
     found: dict[str, float] = {}
     for line in resp.text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = GAUGES.get(name)
+        key = gauges.get(name)
         if key is None:
             continue
         try:
