@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.engine.errors import EngineDeadError
-from llmserve.openai.errors import APIError, error_body, validation_message
+from llmserve.openai.errors import APIError, engine_dead, error_body, validation_message
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, str(exc))
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return await _api_error(request, engine_dead(exc))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -155,10 +155,10 @@ def run(args: argparse.Namespace) -> None:
     # Ctrl-C or SIGTERM end the process through `finally` below, which stops Triton. While the
     # gateway serves, uvicorn takes the signals, drains, and raises them again once it has put
     # these handlers back.
-    exit_status = [0]  # 1 once the watchdog gave up (its SIGTERM ends the platform through here)
+    watchdog = None
 
-    def _exit(signum: int, _frame) -> None:
-        raise SystemExit(exit_status[0])
+    def _exit(signum: int, _frame) -> None:  # 1 once the watchdog gave up (its SIGTERM ends the platform here)
+        raise SystemExit(1 if watchdog is not None and watchdog.gave_up else 0)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit)
@@ -170,14 +170,9 @@ def run(args: argparse.Namespace) -> None:
             asyncio.run(load_placed(http_url, grpc_url, placed, spec["gpu_memory_budget"],
                                     config.placement.sleep_level if config.placement else 1, held_asleep))  # fmt: skip
 
-    def give_up() -> None:
-        exit_status[0] = 1
-        os.kill(os.getpid(), signal.SIGTERM)
-
     logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
     app = build_app(config)
     triton.start()
-    watchdog = None
     try:
         triton.wait_ready(timeout=600)
         place()
@@ -188,7 +183,7 @@ def run(args: argparse.Namespace) -> None:
                                 after_server_restart=lambda: place(lambda m: app.gateway.placed_asleep(grpc_url, m)),
                                 on_backend_dead=lambda model: app.gateway.triton_backend_died(grpc_url, model),
                                 on_model_restarted=lambda model: app.gateway.triton_backend_restarted(grpc_url, model),
-                                on_give_up=give_up).start()  # fmt: skip
+                                on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "
             "on :%d/metrics (Triton)", args.host, args.port, ", ".join(config.models), args.triton_metrics_port,
@@ -201,5 +196,5 @@ def run(args: argparse.Namespace) -> None:
             watchdog.stop()
         logger.info("stopping Triton")
         triton.stop()
-    if exit_status[0]:
-        raise SystemExit(exit_status[0])
+    if watchdog is not None and watchdog.gave_up:
+        raise SystemExit(1)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from llmserve.bench.serve import first_model
-from llmserve.bench.serve_client import Target
+from llmserve.bench.serve_client import Target, add_target_args
 from llmserve.bench.soak_probes import scrape_gauges
 
 LEFT_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -53,9 +53,7 @@ class AbortStorm:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("aborts", help="streams cut at random points, then nothing may be left running")
-    p.add_argument("--base-url", required=True, help="the server (http://host:port)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
+    add_target_args(p)
     p.add_argument("--count", type=int, default=10_000, help="streams to send (and cut)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -74,10 +72,11 @@ def run(args: argparse.Namespace) -> AbortStorm:
                          "--finish-share in [0, 1]")  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     storm = asyncio.run(abort_storm(args))
-    print(json.dumps(asdict(storm) | {"passed": storm.passed}, indent=1))
+    report = json.dumps(asdict(storm) | {"passed": storm.passed}, indent=1)
+    print(report)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(asdict(storm) | {"passed": storm.passed}, f, indent=1)
+            f.write(report)
     if not storm.passed:
         raise SystemExit(1)
     return storm
@@ -126,19 +125,17 @@ async def _one(client: httpx.AsyncClient, storm: AbortStorm, i: int, rng: random
 
 async def abort_storm(args: argparse.Namespace) -> AbortStorm:
     base_url = args.base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    target = Target(base_url, "/v1/models", None, args.api_key)
+    headers = target.headers()
     limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), limits=limits) as client:
-        model = args.model or await first_model(client, Target(base_url, "/v1/models", None, args.api_key)) or ""
+        model = args.model or await first_model(client, target) or ""
         storm = AbortStorm(base_url, model, args.count, args.concurrency)
         rng = random.Random(args.seed)
-        queue: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(args.count):
-            queue.put_nowait(i)
+        indices = iter(range(args.count))  # shared by the workers: each takes the next
 
         async def worker() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
+            for i in indices:
                 await _one(client, storm, i, rng, args, headers)
                 if (i + 1) % 1000 == 0:
                     print(f"{i + 1}/{args.count} streams sent and cut", flush=True)

@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 import httpx
 
 
+def add_target_args(parser) -> None:
+    """The server a long-running HTTP client drives (`bench soak`, `bench aborts`)."""
+    parser.add_argument("--base-url", required=True, help="the server or gateway (http://host:port)")
+    parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None)
+
+
 @dataclass
 class Target:
     """Where and how to send: one endpoint of one server."""

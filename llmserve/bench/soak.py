@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from llmserve.bench.serve import first_model
-from llmserve.bench.serve_client import Target
+from llmserve.bench.serve_client import Target, add_target_args
 from llmserve.bench.soak_probes import ProcessProbe, scrape_gauges
 from llmserve.bench.soak_traffic import TrafficMix, Outcome, send_one
 
@@ -66,9 +66,7 @@ class Window:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("soak", help="long run at a steady rate: SLO attainment, errors, memory over time")
-    p.add_argument("--base-url", required=True, help="the server or gateway (http://host:port)")
-    p.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    p.add_argument("--api-key", default=None)
+    add_target_args(p)
     p.add_argument("--duration", type=float, default=1800.0, help="seconds to run")
     p.add_argument("--rate", type=float, required=True, help="requests per second (Poisson arrivals)")
     p.add_argument("--window", type=float, default=60.0, help="seconds per recorded window")

@@ -10,6 +10,7 @@ never runs more distinct adapters than there are slots, so a step's adapters alw
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Collection
 
@@ -71,4 +72,4 @@ class LoRAManager:
 def pinned(adapter: LoRAAdapter) -> LoRAAdapter:
     """The adapter with its tensors in page-locked host memory."""
     modules = {key: LoRAModuleWeights(w.a.pin_memory(), w.b.pin_memory()) for key, w in adapter.modules.items()}
-    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, modules)
+    return dataclasses.replace(adapter, modules=modules)

@@ -47,9 +47,7 @@ class RunnerLoRA:
         when every slot holds an adapter in `protected`, or the adapter does not fit)."""
         if adapter.name in self.store.loaded():
             return
-        self.store.weights.check(self.shard(adapter))  # before any slot changes hands
-        slot = self.store.table.assign(adapter.name, protected).slot
-        self.write_slot(slot, adapter)
+        self.write_slot(self.store.place(self.shard(adapter), protected).slot, adapter)
 
     def unload(self, name: str) -> None:
         if name in self.store.loaded():

@@ -24,7 +24,6 @@ import torch
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.lora_runner import RunnerLoRA
-from llmserve.lora.adapter import LoRAAdapter
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
@@ -33,6 +32,7 @@ from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.engine.device_arena import make_arena
 from llmserve.engine.weight_stash import WeightStash
+from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import fill_weights, load_model

@@ -12,6 +12,7 @@ request sent once more.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -58,7 +59,7 @@ class AdapterHoldings:
             if resp.status_code != 200 and _code(resp) != "already_loaded":
                 message = f"the replica could not load the LoRA adapter {name!r} ({resp.status_code}): {resp.text[:300]}"
                 content = error_body(502, message, code="adapter_load_failed")
-                raise UpstreamFailed(message, 502, _json_bytes(content))
+                raise UpstreamFailed(message, 502, json.dumps(content).encode())
             self._held.setdefault(url, set()).add(name)
             return True
 
@@ -68,9 +69,3 @@ def _code(resp: httpx.Response) -> str | None:
         return resp.json()["error"]["code"]
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _json_bytes(body: dict) -> bytes:
-    import json
-
-    return json.dumps(body).encode()

@@ -185,4 +185,3 @@ class Gateway:
         self.metrics.latency.labels(ctx.alias).observe(latency)
         log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,
                    served_by=ctx.served_by, latency_ms=round(latency * 1000, 1), tokens=ctx.used_tokens)  # fmt: skip
-

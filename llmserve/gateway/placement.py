@@ -232,10 +232,7 @@ class GatewayPlacement:
         """The model's backend was restarted (its stub died; `llmserve up`'s watchdog): it came
         back awake. If placement holds it asleep, it goes back to sleep, so the device holds
         what placement counts; a resident one is as placement thinks."""
-        if self.controller is None or alias not in self.controller.placement.models:
-            return
-        state = self.controller.placement.models[alias].state
-        if state in (ModelState.ASLEEP, ModelState.SLEEPING):
+        if self.held_asleep(alias):
             logger.info("placement: %s restarted awake while placed asleep: putting it to sleep again", alias)
             try:
                 await self.actuator.sleep(alias, self.config.sleep_level)

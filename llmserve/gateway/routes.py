@@ -28,8 +28,8 @@ from llmserve.gateway.intake import (
     wait_for_model,
 )
 from llmserve.gateway.keys import may_call
-from llmserve.openai.errors import error_body
 from llmserve.gateway.proxy import NoUpstream, forward
+from llmserve.openai.errors import error_body
 
 PROXIED_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/v1/rerank")
 
@@ -119,8 +119,11 @@ def api_router(gateway: Gateway) -> APIRouter:
         if setting == "off":
             return JSONResponse(error_body(404, f"{request.url.path} is not served here", code="not_found"),
                                 status_code=404)  # fmt: skip
-        if setting == "keyed" and gateway.keys.authenticate(request.headers.get("authorization")) is None:
-            return reject_response(Rejected(401, "invalid_api_key", "missing, wrong or revoked API key"), "")
+        if setting == "keyed":  # as the API's routes check a key (`keyed` needs keys: config.py)
+            try:
+                caller(gateway, request)
+            except Rejected as exc:
+                return reject_response(exc, "")
         return None
 
     @router.get("/metrics")

@@ -21,11 +21,10 @@ from torch import nn
 
 from llmserve.lora.context import LoRAContext
 from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
+from llmserve.lora.projections import ROW_PARALLEL
 from llmserve.lora.slot_weights import ProjectionLoRA
 from llmserve.lora.store import LoRASlotStore
 from llmserve.model.llama import LlamaForCausalLM
-
-ROW_PARALLEL_PROJECTIONS = frozenset({"o_proj", "down_proj"})  # input split over the ranks: shrink outputs summed
 
 
 class LoRALinear(nn.Module):
@@ -91,6 +90,6 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
             base = getattr(parent, spec.name)
             if isinstance(base, LoRALinear):
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
-            reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL_PROJECTIONS else None
+            reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL else None
             setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce))
     return AppliedLoRA(model, store, context)

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from llmserve.model.arch import ModelArch
 
 SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the projections whose input is split over tensor-parallel ranks (row-parallel); their names
+# are both the fused projection's and the PEFT module's
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
 

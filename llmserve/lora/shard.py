@@ -10,12 +10,12 @@ as the checkpoint loader cuts the base weights (model/llama.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 from llmserve.lora.adapter import LoRAAdapter, LoRAModuleWeights
-from llmserve.lora.projections import module_shapes
+from llmserve.lora.projections import ROW_PARALLEL, module_shapes
 from llmserve.model.arch import ModelArch
 from llmserve.model.tensor_parallel import local_arch
-
-ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # their input is split over the ranks
 
 
 def shard_adapter(adapter: LoRAAdapter, arch: ModelArch, world_size: int, rank: int) -> LoRAAdapter:
@@ -31,4 +31,4 @@ def shard_adapter(adapter: LoRAAdapter, arch: ModelArch, world_size: int, rank: 
         else:
             a, b = w.a, w.b.narrow(0, rank * out_local, out_local)
         modules[(layer, module)] = LoRAModuleWeights(a.contiguous(), b.contiguous())
-    return LoRAAdapter(adapter.name, adapter.path, adapter.rank, adapter.scaling, modules)
+    return dataclasses.replace(adapter, modules=modules)

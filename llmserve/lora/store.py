@@ -37,10 +37,15 @@ class LoRASlotStore:
         """Place `adapter` in a slot (its own again if its name is loaded: the weights are
         rewritten); a full store evicts the least recently used adapter not in `protected`.
         Raises LoRAAdapterError (NO_FREE_SLOT, or the adapter does not fit)."""
-        self.weights.check(adapter)  # before any slot changes hands
-        assignment = self.table.assign(adapter.name, protected)
+        assignment = self.place(adapter, protected)
         self.weights.write(assignment.slot, adapter)
         return assignment
+
+    def place(self, adapter: LoRAAdapter, protected: Collection[str] = ()) -> SlotAssignment:
+        """`load` without writing the weights: the adapter checked against the slots, then a slot
+        chosen (whoever writes it: every tensor-parallel rank its own share)."""
+        self.weights.check(adapter)  # before any slot changes hands
+        return self.table.assign(adapter.name, protected)
 
     def unload(self, name: str) -> None:
         """Free `name`'s slot (LoRAAdapterError NOT_LOADED if it holds none)."""

@@ -14,7 +14,7 @@ from llmserve.engine.protocol import EngineClient
 from llmserve.openai.chat import chat_completion
 from llmserve.openai.completions import completion
 from llmserve.lora_request import LoRARequest
-from llmserve.openai.errors import APIError, validation_message
+from llmserve.openai.errors import APIError, engine_dead, validation_message
 from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.openai.reply import Reply
 from llmserve.openai.text_checks import LONE_SURROGATE, has_lone_surrogate
@@ -62,6 +62,6 @@ async def openai_call(engine: EngineClient, endpoint: str, body: bytes, model: s
     except APIError as exc:
         return Reply.refused(exc)
     except EngineDeadError as exc:
-        return Reply.refused(APIError(503, f"the engine is not running: {exc}", code="engine_dead"))
+        return Reply.refused(engine_dead(exc))
     except ValueError as exc:  # sampling settings the engine refuses
         return Reply.refused(APIError(400, str(exc)))

@@ -37,6 +37,11 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return ErrorResponse(error=info).model_dump()
 
 
+def engine_dead(reason: object = None) -> APIError:
+    """The 503 of a request that meets a dead engine core (whole replies; streams end with an event)."""
+    return APIError(503, "the engine is not running" + (f": {reason}" if reason is not None else ""), code="engine_dead")
+
+
 def sse_error(status: int, message: str, code: str | None = None) -> str:
     """An error inside a stream: sent as a final SSE event."""
     return f"data: {json.dumps(error_body(status, message, code))}\n\n"

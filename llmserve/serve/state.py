@@ -14,7 +14,7 @@ from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
 from llmserve.lora_request import LoRARequest
-from llmserve.openai.errors import APIError
+from llmserve.openai.errors import APIError, engine_dead
 
 T = TypeVar("T")
 
@@ -57,7 +57,7 @@ class ServerState:
             why = self.startup_error or "the model is still loading"
             raise APIError(503, f"the server is not ready: {why}", code="not_ready")
         if self.engine.errored:
-            raise APIError(503, "the engine is not running", code="engine_dead")
+            raise engine_dead()
         limit = self.config.max_queued_requests
         if limit is not None and self.engine.num_unfinished >= limit:
             raise APIError(503, "the server is overloaded: too many requests in flight", code="overloaded")

@@ -5,16 +5,25 @@ from __future__ import annotations
 import time
 
 
-def _client(url: str):
+def _client(url: str, **timeouts: float):
     import tritonclient.http as httpclient
 
-    return httpclient.InferenceServerClient(url)
+    return httpclient.InferenceServerClient(url, **timeouts)
 
 
 def _busy(client, model: str) -> bool:
     """Whether some version of `model` is still loaded or being unloaded."""
     states = [m.get("state") for m in client.get_model_repository_index() if m.get("name") == model]
     return any(state in ("READY", "UNLOADING", "LOADING") for state in states)
+
+
+def ready_models(url: str) -> set[str]:
+    """The models the server holds READY (quick timeouts: a server that does not answer raises)."""
+    client = _client(url, connection_timeout=2.0, network_timeout=5.0)
+    try:
+        return {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
+    finally:
+        client.close()
 
 
 def load(url: str, model: str) -> None:

@@ -135,15 +135,10 @@ class Watchdog:
         return any(Path(self.triton.model_repository, model).glob("*/model.py"))
 
     def _ready_models(self) -> set[str] | None:
-        import tritonclient.http as httpclient
-
-        client = httpclient.InferenceServerClient(self.triton.url, connection_timeout=2.0, network_timeout=5.0)
         try:
-            return {m["name"] for m in client.get_model_repository_index() if m.get("state") == "READY"}
+            return control.ready_models(self.triton.url)
         except Exception:  # noqa: BLE001 - unreachable for now (starting, or dying: the next look sees it)
             return None
-        finally:
-            client.close()
 
     def _allowed(self) -> bool:
         now = time.monotonic()
