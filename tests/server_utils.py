@@ -1,11 +1,16 @@
-"""Start a real `llmserve serve` process on 127.0.0.1 and wait until it is healthy."""
+"""Start a real `llmserve serve` process on 127.0.0.1 and wait until it is healthy; and scripted
+stub servers standing in for misbehaving peers."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,3 +110,32 @@ def big_header_request(path: str, header_bytes: int, keep_alive: bool = False) -
     connection = b"keep-alive" if keep_alive else b"close"
     return (f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode() + b"a" * header_bytes
             + b"\r\nConnection: " + connection + b"\r\n\r\n")  # fmt: skip
+
+
+class StubHandler(http.server.BaseHTTPRequestHandler):
+    """The handler of a scripted HTTP server standing in for a misbehaving peer: quiet, and
+    `reply` sends a whole answer."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def reply(self, body: bytes, content_type: str = "application/json", status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def stub_server(handler: type[StubHandler], **attrs) -> Iterator[http.server.ThreadingHTTPServer]:
+    """`handler` serving on a free port in a thread (`attrs` set on the server, for the handler
+    to read as `self.server.<name>`), shut down afterwards."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    for name, value in attrs.items():
+        setattr(server, name, value)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()

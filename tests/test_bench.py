@@ -537,33 +537,18 @@ def test_bench_aborts_leaves_nothing_running_after_a_storm_of_cut_streams(server
 
 def test_bench_aborts_fails_when_the_server_keeps_requests(tmp_path):
     """Against a server whose gauges never empty (a stub /metrics), the run fails (exit 1)."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from server_utils import StubHandler, stub_server
 
-    class Stuck(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Stuck(StubHandler):
         def do_GET(self):
-            body = (b"vllm:num_requests_running 3\nvllm:num_kv_blocks_used 7\n" if self.path == "/metrics"
-                    else b'{"data": [{"id": "m"}]}')  # fmt: skip
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(b"vllm:num_requests_running 3\nvllm:num_kv_blocks_used 7\n" if self.path == "/metrics"
+                       else b'{"data": [{"id": "m"}]}')  # fmt: skip
 
         def do_POST(self):
             self.rfile.read(int(self.headers["content-length"]))
-            body = b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n'
-            self.send_response(200)
-            self.send_header("content-type", "text/event-stream")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.reply(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n', "text/event-stream")
 
-    stub = ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
-    threading.Thread(target=stub.serve_forever, daemon=True).start()
-    try:
+    with stub_server(Stuck) as stub:
         with pytest.raises(SystemExit) as exc:
             main(["bench", "aborts", "--base-url", f"http://127.0.0.1:{stub.server_port}", "--count", "10",
                   "--concurrency", "2", "--settle-timeout", "1", "--chat-share", "0",
@@ -571,5 +556,3 @@ def test_bench_aborts_fails_when_the_server_keeps_requests(tmp_path):
         assert exc.value.code == 1
         r = json.loads((tmp_path / "a.json").read_text())
         assert not r["passed"] and r["left_behind"]["vllm:num_requests_running"] == 3
-    finally:
-        stub.shutdown()

@@ -634,59 +634,41 @@ def test_a_busy_replica_is_shed_at_once_and_a_request_that_breaks_its_replica_is
     busy, and the request is refused at once (503); a request the replica took and then failed
     on (it dropped the connection: the request may be what breaks it) is sent again once, not
     for the whole wait. Two misbehaving stub replicas: a slow one and one that drops."""
-    import http.server
+    from server_utils import StubHandler, stub_server
 
     posts = []
 
-    class Stub(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
+    class Stub(StubHandler):
         def do_GET(self):  # healthy to the health checks
-            self.send_response(200)
-            self.send_header("content-length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
+            self.reply(b"{}")
 
         def do_POST(self):
             self.rfile.read(int(self.headers["content-length"]))
             if self.server.slow:  # answers after 3 s
                 time.sleep(3)
-                body = b'{"choices": [{"text": "x"}], "usage": {"total_tokens": 2}}'
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(b'{"choices": [{"text": "x"}], "usage": {"total_tokens": 2}}')
                 return
             posts.append(self.path)  # takes the request, then drops the connection without an answer
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
 
-    stubs = []
-    for slow in (True, False):
-        stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-        stub.slow = slow
-        threading.Thread(target=stub.serve_forever, daemon=True).start()
-        stubs.append(stub)
-    config = {"models": {"solo": {"replicas": [f"http://127.0.0.1:{stubs[0].server_port}"], "max_concurrency": 1},
-                         "breaker": {"replicas": [f"http://127.0.0.1:{stubs[1].server_port}"]}},
-              "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 5}, "retry_unstarted_s": 60}  # fmt: skip
-    gateway = start_gateway(config, free_port(), str(tmp_path), name="busy")
-    body = {"model": "solo", "prompt": "x", "max_tokens": 2}
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(httpx.post, gateway.base_url + "/v1/completions", json=body, timeout=30)
-            time.sleep(1.0)  # it holds the only slot of `solo` for 3 s
+    with stub_server(Stub, slow=True) as slow, stub_server(Stub, slow=False) as dropper:
+        config = {"models": {"solo": {"replicas": [f"http://127.0.0.1:{slow.server_port}"], "max_concurrency": 1},
+                             "breaker": {"replicas": [f"http://127.0.0.1:{dropper.server_port}"]}},
+                  "health": {"interval_s": 0.2, "timeout_s": 0.5, "failure_threshold": 5}, "retry_unstarted_s": 60}  # fmt: skip
+        gateway = start_gateway(config, free_port(), str(tmp_path), name="busy")
+        body = {"model": "solo", "prompt": "x", "max_tokens": 2}
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                first = pool.submit(httpx.post, gateway.base_url + "/v1/completions", json=body, timeout=30)
+                time.sleep(1.0)  # it holds the only slot of `solo` for 3 s
+                start = time.monotonic()
+                busy = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=60)
+                assert busy.status_code == 503 and time.monotonic() - start < 1.5, busy.text
+                assert first.result().status_code == 200
             start = time.monotonic()
-            busy = httpx.post(gateway.base_url + "/v1/completions", json=body, timeout=60)
-            assert busy.status_code == 503 and time.monotonic() - start < 1.5, busy.text
-            assert first.result().status_code == 200
-        start = time.monotonic()
-        broken = httpx.post(gateway.base_url + "/v1/completions", json={"model": "breaker", "prompt": "x"}, timeout=90)
-        assert broken.status_code in (502, 503) and time.monotonic() - start < 10, broken.text
-        assert len(posts) == 2, posts  # the first try and one more
-    finally:
-        gateway.stop()
-        for stub in stubs:
-            stub.shutdown()
+            broken = httpx.post(gateway.base_url + "/v1/completions", json={"model": "breaker", "prompt": "x"}, timeout=90)
+            assert broken.status_code in (502, 503) and time.monotonic() - start < 10, broken.text
+            assert len(posts) == 2, posts  # the first try and one more
+        finally:
+            gateway.stop()
