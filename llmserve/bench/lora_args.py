@@ -43,6 +43,7 @@ class BenchAdapters:
         self.requests: list[LoRARequest] = []
         self.rank = args.lora_rank
         self._root: str | None = None
+        self._loads_before = llm.stats().lora_slot_loads
         if args.lora_adapters > 0:
             from llmserve.lora.synthetic import write_random_adapters
 
@@ -58,10 +59,12 @@ class BenchAdapters:
         return [self.requests[i % len(self.requests)] for i in range(n)]
 
     def label(self, llm) -> dict | None:
-        """For reports: how many adapters, their rank, and the device slots they shared."""
+        """For reports: how many adapters, their rank, the device slots they shared, and how many
+        times an adapter was written into a slot during the run (warm-up included)."""
         if not self.requests:
             return None
-        return {"adapters": len(self.requests), "rank": self.rank, "max_loras": llm.config.lora.max_loras}
+        return {"adapters": len(self.requests), "rank": self.rank, "max_loras": llm.config.lora.max_loras,
+                "slot_loads": llm.stats().lora_slot_loads - self._loads_before}
 
     def close(self) -> None:
         if self._root is not None:

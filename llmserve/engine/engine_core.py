@@ -188,7 +188,10 @@ class EngineCore:
         return EngineCoreOutputs(refused + outputs, self.stats())
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.runner.lora is not None:
+            stats.lora_slot_loads = self.runner.lora.slot_loads
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -37,6 +37,7 @@ class RunnerLoRA:
         self.applied = apply_lora(model, self.store, self.context, triton_lora_ops() if use_kernels else REFERENCE_LORA_OPS)
         self.write_slot = write_slot or self.write_shard
         self.pending_slots: list[int] | None = None  # the next step's token -> slot map (driver)
+        self.slot_loads = 0  # adapters written into a slot so far (with fewer slots than adapters: the swaps)
 
     def shard(self, adapter: LoRAAdapter) -> LoRAAdapter:
         tp = self.model.tp
@@ -48,6 +49,7 @@ class RunnerLoRA:
         if adapter.name in self.store.loaded():
             return
         self.write_slot(self.store.place(self.shard(adapter), protected).slot, adapter)
+        self.slot_loads += 1
 
     def unload(self, name: str) -> None:
         if name in self.store.loaded():

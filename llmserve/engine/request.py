@@ -90,6 +90,7 @@ class SchedulerStats:
     num_swap_outs: int = 0  # cumulative: preemptions that kept their KV in swap blocks
     num_swapped_blocks: int = 0
     num_computed_tokens_total: int = 0  # cumulative: tokens run through the model
+    lora_slot_loads: int = 0  # cumulative: LoRA adapters written into a device slot (first loads and swaps)
 
 
 @dataclass(slots=True)

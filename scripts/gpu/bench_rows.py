@@ -71,6 +71,14 @@ ROWS["b_fp8"] = ("fp8", "latency", ROWS["b"][2])
 ROWS["a_70b_fp8"] = ("70b_fp8", "throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "256",
                                                "--temperature", "0"])  # fmt: skip
 ROWS["b_70b_fp8"] = ("70b_fp8", "latency", ROWS["b"][2])
+# Multi-LoRA (issue 22): rank-16 adapters on q, k, v, o, gate, up, down, taken by the requests in
+# turn, under CUDA graphs; 8 adapters in 8 slots, then 64 adapters sharing 16 slots (swaps)
+LORA = ["--enable-lora", "--max-lora-rank", "16", "--lora-cuda-graphs"]
+ENGINES["lora8"] = ENGINES["short"] + LORA + ["--max-loras", "8"]
+ENGINES["lora64"] = ENGINES["short"] + LORA + ["--max-loras", "16", "--max-cpu-loras", "64"]
+ROWS["a_lora8"] = ("lora8", "throughput", ROWS["a"][2] + ["--lora-adapters", "8", "--lora-rank", "16"])
+ROWS["b_lora"] = ("lora8", "latency", ROWS["b"][2] + ["--lora-adapters", "1", "--lora-rank", "16"])
+ROWS["a_lora64"] = ("lora64", "throughput", ROWS["a"][2] + ["--lora-adapters", "64", "--lora-rank", "16"])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
@@ -145,6 +153,7 @@ def cpu_smoke() -> None:
     for engine, flags in ENGINES.items():
         quant = ["--quantization", "fp8"] if "--quantization" in flags else []
         quant += ["--kv-cache-dtype", "fp8"] if "--kv-cache-dtype" in flags else []
+        quant += flags[flags.index("--enable-lora"):] if "--enable-lora" in flags else []
         ENGINES[engine] = ["--model", MODEL, "--max-model-len", "1024" if engine == "long" else "512",
                            "--max-num-seqs", "16", *quant]  # fmt: skip
     for name, (engine, command, flags) in list(ROWS.items()):
@@ -198,7 +207,7 @@ def main() -> None:
             record = result if isinstance(result, dict) else vars(result)
             results[name] = {"command": line, "wall_s": round(time.perf_counter() - t0, 1),
                              **{k: v for k, v in record.items() if k not in ("ttfts", "latencies")}}  # fmt: skip
-            keys = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "gpu")
+            keys = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "gpu", "lora", "num_preemptions")
             print("RESULT", name, json.dumps({k: record.get(k) for k in keys if k in record}), flush=True)
             (out / "rows.json").write_text(json.dumps(results, indent=1))
         llm.shutdown()
