@@ -60,9 +60,10 @@ CASES = [  # (token slots, in_features, max_rank, slice widths)
 ]
 
 
+@pytest.mark.parametrize("splits", [None, 3])  # None: the token-count default (1 here: K is small)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_shrink_and_expand_match_the_reference(case, dtype):
+def test_shrink_and_expand_match_the_reference(case, dtype, splits):
     token_slots, in_features, max_rank, widths = CASES[case]
     gen = torch.Generator().manual_seed(case)
     a, b, scaling = make_slots(3, len(widths), max_rank, in_features, widths, dtype, gen)
@@ -71,18 +72,30 @@ def test_shrink_and_expand_match_the_reference(case, dtype):
     ctx.set_token_slots(token_slots)
     batch = ctx.batch(num_tokens)
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    t = lora_shrink(x, a, scaling, batch)
+    t = lora_shrink(x, a, scaling, batch, block_k=16, splits=splits)  # K of 40-72: 3 splits of 16-32
+    assert (t.shape[0] > 1) == (splits is not None)  # 2 or 3 parts: no part is left empty
     t_ref = lora_shrink_reference(x, a, scaling, batch)
-    torch.testing.assert_close(t, t_ref, **TOL[torch.float32])  # float32 sums of the same products
+    adapter_rows = torch.tensor([s >= 0 for s in token_slots] + [False, False])  # the others are not written
+    torch.testing.assert_close(t.sum(0)[adapter_rows], t_ref[adapter_rows], **TOL[torch.float32])
     y0 = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
-    y, y_ref = y0.clone(), y0.clone()
+    y, y_ref, y_split = y0.clone(), y0.clone(), y0.clone()
     lora_expand(y, t_ref, b, offsets(widths), max(widths), batch)
     lora_expand_reference(y_ref, t_ref, b, offsets(widths), max(widths), batch)
     torch.testing.assert_close(y, y_ref, **TOL[dtype])
-    untouched = torch.tensor([s == -1 for s in token_slots] + [True, True])
-    assert torch.equal(y[untouched], y0[untouched])  # tokens without an adapter, and padding
+    lora_expand(y_split, t, b, offsets(widths), max(widths), batch)  # the shrink's own partial sums
+    torch.testing.assert_close(y_split, y_ref, **TOL[dtype])
+    untouched = ~adapter_rows  # tokens without an adapter, and padding
+    assert torch.equal(y[untouched], y0[untouched]) and torch.equal(y_split[untouched], y0[untouched])
     if any(s >= 0 for s in token_slots):
         assert not torch.equal(y, y0)
+
+
+def test_shrink_splits_follow_the_token_count():
+    from llmserve.kernels.lora import shrink_splits
+
+    assert shrink_splits(1, 3, 4096) == 16 and shrink_splits(1, 1, 14336) == 56  # decode: K shared out
+    assert shrink_splits(512, 3, 4096) == 5  # 8 row blocks of 64
+    assert shrink_splits(16384, 3, 4096) == 1 and shrink_splits(1, 1, 64) == 1  # enough programs; tiny K
 
 
 def test_empty_batch():
@@ -90,7 +103,7 @@ def test_empty_batch():
     ctx.clear()
     a, b, scaling = make_slots(2, 1, 16, 32, [32], torch.float32, torch.Generator().manual_seed(0))
     t = lora_shrink(torch.zeros(0, 32), a, scaling, ctx.batch(0))
-    assert t.shape == (0, 1, 16)
+    assert t.shape[1:] == (0, 1, 16)
     lora_expand(torch.zeros(0, 32), t, b, offsets([32]), 32, ctx.batch(0))
 
 

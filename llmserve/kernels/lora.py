@@ -11,9 +11,18 @@ program whose slot has fewer tokens than its row block returns at once. The grid
 on the token count and the fixed number of slots, never on which slots are used, so a CUDA
 graph captured for a token count replays for any mix of adapters.
 
+The shrink splits the input dimension K over `splits` programs when the step has few tokens
+(a decode step of one token has one row block: without the split, one program per slice walks
+all of K alone, and the kernel is bound by that walk's latency, about 20-100 us on an H200
+where the A tile's bytes take under 1 us). Each split writes its partial sums to its own plane
+of t; the expand adds the planes in split order when it reads t, so the result is
+deterministic (no atomics) and needs no extra launch. The split count depends only on the
+token count, so CUDA graphs keep working.
+
 Layouts (llmserve/lora/slot_weights.py): A [slots, slices, max_rank, in], B [slots, out,
-max_rank] with the slices' rows concatenated as the fused output is; t [T, slices, max_rank]
-in float32, the per-slot scaling already applied by the shrink.
+max_rank] with the slices' rows concatenated as the fused output is; t [splits, T, slices,
+max_rank] in float32, the per-slot scaling already applied by the shrink; rows of tokens
+without an adapter are left unwritten (the expand never reads them).
 """
 
 from __future__ import annotations
@@ -36,13 +45,14 @@ def _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, scale_ptr, sorted_ptr, starts_ptr, counts_ptr, t_ptr, K,
-    stride_xm, stride_as, stride_aj, stride_ar, stride_tm, stride_tj,
+    x_ptr, a_ptr, scale_ptr, sorted_ptr, starts_ptr, counts_ptr, t_ptr, K, K_CHUNK, SPLITS,
+    stride_xm, stride_as, stride_aj, stride_ar, stride_ts, stride_tm, stride_tj,
     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     j = tl.program_id(1)  # output slice (q, k, v ...): each has its own A
-    s = tl.program_id(2)  # adapter slot
+    s = tl.program_id(2) // SPLITS  # adapter slot
+    split = tl.program_id(2) % SPLITS  # which K_CHUNK of the input dimension
     count = tl.load(counts_ptr + s)
     if pid_m * BLOCK_M >= count:
         return
@@ -51,21 +61,23 @@ def _shrink_kernel(
     r_ok = rs < RANK
     a_base = a_ptr + s.to(tl.int64) * stride_as + j * stride_aj
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(k_lo + K_CHUNK, K)
+    for k in range(k_lo, k_hi, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
+        k_ok = ks < k_hi
         x = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_base + rs[:, None] * stride_ar + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(a), input_precision=DOT_PREC)
     acc = acc * tl.load(scale_ptr + s)
-    t_ptrs = t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
+    t_ptrs = t_ptr + split.to(tl.int64) * stride_ts + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
     tl.store(t_ptrs, acc, mask=row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def _expand_kernel(
-    t_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, starts_ptr, counts_ptr,
-    stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
+    t_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, starts_ptr, counts_ptr, SPLITS,
+    stride_ts, stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -82,8 +94,11 @@ def _expand_kernel(
     r_ok = rs < RANK
     cols = lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < hi
-    t = tl.load(t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :], mask=row_ok[:, None] & r_ok[None, :],
-                other=0.0)  # fmt: skip
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
+    t_ok = row_ok[:, None] & r_ok[None, :]
+    t = tl.load(t_ptrs, mask=t_ok, other=0.0)
+    for split in range(1, SPLITS):  # the shrink's partial sums, added in split order
+        t += tl.load(t_ptrs + split * stride_ts, mask=t_ok, other=0.0)
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + rs[None, :],
                 mask=c_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
     delta = tl.dot(t.to(b.dtype), tl.trans(b), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] float32
@@ -101,22 +116,36 @@ def _block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 64 else 64
 
 
+def shrink_splits(num_tokens: int, slices: int, in_features: int, block_k: int = 64) -> int:
+    """How many programs share the input dimension: enough for about one wave of programs on a
+    large GPU when the step has few row blocks, one when it has many; each split keeps at least
+    four K blocks of work. A function of the token count alone (CUDA graphs)."""
+    programs = max(1, triton.cdiv(num_tokens, _block_m(num_tokens)) * slices)
+    most = max(1, in_features // (4 * block_k))
+    return max(1, min(most, 128 // programs))
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: LoRABatch,
-                block_k: int = 64, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
-    """x [T, in], a [slots, slices, max_rank, in], scaling [slots] -> t [T, slices, max_rank]
-    float32: scaling[s] * x @ a[s, j]^T for each token of slot s, zero for tokens without one."""
+                block_k: int = 64, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """x [T, in], a [slots, slices, max_rank, in], scaling [slots] -> t [splits, T, slices,
+    max_rank] float32, whose sum over the first axis is scaling[s] * x @ a[s, j]^T for each token
+    of slot s; rows of tokens without a slot are not written. `splits`: how many parts of the
+    input dimension are summed separately (default: `shrink_splits`)."""
     num_tokens, k = x.shape
     num_slots, slices, rank, k_a = a.shape
     assert k_a == k and x.dtype == a.dtype and a.stride(-1) == 1, (x.shape, x.dtype, a.shape, a.dtype)
-    t = torch.zeros(num_tokens, slices, rank, dtype=torch.float32, device=x.device)
+    splits = splits or shrink_splits(num_tokens, slices, k, block_k)
+    k_chunk = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_chunk)  # no empty split
+    t = torch.empty(splits, num_tokens, slices, rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return t
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_m = _block_m(num_tokens)
-    _shrink_kernel[(triton.cdiv(num_tokens, block_m), slices, num_slots)](
-        x, a, scaling, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t, k,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1),
+    _shrink_kernel[(triton.cdiv(num_tokens, block_m), slices, num_slots * splits)](
+        x, a, scaling, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t, k, k_chunk, splits,
+        x.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1), t.stride(2),
         RANK=rank, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k,
         DOT_PREC=_dot_precision(x.dtype), num_warps=num_warps,
     )  # fmt: skip
@@ -126,18 +155,22 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: 
 def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets: torch.Tensor, max_slice_width: int,
                 batch: LoRABatch, block_n: int = 64, num_warps: int = 4) -> None:  # fmt: skip
     """y [T, out] += t[:, j] @ b[s, offsets[j]:offsets[j + 1]]^T for each token of slot s and each
-    slice j, in place (t rounded to b's dtype, the sum in float32); tokens without a slot keep y."""
+    slice j, in place (t rounded to b's dtype, the sum in float32); tokens without a slot keep y.
+    t: [T, slices, max_rank], or the shrink's [splits, T, slices, max_rank] (summed here)."""
     num_tokens = y.shape[0]
     num_slots, _, rank = b.shape
     slices = slice_offsets.shape[0] - 1
-    assert t.shape == (num_tokens, slices, rank) and y.stride(-1) == 1 and b.stride(-1) == 1, (t.shape, y.shape, b.shape)
+    if t.dim() == 3:
+        t = t.unsqueeze(0)
+    assert t.shape[1:] == (num_tokens, slices, rank) and y.stride(-1) == 1 and b.stride(-1) == 1, (t.shape, y.shape, b.shape)
+    assert t.stride(-1) == 1, t.stride()
     if num_tokens == 0:
         return
     block_m = _block_m(num_tokens)
     n_blocks = triton.cdiv(max_slice_width, block_n)
     _expand_kernel[(triton.cdiv(num_tokens, block_m), slices * n_blocks, num_slots)](
-        t, b, y, slice_offsets, batch.sorted_tokens, batch.slot_starts, batch.slot_counts,
-        t.stride(0), t.stride(1), b.stride(0), b.stride(1), y.stride(0), n_blocks,
+        t, b, y, slice_offsets, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t.shape[0],
+        t.stride(0), t.stride(1), t.stride(2), b.stride(0), b.stride(1), y.stride(0), n_blocks,
         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PREC=_dot_precision(b.dtype), num_warps=num_warps,
     )  # fmt: skip
