@@ -24,10 +24,36 @@ class LoRABatch:
     slot_starts: torch.Tensor  # [S] int32: where slot s's tokens begin in sorted_tokens
     slot_counts: torch.Tensor  # [S] int32: how many tokens use slot s
     active: bool  # host-side: run the LoRA ops (some token uses an adapter, or a CUDA graph is captured)
+    # [>= max_row_blocks(T, S), 2] int32: the kernels' row blocks of row_block(T) tokens, each
+    # (slot, its first row among the slot's tokens); (-1, -1) past the last one
+    row_blocks: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
         return self.slot_counts.shape[0]
+
+
+def row_block(num_tokens: int) -> int:
+    """How many tokens of one slot a kernel program takes, for a layer input of `num_tokens` rows."""
+    return 16 if num_tokens <= 64 else 64
+
+
+def max_row_blocks(num_tokens: int, num_slots: int) -> int:
+    """An upper bound on the row blocks of any `num_tokens` tokens over `num_slots` slots (each
+    slot's last block may be partial): the kernels' grid, which depends on the token count alone."""
+    block = row_block(num_tokens)
+    return -(-num_tokens // block) + num_slots
+
+
+def slot_row_blocks(slot_counts: torch.Tensor, block: int, size: int) -> torch.Tensor:
+    """[size, 2] int32 host table: each slot's row blocks of `block` tokens, (slot, first row),
+    in slot order, then (-1, -1) rows (at most `size` rows are kept). Kernel programs take one row each: none is spent on a
+    slot without tokens, and a step of many tokens on few adapters launches few programs."""
+    rows = [(slot, first) for slot, count in enumerate(slot_counts.tolist()) for first in range(0, count, block)]
+    table = torch.full((size, 2), -1, dtype=torch.int32)
+    if rows:  # past `size`: a table of a block size this step's layers do not use (too many tokens)
+        table[: min(len(rows), size)] = torch.tensor(rows[:size], dtype=torch.int32)
+    return table
 
 
 def group_by_slot(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,7 +71,9 @@ def make_lora_batch(token_slots: torch.Tensor, num_slots: int) -> LoRABatch:
     token_slots = token_slots.to(torch.int32)
     check_token_slots(token_slots, num_slots)
     sorted_tokens, starts, counts = group_by_slot(token_slots, num_slots)
-    return LoRABatch(token_slots, sorted_tokens, starts, counts, bool((token_slots != NO_ADAPTER).any()))
+    n = token_slots.shape[0]
+    blocks = slot_row_blocks(counts, row_block(n), max_row_blocks(n, num_slots))
+    return LoRABatch(token_slots, sorted_tokens, starts, counts, bool((token_slots != NO_ADAPTER).any()), blocks)
 
 
 def check_token_slots(token_slots: torch.Tensor, num_slots: int) -> None:

@@ -369,7 +369,31 @@ def test_context_groups_tokens_by_slot_in_fixed_buffers():
     assert batch.slot_counts.tolist() == [2, 0, 2] and batch.slot_starts.tolist() == [2, 4, 4]
     assert batch.sorted_tokens[:6].tolist() == [1, 5, 2, 4, 0, 3] and batch.active
     assert batch.token_slots.data_ptr() == ctx.token_slots.data_ptr()  # the same buffer every step
+    assert batch.row_blocks[:3].tolist() == [[0, 0], [2, 0], [-1, -1]]  # slot 1 has no block; then padding
     with pytest.raises(ValueError, match="must lie in"):
         ctx.set_token_slots([3])
     with pytest.raises(ValueError, match="got 5 tokens"):
         ctx.batch(5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 65, 300])
+def test_row_blocks_cover_every_adapter_token_once_within_the_grid(num_tokens):
+    """The kernels' grid (max_row_blocks: token count and slots alone) holds every row block of
+    any mix of slots, and the blocks take each adapter token exactly once."""
+    from llmserve.lora_batch import max_row_blocks, row_block
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    ctx = LoRAContext(max_num_tokens=512, num_slots=4)
+    for mix in (torch.randint(-1, 4, (num_tokens,), generator=gen), torch.full((num_tokens,), 2),
+                torch.tensor([0] * (num_tokens - num_tokens // 2) + [3] * (num_tokens // 2))):  # fmt: skip
+        ctx.set_token_slots(mix)
+        batch, block = ctx.batch(num_tokens), row_block(num_tokens)
+        grid = max_row_blocks(num_tokens, 4)
+        blocks = batch.row_blocks.tolist()
+        assert len(blocks) >= grid and all(s == -1 for s, _ in blocks[grid:])
+        taken = []
+        for slot, first in blocks[:grid]:
+            if slot >= 0:
+                start, count = batch.slot_starts[slot].item(), batch.slot_counts[slot].item()
+                taken += batch.sorted_tokens[start + first : start + min(first + block, count)].tolist()
+        assert sorted(taken) == [i for i, s in enumerate(mix.tolist()) if s >= 0]

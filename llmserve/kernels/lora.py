@@ -6,10 +6,13 @@ PyTorch reference: `llmserve.lora.reference` (lora_shrink_reference, lora_expand
 Tokens come grouped by adapter slot (`LoRABatch.sorted_tokens`, `slot_starts`, `slot_counts`,
 computed once per step), so a program works on up to BLOCK_M tokens of one slot and reads that
 slot's A or B tile once for all of them: prefill tokens of one request share their tiles, and
-decode tokens of requests on the same adapter do too. The grid's last axis is the slot; a
-program whose slot has fewer tokens than its row block returns at once. The grid depends only
-on the token count and the fixed number of slots, never on which slots are used, so a CUDA
-graph captured for a token count replays for any mix of adapters.
+decode tokens of requests on the same adapter do too. The grid's first axis walks the step's
+row blocks (`LoRABatch.row_blocks`: each one a slot and its first row), at most
+ceil(T / BLOCK_M) + slots of them; programs past the last block return at once. A grid of
+every row block times every slot spent most of its programs on nothing (at 512 decode tokens
+over 8 adapters, 7 in 8 of them). The grid depends only on the token count and the fixed
+number of slots, never on which slots are used, so a CUDA graph captured for a token count
+replays for any mix of adapters.
 
 The shrink splits the input dimension K over `splits` programs when the step has few tokens
 (a decode step of one token has one row block: without the split, one program per slice walks
@@ -31,32 +34,33 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.lora_batch import LoRABatch
+from llmserve.lora_batch import LoRABatch, max_row_blocks, row_block
 
 
 @triton.jit
-def _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M: tl.constexpr):
-    """Row block `pid_m` of slot `s`'s tokens: their indices in the batch, and which are real."""
-    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _block_rows(blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, pid, BLOCK_M: tl.constexpr):
+    """Row block `pid` of the step (llmserve/lora_batch.py `slot_row_blocks`): its slot (-1: no
+    block), the indices in the batch of its tokens, and which of them are real."""
+    s = tl.load(blocks_ptr + 2 * pid)
+    first = tl.load(blocks_ptr + 2 * pid + 1)
+    offs = first + tl.arange(0, BLOCK_M)
+    count = tl.where(s >= 0, tl.load(counts_ptr + tl.maximum(s, 0)), 0)
     row_ok = offs < count
-    tok = tl.load(sorted_ptr + tl.load(starts_ptr + s) + offs, mask=row_ok, other=0).to(tl.int64)
-    return tok, row_ok
+    tok = tl.load(sorted_ptr + tl.load(starts_ptr + tl.maximum(s, 0)) + offs, mask=row_ok, other=0).to(tl.int64)
+    return s, tok, row_ok
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, scale_ptr, sorted_ptr, starts_ptr, counts_ptr, t_ptr, K, K_CHUNK, SPLITS,
+    x_ptr, a_ptr, scale_ptr, blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, t_ptr, K, K_CHUNK,
     stride_xm, stride_as, stride_aj, stride_ar, stride_ts, stride_tm, stride_tj,
     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
     j = tl.program_id(1)  # output slice (q, k, v ...): each has its own A
-    s = tl.program_id(2) // SPLITS  # adapter slot
-    split = tl.program_id(2) % SPLITS  # which K_CHUNK of the input dimension
-    count = tl.load(counts_ptr + s)
-    if pid_m * BLOCK_M >= count:
+    split = tl.program_id(2)  # which K_CHUNK of the input dimension
+    s, tok, row_ok = _block_rows(blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, tl.program_id(0), BLOCK_M)
+    if s < 0:
         return
-    tok, row_ok = _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     a_base = a_ptr + s.to(tl.int64) * stride_as + j * stride_aj
@@ -76,20 +80,17 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    t_ptr, b_ptr, y_ptr, offsets_ptr, sorted_ptr, starts_ptr, counts_ptr, SPLITS,
+    t_ptr, b_ptr, y_ptr, offsets_ptr, blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, SPLITS,
     stride_ts, stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
     j = tl.program_id(1) // N_BLOCKS  # output slice
     nb = tl.program_id(1) % N_BLOCKS  # column block inside the slice
-    s = tl.program_id(2)
-    count = tl.load(counts_ptr + s)
     lo = tl.load(offsets_ptr + j)
     hi = tl.load(offsets_ptr + j + 1)
-    if (pid_m * BLOCK_M >= count) | (lo + nb * BLOCK_N >= hi):  # no tokens here, or past a narrower slice
+    s, tok, row_ok = _block_rows(blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, tl.program_id(0), BLOCK_M)
+    if (s < 0) | (lo + nb * BLOCK_N >= hi):  # no row block here, or past a narrower slice
         return
-    tok, row_ok = _slot_rows(sorted_ptr, starts_ptr, s, pid_m, count, BLOCK_M)
     rs = tl.arange(0, BLOCK_R)
     r_ok = rs < RANK
     cols = lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,15 +113,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
-def _block_m(num_tokens: int) -> int:
-    return 16 if num_tokens <= 64 else 64
-
-
 def shrink_splits(num_tokens: int, slices: int, in_features: int, block_k: int = 64) -> int:
     """How many programs share the input dimension: enough for about one wave of programs on a
     large GPU when the step has few row blocks, one when it has many; each split keeps at least
     four K blocks of work. A function of the token count alone (CUDA graphs)."""
-    programs = max(1, triton.cdiv(num_tokens, _block_m(num_tokens)) * slices)
+    programs = max(1, triton.cdiv(num_tokens, row_block(num_tokens)) * slices)
     most = max(1, in_features // (4 * block_k))
     return max(1, min(most, 128 // programs))
 
@@ -142,9 +139,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: 
         return t
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_m = _block_m(num_tokens)
-    _shrink_kernel[(triton.cdiv(num_tokens, block_m), slices, num_slots * splits)](
-        x, a, scaling, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t, k, k_chunk, splits,
+    block_m = row_block(num_tokens)
+    _shrink_kernel[(max_row_blocks(num_tokens, num_slots), slices, splits)](
+        x, a, scaling, batch.row_blocks, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t, k, k_chunk,
         x.stride(0), a.stride(0), a.stride(1), a.stride(2), t.stride(0), t.stride(1), t.stride(2),
         RANK=rank, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k,
         DOT_PREC=_dot_precision(x.dtype), num_warps=num_warps,
@@ -166,10 +163,10 @@ def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets
     assert t.stride(-1) == 1, t.stride()
     if num_tokens == 0:
         return
-    block_m = _block_m(num_tokens)
+    block_m = row_block(num_tokens)
     n_blocks = triton.cdiv(max_slice_width, block_n)
-    _expand_kernel[(triton.cdiv(num_tokens, block_m), slices * n_blocks, num_slots)](
-        t, b, y, slice_offsets, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t.shape[0],
+    _expand_kernel[(max_row_blocks(num_tokens, num_slots), slices * n_blocks)](
+        t, b, y, slice_offsets, batch.row_blocks, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t.shape[0],
         t.stride(0), t.stride(1), t.stride(2), b.stride(0), b.stride(1), y.stride(0), n_blocks,
         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PREC=_dot_precision(b.dtype), num_warps=num_warps,

@@ -14,7 +14,16 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.lora_batch import NO_ADAPTER, LoRABatch, check_token_slots, group_by_slot
+from llmserve.engine.host_copy import staged
+from llmserve.lora_batch import (
+    NO_ADAPTER,
+    LoRABatch,
+    check_token_slots,
+    group_by_slot,
+    max_row_blocks,
+    row_block,
+    slot_row_blocks,
+)
 
 
 class LoRAContext:
@@ -23,10 +32,23 @@ class LoRAContext:
         self.always_apply = always_apply
         self.max_num_tokens = max_num_tokens
         self.num_slots = num_slots
-        self.token_slots = torch.full((max_num_tokens,), NO_ADAPTER, dtype=torch.int32, device=device)
-        self.sorted_tokens = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
-        self.slot_starts = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.slot_counts = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        self.device = torch.device(device)
+        # the kernels' row-block tables for both block sizes (row_block: 16 up to 64 tokens)
+        self._table_rows = {16: max_row_blocks(min(max_num_tokens, 64), num_slots),
+                            64: max_row_blocks(max(max_num_tokens, 65), num_slots)}  # fmt: skip
+        tables = 2 * sum(self._table_rows.values())
+        # one buffer, [slot_starts | slot_counts | tables | token_slots | sorted_tokens], so that a
+        # step's values arrive in two copies from pinned memory (a copy from pageable memory
+        # would wait for the step running on the GPU: llmserve/engine/host_copy.py)
+        head = 2 * num_slots + tables
+        packed = torch.zeros(head + 2 * max_num_tokens, dtype=torch.int32, device=self.device)
+        self.slot_starts = packed[:num_slots]
+        self.slot_counts = packed[num_slots : 2 * num_slots]
+        small = 2 * num_slots + 2 * self._table_rows[16]
+        self.row_blocks = {16: packed[2 * num_slots : small].view(-1, 2), 64: packed[small:head].view(-1, 2)}
+        self.token_slots = packed[head : head + max_num_tokens].fill_(NO_ADAPTER)
+        self.sorted_tokens = packed[head + max_num_tokens :]
+        self._head = packed[: head + max_num_tokens]  # starts, counts, tables, then the token slots
         self.num_tokens = 0  # tokens set by the last `set_token_slots`
         self.has_adapters = False
 
@@ -38,11 +60,11 @@ class LoRAContext:
             raise ValueError(f"{n} tokens, the LoRA context holds at most {self.max_num_tokens}")
         check_token_slots(slots, self.num_slots)
         sorted_tokens, starts, counts = group_by_slot(slots, self.num_slots)
-        self.token_slots[:n].copy_(slots, non_blocking=True)
+        tables = [slot_row_blocks(counts, block, rows).reshape(-1) for block, rows in self._table_rows.items()]
+        head = torch.cat([starts, counts, *tables, slots])
+        self._head[: head.shape[0]].copy_(staged(head, torch.int32, self.device), non_blocking=True)
         self.token_slots[n:].fill_(NO_ADAPTER)
-        self.sorted_tokens[:n].copy_(sorted_tokens, non_blocking=True)
-        self.slot_starts.copy_(starts, non_blocking=True)
-        self.slot_counts.copy_(counts, non_blocking=True)
+        self.sorted_tokens[:n].copy_(staged(sorted_tokens, torch.int32, self.device), non_blocking=True)
         self.num_tokens = n
         self.has_adapters = bool((slots != NO_ADAPTER).any())
 
@@ -57,4 +79,4 @@ class LoRAContext:
             raise ValueError(f"a LoRA layer got {num_tokens} tokens; the step set {self.num_tokens} "
                              f"(at most {self.max_num_tokens})")  # fmt: skip
         return LoRABatch(self.token_slots[:num_tokens], self.sorted_tokens, self.slot_starts, self.slot_counts,
-                         self.has_adapters or self.always_apply)  # fmt: skip
+                         self.has_adapters or self.always_apply, self.row_blocks[row_block(num_tokens)])  # fmt: skip

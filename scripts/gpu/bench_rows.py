@@ -170,7 +170,10 @@ def main() -> None:
     opts = parser.parse_args()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in ROWS if not opts.only or n in opts.only.split(",")]
+    names = opts.only.split(",") if opts.only else list(ROWS)  # in the order given: engines start in that order
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; rows: {', '.join(ROWS)}")
     if opts.cpu_smoke:
         cpu_smoke()
         results: dict = {}
@@ -184,7 +187,7 @@ def main() -> None:
     from llmserve.engine.sampler import Sampler
     from llmserve.engine.sampler_reference import ReferenceSampler
 
-    for engine in ENGINES:
+    for engine in dict.fromkeys(ROWS[n][0] for n in names):
         rows = [n for n in names if ROWS[n][0] == engine]
         if not rows:
             continue

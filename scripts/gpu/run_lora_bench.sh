@@ -10,6 +10,6 @@ DEFAULT_STEPS="lora_kernels rows lora_engine"
 source "$(dirname "$0")/lib.sh"
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-run lora_kernels "${T_LK:-90}" python3 scripts/gpu/lora_kernels_check.py
-run rows "${T_ROWS:-300}" python3 scripts/gpu/bench_rows.py --out "$OUT" --only "${ROWS:-a,b,a_lora8,b_lora,a_lora64}"
-run lora_engine "${T_LE:-220}" python3 scripts/gpu/lora_engine_check.py  # float32 kernels compile cold: >110 s
+run lora_kernels "${T_LK:-100}" python3 scripts/gpu/lora_kernels_check.py
+run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT" --only "${ROWS:-a,b,a_lora8,b_lora,a_lora64,b_fp8,a_fp8}"
+run lora_engine "${T_LE:-150}" python3 scripts/gpu/lora_engine_check.py  # float32 kernels compile cold: >110 s
