@@ -40,9 +40,10 @@ def row_block(num_tokens: int) -> int:
 
 def max_row_blocks(num_tokens: int, num_slots: int) -> int:
     """An upper bound on the row blocks of any `num_tokens` tokens over `num_slots` slots (each
-    slot's last block may be partial): the kernels' grid, which depends on the token count alone."""
+    slot's last block may be partial, and each block holds a token): the kernels' grid, which
+    depends on the token count alone. One token: one block."""
     block = row_block(num_tokens)
-    return -(-num_tokens // block) + num_slots
+    return min(-(-num_tokens // block) + num_slots, num_tokens)
 
 
 def slot_row_blocks(slot_counts: torch.Tensor, block: int, size: int) -> torch.Tensor:

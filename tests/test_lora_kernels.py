@@ -57,6 +57,7 @@ CASES = [  # (token slots, in_features, max_rank, slice widths)
     ([1] * 20 + [-1, 0] * 3, 72, 8, [48]),  # 20 tokens of one slot: two row blocks; rank 8 padded to 16
     ([2, 2, -1, -1], 40, 32, [24, 24]),  # gate/up-like; slots 0 and 1 have no token
     ([-1, -1, -1], 64, 16, [64]),  # no adapter at all: nothing changes
+    ([0] * 40 + [1, -1] * 15 + [2] * 3, 48, 16, [160, 96]),  # 75 rows: row blocks of 64, column blocks of 128
 ]
 
 
@@ -68,7 +69,7 @@ def test_shrink_and_expand_match_the_reference(case, dtype, splits):
     gen = torch.Generator().manual_seed(case)
     a, b, scaling = make_slots(3, len(widths), max_rank, in_features, widths, dtype, gen)
     num_tokens = len(token_slots) + 2  # two padding rows, as a captured CUDA graph would have
-    ctx = LoRAContext(max_num_tokens=32, num_slots=3)
+    ctx = LoRAContext(max_num_tokens=128, num_slots=3)
     ctx.set_token_slots(token_slots)
     batch = ctx.batch(num_tokens)
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
