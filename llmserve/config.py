@@ -167,9 +167,9 @@ class EngineArgs:
     max_loras: int = 1  # adapters in device slots at once
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (default: max_loras)
-    # CUDA graphs captured with the LoRA ops in them (any mix of adapters replays them); off until
-    # scripts/gpu/lora_engine_check.py has checked them against eager steps on a GPU: LoRA runs eager
-    lora_cuda_graphs: bool = False
+    # CUDA graphs captured with the LoRA ops in them (any mix of adapters replays them; checked against
+    # eager steps on an H200 by scripts/gpu/lora_engine_check.py); --no-lora-cuda-graphs: LoRA runs eager
+    lora_cuda_graphs: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -228,8 +228,7 @@ class EngineArgs:
             raise ConfigError(f"sampler must be batched or reference; got {self.sampler!r}")
         lora = self._lora_config()
         if lora is not None and not eager and not self.lora_cuda_graphs:
-            logger.warning("LoRA: running eager (CUDA graphs with adapters are behind --lora-cuda-graphs until "
-                           "checked on a GPU)")  # fmt: skip
+            logger.info("LoRA: running eager (--no-lora-cuda-graphs)")
             eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora)  # fmt: skip
