@@ -129,6 +129,7 @@ class LoRAConfig:
     max_loras: int  # adapters in device slots at once (and in one step)
     max_lora_rank: int
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
+    expand_gemm_tokens: int = 0  # layer inputs of at least this many rows expand through cuBLAS (0: never)
 
 
 @dataclass
@@ -170,6 +171,9 @@ class EngineArgs:
     # CUDA graphs captured with the LoRA ops in them (any mix of adapters replays them; checked against
     # eager steps on an H200 by scripts/gpu/lora_engine_check.py); --no-lora-cuda-graphs: LoRA runs eager
     lora_cuda_graphs: bool = True
+    # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice
+    # (llmserve/lora/expand_gemm.py) instead of the Triton expand; 0: never (not yet measured on a GPU)
+    lora_expand_gemm_tokens: int = 0
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -243,7 +247,9 @@ class EngineArgs:
             raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
         if self.enable_sleep_mode:
             raise ConfigError("LoRA adapters with sleep mode are not supported yet (issue 22)")
-        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
+        if self.lora_expand_gemm_tokens < 0:
+            raise ConfigError(f"lora_expand_gemm_tokens must be >= 0; got {self.lora_expand_gemm_tokens}")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens)
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

@@ -508,6 +508,7 @@ def test_throughput_and_latency_with_lora_adapters_taken_in_turn(llama_dir, tmp_
           "--input-len", "8", "--output-len", "4", "--lora-adapters", "3", "--lora-rank", "4", "--max-loras", "2",
           "--output-json", str(out)])  # fmt: skip
     r = json.loads(out.read_text())
+    assert r["lora"].pop("slot_loads") >= 3  # each adapter written into a slot at least once (2 slots)
     assert r["lora"] == {"adapters": 3, "rank": 4, "max_loras": 2} and r["num_requests"] == 12
     assert r["output_tokens_per_s"] > 0
     assert not glob.glob(str(tmp_path / "llmserve-bench-lora-*"))
@@ -515,7 +516,7 @@ def test_throughput_and_latency_with_lora_adapters_taken_in_turn(llama_dir, tmp_
     main(["bench", "latency", "--model", llama_dir, "--max-model-len", "128", "--batch-size", "2", "--input-len", "8",
           "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0", "--lora-adapters", "1",
           "--output-json", str(lat)])  # fmt: skip
-    assert json.loads(lat.read_text())["lora"] == {"adapters": 1, "rank": 16, "max_loras": 1}
+    assert json.loads(lat.read_text())["lora"] == {"adapters": 1, "rank": 16, "max_loras": 1, "slot_loads": 1}
     arch = read_model_arch(Path(llama_dir))
     adapter = read_peft_adapter(write_random_adapter(arch, tmp_path / "one", 4, 0), "one", arch, 16)
     assert adapter.rank == 4 and len(adapter.modules) == 7 * arch.num_layers

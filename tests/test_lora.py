@@ -28,7 +28,7 @@ from llmserve.lora import (
     apply_lora,
     read_peft_adapter,
 )
-from llmserve.lora.ops import LoRAOps
+from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
 from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
 from llmserve.lora.slot_table import SlotTable
 from llmserve.lora_batch import NO_ADAPTER, make_lora_batch
@@ -182,7 +182,7 @@ def test_a_batch_without_adapters_is_the_base_model(base_dir, adapters, oracle):
     assert lm.context.has_adapters is False
     plain = lm.run(seqs)
     calls = []
-    counting = LoRAOps(lambda *args: calls.append(1) or lora_shrink_reference(*args), lora_expand_reference)
+    counting = LoRAOps(lambda *args: calls.append(1) or lora_shrink_reference(*args), REFERENCE_LORA_OPS.expand)
     for layer in lm.applied.layers():
         layer.ops = counting
     lm.context.always_apply = True  # as under a CUDA graph: the LoRA ops run and add nothing

@@ -525,7 +525,9 @@ def test_a_dead_chat_backend_is_reloaded_by_the_platform_and_waiting_requests_re
         # the cut stream: an error event naming the dead backend, then [DONE], within seconds
         assert len(events) >= 5 and events[-1] == "data: [DONE]", events[-3:]
         message = json.loads(events[-2][6:])["error"]["message"]
-        assert "backend died" in message, message
+        # the watchdog's death notice, or (under load) tritonserver itself dying with its stub
+        # first, which the watchdog then restarts: either way a clear error event, then [DONE]
+        assert "backend died" in message or "upstream failed mid-stream" in message, message
         assert ended < 30, ended
         # sent while the backend is dead or being restarted: it waits and is served
         chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -534,8 +536,9 @@ def test_a_dead_chat_backend_is_reloaded_by_the_platform_and_waiting_requests_re
         retried = running.result()
     assert retried.status_code == 200 and retried.json()["usage"]["completion_tokens"] == 300, retried.text
     log = (up["workdir"] / "up.log").read_text()
-    assert "the chat model's backend died (chat_0_0 gone): restarting it" in log, log[-3000:]
-    assert "chat is back" in log
+    reloaded = "the chat model's backend died (chat_0_0 gone): restarting it" in log and "chat is back" in log
+    restarted = "watchdog: tritonserver exited" in log and "tritonserver is back" in log  # it died with the stub
+    assert reloaded or restarted, log[-3000:]
     new_stub = subprocess.run(["pgrep", "-f", f"{up['workdir']}/model_repository/chat/1/model.py"],
                               capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
     assert new_stub and str(stub) not in new_stub
@@ -547,13 +550,14 @@ def test_a_dead_triton_server_is_restarted_by_the_platform(up, client):
     found = subprocess.run(["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True,
                            check=False).stdout.split()  # fmt: skip
     assert len(found) == 1, found
+    seen = len((up["workdir"] / "up.log").read_text())  # an earlier test may have restarted it already
     os.kill(int(found[0]), signal.SIGKILL)
     deadline = time.monotonic() + 240
-    while "tritonserver is back" not in (up["workdir"] / "up.log").read_text():
+    while "tritonserver is back" not in (up["workdir"] / "up.log").read_text()[seen:]:
         assert time.monotonic() < deadline, (up["workdir"] / "up.log").read_text()[-3000:]
         time.sleep(0.5)
-    log = (up["workdir"] / "up.log").read_text()
-    assert "watchdog: tritonserver exited with -9: starting it again" in log
+    log = (up["workdir"] / "up.log").read_text()[seen:]
+    assert "watchdog: tritonserver exited with -9: starting it again" in log, log[-3000:]
     again = subprocess.run(["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True,
                            check=False).stdout.split()  # fmt: skip
     assert len(again) == 1 and again != found

@@ -34,7 +34,8 @@ class RunnerLoRA:
         self.model = model
         self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device)
         self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)
-        self.applied = apply_lora(model, self.store, self.context, triton_lora_ops() if use_kernels else REFERENCE_LORA_OPS)
+        ops = triton_lora_ops(config.expand_gemm_tokens) if use_kernels else REFERENCE_LORA_OPS
+        self.applied = apply_lora(model, self.store, self.context, ops)
         self.write_slot = write_slot or self.write_shard
         self.pending_slots: list[int] | None = None  # the next step's token -> slot map (driver)
         self.slot_loads = 0  # adapters written into a slot so far (with fewer slots than adapters: the swaps)

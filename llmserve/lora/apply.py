@@ -49,7 +49,7 @@ class LoRALinear(nn.Module):
         t = self.ops.shrink(x, lora.a, lora.scaling, batch)
         if self.reduce is not None:
             t = self.reduce(t)
-        self.ops.expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
+        self.ops.expand(y, t, lora, batch)
         return y
 
 

@@ -1,5 +1,6 @@
 """Which implementation of the batched LoRA ops the model's LoRA layers call: the PyTorch
-references, or the Triton kernels with the same signatures (tested against them)."""
+references, or the Triton kernels with the same results (tested against them), with the
+expand of steps of many tokens optionally as one cuBLAS GEMM (llmserve/lora/expand_gemm.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,30 @@ from dataclasses import dataclass
 from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
 
 
+def _reference_expand(y, t, lora, batch) -> None:
+    lora_expand_reference(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
+
+
 @dataclass(frozen=True, slots=True)
 class LoRAOps:
-    shrink: Callable = lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32
-    expand: Callable = lora_expand_reference  # (y, t, b, slice_offsets, max_slice_width, batch) -> None
+    shrink: Callable = lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32 (or splits of it)
+    expand: Callable = _reference_expand  # (y, t, lora: ProjectionLoRA, batch) -> None, y += in place
 
 
 REFERENCE_LORA_OPS = LoRAOps()
 
 
-def triton_lora_ops() -> LoRAOps:
-    """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter)."""
+def triton_lora_ops(gemm_expand_min_tokens: int = 0) -> LoRAOps:
+    """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter).
+    `gemm_expand_min_tokens` > 0: layer inputs of at least that many rows expand through
+    `lora_expand_gemm` instead of the Triton expand (0: never)."""
     from llmserve.kernels.lora import lora_expand, lora_shrink
+    from llmserve.lora.expand_gemm import lora_expand_gemm
 
-    return LoRAOps(lora_shrink, lora_expand)
+    def expand(y, t, lora, batch) -> None:
+        if 0 < gemm_expand_min_tokens <= y.shape[0]:
+            lora_expand_gemm(y, t, lora.b_all, lora.slice_bounds, batch)
+        else:
+            lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
+
+    return LoRAOps(lora_shrink, expand)

@@ -4,7 +4,10 @@ maximum rank, where the batched LoRA ops read them.
 Per projection (qkv_proj, o_proj, gate_up_proj, down_proj):
   a: [layers, slots, slices, max_rank, in_features]  (slice j: the A of q_proj, k_proj ... in output order)
   b: [layers, slots, out_features, max_rank]         (the slices' B concatenated as the fused output is)
-and one scaling per slot. A rank below the maximum leaves zero rows of A and zero columns of B;
+and one scaling per slot. B is stored output-major, [layers, out_features, slots, max_rank], and
+`b` is a view of it in slot order: so one layer's B of every slot is also one plain matrix
+[out_features, slots * max_rank] (`ProjectionLoRA.b_all`), which the GEMM form of the expand
+multiplies in one call (llmserve/lora/expand_gemm.py). A rank below the maximum leaves zero rows of A and zero columns of B;
 a module or layer an adapter lacks stays all zero: both add nothing. Writing a slot copies in
 place, so the views handed to the model's layers (and CUDA graphs) keep their addresses.
 """
@@ -26,10 +29,17 @@ class ProjectionLoRA:
     """What one LoRA layer reads: views of the stacked weights of one projection in one layer."""
 
     a: torch.Tensor  # [slots, slices, max_rank, in_features]
-    b: torch.Tensor  # [slots, out_features, max_rank]
+    b: torch.Tensor  # [slots, out_features, max_rank] (a strided view: see `b_all`)
     scaling: torch.Tensor  # [slots] float32
     slice_offsets: torch.Tensor  # [slices + 1] int32 on the weights' device
     max_slice_width: int
+    slice_bounds: tuple[int, ...] = ()  # the same offsets on the host
+
+    @property
+    def b_all(self) -> torch.Tensor:
+        """[out_features, slots * max_rank]: column s * max_rank + r is B[s][:, r] (a view when b
+        is the store's; a copy otherwise)."""
+        return self.b.permute(1, 0, 2).reshape(self.b.shape[1], -1)
 
 
 class SlotWeights:
@@ -44,8 +54,8 @@ class SlotWeights:
         layers = arch.num_layers
         self.a = {s.name: torch.zeros(layers, num_slots, len(s.widths), max_rank, s.in_features, dtype=dtype,
                                       device=device) for s in self.specs.values()}  # fmt: skip
-        self.b = {s.name: torch.zeros(layers, num_slots, s.out_features, max_rank, dtype=dtype, device=device)
-                  for s in self.specs.values()}  # fmt: skip
+        self.b = {s.name: torch.zeros(layers, s.out_features, num_slots, max_rank, dtype=dtype, device=device)
+                  .permute(0, 2, 1, 3) for s in self.specs.values()}  # fmt: skip
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self._offsets = {s.name: torch.tensor(s.offsets, dtype=torch.int32, device=device) for s in self.specs.values()}
 
@@ -77,7 +87,7 @@ class SlotWeights:
     def projection(self, name: str, layer: int) -> ProjectionLoRA:
         spec = self.specs[name]
         return ProjectionLoRA(self.a[name][layer], self.b[name][layer], self.scaling, self._offsets[name],
-                              max(spec.widths))  # fmt: skip
+                              max(spec.widths), tuple(spec.offsets))  # fmt: skip
 
     def _check(self, layer: int, module: str, a_shape: torch.Size, b_shape: torch.Size, rank: int) -> None:
         if module not in self._place:

@@ -3,13 +3,13 @@
 # graphs checked against their references, then on the 8B shape (scripts/gpu/bench_rows.py, one
 # engine start-up per configuration): workload (a) and batch-1 latency (b) on the base model,
 # (a) with 8 adapters of rank 16 (q, k, v, o, gate, up, down) taken in turn, (b) with one, and
-# (a) with 64 adapters sharing 16 slots. ONLY="..." picks steps (lib.sh); ROWS="a,b,..." the
-# rows. Every log and JSON in $OUT.
+# (a) with 64 adapters sharing 16 slots, and (a) with the expand as a cuBLAS GEMM (a_lora8g).
+# ONLY="..." picks steps (lib.sh); ROWS="a,b,..." the rows. Every log and JSON in $OUT.
 set -uo pipefail
 DEFAULT_STEPS="lora_kernels rows lora_engine"
 source "$(dirname "$0")/lib.sh"
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 run lora_kernels "${T_LK:-100}" python3 scripts/gpu/lora_kernels_check.py
-run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT" --only "${ROWS:-a,b,a_lora8,b_lora,a_lora64,b_fp8,a_fp8}"
+run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT" --only "${ROWS:-a,b,a_lora8,a_lora8g,b_lora,a_lora64}"
 run lora_engine "${T_LE:-150}" python3 scripts/gpu/lora_engine_check.py  # float32 kernels compile cold: >110 s
