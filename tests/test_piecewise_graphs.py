@@ -18,7 +18,8 @@ from conftest import hf_greedy
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.cuda_graphs import PiecewiseGraphs, mixed_capture_sizes
-from llmserve.engine.model_runner import graph_memory_reserve
+from llmserve.engine.input_builder import RowInput
+from llmserve.engine.kv_sizing import graph_memory_reserve
 
 
 def test_capture_sizes_cover_every_count_up_to_the_top():
@@ -38,8 +39,8 @@ def _mixed_batch(runner, rng: random.Random):
         table = list(range(next_block, next_block + -(-end // bs)))
         next_block += len(table)
         tokens = [rng.randrange(3, 500) for _ in range(end)]
-        items.append((f"r{len(items)}", table, start, count, tokens, True))
-    return runner._build_batch(items)
+        items.append(RowInput(f"r{len(items)}", table, start, count, tokens, True))
+    return runner.inputs.build(items)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -18,30 +18,27 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
-from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
-from llmserve.engine.request import PLACEHOLDER, TokenLogprobs
+from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput
+from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
+from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.engine.device_arena import make_arena
 from llmserve.engine.weight_stash import WeightStash
 from llmserve.lora.adapter import LoRAAdapter
-from llmserve.model.attention import AttentionBackend, AttentionMetadata, reference_paged_attention
+from llmserve.model.attention import AttentionBackend, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import fill_weights, load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 256 << 20
-
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
@@ -70,40 +67,6 @@ class PendingStep:
 
 
 @dataclass(slots=True)
-class BatchInputs:
-    """One flattened batch, on the host; `to_device` makes the model's inputs."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: np.ndarray  # [B, max_blocks] int32
-    logits_indices: list[int]  # rows of the hidden states that sample
-    max_query_len: int
-    # input tokens sampled by the previous, still running step (PLACEHOLDER here): flat
-    # positions in input_ids and the rows of that step's device tokens that fill them
-    fill_positions: list[int]
-    fill_rows: list[int]
-
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
-
-    def metadata(self, device: torch.device) -> AttentionMetadata:
-        def t(values, dtype):
-            return to_device(values, dtype, device)
-
-        return AttentionMetadata(
-            slot_mapping=t(self.slot_mapping, torch.long),
-            query_start_loc=t(self.query_start_loc, torch.int32),
-            seq_lens=t(self.seq_lens, torch.int32),
-            block_tables=t(self.block_tables, torch.int32),
-            max_query_len=self.max_query_len,
-            max_seq_len=max(self.seq_lens),
-        )
-
-
-@dataclass(slots=True)
 class StepInputs:
     """What every rank needs to run one step (sent to the workers as is)."""
 
@@ -129,16 +92,6 @@ def on_every_rank(method: Callable) -> Callable:
             self._mirroring = False
 
     return call
-
-
-def graph_memory_reserve(config: EngineConfig, activations: int, num_tokens: int) -> int:
-    """Bytes the CUDA graphs will hold, kept out of the KV budget: 1 GiB for the decode
-    graphs, plus the piecewise graphs' pool, which holds the activations of their largest
-    token count (a share of the `activations` the profile run needed for `num_tokens`)."""
-    if config.enforce_eager:
-        return 0
-    mixed_tokens = min(config.max_mixed_graph_tokens, num_tokens)
-    return (1 << 30) + activations * mixed_tokens // num_tokens
 
 
 def select_attention_backend(name: str) -> AttentionBackend:
@@ -183,7 +136,7 @@ class ModelRunner:
         self.cpu_caches: list[torch.Tensor] = []
         sc = config.scheduler_config
         self.max_blocks = -(-mc.max_model_len // self.block_size)
-        self.block_tables = BlockTableBuffer(sc.max_num_seqs, self.max_blocks)
+        self.inputs = InputBuilder(self.block_size, sc.max_num_seqs, self.max_blocks)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
@@ -202,9 +155,7 @@ class ModelRunner:
     # -- KV cache sizing ----------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        a = self.arch
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * elem
+        return bytes_per_block(self.arch, self.block_size, self.kv_dtype)
 
     def num_blocks_for_memory(self) -> int:
         """Device blocks: the override, else a byte budget (CPU) or what the GPU has left."""
@@ -217,10 +168,7 @@ class ModelRunner:
             budget = self.profile_kv_budget()
         else:
             sc = self.config.scheduler_config
-            per_seq = -(-sc.max_model_len // self.block_size)
-            max_useful = sc.max_num_seqs * per_seq + 1
-            # at least one sequence of max_model_len (SmolLM2's 8,192 tokens need 377 MB)
-            return max(1, per_seq, min(DEFAULT_CPU_KV_BYTES // self.bytes_per_block, max_useful))
+            return cpu_num_blocks(self.bytes_per_block, self.block_size, sc.max_model_len, sc.max_num_seqs)
         return max(0, budget // self.bytes_per_block)
 
     def num_swap_blocks(self) -> int:
@@ -264,26 +212,22 @@ class ModelRunner:
         # this process's memory outside torch's allocator (CUDA context, NCCL buffers);
         # what other processes held at start does not count: the fraction is this engine's
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device) - self._gpu_used_at_start
-        budget = int(total * self.config.cache_config.gpu_memory_utilization)
-        # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
-        sampler = 8 * sc.max_num_seqs * self.arch.vocab_size * 4
         # (weights in an arena are outside torch's allocator: counted in `non_torch` instead)
         weights = 0 if self._weights_arena is not None else sum(p.numel() * p.element_size() for p in self.model.parameters())
-        graphs = graph_memory_reserve(self.config, activations=max(0, peak - kv_bytes - weights), num_tokens=num_tokens)
-        budget = budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
+        budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
         return self.tp.min_over_ranks(budget)
 
     def _dummy_forward(self, num_seqs: int, seq_len: int) -> None:
         bs = self.block_size
         blocks_per_seq = -(-seq_len // bs)
         num_blocks = self.kv_caches[0].shape[1]
-        items = [
-            (f"profile-{i}", [(i * blocks_per_seq + j) % num_blocks for j in range(blocks_per_seq)],
-             0, seq_len, [0] * seq_len, True)
+        rows = [
+            RowInput(f"profile-{i}", [(i * blocks_per_seq + j) % num_blocks for j in range(blocks_per_seq)],
+                     0, seq_len, [0] * seq_len, True)
             for i in range(num_seqs)
         ]  # fmt: skip
-        batch = self._build_batch(items)
-        self.block_tables.rows_for([])  # forget the profile rows
+        batch = self.inputs.build(rows)
+        self.inputs.forget_all()  # forget the profile rows
         with torch.inference_mode():
             input_ids, positions, meta = batch.to_device(self.device)
             hidden = self.model(input_ids, positions, meta)
@@ -542,12 +486,12 @@ class ModelRunner:
         self.sampler.forget(sched.finished_request_ids)
         batch = None
         if sched.scheduled:
-            items = [
-                (s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
-                 s.request.all_token_ids, s.samples)
+            rows = [
+                RowInput(s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
+                         s.request.all_token_ids, s.samples)
                 for s in sched.scheduled
             ]  # fmt: skip
-            batch = self._build_batch(items, self._last_step.row_of if self._last_step else {})
+            batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {})
         if batch is None and not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
@@ -613,50 +557,6 @@ class ModelRunner:
             input_ids[positions] = source[rows]
 
         return fill
-
-    def _build_batch(
-        self, items: list[tuple[str, list[int], int, int, list[int], bool]], last_rows: dict[str, int] | None = None
-    ) -> BatchInputs:  # fmt: skip
-        """items: (request id, block table, first new position, number of new tokens,
-        all tokens, samples). Decode rows take a fast path: one token, one slot.
-        `last_rows`: request id -> row of the still-running previous step's tokens, for
-        decode rows whose input token is a PLACEHOLDER."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        max_query = 0
-        fill_positions: list[int] = []
-        fill_rows: list[int] = []
-        for request_id, table, start, count, tokens, samples in items:
-            end = start + count
-            if count == 1:
-                token = tokens[start]
-                if token == PLACEHOLDER:
-                    fill_positions.append(len(input_ids))
-                    fill_rows.append(last_rows[request_id])
-                input_ids.append(token)
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                input_ids.extend(tokens[start:end])
-                positions.extend(range(start, end))
-                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
-            query_start.append(query_start[-1] + count)
-            seq_lens.append(end)
-            max_query = max(max_query, count)
-            if samples:
-                logits_indices.append(query_start[-1] - 1)
-        rows = self.block_tables.rows_for([(it[0], it[1]) for it in items])
-        width = max(len(it[1]) for it in items)  # copy only the columns this batch uses
-        return BatchInputs(
-            input_ids, positions, slots, query_start, seq_lens,
-            self.block_tables.table[rows, :width], logits_indices, max_query, fill_positions, fill_rows,
-        )  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:

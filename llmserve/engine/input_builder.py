@@ -1,0 +1,119 @@
+"""One step's model inputs, flattened on the host from the scheduled rows: token ids,
+positions, KV slot of each new token, query offsets, sequence lengths, block tables, the
+rows that sample, and the input tokens a still-running step has yet to deliver.
+
+Pure host work with no device and no model, so the tests check it on any machine. The
+model runner turns the result into device tensors (`BatchInputs.to_device`), or copies it
+into a CUDA graph's buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from llmserve.attention_metadata import AttentionMetadata
+from llmserve.engine.block_table import BlockTableBuffer
+from llmserve.engine.host_copy import to_device
+from llmserve.engine.request import PLACEHOLDER
+
+
+class RowInput(NamedTuple):
+    """One scheduled request's part of a step, as the input builder reads it."""
+
+    request_id: str
+    block_ids: list[int]  # the request's block table (BlockTableBuffer copies only what is new)
+    start: int  # its first new position (tokens before it are in the KV cache)
+    count: int  # how many new tokens this step
+    token_ids: list[int]  # all its tokens; PLACEHOLDER where the running step has not delivered one
+    samples: bool  # the step reaches its last token: a new token is sampled
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    """One flattened batch, on the host; `to_device` makes the model's inputs."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: np.ndarray  # [B, max_blocks] int32
+    logits_indices: list[int]  # rows of the hidden states that sample
+    max_query_len: int
+    # input tokens sampled by the previous, still running step (PLACEHOLDER here): flat
+    # positions in input_ids and the rows of that step's device tokens that fill them
+    fill_positions: list[int]
+    fill_rows: list[int]
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
+        def t(values, dtype):
+            return to_device(values, dtype, device)
+
+        return AttentionMetadata(
+            slot_mapping=t(self.slot_mapping, torch.long),
+            query_start_loc=t(self.query_start_loc, torch.int32),
+            seq_lens=t(self.seq_lens, torch.int32),
+            block_tables=t(self.block_tables, torch.int32),
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens),
+        )
+
+
+class InputBuilder:
+    """Flattens steps; keeps the running requests' block tables between steps."""
+
+    def __init__(self, block_size: int, max_num_seqs: int, max_blocks: int) -> None:
+        self.block_size = block_size
+        self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks)
+
+    def build(self, rows: list[RowInput], last_rows: dict[str, int] | None = None) -> BatchInputs:
+        """Decode rows take a fast path: one token, one slot. `last_rows`: request id -> row of
+        the still-running previous step's tokens, for decode rows whose input token is a
+        PLACEHOLDER."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        max_query = 0
+        fill_positions: list[int] = []
+        fill_rows: list[int] = []
+        for request_id, table, start, count, tokens, samples in rows:
+            end = start + count
+            if count == 1:
+                token = tokens[start]
+                if token == PLACEHOLDER:
+                    fill_positions.append(len(input_ids))
+                    fill_rows.append(last_rows[request_id])
+                input_ids.append(token)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                input_ids.extend(tokens[start:end])
+                positions.extend(range(start, end))
+                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+            query_start.append(query_start[-1] + count)
+            seq_lens.append(end)
+            max_query = max(max_query, count)
+            if samples:
+                logits_indices.append(query_start[-1] - 1)
+        table_rows = self.block_tables.rows_for([(row.request_id, row.block_ids) for row in rows])
+        width = max(len(row.block_ids) for row in rows)  # copy only the columns this batch uses
+        return BatchInputs(
+            input_ids, positions, slots, query_start, seq_lens,
+            self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
+        )  # fmt: skip
+
+    def forget_all(self) -> None:
+        """Release every request's row (after a profile run's made-up requests)."""
+        self.block_tables.rows_for([])

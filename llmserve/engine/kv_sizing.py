@@ -1,0 +1,54 @@
+"""How many KV cache blocks an engine gets: the arithmetic, apart from the profile run that
+measures its inputs (the model runner runs that, on every tensor-parallel rank).
+
+On a GPU every byte up to `gpu_memory_utilization` that the profile run's peak, the memory
+outside torch's allocator, the sampler's logits work and the CUDA graphs do not need goes to
+blocks; on a CPU a fixed budget, at least one sequence of max_model_len."""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.model.arch import ModelArch
+
+DEFAULT_CPU_KV_BYTES = 256 << 20
+
+
+def bytes_per_block(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Keys and values of `block_size` tokens in every layer (of this rank's KV heads)."""
+    elem = torch.tensor([], dtype=kv_dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def cpu_num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+    """Blocks on a CPU: DEFAULT_CPU_KV_BYTES, no more than every sequence can use, and at least
+    one sequence of max_model_len (SmolLM2's 8,192 tokens need 377 MB)."""
+    per_seq = -(-max_model_len // block_size)
+    max_useful = max_num_seqs * per_seq + 1
+    return max(1, per_seq, min(DEFAULT_CPU_KV_BYTES // block_bytes, max_useful))
+
+
+def graph_memory_reserve(config: EngineConfig, activations: int, num_tokens: int) -> int:
+    """Bytes the CUDA graphs will hold, kept out of the KV budget: 1 GiB for the decode
+    graphs, plus the piecewise graphs' pool, which holds the activations of their largest
+    token count (a share of the `activations` the profile run needed for `num_tokens`)."""
+    if config.enforce_eager:
+        return 0
+    mixed_tokens = min(config.max_mixed_graph_tokens, num_tokens)
+    return (1 << 30) + activations * mixed_tokens // num_tokens
+
+
+def gpu_kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weights: int, non_torch: int,
+                  vocab_size: int) -> int:  # fmt: skip
+    """KV bytes on a GPU of `total` bytes, after a profile run of the largest batch that peaked
+    at `peak` bytes of torch's allocator, `kv_bytes` of them its small KV cache and `weights`
+    the weights (0 when they live in an arena: then they are in `non_torch`, this process's
+    memory outside the allocator)."""
+    sc = config.scheduler_config
+    budget = int(total * config.cache_config.gpu_memory_utilization)
+    # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
+    sampler = 8 * sc.max_num_seqs * vocab_size * 4
+    graphs = graph_memory_reserve(config, activations=max(0, peak - kv_bytes - weights),
+                                  num_tokens=sc.max_num_batched_tokens)  # fmt: skip
+    return budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs

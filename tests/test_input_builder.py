@@ -1,0 +1,55 @@
+"""The step's flattened inputs, built on the host with no model and no device
+(llmserve/engine/input_builder.py): positions, KV slots, query offsets, sampling rows, the
+tokens a still-running step fills in, and the block tables kept between steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmserve.engine.input_builder import InputBuilder, RowInput
+from llmserve.engine.request import PLACEHOLDER
+
+
+def test_a_mixed_step_is_flattened_row_by_row():
+    builder = InputBuilder(block_size=4, max_num_seqs=4, max_blocks=8)
+    prefill = RowInput("a", [7, 2, 9], 2, 7, list(range(100, 109)), True)  # a chunk from position 2 to 8
+    chunk = RowInput("b", [5, 6], 0, 5, list(range(200, 210)), False)  # a prompt's first chunk: no sample
+    decode = RowInput("c", [3], 3, 1, [300, 301, 302, PLACEHOLDER], True)  # its token: the running step's
+    batch = builder.build([prefill, chunk, decode], last_rows={"c": 5})
+    assert batch.input_ids == [*range(102, 109), *range(200, 205), PLACEHOLDER]
+    assert batch.positions == [*range(2, 9), *range(5), 3]
+    # slot = block id * block size + offset in the block
+    assert batch.slot_mapping == [7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4,
+                                  5 * 4, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4, 3 * 4 + 3]  # fmt: skip
+    assert batch.query_start_loc == [0, 7, 12, 13] and batch.seq_lens == [9, 5, 4]
+    assert batch.logits_indices == [6, 12] and batch.max_query_len == 7
+    assert batch.fill_positions == [12] and batch.fill_rows == [5]
+    assert batch.block_tables.tolist() == [[7, 2, 9], [5, 6, 0], [3, 0, 0]]  # only the columns used
+
+
+def test_block_tables_follow_the_requests_between_steps():
+    builder = InputBuilder(block_size=4, max_num_seqs=2, max_blocks=4)
+    a_blocks, b_blocks = [1], [2, 3]
+    builder.build([RowInput("a", a_blocks, 0, 3, [1, 2, 3], True), RowInput("b", b_blocks, 0, 6, [0] * 6, True)])
+    a_blocks.append(4)  # a grew a block: only it is copied; b finished and left its row
+    batch = builder.build([RowInput("a", a_blocks, 4, 1, [1, 2, 3, 9, 8], True)])
+    assert batch.block_tables.tolist() == [[1, 4]] and batch.slot_mapping == [4 * 4]
+    again = [6, 7]  # b back after a preemption: a new list, copied afresh into a free row
+    batch = builder.build([RowInput("b", again, 0, 5, [0] * 5, True), RowInput("a", a_blocks, 5, 1, [0] * 6, True)])
+    assert batch.block_tables.tolist() == [[6, 7], [1, 4]]
+    builder.forget_all()
+    assert not builder.block_tables._rows
+    with pytest.raises(ValueError, match="more than the table's 4"):
+        builder.build([RowInput("c", list(range(5)), 0, 1, [0], True)])
+
+
+def test_to_device_makes_the_attention_metadata():
+    import torch
+
+    builder = InputBuilder(block_size=2, max_num_seqs=2, max_blocks=4)
+    batch = builder.build([RowInput("a", [3, 1], 0, 3, [5, 6, 7], True)])
+    ids, positions, meta = batch.to_device(torch.device("cpu"))
+    assert ids.tolist() == [5, 6, 7] and positions.tolist() == [0, 1, 2]
+    assert meta.slot_mapping.tolist() == [6, 7, 2] and meta.max_seq_len == 3 and meta.max_query_len == 3
+    assert np.array_equal(meta.block_tables.numpy(), [[3, 1]])

@@ -1,0 +1,43 @@
+"""KV cache sizing arithmetic (llmserve/engine/kv_sizing.py), apart from the profile run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmserve.config import EngineArgs
+from llmserve.engine.kv_sizing import (
+    DEFAULT_CPU_KV_BYTES,
+    bytes_per_block,
+    cpu_num_blocks,
+    gpu_kv_budget,
+    graph_memory_reserve,
+)
+
+
+def test_bytes_per_block_counts_keys_and_values_of_every_layer():
+    arch = EngineArgs(device="cpu").create_engine_config().model_config.arch
+    want = 2 * arch.num_layers * 16 * arch.num_kv_heads * arch.head_dim
+    assert bytes_per_block(arch, 16, torch.bfloat16) == 2 * want
+    assert bytes_per_block(arch, 16, torch.float8_e4m3fn) == want  # an FP8 cache holds twice the tokens
+
+
+def test_cpu_blocks_fit_the_budget_but_hold_one_whole_sequence():
+    assert cpu_num_blocks(1 << 20, 16, 2048, 256) == DEFAULT_CPU_KV_BYTES >> 20  # the budget binds
+    assert cpu_num_blocks(1 << 20, 16, 64, 2) == 2 * 4 + 1  # no more than every sequence can use
+    assert cpu_num_blocks(64 << 20, 16, 8192, 256) == 512  # one sequence of 8,192 tokens, over budget
+
+
+def test_the_gpu_budget_leaves_out_activations_graphs_sampler_and_other_memory():
+    config = EngineArgs(device="cpu").create_engine_config()
+    gib = 1 << 30
+    eager = dataclasses.replace(config, enforce_eager=True)
+    sc = config.scheduler_config
+    sampler = 8 * sc.max_num_seqs * 1000 * 4
+    got = gpu_kv_budget(eager, total=100 * gib, peak=30 * gib, kv_bytes=2 * gib, weights=16 * gib,
+                        non_torch=gib, vocab_size=1000)  # fmt: skip
+    assert got == int(100 * gib * config.cache_config.gpu_memory_utilization) - 28 * gib - gib - sampler
+    graphs = dataclasses.replace(config, enforce_eager=False, max_mixed_graph_tokens=sc.max_num_batched_tokens)
+    assert graph_memory_reserve(graphs, 12 * gib, sc.max_num_batched_tokens) == 13 * gib
+    assert gpu_kv_budget(graphs, 100 * gib, 30 * gib, 2 * gib, 16 * gib, gib, 1000) == got - 13 * gib
