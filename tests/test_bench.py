@@ -95,7 +95,11 @@ def test_serve_all_at_once_with_plot(server, llama_dir, tmp_path, capsys):
     for row in rows:
         phases = [row[name] for name, _, _ in timeline.PHASES]
         assert sum(phases) == pytest.approx(row["ttft_ms"], abs=1e-3)
-        assert all(v >= 0 for v in phases[1:]), phases  # one host's clock: each later time is later
+        # one host's clock, so each later time is later; the phases compare wall clocks read in
+        # three processes (and the client's perf_counter), which a loaded VM's clock adjustment
+        # can shift by a few ms (one CI run: one phase below 0 once in 12 requests)
+        named = dict(zip([name for name, _, _ in timeline.PHASES], phases))
+        assert all(v >= -20 for v in phases[1:]), named
         assert -5 < phases[0] < row["ttft_ms"]  # the client stamps its send a moment before it sends
         rec = records[row["request_id"]]
         assert rec["finish_reason"] == "length" and rec["prompt_tokens"] == IN_LEN and rec["output_tokens"] == OUT_LEN
