@@ -111,6 +111,31 @@ def test_config_rendering_options():
         embed_config(max_batch_size=0)  # dynamic batching needs a batch dimension
 
 
+def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
+    """platform.yaml's `instance_kind: KIND_GPU` for a chat model: Triton places the instance on
+    a GPU (config.pbtxt), and the chat model's engine sees only that GPU (CUDA_VISIBLE_DEVICES
+    from Triton's device id, through a list the server was given)."""
+    import importlib
+    import types
+
+    from llmserve.triton.repo_config import platform_models
+
+    (chat,) = platform_models({"models": {"chat": {"kind": "chat", "instance_kind": "KIND_GPU", "load_format": "dummy"}}})
+    assert "kind: KIND_GPU count: 1" in chat.render() and 'string_value: "dummy"' in chat.render()
+    stub = types.ModuleType("triton_python_backend_utils")
+    stub.__getattr__ = lambda name: 0  # the module's constants, read at import
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
+    try:
+        instance_gpu = importlib.import_module("llmserve.triton.models.chat").instance_gpu
+    finally:
+        sys.modules.pop("llmserve.triton.models.chat", None)  # imported over a stub: not for later tests
+    assert instance_gpu("CPU", "0", None) is None
+    assert instance_gpu("GPU", "1", None) == "1"
+    assert instance_gpu("GPU", "1", "4,6") == "6" and instance_gpu("GPU", "0", "GPU-abc, GPU-def") == "GPU-abc"
+    with pytest.raises(ValueError):
+        platform_models({"models": {"chat": {"kind": "chat", "instance_kind": "KIND_TPU"}}})
+
+
 def test_platform_yaml_and_cli(tmp_path):
     from llmserve.cli import main
 

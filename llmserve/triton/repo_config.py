@@ -138,13 +138,14 @@ def _param(value: Any) -> str:
 
 
 def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: str = "chat",
-                instances: int = 1, **engine_args: Any) -> ModelConfig:  # fmt: skip
+                instances: int = 1, instance_kind: str = "KIND_CPU", **engine_args: Any) -> ModelConfig:  # fmt: skip
     """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
     file (default: the default model, SmolLM2-135M-Instruct). It takes an OpenAI request body
     (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
     `response`: the JSON body, or one server-sent event a response); `tool_call_parser`
     (hermes) serves tool_choice "auto"; `enable_lora=True, lora_modules={name: path}` serves
-    LoRA adapters a request names as its model."""
+    LoRA adapters a request names as its model. `instance_kind` KIND_GPU: Triton places each
+    instance on a GPU and the engine runs there (the instance's GPU is the only one it sees)."""
     from llmserve.config import DEFAULT_MODEL
 
     params = {"model_dir": str(model_dir or DEFAULT_MODEL), "max_model_len": str(max_model_len)}
@@ -153,7 +154,7 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
         name=name, kind="chat", max_batch_size=0,
         inputs=[TensorSpec("request", "TYPE_STRING", [1]), TensorSpec("endpoint", "TYPE_STRING", [1], optional=True)],
         outputs=[TensorSpec("status", "TYPE_INT32", [1]), TensorSpec("response", "TYPE_STRING", [1])],
-        instance_group=InstanceGroup(count=instances), decoupled=True, parameters=params,
+        instance_group=InstanceGroup(kind=instance_kind, count=instances), decoupled=True, parameters=params,
     )  # fmt: skip
 
 

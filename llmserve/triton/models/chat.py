@@ -83,6 +83,16 @@ def _response(status: int, text: str):
     ])  # fmt: skip
 
 
+def instance_gpu(kind: str, device_id: str, visible: str | None) -> str | None:
+    """CUDA_VISIBLE_DEVICES for a model instance: Triton's GPU `device_id` for a GPU instance
+    (mapped through an existing CUDA_VISIBLE_DEVICES list), None for a CPU instance."""
+    if kind != "GPU":
+        return None
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    index = int(device_id)
+    return devices[index] if devices and index < len(devices) else str(index)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from llmserve.config import EngineArgs
@@ -93,6 +103,10 @@ class TritonPythonModel:
         python = shutil.which("python3") or shutil.which("python")
         if python and not os.path.basename(sys.executable or "").startswith("python"):
             multiprocessing.set_executable(python)
+        visible = instance_gpu(args.get("model_instance_kind", ""), args.get("model_instance_device_id", "0"),
+                               os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
+        if visible is not None:  # a KIND_GPU instance: its engine core (a spawned process) sees that GPU alone
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
