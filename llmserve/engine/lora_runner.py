@@ -32,7 +32,9 @@ class RunnerLoRA:
         """`write_slot(slot, adapter or None)`: writes (or clears) a slot on every rank (the
         runner's mirrored call); by default this rank's `write_shard`."""
         self.model = model
-        self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device)
+        gemm_expand = use_kernels and config.expand_gemm_tokens > 0
+        self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device,
+                                   output_major_b=gemm_expand)  # fmt: skip
         self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)
         ops = triton_lora_ops(config.expand_gemm_tokens) if use_kernels else REFERENCE_LORA_OPS
         self.applied = apply_lora(model, self.store, self.context, ops)

@@ -4,10 +4,11 @@ maximum rank, where the batched LoRA ops read them.
 Per projection (qkv_proj, o_proj, gate_up_proj, down_proj):
   a: [layers, slots, slices, max_rank, in_features]  (slice j: the A of q_proj, k_proj ... in output order)
   b: [layers, slots, out_features, max_rank]         (the slices' B concatenated as the fused output is)
-and one scaling per slot. B is stored output-major, [layers, out_features, slots, max_rank], and
-`b` is a view of it in slot order: so one layer's B of every slot is also one plain matrix
-[out_features, slots * max_rank] (`ProjectionLoRA.b_all`), which the GEMM form of the expand
-multiplies in one call (llmserve/lora/expand_gemm.py). A rank below the maximum leaves zero rows of A and zero columns of B;
+and one scaling per slot. With `output_major_b` (the GEMM form of the expand is on) B is stored
+[layers, out_features, slots, max_rank] and `b` is a view of it in slot order, so one layer's B
+of every slot is also one plain matrix [out_features, slots * max_rank] (`ProjectionLoRA.b_all`)
+that llmserve/lora/expand_gemm.py multiplies in one call. Otherwise each slot's B is contiguous,
+as the Triton expand was measured with (its B tiles read whole rows of one slot). A rank below the maximum leaves zero rows of A and zero columns of B;
 a module or layer an adapter lacks stays all zero: both add nothing. Writing a slot copies in
 place, so the views handed to the model's layers (and CUDA graphs) keep their addresses.
 """
@@ -37,14 +38,14 @@ class ProjectionLoRA:
 
     @property
     def b_all(self) -> torch.Tensor:
-        """[out_features, slots * max_rank]: column s * max_rank + r is B[s][:, r] (a view when b
-        is the store's; a copy otherwise)."""
+        """[out_features, slots * max_rank]: column s * max_rank + r is B[s][:, r] (a view when the
+        store keeps B output-major; a copy otherwise)."""
         return self.b.permute(1, 0, 2).reshape(self.b.shape[1], -1)
 
 
 class SlotWeights:
     def __init__(self, arch: ModelArch, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:  # fmt: skip
+                 device: torch.device | str, output_major_b: bool = False) -> None:  # fmt: skip
         self.arch = arch
         self.num_slots = num_slots
         self.max_rank = max_rank
@@ -54,8 +55,12 @@ class SlotWeights:
         layers = arch.num_layers
         self.a = {s.name: torch.zeros(layers, num_slots, len(s.widths), max_rank, s.in_features, dtype=dtype,
                                       device=device) for s in self.specs.values()}  # fmt: skip
-        self.b = {s.name: torch.zeros(layers, s.out_features, num_slots, max_rank, dtype=dtype, device=device)
-                  .permute(0, 2, 1, 3) for s in self.specs.values()}  # fmt: skip
+        if output_major_b:
+            self.b = {s.name: torch.zeros(layers, s.out_features, num_slots, max_rank, dtype=dtype, device=device)
+                      .permute(0, 2, 1, 3) for s in self.specs.values()}  # fmt: skip
+        else:
+            self.b = {s.name: torch.zeros(layers, num_slots, s.out_features, max_rank, dtype=dtype, device=device)
+                      for s in self.specs.values()}  # fmt: skip
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self._offsets = {s.name: torch.tensor(s.offsets, dtype=torch.int32, device=device) for s in self.specs.values()}
 

@@ -19,11 +19,12 @@ class LoRASlotStore:
     can load it again."""
 
     def __init__(self, arch: ModelArch, num_slots: int, max_rank: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 device: torch.device | str = "cpu", output_major_b: bool = False) -> None:  # fmt: skip
+        """`output_major_b`: B laid out for the GEMM form of the expand (SlotWeights)."""
         if max_rank < 1:
             raise ValueError(f"max_rank must be >= 1, got {max_rank}")
         self.table = SlotTable(num_slots)
-        self.weights = SlotWeights(arch, num_slots, max_rank, dtype, device)
+        self.weights = SlotWeights(arch, num_slots, max_rank, dtype, device, output_major_b)
 
     @property
     def num_slots(self) -> int:

@@ -48,8 +48,7 @@ def weights(in_features: int, widths: list[int], dtype: torch.dtype, gen: torch.
         b[s, :, :rank] = torch.randn(sum(widths), rank, generator=gen, device=DEV) / rank**0.5
     offsets = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     scaling = torch.rand(SLOTS, generator=gen, device=DEV) + 0.5
-    b = b.to(dtype).permute(1, 0, 2).contiguous().permute(1, 0, 2)  # the store's layout (b_all a view)
-    return ProjectionLoRA(a.to(dtype), b, scaling, offsets, max(widths), tuple(offsets.tolist()))
+    return ProjectionLoRA(a.to(dtype), b.to(dtype), scaling, offsets, max(widths), tuple(offsets.tolist()))
 
 
 def token_slots(n: int, gen: torch.Generator) -> list[int]:
@@ -80,7 +79,7 @@ def check_correctness() -> list[dict]:
                 lora_expand(y, t_ref, w.b, w.slice_offsets, w.max_slice_width, batch)
                 lora_expand(y_split, t, w.b, w.slice_offsets, w.max_slice_width, batch)  # the partial sums
                 y_gemm = y0.clone()
-                lora_expand_gemm(y_gemm, t, w.b_all, w.slice_bounds, batch)
+                lora_expand_gemm(y_gemm, t, w.b_all, w.slice_bounds, batch)  # (b_all: a copy here)
                 lora_expand_reference(y_ref, t_ref, w.b, w.slice_offsets, w.max_slice_width, batch)
                 torch.cuda.synchronize()
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "proj": name, "tokens": n,
@@ -162,7 +161,8 @@ def timings() -> list[dict]:
             unsplit = time_ms(lambda: lora_shrink(x, w.a, w.scaling, batch, splits=1))
             t = lora_shrink(x, w.a, w.scaling, batch)
             expand = time_ms(lambda: lora_expand(y, t, w.b, w.slice_offsets, w.max_slice_width, batch))
-            expand_gemm = time_ms(lambda: lora_expand_gemm(y, t, w.b_all, w.slice_bounds, batch))
+            b_all = w.b_all.contiguous()  # as an output-major store holds it (a view there)
+            expand_gemm = time_ms(lambda: lora_expand_gemm(y, t, b_all, w.slice_bounds, batch))
             gemm = time_ms(lambda: x @ base.t())
             rows.append({"proj": name, "tokens": n, "splits": t.shape[0], "shrink_ms": shrink,
                          "shrink_unsplit_ms": unsplit, "expand_ms": expand, "expand_gemm_ms": expand_gemm,
