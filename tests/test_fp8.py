@@ -233,3 +233,29 @@ def test_cli_errors_name_the_problem(tmp_path):
     ):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "llmserve", *cmd], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]
+
+
+def test_bench_accuracy_over_several_texts(tmp_path):
+    """`bench accuracy --text A B`: FP8 against bf16 on the tiny model over two texts, each read
+    up to --max-positions; the whole result is over all their positions (not a mean of the
+    texts' perplexities), and each text's own result is kept."""
+    import json
+    import math
+
+    from llmserve.cli import main
+
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    texts[0].write_text("The engine keeps a paged KV cache and schedules requests step by step. " * 20)
+    texts[1].write_text("A gateway in front checks keys, limits and priorities, then routes the call. " * 20)
+    out = tmp_path / "acc.json"
+    main(["bench", "accuracy", "--model", str(TINY_MODEL_DIR), "--quantization", "fp8", "--text", *map(str, texts),
+          "--max-positions", "100", "--window", "64", "--output-json", str(out)])  # fmt: skip
+    r = json.loads(out.read_text())
+    a, b = r["per_text"]
+    assert a["text"] == str(texts[0]) and a["positions"] == b["positions"] == 100 and r["positions"] == 200
+    for key in ("perplexity_baseline", "perplexity_candidate"):  # all positions' mean log-likelihood
+        assert r[key] == pytest.approx(math.exp((math.log(a[key]) + math.log(b[key])) / 2), rel=1e-3)
+    assert r["perplexity_baseline"] != r["perplexity_candidate"]  # the FP8 model is another model
+    assert 0.5 < r["top1_agreement"] <= 1
+    assert r["top1_agreement"] == pytest.approx((a["top1_agreement"] + b["top1_agreement"]) / 2, abs=1e-3)
+    assert "quantization fp8" in r["candidate"] and "quantization none" in r["baseline"]

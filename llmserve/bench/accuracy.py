@@ -5,7 +5,10 @@ added, reads a held-out text teacher-forced (windows of `--window` tokens, each 
 empty cache, through the engine's own layers and paged KV cache): perplexity of each, and
 how often their greedy next-token choices agree, position by position.
 
-    llmserve bench accuracy --model M --quantization fp8 --text docs/architecture.md
+    llmserve bench accuracy --model M --quantization fp8 --text docs/architecture.md docs/gateway.md
+
+Several texts: each is read up to `--max-positions`, and the result is over all their
+positions together (and per text), since one text's change varies by a point or more.
 """
 
 from __future__ import annotations
@@ -34,9 +37,25 @@ class Reading:
 
 
 @dataclass
+class TextAccuracy:
+    text: str
+    positions: int
+    perplexity_baseline: float
+    perplexity_candidate: float
+    perplexity_change_pct: float
+    top1_agreement: float
+
+
+def compare(text: str, base: Reading, cand: Reading) -> TextAccuracy:
+    agree = sum(a == b for a, b in zip(base.top1, cand.top1)) / len(base.top1)
+    return TextAccuracy(text, len(base.nll), round(base.perplexity, 4), round(cand.perplexity, 4),
+                        round(100 * (cand.perplexity / base.perplexity - 1), 3), round(agree, 4))  # fmt: skip
+
+
+@dataclass
 class AccuracyResult:
     model: str
-    text: str
+    text: str  # the texts, comma-separated
     positions: int
     window: int
     baseline: str
@@ -46,13 +65,14 @@ class AccuracyResult:
     perplexity_change_pct: float
     top1_agreement: float
     seconds: float
+    per_text: list[TextAccuracy] | None = None  # with several texts
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement: the model against its quantized form")
-    p.add_argument("--text", required=True, help="a held-out text file (UTF-8)")
+    p.add_argument("--text", required=True, nargs="+", help="held-out text files (UTF-8): the result is over all of them")
     p.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    p.add_argument("--max-positions", type=int, default=4096, help="positions read at most")
+    p.add_argument("--max-positions", type=int, default=4096, help="positions read at most, per text")
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -118,28 +138,37 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
     baseline_args = dataclasses.replace(candidate_args, quantization=None, kv_cache_dtype="auto")
-    text = Path(args.text).read_text(encoding="utf-8")
-    readings, labels = [], []
+    texts = [args.text] if isinstance(args.text, str) else list(args.text)
+    contents = [Path(t).read_text(encoding="utf-8") for t in texts]
+    readings: list[list[Reading]] = []  # [model][text]
+    labels = []
     for engine_args in (baseline_args, candidate_args):
         model, tokenizer, cfg = load_for_reading(engine_args)
-        ids = tokenizer.encode(text, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
         kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
-        readings.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
+        per_text = []
+        for content in contents:
+            ids = tokenizer.encode(content, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
+            per_text.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
+        readings.append(per_text)
         labels.append(describe(cfg))
         del model
-    base, cand = readings
-    agree = sum(a == b for a, b in zip(base.top1, cand.top1)) / len(base.top1)
+    each = [compare(t, b, c) for t, b, c in zip(texts, readings[0], readings[1])]
+    base, cand = (Reading([v for r in rs for v in r.nll], [v for r in rs for v in r.top1]) for rs in readings)
+    whole = compare(", ".join(texts), base, cand)
     result = AccuracyResult(
-        model=candidate_args.model, text=args.text, positions=len(base.nll), window=args.window,
+        model=candidate_args.model, text=whole.text, positions=whole.positions, window=args.window,
         baseline=labels[0], candidate=labels[1],
-        perplexity_baseline=round(base.perplexity, 4), perplexity_candidate=round(cand.perplexity, 4),
-        perplexity_change_pct=round(100 * (cand.perplexity / base.perplexity - 1), 3),
-        top1_agreement=round(agree, 4), seconds=round(time.perf_counter() - started, 1),
+        perplexity_baseline=whole.perplexity_baseline, perplexity_candidate=whole.perplexity_candidate,
+        perplexity_change_pct=whole.perplexity_change_pct, top1_agreement=whole.top1_agreement,
+        seconds=round(time.perf_counter() - started, 1), per_text=each if len(each) > 1 else None,
     )  # fmt: skip
-    print(f"Accuracy over {result.positions} positions of {args.text} (windows of {args.window}):\n"
+    print(f"Accuracy over {result.positions} positions of {result.text} (windows of {args.window}):\n"
           f"  {result.baseline}: perplexity {result.perplexity_baseline:.4f}\n"
           f"  {result.candidate}: perplexity {result.perplexity_candidate:.4f} ({result.perplexity_change_pct:+.2f} %)\n"
           f"  greedy top-1 agreement: {100 * result.top1_agreement:.2f} %")  # fmt: skip
+    for t in result.per_text or []:
+        print(f"  {t.text}: {t.positions} positions, perplexity {t.perplexity_baseline:.4f} -> "
+              f"{t.perplexity_candidate:.4f} ({t.perplexity_change_pct:+.2f} %), top-1 agreement {100 * t.top1_agreement:.2f} %")
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(asdict(result), indent=2))
     return result
