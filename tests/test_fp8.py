@@ -226,10 +226,14 @@ def test_cli_errors_name_the_problem(tmp_path):
     import subprocess
     import sys
 
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
     for cmd, message in (
         (["make-fp8-checkpoint", str(tmp_path / "nothing"), str(tmp_path / "out")], "is not a Hugging Face model folder"),
         (["bench", "accuracy", "--model", str(TINY_MODEL_DIR), "--quantization", "fp8", "--text", str(tmp_path / "no.txt")],
          "No such file"),
+        (["bench", "accuracy", "--model", str(TINY_MODEL_DIR), "--quantization", "fp8", "--text", str(empty)],
+         "nothing to predict"),
     ):  # fmt: skip
         proc = subprocess.run([sys.executable, "-m", "llmserve", *cmd], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-500:]

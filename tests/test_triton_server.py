@@ -132,6 +132,8 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
     assert instance_gpu("CPU", "0", None) is None
     assert instance_gpu("GPU", "1", None) == "1"
     assert instance_gpu("GPU", "1", "4,6") == "6" and instance_gpu("GPU", "0", "GPU-abc, GPU-def") == "GPU-abc"
+    with pytest.raises(ValueError, match="lists 1"):
+        instance_gpu("GPU", "1", "3")  # not a physical GPU 1 in place of the mapped one
     with pytest.raises(ValueError):
         platform_models({"models": {"chat": {"kind": "chat", "instance_kind": "KIND_TPU"}}})
 

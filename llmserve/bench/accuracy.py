@@ -146,8 +146,10 @@ def run(args: argparse.Namespace) -> AccuracyResult:
         model, tokenizer, cfg = load_for_reading(engine_args)
         kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
         per_text = []
-        for content in contents:
+        for text, content in zip(texts, contents):
             ids = tokenizer.encode(content, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
+            if len(ids) < 2:
+                raise ValueError(f"{text}: {len(ids)} token(s), nothing to predict (at least 2 are needed)")
             per_text.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
         readings.append(per_text)
         labels.append(describe(cfg))

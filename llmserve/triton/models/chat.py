@@ -90,7 +90,11 @@ def instance_gpu(kind: str, device_id: str, visible: str | None) -> str | None:
         return None
     devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
     index = int(device_id)
-    return devices[index] if devices and index < len(devices) else str(index)
+    if devices is None:
+        return str(index)
+    if not 0 <= index < len(devices):
+        raise ValueError(f"GPU instance on device {index}, but CUDA_VISIBLE_DEVICES lists {len(devices)}: {visible}")
+    return devices[index]
 
 
 class TritonPythonModel:
