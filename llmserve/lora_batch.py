@@ -26,7 +26,7 @@ class LoRABatch:
     active: bool  # host-side: run the LoRA ops (some token uses an adapter, or a CUDA graph is captured)
     # [>= max_row_blocks(T, S), 2] int32: the kernels' row blocks of row_block(T) tokens, each
     # (slot, its first row among the slot's tokens); (-1, -1) past the last one
-    row_blocks: torch.Tensor | None = None
+    row_blocks: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -48,8 +48,9 @@ def max_row_blocks(num_tokens: int, num_slots: int) -> int:
 
 def slot_row_blocks(slot_counts: torch.Tensor, block: int, size: int) -> torch.Tensor:
     """[size, 2] int32 host table: each slot's row blocks of `block` tokens, (slot, first row),
-    in slot order, then (-1, -1) rows (at most `size` rows are kept). Kernel programs take one row each: none is spent on a
-    slot without tokens, and a step of many tokens on few adapters launches few programs."""
+    in slot order, then (-1, -1) rows (at most `size` rows are kept). Kernel programs take one
+    row each: none is spent on a slot without tokens, and a step of many tokens on few adapters
+    launches few programs."""
     rows = [(slot, first) for slot, count in enumerate(slot_counts.tolist()) for first in range(0, count, block)]
     table = torch.full((size, 2), -1, dtype=torch.int32)
     if rows:  # past `size`: a table of a block size this step's layers do not use (too many tokens)

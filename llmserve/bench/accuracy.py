@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
     baseline_args = dataclasses.replace(candidate_args, quantization=None, kv_cache_dtype="auto")
-    texts = [args.text] if isinstance(args.text, str) else list(args.text)
+    texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]
     labels = []

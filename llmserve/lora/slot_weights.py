@@ -8,9 +8,10 @@ and one scaling per slot. With `output_major_b` (the GEMM form of the expand is 
 [layers, out_features, slots, max_rank] and `b` is a view of it in slot order, so one layer's B
 of every slot is also one plain matrix [out_features, slots * max_rank] (`ProjectionLoRA.b_all`)
 that llmserve/lora/expand_gemm.py multiplies in one call. Otherwise each slot's B is contiguous,
-as the Triton expand was measured with (its B tiles read whole rows of one slot). A rank below the maximum leaves zero rows of A and zero columns of B;
-a module or layer an adapter lacks stays all zero: both add nothing. Writing a slot copies in
-place, so the views handed to the model's layers (and CUDA graphs) keep their addresses.
+as the Triton expand was measured with (its B tiles read whole rows of one slot). A rank below
+the maximum leaves zero rows of A and zero columns of B; a module or layer an adapter lacks
+stays all zero: both add nothing. Writing a slot copies in place, so the views handed to the
+model's layers (and CUDA graphs) keep their addresses.
 """
 
 from __future__ import annotations
