@@ -19,6 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
+    # how many sequences at the front have exactly one new token (decodes); 0: not counted
+    num_decode_seqs: int = 0
 
 
 FP8_KV = torch.float8_e4m3fn

@@ -26,6 +26,17 @@ def test_a_mixed_step_is_flattened_row_by_row():
     assert batch.logits_indices == [6, 12] and batch.max_query_len == 7
     assert batch.fill_positions == [12] and batch.fill_rows == [5]
     assert batch.block_tables.tolist() == [[7, 2, 9], [5, 6, 0], [3, 0, 0]]  # only the columns used
+    assert batch.num_decode_seqs == 0  # the decode is not at the front
+
+
+def test_the_decodes_leading_a_step_are_counted_for_attention():
+    builder = InputBuilder(block_size=4, max_num_seqs=4, max_blocks=4)
+    rows = [RowInput("a", [1], 2, 1, [5, 6, 7], True), RowInput("b", [2], 0, 1, [8], True),
+            RowInput("c", [3], 0, 3, [1, 2, 3], True), RowInput("d", [0], 1, 1, [4, 5], True)]  # fmt: skip
+    batch = builder.build(rows)
+    assert batch.num_decode_seqs == 2  # a, b; d comes after the prefill c
+    assert batch.metadata(__import__("torch").device("cpu")).num_decode_seqs == 2
+    assert builder.build(rows[:2]).num_decode_seqs == 2
 
 
 def test_block_tables_follow_the_requests_between_steps():

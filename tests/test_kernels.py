@@ -216,6 +216,50 @@ def test_split_kv_changes_the_launch_but_not_the_result():
     torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_mixed_batch_led_by_decodes_runs_as_two_launches(num_splits, monkeypatch):
+    """Decodes at the front of a mixed batch run with the decode tiles, the prefill chunks
+    after them with the prefill tiles (two launches, the second from a token offset, its
+    split scratch rows counted from there): the same output as one launch and as the
+    reference, and the padding row past the last sequence is left alone."""
+    qlens, slens = [1, 1, 1, 9, 0, 6], [30, 7, 41, 22, 5, 6]
+    q, k, v, cache, meta = make_batch(qlens, slens, num_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+                                      dtype=torch.float32, seed=21)  # fmt: skip
+    q = torch.cat([q, torch.zeros(1, 4, 16)])  # one padding row, as in a padded step
+    meta.num_decode_seqs = 3
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    ref = reference_paged_attention(q[:-1], k, v, cache.clone(), meta, 0.3)
+    launches = []
+    original = paged_attention._launch
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6]) or original(*a, **kw))
+    one = K.paged_attention_forward(q, cache, meta, 0.3, num_splits=num_splits, split_decodes=False)
+    sentinel = torch.full_like(q, 7.0)
+    two = K.paged_attention_forward(q, cache, meta, 0.3, num_splits=num_splits, split_decodes=True,
+                                    out=sentinel)  # fmt: skip
+    assert launches == [sum(qlens) + 1, 3, sum(qlens) + 1 - 3]  # token rows: all; decodes; the rest
+    torch.testing.assert_close(two[:-1], ref, **TOL[torch.float32])
+    torch.testing.assert_close(two[:-1], one[:-1], atol=1e-5, rtol=1e-5)
+    assert (two[-1] == 7.0).all()
+
+
+def test_decodes_split_off_only_from_the_threshold(monkeypatch):
+    q, k, v, cache, meta = make_batch([1, 1, 5], [9, 12, 5], num_heads=4, num_kv_heads=2, head_dim=16,
+                                      block_size=4, dtype=torch.float32, seed=5)  # fmt: skip
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    launches = []
+    original = paged_attention._launch
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6]) or original(*a, **kw))
+    meta.num_decode_seqs = 2
+    monkeypatch.setattr(paged_attention, "MIN_DECODES_TO_SPLIT", 3)
+    K.paged_attention_forward(q, cache, meta, 0.3)
+    assert launches == [7]
+    monkeypatch.setattr(paged_attention, "MIN_DECODES_TO_SPLIT", 2)
+    K.paged_attention_forward(q, cache, meta, 0.3)
+    assert launches == [7, 2, 5]
+    K.paged_attention_forward(q, cache, meta, 0.3, num_splits=1)  # a forced launch shape: one launch
+    assert launches == [7, 2, 5, 7]
+
+
 def test_one_fresh_long_sequence_takes_sdpa_and_matches_the_reference(monkeypatch):
     """A prompt's first chunk alone in its step (no cached prefix) is attended by torch's SDPA
     over its own q/k/v (cuDNN on a GPU, the math backend here): same K/V written, same

@@ -48,6 +48,7 @@ class BatchInputs:
     # positions in input_ids and the rows of that step's device tokens that fill them
     fill_positions: list[int]
     fill_rows: list[int]
+    num_decode_seqs: int = 0  # rows at the front with one new token each
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
@@ -63,6 +64,7 @@ class BatchInputs:
             block_tables=t(self.block_tables, torch.int32),
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
+            num_decode_seqs=self.num_decode_seqs,
         )
 
 
@@ -87,6 +89,7 @@ class InputBuilder:
         max_query = 0
         fill_positions: list[int] = []
         fill_rows: list[int] = []
+        decode_lead = 0
         for request_id, table, start, count, tokens, samples in rows:
             end = start + count
             if count == 1:
@@ -102,6 +105,8 @@ class InputBuilder:
                 input_ids.extend(tokens[start:end])
                 positions.extend(range(start, end))
                 slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+            if count == 1 and decode_lead == len(seq_lens):
+                decode_lead += 1
             query_start.append(query_start[-1] + count)
             seq_lens.append(end)
             max_query = max(max_query, count)
@@ -112,6 +117,7 @@ class InputBuilder:
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
+            decode_lead,
         )  # fmt: skip
 
     def forget_all(self) -> None:

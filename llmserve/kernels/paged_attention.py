@@ -58,6 +58,8 @@ DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 PROGRAMS_PER_SM_TARGET = 2
+# a mixed batch led by this many decodes runs them in their own launch (paged_attention_forward)
+MIN_DECODES_TO_SPLIT = 16
 
 
 @triton.jit
@@ -140,23 +142,25 @@ def _paged_attn_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    q0 = tl.load(qsl_ptr)  # this launch's first token (split scratch rows count from it)
 
     # -- which sequence and which of its tiles ----------------------------------------
     if ONE_TILE_PER_SEQ:
         seq = pid
         tile_start = 0
     else:
-        # largest i with first_slot(i) = qsl[i] // BLOCK_Q + i <= pid (non-decreasing in i)
+        # largest i with first_slot(i) = (qsl[i] - qsl[0]) // BLOCK_Q + i <= pid (non-decreasing
+        # in i); qsl[0] is 0 unless this launch covers a later part of the batch
         lo = pid * 0
         hi = num_seqs - 1 + pid * 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            first = (tl.load(qsl_ptr + mid) - q0) // BLOCK_Q + mid
             go_up = first <= pid
             lo = tl.where(go_up, mid, lo)
             hi = tl.where(go_up, hi, mid - 1)
         seq = lo
-        tile_start = (pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)) * BLOCK_Q
+        tile_start = (pid - ((tl.load(qsl_ptr + seq) - q0) // BLOCK_Q + seq)) * BLOCK_Q
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if tile_start >= q_len:
@@ -220,7 +224,7 @@ def _paged_attn_kernel(
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        tok64 = tok.to(tl.int64)  # scratch rows are Hq * splits * D wide: use 64-bit offsets
+        tok64 = (tok - q0).to(tl.int64)  # scratch rows are Hq * splits * D wide: 64-bit offsets
         p_ptrs = (
             part_out_ptr + tok64[:, None] * stride_pt + head[:, None] * stride_ph
             + split * stride_ps + offs_d[None, :]
@@ -232,16 +236,18 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_tokens_valid_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_tokens_valid_ptr,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    t = tl.program_id(0)  # scratch row; the output row is t + qsl[0]
     h = tl.program_id(1)
-    if t >= tl.load(num_tokens_valid_ptr):  # padding rows past qsl[B] were never written
+    q0 = tl.load(qsl_ptr)
+    if t + q0 >= tl.load(num_tokens_valid_ptr):  # padding rows past qsl[B] were never written
         return
     t = t.to(tl.int64)
+    t_out = t + q0
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < NUM_SPLITS
@@ -262,7 +268,7 @@ def _reduce_splits_kernel(
     total = tl.where(total == 0.0, 1.0, total)
     o = tl.sum(parts * w[:, None], 0) / total
     tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + offs_d,
+        out_ptr + t_out * stride_ot + h * stride_oh + offs_d,
         o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM,
     )  # fmt: skip
 
@@ -398,8 +404,16 @@ def paged_attention_forward(
     num_splits: int | None = None,
     config: AttnLaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    split_decodes: bool | None = None,
 ) -> torch.Tensor:
-    """Attention of q `[T, Hq, D]` over the cache only (the new K/V must already be in it)."""
+    """Attention of q `[T, Hq, D]` over the cache only (the new K/V must already be in it).
+
+    A batch that mixes prefill chunks with decodes whose `meta.num_decode_seqs` lead it runs
+    as two launches, the decodes with the decode tiles and the rest with the prefill tiles
+    (`split_decodes`: None splits from MIN_DECODES_TO_SPLIT decodes on, when neither the
+    tiles nor the split count is forced). In one prefill launch, each decode takes a
+    128-row tile for its GROUP rows, so its keys cost 32x the matrix work.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, cache_head_dim = kv_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
@@ -411,6 +425,33 @@ def paged_attention_forward(
     num_seqs = meta.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
+    nd = meta.num_decode_seqs
+    if split_decodes is None:
+        split_decodes = config is None and num_splits is None and nd >= MIN_DECODES_TO_SPLIT
+    if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
+        _launch(q, kv_cache, out, qsl[: nd + 1], seq_lens[:nd], bt[:nd], nd, 1, meta.max_seq_len, scale,
+                num_splits, config)  # fmt: skip
+        _launch(q, kv_cache, out, qsl[nd:], seq_lens[nd:], bt[nd:], num_tokens - nd, meta.max_query_len,
+                meta.max_seq_len, scale, num_splits, config)  # fmt: skip
+        return out
+    _launch(q, kv_cache, out, qsl, seq_lens, bt, num_tokens, meta.max_query_len, meta.max_seq_len, scale,
+            num_splits, config)  # fmt: skip
+    return out
+
+
+def _launch(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+    qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor,
+    num_tokens: int, max_query_len: int, max_seq_len: int, scale: float,
+    num_splits: int | None, config: AttnLaunchConfig | None,
+) -> None:  # fmt: skip
+    """One launch over consecutive sequences of the batch: their `qsl` (B + 1 offsets into
+    q and out, not necessarily from 0), `seq_lens` and block table rows; `num_tokens` rows of
+    q from qsl[0] on (padding past qsl[B] included)."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     on_gpu = q.is_cuda
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -419,7 +460,7 @@ def paged_attention_forward(
     num_sms = _num_sms(q.device)
     decode_m = max(16, group_pad)
     decode_q = decode_m // group_pad
-    decode_like = meta.max_query_len <= decode_q
+    decode_like = max_query_len <= decode_q
     if config is not None:
         cfg = config
     elif not on_gpu:
@@ -430,15 +471,15 @@ def paged_attention_forward(
         # long tiles only where nearly every row is a long prompt's: a decode in a 256-row
         # tile computes 64 query slots for its one token (64 x 7,680 prompts with decodes
         # mixed in ran at 808 output tok/s with them on every long step, 861 without)
-        long = meta.max_query_len >= LONG_PREFILL_TOKENS and num_tokens // num_seqs >= LONG_PREFILL_TOKENS
+        long = max_query_len >= LONG_PREFILL_TOKENS and num_tokens // num_seqs >= LONG_PREFILL_TOKENS
         cfg = _PREFILL_GPU_LONG if long else _PREFILL_GPU
     block_m = max(cfg.block_m, group_pad, 16)
     block_q = block_m // group_pad
-    one_tile = meta.max_query_len <= block_q
+    one_tile = max_query_len <= block_q
     num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
 
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, num_kv_heads, meta.max_seq_len, num_sms)
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, max_seq_len, num_sms)
     num_splits = max(1, int(num_splits))
     if (
         config is None and on_gpu and decode_like
@@ -447,7 +488,6 @@ def paged_attention_forward(
         cfg = _DECODE_GPU_LARGE
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
     if num_splits > 1:
         part_out = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -477,13 +517,12 @@ def paged_attention_forward(
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, qsl[num_seqs:],
+            part_out, part_lse, out, qsl, qsl[num_seqs:],
             *p_strides, *l_strides, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             num_warps=4 if head_dim >= 64 else 1,
         )  # fmt: skip
-    return out
 
 
 def triton_paged_attention(

@@ -6,7 +6,8 @@ bit against the torch ops) and, for few tokens, the split-K Triton FP8 GEMM. Eve
 The FP8 result is checked against the float32 reference. First, the RMSNorm and SiLU-and-
 multiply kernels that quantize in their pass against the unfused kernels then the
 quantization (bytes and time). Writes $OUT/fp8_gemm_micro.json.
-TOKENS=1,16 (token counts) and SWEEP=0 (skip the split-K configuration sweep) shorten it.
+TOKENS=1,16 (token counts), SWEEP=0 (skip the split-K configuration sweep) and SWEEP_BN /
+SWEEP_BK / SWEEP_WARPS (the sweep's tile widths, depths and warps) shorten it.
 
     python3 scripts/gpu/fp8_gemm_micro.py
 """
@@ -32,6 +33,10 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,16,32,64,128,512,2048,8192").split(","))
 SWEEP = os.environ.get("SWEEP", "1") == "1"  # the split-K kernel's configurations at few tokens
 CALLS = 20
+# the sweep's grid (SWEEP_BN=64,128 SWEEP_BK=128,256 SWEEP_WARPS=4 narrow it)
+SWEEP_BN = tuple(int(t) for t in os.environ.get("SWEEP_BN", "32,64,128").split(","))
+SWEEP_BK = tuple(int(t) for t in os.environ.get("SWEEP_BK", "128,256").split(","))
+SWEEP_WARPS = tuple(int(t) for t in os.environ.get("SWEEP_WARPS", "4,8").split(","))
 
 
 def graph_time_us(fn) -> float:
@@ -60,12 +65,12 @@ def sweep_small_m(xq, xs, wq, ws) -> list[dict]:
     """The split-K kernel's tile sizes, slice counts and warps: microseconds per call of each."""
     n, k = wq.shape
     found = []
-    for block_n in (32, 64, 128):
-        for block_k in (128, 256):
+    for block_n in SWEEP_BN:
+        for block_k in SWEEP_BK:
             tiles_n = -(-n // block_n)
             auto = max(1, min(-(-k // block_k), 512 // tiles_n))
             for split_k in sorted({auto, 2 * auto, max(1, auto // 2), 4 * auto}):
-                for warps in (4, 8):
+                for warps in SWEEP_WARPS:
                     cfg = {"block_n": block_n, "block_k": block_k, "split_k": split_k, "num_warps": warps}
                     try:
                         us = graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16, **cfg))
@@ -147,9 +152,9 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print("RESULT", json.dumps(row), flush=True)
             rows.append(row)
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8_gemm_micro.json").write_text(json.dumps(rows, indent=1))
+            out = Path(os.environ.get("OUT", "out"))  # after every row: a time limit keeps what ran
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "fp8_gemm_micro.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ workloads run. Host time is wall time minus the time the GPU was busy (kernels o
 stream), i.e. when the GPU waited on Python. The profiler slows the host a little: ratios,
 not absolutes.
 
-    python3 scripts/gpu/step_breakdown.py --out $OUT [--only a,b,c]
+    python3 scripts/gpu/step_breakdown.py --out $OUT [--only a,b,c] [--engine fp8] [--no-sampler]
+
+Each workload also lists its kernels by total GPU time (`top_kernels`: name, calls, total and
+mean microseconds), so a row's cost can be traced to one kernel.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def breakdown(prof, wall_s: float) -> dict:
+def breakdown(prof, wall_s: float, top: int = 25) -> dict:
     by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     busy = 0.0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -55,9 +59,14 @@ def breakdown(prof, wall_s: float) -> dict:
         us = e.time_range.elapsed_us()
         busy += us
         by_kind[kind_of(e.name)] = by_kind.get(kind_of(e.name), 0.0) + us
+        entry = by_name.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
     ms = {k: round(v / 1000, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+    kernels = [{"name": name, "calls": n, "total_us": round(us, 1), "mean_us": round(us / n, 2)}
+               for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]  # fmt: skip
     return {"wall_ms": round(wall_s * 1000, 1), "gpu_busy_ms": round(busy / 1000, 1),
-            "host_ms": round(wall_s * 1000 - busy / 1000, 1), "by_kind_ms": ms}  # fmt: skip
+            "host_ms": round(wall_s * 1000 - busy / 1000, 1), "by_kind_ms": ms, "top_kernels": kernels}  # fmt: skip
 
 
 def sampler_ms(vocab: int) -> dict:
@@ -107,6 +116,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--only", default="a,b,c")
+    ap.add_argument("--engine", default="short", help="an engine of bench_rows.ENGINES (short, fp8, fp8kv, ...)")
+    ap.add_argument("--no-sampler", action="store_true", help="skip the sampler's own timing")
     opts = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,10 +126,12 @@ def main() -> None:
     from llmserve.cli_args import engine_args_from_cli
 
     make_model_folder()
-    llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES["short"]))))
+    llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES[opts.engine]))))
     arch = llm.config.model_config.arch
-    results = {"sampler_ms_per_step": sampler_ms(arch.vocab_size)}
-    print("RESULT sampler", json.dumps(results["sampler_ms_per_step"]), flush=True)
+    results: dict = {"engine": opts.engine}
+    if not opts.no_sampler:
+        results["sampler_ms_per_step"] = sampler_ms(arch.vocab_size)
+        print("RESULT sampler", json.dumps(results["sampler_ms_per_step"]), flush=True)
     for name in opts.only.split(","):
         w = WORKLOADS[name]
         prompts, outs = make_prompts(w["n"], w["inp"], w["out"], 0.0, arch.vocab_size, 1)
@@ -132,7 +145,7 @@ def main() -> None:
             wall = time.perf_counter() - start
         results[name] = {**w, **breakdown(prof, wall), "roofline": roofline(w, arch)}
         print("RESULT", name, json.dumps(results[name]), flush=True)
-        Path(opts.out, "breakdown.json").write_text(json.dumps(results, indent=1))
+        Path(opts.out, f"breakdown_{opts.engine}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

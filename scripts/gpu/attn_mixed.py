@@ -1,0 +1,92 @@
+"""Attention of mixed steps on the H200 (8B shape: 32/8 heads, head dim 128, block 16): D decodes
+at the front of the batch (context ~1,024-1,152 tokens, as in workload (c)) and P fresh
+prefill chunks, as one launch (every sequence in the prefill tiles) and as two launches
+(`split_decodes`: the decodes in decode tiles, the chunks in prefill tiles), in a bf16 and an
+FP8 KV cache. Also each part alone. The two-launch output is checked against the one-launch
+output. Times: median of 10, CUDA events, eager (mixed steps run attention outside graphs).
+Writes $OUT/attn_mixed.json.
+
+    python3 scripts/gpu/attn_mixed.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench_kernels import make_batch  # noqa: E402
+
+from llmserve.kernels import paged_attention_forward, write_kv  # noqa: E402
+from llmserve.attention_metadata import FP8_KV, AttentionMetadata  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "."))
+CASES = [  # (decodes, their context range, prefill chunks of 1,024 fresh tokens)
+    (600, (1024, 1152), 15), (256, (1024, 1152), 15), (64, (1024, 1152), 15), (16, (1024, 1152), 15),
+    (256, (256, 384), 15), (700, (1024, 1152), 2), (32, (300, 700), 1),
+]  # fmt: skip
+
+
+def ms_of(fn, iters: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def part(meta: AttentionMetadata, lo: int, hi: int, qlo: int, qhi: int, max_q: int) -> AttentionMetadata:
+    qsl = meta.query_start_loc[lo : hi + 1] - qlo
+    return AttentionMetadata(meta.slot_mapping[qlo:qhi], qsl, meta.seq_lens[lo:hi], meta.block_tables[lo:hi],
+                             max_q, meta.max_seq_len)  # fmt: skip
+
+
+def main() -> None:
+    rng = random.Random(0)
+    rows = []
+    for kv_dtype in (torch.bfloat16, FP8_KV):
+        for decodes, (c_lo, c_hi), chunks in CASES:
+            qlens = [1] * decodes + [1024] * chunks
+            slens = [rng.randrange(c_lo, c_hi) for _ in range(decodes)] + [1024] * chunks
+            q, k, v, cache, meta = make_batch(qlens, slens, randn_cache=False)
+            write_kv(k, v, cache, meta.slot_mapping)
+            if kv_dtype != torch.bfloat16:
+                cache = cache.clamp(-448, 448).to(kv_dtype)
+            meta.num_decode_seqs = decodes
+            scale = 128**-0.5
+            one = paged_attention_forward(q, cache, meta, scale, split_decodes=False)
+            two = paged_attention_forward(q, cache, meta, scale, split_decodes=True)
+            err = (one.float() - two.float()).abs().max().item()
+            t_one = ms_of(lambda: paged_attention_forward(q, cache, meta, scale, split_decodes=False))
+            t_two = ms_of(lambda: paged_attention_forward(q, cache, meta, scale, split_decodes=True))
+            dmeta = part(meta, 0, decodes, 0, decodes, 1)
+            pmeta = part(meta, decodes, decodes + chunks, decodes, len(q), 1024)
+            qd, qp = q[:decodes].contiguous(), q[decodes:].contiguous()
+            t_dec = ms_of(lambda: paged_attention_forward(qd, cache, dmeta, scale))
+            t_pre = ms_of(lambda: paged_attention_forward(qp, cache, pmeta, scale))
+            kv_bytes = sum(slens[:decodes]) * 8 * 128 * 2 * cache.element_size()
+            row = {"kv": str(kv_dtype).replace("torch.", ""), "decodes": decodes, "context": [c_lo, c_hi],
+                   "prefill_chunks": chunks, "one_launch_ms": round(t_one, 3), "two_launches_ms": round(t_two, 3),
+                   "decodes_alone_ms": round(t_dec, 3), "prefill_alone_ms": round(t_pre, 3),
+                   "decode_kv_tb_s": round(kv_bytes / t_dec / 1e9, 2), "max_abs_diff": err}  # fmt: skip
+            print("RESULT", json.dumps(row), flush=True)
+            rows.append(row)
+            (OUT / "attn_mixed.json").write_text(json.dumps(rows, indent=1))
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
