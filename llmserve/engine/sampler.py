@@ -3,7 +3,7 @@
 Order (as the reference, sampler_reference.py, which treats one request at a time):
 logit bias → penalties → min_tokens mask → grammar mask → greedy argmax, or temperature →
 top-k → top-p → min-p → the exponential race (argmax of p / E with E ~ Exp(1), exact
-categorical sampling). Every step is a few tensor operations over the batch: per-request
+categorical sampling, ranked as logits - log E: no softmax over the vocabulary). Every step is a few tensor operations over the batch: per-request
 settings travel as one small host-to-device copy each, penalty counts live on the device
 (penalty_state.py) and grow from the sampled tokens there, a seeded request's noise is a
 hash of (seed, position, token) (seeded_noise.py). Nothing waits for the device, so a step
@@ -27,7 +27,8 @@ from llmserve.engine.host_copy import to_device
 from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
 from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
-from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p
+from llmserve.engine.argmax import row_argmax
+from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race
 from llmserve.engine.structured_output import apply_grammar_masks
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
@@ -80,9 +81,9 @@ class Sampler:
         logits = self.penalties_and_masks(logits, requests, pen)
         random = _random_rows(requests)
         if not random.rows:
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         else:
-            tokens = logits.argmax(dim=-1) if len(random.rows) < len(requests) else None
+            tokens = row_argmax(logits) if len(random.rows) < len(requests) else None
             picked = self._sample(logits, random)
             if tokens is None:
                 tokens = picked
@@ -136,13 +137,12 @@ class Sampler:
         if all(0 < k <= TOPK_FAST for k in r.top_k):
             return self._sample_top_k(part, r)
         part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
-        probs = torch.softmax(part, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(part).exponential_()
         if r.seeded:
             seeded = to_device(r.seeded, torch.long, device)
             keys = to_device(r.keys, torch.long, device)
             noise[seeded] = seeded_noise.exponential(keys, torch.arange(part.shape[-1], device=device))
-        return (probs / noise).argmax(dim=-1)
+        return exponential_race(part, noise)
 
     def _sample_top_k(self, part: torch.Tensor, r: _Random) -> torch.Tensor:
         """Race the k best candidates of each row (k = its top_k), masked as the full path masks."""
@@ -158,13 +158,12 @@ class Sampler:
             probs = torch.softmax(values, dim=-1)
             threshold = to_device(r.min_p, torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
             values = values.masked_fill(probs < threshold, float("-inf"))
-        probs = torch.softmax(values, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(values).exponential_()
         if r.seeded:
             seeded = to_device(r.seeded, torch.long, device)
             noise[seeded] = seeded_noise.exponential(to_device(r.keys, torch.long, device), ids[seeded])
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)
-        return ids.gather(-1, choice).squeeze(-1)
+        choice = exponential_race(values, noise)
+        return ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
 def _random_rows(requests: list[Request]) -> _Random:

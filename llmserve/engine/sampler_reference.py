@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from llmserve.engine import seeded_noise
+from llmserve.engine.argmax import row_argmax
 from llmserve.engine.host_copy import to_device
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs
@@ -72,13 +73,20 @@ def _sample_row(row: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.sampling_params
     temperature = torch.tensor([[p.temperature]], dtype=torch.float32, device=row.device)
     row = apply_top_k_top_p_min_p(row / temperature, [p.top_k], [p.top_p], [p.min_p])
-    probs = torch.softmax(row, dim=-1)
     if p.seed is None:
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(row).exponential_()
     else:
         keys = torch.tensor([seeded_noise.row_key(p.seed, req.num_output_tokens)], device=row.device)
         noise = seeded_noise.exponential(keys, torch.arange(row.shape[-1], device=row.device))
-    return (probs / noise).argmax(dim=-1)
+    return exponential_race(row, noise)
+
+
+def exponential_race(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Each row's winner of the exponential race: argmax of softmax(logits) / noise, with noise
+    ~ Exp(1) (exact categorical sampling). Ranked as logits - log(noise), the same order in exact
+    arithmetic (softmax is exp(logits - c) with one c a row, and exp and log are increasing), so no
+    softmax over the vocabulary is computed. Tokens masked to -inf never win."""
+    return row_argmax(logits - noise.log())
 
 
 def apply_penalties(

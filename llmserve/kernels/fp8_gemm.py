@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 MAX_M = 64  # rows this kernel is for; more rows: torch._scaled_mm
+SMALL_TILE_ROWS = 8  # up to this many rows: the batch-1 tiles of `default_config`
 _MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the widest projection
 _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
@@ -71,12 +72,18 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes from the H200 sweep (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json): 64-wide
-    N tiles; 256-deep K steps for the long K of the MLP's down projection; split K so that
-    about 512 programs stream the weights."""
-    block_n, block_k = 64, (256 if k >= 8192 else 128)
+    """Tile sizes from the H200 sweeps. Up to SMALL_TILE_ROWS tokens (batch-1 decode): 128-wide
+    N tiles, 256-deep K steps for a long K or a wide N, K split so that about 256 programs
+    stream the weights (docs/gpu_fp8_gemm_micro_m1_2026-12-01.json: 1.25 µs a layer less at
+    M = 1 than the rule below). More tokens: 64-wide N tiles, 256-deep K steps for the long K
+    of the MLP's down projection, about 512 programs
+    (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json)."""
+    if m <= SMALL_TILE_ROWS:
+        block_n, block_k, programs = 128, (256 if k >= 8192 or n >= 16384 else 128), 256
+    else:
+        block_n, block_k, programs = 64, (256 if k >= 8192 else 128), 512
     return {"block_n": block_n, "block_k": block_k,
-            "split_k": max(1, min(triton.cdiv(k, block_k), 512 // triton.cdiv(n, block_n)))}  # fmt: skip
+            "split_k": max(1, min(triton.cdiv(k, block_k), programs // triton.cdiv(n, block_n)))}  # fmt: skip
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -98,7 +105,7 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     tiles_n = triton.cdiv(n, block_n)
     assert tiles_n <= _MAX_TILES
     if split_k is None:
-        split_k = max(1, min(triton.cdiv(k, block_k), 512 // tiles_n))
+        split_k = auto["split_k"] if block_n == auto["block_n"] else max(1, min(triton.cdiv(k, block_k), 512 // tiles_n))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)

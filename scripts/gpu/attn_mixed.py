@@ -2,7 +2,8 @@
 at the front of the batch (context ~1,024-1,152 tokens, as in workload (c)) and P fresh
 prefill chunks, as one launch (every sequence in the prefill tiles) and as two launches
 (`split_decodes`: the decodes in decode tiles, the chunks in prefill tiles), in a bf16 and an
-FP8 KV cache. Also each part alone. The two-launch output is checked against the one-launch
+FP8 KV cache (float16 dots, and the bfloat16 dots they replace). Also each part alone, and
+the PyTorch reference on the smaller cases. The two-launch output is checked against the one-launch
 output. Times: median of 10, CUDA events, eager (mixed steps run attention outside graphs).
 Writes $OUT/attn_mixed.json.
 
@@ -24,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_kernels import make_batch  # noqa: E402
 
-from llmserve.kernels import paged_attention_forward, write_kv  # noqa: E402
+from llmserve.kernels import paged_attention, paged_attention_forward, write_kv  # noqa: E402
 from llmserve.attention_metadata import FP8_KV, AttentionMetadata  # noqa: E402
+from llmserve.model.attention import reference_paged_attention  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 CASES = [  # (decodes, their context range, prefill chunks of 1,024 fresh tokens)
@@ -77,11 +79,24 @@ def main() -> None:
             qd, qp = q[:decodes].contiguous(), q[decodes:].contiguous()
             t_dec = ms_of(lambda: paged_attention_forward(qd, cache, dmeta, scale))
             t_pre = ms_of(lambda: paged_attention_forward(qp, cache, pmeta, scale))
+            if kv_dtype == FP8_KV:  # the same with the FP8 cache read back as bfloat16
+                paged_attention.FP8_KV_DOT_F16 = False
+                t_two_bf16 = ms_of(lambda: paged_attention_forward(q, cache, meta, scale, split_decodes=True))
+                t_dec_bf16 = ms_of(lambda: paged_attention_forward(qd, cache, dmeta, scale))
+                paged_attention.FP8_KV_DOT_F16 = True
+            if decodes + chunks <= 300:  # against the PyTorch reference (float32 inside)
+                ref = reference_paged_attention(q.float(), k.float(), v.float(), cache.clone(), meta, scale)
+                ref_err = (two.float() - ref).abs().max().item()
             kv_bytes = sum(slens[:decodes]) * 8 * 128 * 2 * cache.element_size()
             row = {"kv": str(kv_dtype).replace("torch.", ""), "decodes": decodes, "context": [c_lo, c_hi],
                    "prefill_chunks": chunks, "one_launch_ms": round(t_one, 3), "two_launches_ms": round(t_two, 3),
                    "decodes_alone_ms": round(t_dec, 3), "prefill_alone_ms": round(t_pre, 3),
                    "decode_kv_tb_s": round(kv_bytes / t_dec / 1e9, 2), "max_abs_diff": err}  # fmt: skip
+            if decodes + chunks <= 300:
+                row["max_abs_err_vs_reference"] = ref_err
+            if kv_dtype == FP8_KV:
+                row["two_launches_bf16_dots_ms"] = round(t_two_bf16, 3)
+                row["decodes_alone_bf16_dots_ms"] = round(t_dec_bf16, 3)
             print("RESULT", json.dumps(row), flush=True)
             rows.append(row)
             (OUT / "attn_mixed.json").write_text(json.dumps(rows, indent=1))

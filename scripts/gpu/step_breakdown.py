@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--engine", default="short", help="an engine of bench_rows.ENGINES (short, fp8, fp8kv, ...)")
     ap.add_argument("--no-sampler", action="store_true", help="skip the sampler's own timing")
+    ap.add_argument("--step-log", action="store_true", help="the engine's step timing log: $OUT/steps_ENGINE.jsonl")
     opts = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -126,7 +127,10 @@ def main() -> None:
     from llmserve.cli_args import engine_args_from_cli
 
     make_model_folder()
-    llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES[opts.engine]))))
+    engine_args = vars(engine_args_from_cli(bench_args("throughput", ENGINES[opts.engine])))
+    if opts.step_log:
+        engine_args["step_timing_log"] = str(Path(opts.out, f"steps_{opts.engine}.jsonl").resolve())
+    llm = LLM(**engine_args)
     arch = llm.config.model_config.arch
     results: dict = {"engine": opts.engine}
     if not opts.no_sampler:
@@ -138,12 +142,16 @@ def main() -> None:
         params = [SamplingParams(temperature=w["temperature"], max_tokens=o, ignore_eos=True) for o in outs]
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         llm.reset_prefix_cache()
+        before = torch.cuda.memory_stats()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        results[name] = {**w, **breakdown(prof, wall), "roofline": roofline(w, arch)}
+        after = torch.cuda.memory_stats()
+        allocator = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                                      "num_device_free", "num_ooms")}  # fmt: skip
+        results[name] = {**w, **breakdown(prof, wall), "roofline": roofline(w, arch), "allocator": allocator}
         print("RESULT", name, json.dumps(results[name]), flush=True)
         Path(opts.out, f"breakdown_{opts.engine}.json").write_text(json.dumps(results, indent=1))
 
