@@ -163,7 +163,7 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
     positions = torch.cat([torch.arange(5), torch.arange(3), torch.arange(4)])
     logits = []
     # the references; the kernels; the kernels with the GEMM expand for every step (B output-major)
-    for ops, output_major in ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1), True)):
+    for ops, output_major in ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True)):
         model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
                            progress=False)  # fmt: skip
         store = LoRASlotStore(arch, num_slots=2, max_rank=16, output_major_b=output_major)
