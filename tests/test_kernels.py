@@ -231,7 +231,7 @@ def test_mixed_batch_led_by_decodes_runs_as_two_launches(num_splits, monkeypatch
     ref = reference_paged_attention(q[:-1], k, v, cache.clone(), meta, 0.3)
     launches = []
     original = paged_attention._launch
-    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6]) or original(*a, **kw))
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[8]) or original(*a, **kw))
     one = K.paged_attention_forward(q, cache, meta, 0.3, num_splits=num_splits, split_decodes=False)
     sentinel = torch.full_like(q, 7.0)
     two = K.paged_attention_forward(q, cache, meta, 0.3, num_splits=num_splits, split_decodes=True,
@@ -248,7 +248,7 @@ def test_decodes_split_off_only_from_the_threshold(monkeypatch):
     K.write_kv(k, v, cache, meta.slot_mapping)
     launches = []
     original = paged_attention._launch
-    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6]) or original(*a, **kw))
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[8]) or original(*a, **kw))
     meta.num_decode_seqs = 2
     monkeypatch.setattr(paged_attention, "MIN_DECODES_TO_SPLIT", 3)
     K.paged_attention_forward(q, cache, meta, 0.3)

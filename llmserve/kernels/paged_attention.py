@@ -129,11 +129,11 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["seq0", "num_seqs"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    num_seqs, qk_scale,
+    seq0, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -145,6 +145,11 @@ def _paged_attn_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # this launch covers sequences seq0 .. seq0 + num_seqs - 1 of the batch (an int, not a
+    # sliced pointer: a pointer's alignment is part of the compiled variant)
+    qsl_ptr += seq0
+    seq_lens_ptr += seq0
+    bt_ptr += seq0.to(tl.int64) * stride_bt
     q0 = tl.load(qsl_ptr)  # this launch's first token (split scratch rows count from it)
 
     # -- which sequence and which of its tiles ----------------------------------------
@@ -239,17 +244,17 @@ def _paged_attn_kernel(
         tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq0", "num_seqs"])
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, num_tokens_valid_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, seq0, num_seqs,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)  # scratch row; the output row is t + qsl[0]
+    t = tl.program_id(0)  # scratch row; the output row is t + qsl[seq0]
     h = tl.program_id(1)
-    q0 = tl.load(qsl_ptr)
-    if t + q0 >= tl.load(num_tokens_valid_ptr):  # padding rows past qsl[B] were never written
+    q0 = tl.load(qsl_ptr + seq0)
+    if t + q0 >= tl.load(qsl_ptr + seq0 + num_seqs):  # padding rows past the last sequence were never written
         return
     t = t.to(tl.int64)
     t_out = t + q0
@@ -435,26 +440,25 @@ def paged_attention_forward(
     if split_decodes is None:
         split_decodes = config is None and num_splits is None and nd >= MIN_DECODES_TO_SPLIT
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
-        _launch(q, kv_cache, out, qsl[: nd + 1], seq_lens[:nd], bt[:nd], nd, 1, meta.max_seq_len, scale,
-                num_splits, config)  # fmt: skip
-        _launch(q, kv_cache, out, qsl[nd:], seq_lens[nd:], bt[nd:], num_tokens - nd, meta.max_query_len,
+        _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config)
+        _launch(q, kv_cache, out, qsl, seq_lens, bt, nd, num_seqs - nd, num_tokens - nd, meta.max_query_len,
                 meta.max_seq_len, scale, num_splits, config)  # fmt: skip
         return out
-    _launch(q, kv_cache, out, qsl, seq_lens, bt, num_tokens, meta.max_query_len, meta.max_seq_len, scale,
-            num_splits, config)  # fmt: skip
+    _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, num_seqs, num_tokens, meta.max_query_len, meta.max_seq_len,
+            scale, num_splits, config)  # fmt: skip
     return out
 
 
 def _launch(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor,
-    num_tokens: int, max_query_len: int, max_seq_len: int, scale: float,
+    seq0: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, scale: float,
     num_splits: int | None, config: AttnLaunchConfig | None,
 ) -> None:  # fmt: skip
-    """One launch over consecutive sequences of the batch: their `qsl` (B + 1 offsets into
-    q and out, not necessarily from 0), `seq_lens` and block table rows; `num_tokens` rows of
-    q from qsl[0] on (padding past qsl[B] included)."""
-    num_seqs = seq_lens.shape[0]
+    """One launch over the batch's sequences seq0 .. seq0 + num_seqs - 1 (the whole batch's
+    `qsl`, `seq_lens` and block tables are passed, with the offset: slicing them would give
+    pointers of other alignments, each a kernel variant compiled on first use); `num_tokens`
+    rows of q from qsl[seq0] on (padding past the last sequence included)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     on_gpu = q.is_cuda
@@ -510,7 +514,7 @@ def _launch(
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         qsl, seq_lens, bt,
-        num_seqs, scale * LOG2E,
+        seq0, num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
         *p_strides, *l_strides,
@@ -523,7 +527,7 @@ def _launch(
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, qsl, qsl[num_seqs:],
+            part_out, part_lse, out, qsl, seq0, num_seqs,
             *p_strides, *l_strides, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
