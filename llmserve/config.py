@@ -171,9 +171,11 @@ class EngineArgs:
     # CUDA graphs captured with the LoRA ops in them (any mix of adapters replays them; checked against
     # eager steps on an H200 by scripts/gpu/lora_engine_check.py); --no-lora-cuda-graphs: LoRA runs eager
     lora_cuda_graphs: bool = True
-    # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice
-    # (llmserve/lora/expand_gemm.py) instead of the Triton expand; 0: never (not yet measured on a GPU)
-    lora_expand_gemm_tokens: int = 0
+    # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice in the
+    # projections of 16,384 outputs or more (the MLP's gate/up; llmserve/lora/expand_gemm.py and
+    # ops.py) instead of the Triton expand; 0: never. H200, (a) with 8 adapters: 0.857 of the base
+    # with it, 0.826 without (docs/benchmarks.md)
+    lora_expand_gemm_tokens: int = 65
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -79,9 +79,12 @@ ENGINES["lora64"] = ENGINES["short"] + LORA + ["--max-loras", "16", "--max-cpu-l
 ROWS["a_lora8"] = ("lora8", "throughput", ROWS["a"][2] + ["--lora-adapters", "8", "--lora-rank", "16"])
 ROWS["b_lora"] = ("lora8", "latency", ROWS["b"][2] + ["--lora-adapters", "1", "--lora-rank", "16"])
 ROWS["a_lora64"] = ("lora64", "throughput", ROWS["a"][2] + ["--lora-adapters", "64", "--lora-rank", "16"])
-# the expand of steps of 65+ tokens as one cuBLAS GEMM a slice (llmserve/lora/expand_gemm.py)
+# the expand of steps of 65+ tokens as one cuBLAS GEMM a slice in gate/up (llmserve/lora/expand_gemm.py):
+# the default since 2026-12-01 (lora8 = lora8g); lora8t: the Triton expand everywhere, as before
 ENGINES["lora8g"] = ENGINES["lora8"] + ["--lora-expand-gemm-tokens", "65"]
+ENGINES["lora8t"] = ENGINES["lora8"] + ["--lora-expand-gemm-tokens", "0"]  # the Triton expand in every step
 ROWS["a_lora8g"] = ("lora8g", "throughput", ROWS["a_lora8"][2])
+ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
