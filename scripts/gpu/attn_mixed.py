@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench_kernels import make_batch  # noqa: E402
+from event_timer import median_ms as ms_of  # noqa: E402
 
 from llmserve.kernels import paged_attention, paged_attention_forward, write_kv  # noqa: E402
 from llmserve.attention_metadata import FP8_KV, AttentionMetadata  # noqa: E402
@@ -34,20 +35,6 @@ CASES = [  # (decodes, their context range, prefill chunks of 1,024 fresh tokens
     (600, (1024, 1152), 15), (256, (1024, 1152), 15), (64, (1024, 1152), 15), (16, (1024, 1152), 15),
     (256, (256, 384), 15), (700, (1024, 1152), 2), (32, (300, 700), 1),
 ]  # fmt: skip
-
-
-def ms_of(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def part(meta: AttentionMetadata, lo: int, hi: int, qlo: int, qhi: int, max_q: int) -> AttentionMetadata:

@@ -20,24 +20,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from event_timer import median_ms  # noqa: E402
+
 from llmserve.engine.argmax import row_argmax  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 VOCAB = 128256
 
 
-def us_of(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return round(sorted(times)[iters // 2], 2)
+def us_of(fn) -> float:
+    return round(median_ms(fn, iters=20, warmup=3) * 1000, 2)
 
 
 def main() -> None:
