@@ -25,8 +25,17 @@ def test_a_mixed_step_is_flattened_row_by_row():
     assert batch.query_start_loc == [0, 7, 12, 13] and batch.seq_lens == [9, 5, 4]
     assert batch.logits_indices == [6, 12] and batch.max_query_len == 7
     assert batch.fill_positions == [12] and batch.fill_rows == [5]
-    assert batch.block_tables.tolist() == [[7, 2, 9], [5, 6, 0], [3, 0, 0]]  # only the columns used
+    # 16 columns at most (a multiple of 16 keeps the kernel's stride specialisation): here all 8
+    assert batch.block_tables.tolist() == [[7, 2, 9, 0, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]]
     assert batch.num_decode_seqs == 0  # the decode is not at the front
+
+
+def test_the_table_width_is_a_multiple_of_16_up_to_the_table():
+    builder = InputBuilder(block_size=4, max_num_seqs=2, max_blocks=40)
+    for blocks, width in ((3, 16), (16, 16), (17, 32), (33, 40)):
+        batch = builder.build([RowInput("a", list(range(1, blocks + 1)), 0, 1, [0], True)])
+        assert batch.block_tables.shape == (1, width)
+        assert batch.block_tables[0, :blocks].tolist() == list(range(1, blocks + 1))
 
 
 def test_the_decodes_leading_a_step_are_counted_for_attention():
@@ -45,10 +54,10 @@ def test_block_tables_follow_the_requests_between_steps():
     builder.build([RowInput("a", a_blocks, 0, 3, [1, 2, 3], True), RowInput("b", b_blocks, 0, 6, [0] * 6, True)])
     a_blocks.append(4)  # a grew a block: only it is copied; b finished and left its row
     batch = builder.build([RowInput("a", a_blocks, 4, 1, [1, 2, 3, 9, 8], True)])
-    assert batch.block_tables.tolist() == [[1, 4]] and batch.slot_mapping == [4 * 4]
+    assert batch.block_tables.tolist() == [[1, 4, 0, 0]] and batch.slot_mapping == [4 * 4]
     again = [6, 7]  # b back after a preemption: a new list, copied afresh into a free row
     batch = builder.build([RowInput("b", again, 0, 5, [0] * 5, True), RowInput("a", a_blocks, 5, 1, [0] * 6, True)])
-    assert batch.block_tables.tolist() == [[6, 7], [1, 4]]
+    assert batch.block_tables.tolist()[0][:2] == [6, 7] and batch.block_tables.tolist()[1][:2] == [1, 4]
     builder.forget_all()
     assert not builder.block_tables._rows
     with pytest.raises(ValueError, match="more than the table's 4"):
@@ -63,4 +72,4 @@ def test_to_device_makes_the_attention_metadata():
     ids, positions, meta = batch.to_device(torch.device("cpu"))
     assert ids.tolist() == [5, 6, 7] and positions.tolist() == [0, 1, 2]
     assert meta.slot_mapping.tolist() == [6, 7, 2] and meta.max_seq_len == 3 and meta.max_query_len == 3
-    assert np.array_equal(meta.block_tables.numpy(), [[3, 1]])
+    assert np.array_equal(meta.block_tables.numpy(), [[3, 1, 0, 0]])  # the table's 4 columns
