@@ -30,12 +30,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     block_table: list[int]  # the request's block ids (a live reference)
+    # does this step reach the request's last token (so a new token is sampled)? Set when
+    # scheduled (`scheduled`), before `after_launch` moves the counts; read three times a step
+    samples: bool = False
 
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the request's last token (so a new token is sampled)?"""
-        req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+    @classmethod
+    def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> "ScheduledRequest":
+        return cls(req, num_new_tokens, block_table, req.num_computed_tokens + num_new_tokens == req.num_tokens)
 
 
 @dataclass(slots=True)
@@ -135,7 +136,7 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(
-                    ScheduledRequest(req, num_new, self.kv.block_table(req.request_id))
+                    ScheduledRequest.scheduled(req, num_new, self.kv.block_table(req.request_id))
                 )
                 budget -= num_new
                 i += 1
@@ -184,7 +185,7 @@ class Scheduler:
             self.running.append(req)
             if lora is not None:
                 adapters.add(lora)
-            out.scheduled.append(ScheduledRequest(req, num_new, self.kv.block_table(req.request_id)))
+            out.scheduled.append(ScheduledRequest.scheduled(req, num_new, self.kv.block_table(req.request_id)))
             budget -= num_new
             if self._fills_shared_blocks(req):
                 prefilling_groups.add(req.share_group)
