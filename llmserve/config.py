@@ -129,7 +129,7 @@ class LoRAConfig:
     max_loras: int  # adapters in device slots at once (and in one step)
     max_lora_rank: int
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
-    expand_gemm_tokens: int = 0  # layer inputs of at least this many rows expand through cuBLAS (0: never)
+    expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
 
 
 @dataclass

@@ -32,7 +32,40 @@ def test_two_stage_argmax_is_argmax(width):
     assert two_stage_argmax(x, chunks).tolist()[1:] == [0, 3 * size + 7, 2 * size + 2, width - 1]
 
 
-def test_row_argmax_falls_back_where_one_stage_is_enough():
-    x = torch.randn(3, 128256)
-    assert torch.equal(row_argmax(x), x.argmax(dim=-1))  # a CPU tensor: torch's argmax
-    assert torch.equal(row_argmax(x[:, :100]), x[:, :100].argmax(dim=-1))  # not contiguous
+def test_two_stages_only_where_they_pay(monkeypatch):
+    """The decision, on stand-ins for CUDA tensors: few contiguous rows of a divisible width."""
+    from llmserve.engine import argmax
+
+    class Cuda:
+        def __init__(self, rows, width, contiguous=True, dims=2):
+            self.shape = (rows, width) if dims == 2 else (width,)
+            self.is_cuda, self._contiguous = True, contiguous
+
+        def dim(self):
+            return len(self.shape)
+
+        def is_contiguous(self):
+            return self._contiguous
+
+    assert argmax.stages_for(Cuda(1, 128256)) == 256
+    assert argmax.stages_for(Cuda(64, 128256)) == 256
+    assert argmax.stages_for(Cuda(65, 128256)) == 1  # enough rows to fill the GPU in one stage
+    assert argmax.stages_for(Cuda(4, 128256, contiguous=False)) == 1  # cannot be viewed in chunks
+    assert argmax.stages_for(Cuda(4, 1021)) == 1  # a prime width
+    assert argmax.stages_for(Cuda(4, 128256, dims=1)) == 1
+    assert argmax.stages_for(torch.randn(2, 128256)) == 1  # a CPU tensor: torch's argmax
+    monkeypatch.setattr(argmax, "TWO_STAGE_MAX_ROWS", 0)
+    assert argmax.stages_for(Cuda(1, 128256)) == 1
+
+
+def test_row_argmax_takes_the_two_stages_it_is_told_to(monkeypatch):
+    """row_argmax through the two-stage path (the decision forced on the CPU): argmax's indices."""
+    from llmserve.engine import argmax
+
+    x = torch.randn(3, 32000, generator=torch.Generator().manual_seed(1))
+    x[1, 5] = x[1, 31999] = 50.0
+    calls = []
+    monkeypatch.setattr(argmax, "stages_for", lambda t: calls.append(1) or chunk_count(t.shape[-1]))
+    monkeypatch.setattr(argmax, "two_stage_argmax", lambda t, c: calls.append(c) or two_stage_argmax(t, c))
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert calls == [1, 125]

@@ -162,8 +162,15 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
                              torch.arange(3, dtype=torch.int32)[:, None], 5, 5)  # fmt: skip
     positions = torch.cat([torch.arange(5), torch.arange(3), torch.arange(4)])
     logits = []
-    # the references; the kernels; the kernels with the GEMM expand for every step (B output-major)
-    for ops, output_major in ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True)):
+    # the references; the kernels; the kernels with the GEMM expand for every step (B output-major);
+    # the default's mix: the GEMM expand in the widest projection (gate/up) only, the Triton expand
+    # reading the output-major B in the others
+    from llmserve.lora.projections import projection_specs
+
+    widest = max(spec.out_features for spec in projection_specs(arch))
+    variants = ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True),
+                (triton_lora_ops(1, gemm_expand_min_width=widest), True))  # fmt: skip
+    for ops, output_major in variants:
         model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
                            progress=False)  # fmt: skip
         store = LoRASlotStore(arch, num_slots=2, max_rank=16, output_major_b=output_major)
@@ -187,3 +194,30 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
     for fast in logits[1:]:
         torch.testing.assert_close(fast, logits[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(fast.argmax(-1), logits[0].argmax(-1))
+
+
+def test_b_is_output_major_only_where_a_projection_takes_the_gemm_expand(tmp_path, monkeypatch):
+    """RunnerLoRA stores B output-major (and lets the GEMM expand run) only if some projection of
+    the model is at least GEMM_EXPAND_MIN_WIDTH wide; else the slot-major layout, Triton only."""
+    from llmserve.config import LoRAConfig
+    from llmserve.engine import lora_runner
+    from llmserve.lora.projections import projection_specs
+    from llmserve.model.arch import read_model_arch
+    from llmserve.model.attention import reference_paged_attention
+    from llmserve.model.loader import load_model
+    from llmserve.model.random_model import make_random_model
+
+    model_dir = make_random_model(tmp_path / "m", "llama", config_only=True)
+    arch = read_model_arch(model_dir)
+    widest = max(spec.out_features for spec in projection_specs(arch))
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    assert config.expand_gemm_tokens == 65
+    layouts = []
+    for min_width in (widest + 1, widest):
+        monkeypatch.setattr(lora_runner, "GEMM_EXPAND_MIN_WIDTH", min_width)
+        model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
+                           progress=False)  # fmt: skip
+        runner = lora_runner.RunnerLoRA(config, model, 16, torch.float32, torch.device("cpu"), use_kernels=True)
+        b = runner.store.weights.b["gate_up_proj"]
+        layouts.append(b.is_contiguous())  # slot-major: contiguous; output-major: a permuted view
+    assert layouts == [True, False]

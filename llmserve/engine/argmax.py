@@ -35,9 +35,16 @@ def two_stage_argmax(x: torch.Tensor, chunks: int) -> torch.Tensor:
     return (chunk * size + where.gather(-1, chunk)).squeeze(-1)
 
 
+def stages_for(x: torch.Tensor) -> int:
+    """How many chunks `row_argmax` cuts each row of `x` into (1: torch's one-stage argmax): two
+    stages on a GPU, for a contiguous 2-D tensor of at most TWO_STAGE_MAX_ROWS rows whose width
+    divides into chunks."""
+    if not x.is_cuda or x.dim() != 2 or x.shape[0] > TWO_STAGE_MAX_ROWS or not x.is_contiguous():
+        return 1
+    return chunk_count(x.shape[-1])
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(dim=-1)` for a 2-D tensor; two stages on a GPU for at most TWO_STAGE_MAX_ROWS rows."""
-    chunks = chunk_count(x.shape[-1])
-    if not x.is_cuda or x.dim() != 2 or x.shape[0] > TWO_STAGE_MAX_ROWS or chunks == 1 or not x.is_contiguous():
-        return x.argmax(dim=-1)
-    return two_stage_argmax(x, chunks)
+    """`x.argmax(dim=-1)` for a 2-D tensor (see `stages_for`)."""
+    chunks = stages_for(x)
+    return x.argmax(dim=-1) if chunks == 1 else two_stage_argmax(x, chunks)

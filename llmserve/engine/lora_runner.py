@@ -20,7 +20,8 @@ import torch
 
 from llmserve.config import LoRAConfig
 from llmserve.lora import LoRAAdapter, LoRAContext, LoRASlotStore, apply_lora
-from llmserve.lora.ops import REFERENCE_LORA_OPS, triton_lora_ops
+from llmserve.lora.ops import GEMM_EXPAND_MIN_WIDTH, REFERENCE_LORA_OPS, triton_lora_ops
+from llmserve.lora.projections import projection_specs
 from llmserve.lora.shard import shard_adapter
 from llmserve.lora_batch import NO_ADAPTER
 
@@ -32,11 +33,14 @@ class RunnerLoRA:
         """`write_slot(slot, adapter or None)`: writes (or clears) a slot on every rank (the
         runner's mirrored call); by default this rank's `write_shard`."""
         self.model = model
-        gemm_expand = use_kernels and config.expand_gemm_tokens > 0
+        # B is stored output-major (one matrix over every slot) only where some projection of this
+        # rank expands through the GEMM; elsewhere the slot-major layout the Triton expand was tuned on
+        gemm_expand = use_kernels and config.expand_gemm_tokens > 0 and any(
+            spec.out_features >= GEMM_EXPAND_MIN_WIDTH for spec in projection_specs(model.shard))
         self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device,
                                    output_major_b=gemm_expand)  # fmt: skip
         self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)
-        ops = triton_lora_ops(config.expand_gemm_tokens) if use_kernels else REFERENCE_LORA_OPS
+        ops = triton_lora_ops(config.expand_gemm_tokens if gemm_expand else 0) if use_kernels else REFERENCE_LORA_OPS
         self.applied = apply_lora(model, self.store, self.context, ops)
         self.write_slot = write_slot or self.write_shard
         self.pending_slots: list[int] | None = None  # the next step's token -> slot map (driver)

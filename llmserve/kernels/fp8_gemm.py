@@ -71,15 +71,30 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _workspaces[device]
 
 
-def default_config(m: int, n: int, k: int) -> dict:
+def _deep_tiles_fit(device: torch.device) -> bool:
+    """Do 128 x 256 FP8 tiles in 3 stages (about 110 KB of shared memory) fit one block? Yes on
+    Hopper (227 KB); not on Ada (99 KB), which has FP8 too. True off the GPU (the interpreter)."""
+    if device.type != "cuda":
+        return True
+    if device not in _deep_tiles:
+        props = torch.cuda.get_device_properties(device)
+        _deep_tiles[device] = getattr(props, "shared_memory_per_block_optin", 0) >= 160 * 1024
+    return _deep_tiles[device]
+
+
+_deep_tiles: dict[torch.device, bool] = {}  # per device: a fact of the hardware, not state
+
+
+def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
     """Tile sizes from the H200 sweeps. Up to SMALL_TILE_ROWS tokens (batch-1 decode): 128-wide
     N tiles, 256-deep K steps for a long K or a wide N, K split so that about 256 programs
     stream the weights (docs/gpu_fp8_gemm_micro_m1_2026-12-01.json: 1.25 µs a layer less at
-    M = 1 than the rule below). More tokens: 64-wide N tiles, 256-deep K steps for the long K
+    M = 1 than the rule below; with `deep_tiles` False, where 110 KB of shared memory do not
+    fit a block, K steps stay 128 deep). More tokens: 64-wide N tiles, 256-deep K steps for the long K
     of the MLP's down projection, about 512 programs
     (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json)."""
     if m <= SMALL_TILE_ROWS:
-        block_n, block_k, programs = 128, (256 if k >= 8192 or n >= 16384 else 128), 256
+        block_n, block_k, programs = 128, (256 if deep_tiles and (k >= 8192 or n >= 16384) else 128), 256
     else:
         block_n, block_k, programs = 64, (256 if k >= 8192 else 128), 512
     return {"block_n": block_n, "block_k": block_k,
@@ -100,7 +115,7 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     out = torch.empty((m, n), dtype=out_dtype if xq.is_cuda else torch.float32, device=xq.device)
     if m == 0:
         return out.to(out_dtype)
-    auto = default_config(m, n, k)
+    auto = default_config(m, n, k, _deep_tiles_fit(xq.device))
     block_n, block_k = block_n or auto["block_n"], block_k or auto["block_k"]
     tiles_n = triton.cdiv(n, block_n)
     assert tiles_n <= _MAX_TILES
