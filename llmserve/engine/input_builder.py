@@ -24,6 +24,14 @@ from llmserve.engine.request import PLACEHOLDER
 TABLE_WIDTH_STEP = 16
 
 
+def table_width(blocks: int, most: int | None = None) -> int:
+    """Block-table columns for `blocks`: a multiple of TABLE_WIDTH_STEP (at most `most`). The
+    width is the attention kernel's row stride, and Triton compiles a kernel once for strides
+    divisible by 16 and again for the others (in the middle of a run)."""
+    width = -(-blocks // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+    return width if most is None else min(width, most)
+
+
 class RowInput(NamedTuple):
     """One scheduled request's part of a step, as the input builder reads it."""
 
@@ -116,11 +124,8 @@ class InputBuilder:
             if samples:
                 logits_indices.append(query_start[-1] - 1)
         table_rows = self.block_tables.rows_for([(row.request_id, row.block_ids) for row in rows])
-        # copy only the columns this batch uses, rounded up to a multiple of TABLE_WIDTH_STEP: the
-        # width is the table's row stride in the attention kernel, and Triton compiles a kernel
-        # once for strides divisible by 16 and again for the others (in the middle of a run)
-        width = max(len(row.block_ids) for row in rows)
-        width = min(-(-width // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP, self.block_tables.max_blocks)
+        # copy only the columns this batch uses (`table_width`)
+        width = table_width(max(len(row.block_ids) for row in rows), self.block_tables.max_blocks)
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,

@@ -24,7 +24,7 @@ from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.host_copy import staged, to_device
-from llmserve.engine.input_builder import TABLE_WIDTH_STEP, BatchInputs, InputBuilder, RowInput
+from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
@@ -135,10 +135,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
         sc = config.scheduler_config
-        # block table columns: enough for max_model_len, rounded up to a multiple of TABLE_WIDTH_STEP (the
-        # attention kernel's row stride stays divisible by 16, so no launch compiles another variant)
-        blocks = -(-mc.max_model_len // self.block_size)
-        self.max_blocks = -(-blocks // TABLE_WIDTH_STEP) * TABLE_WIDTH_STEP
+        # block table columns: enough for max_model_len, in the kernel-friendly width (`table_width`)
+        self.max_blocks = table_width(-(-mc.max_model_len // self.block_size))
         self.inputs = InputBuilder(self.block_size, sc.max_num_seqs, self.max_blocks)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None

@@ -3,11 +3,12 @@
 Order (as the reference, sampler_reference.py, which treats one request at a time):
 logit bias → penalties → min_tokens mask → grammar mask → greedy argmax, or temperature →
 top-k → top-p → min-p → the exponential race (argmax of p / E with E ~ Exp(1), exact
-categorical sampling, ranked as logits - log E: no softmax over the vocabulary). Every step is a few tensor operations over the batch: per-request
-settings travel as one small host-to-device copy each, penalty counts live on the device
-(penalty_state.py) and grow from the sampled tokens there, a seeded request's noise is a
-hash of (seed, position, token) (seeded_noise.py). Nothing waits for the device, so a step
-with penalties can be scheduled before the previous step's tokens are read.
+categorical sampling, ranked as logits - log E: no softmax over the vocabulary). Every step
+is a few tensor operations over the batch: per-request settings travel as one small
+host-to-device copy each, penalty counts live on the device (penalty_state.py) and grow
+from the sampled tokens there, a seeded request's noise is a hash of (seed, position,
+token) (seeded_noise.py). Nothing waits for the device, so a step with penalties can be
+scheduled before the previous step's tokens are read.
 
 When every sampling row has a top-k of at most TOPK_FAST, the race runs over the k best
 candidates only (torch.topk instead of a sort of the whole vocabulary); it picks the

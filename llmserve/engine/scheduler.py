@@ -32,7 +32,7 @@ class ScheduledRequest:
     block_table: list[int]  # the request's block ids (a live reference)
     # does this step reach the request's last token (so a new token is sampled)? Set when
     # scheduled (`scheduled`), before `after_launch` moves the counts; read three times a step
-    samples: bool = False
+    samples: bool
 
     @classmethod
     def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> "ScheduledRequest":

@@ -71,6 +71,9 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _workspaces[device]
 
 
+_deep_tiles: dict[torch.device, bool] = {}  # per device: a fact of the hardware, not state
+
+
 def _deep_tiles_fit(device: torch.device) -> bool:
     """Do 128 x 256 FP8 tiles in 3 stages (about 110 KB of shared memory) fit one block? Yes on
     Hopper (227 KB); not on Ada (99 KB), which has FP8 too. True off the GPU (the interpreter)."""
@@ -82,7 +85,10 @@ def _deep_tiles_fit(device: torch.device) -> bool:
     return _deep_tiles[device]
 
 
-_deep_tiles: dict[torch.device, bool] = {}  # per device: a fact of the hardware, not state
+def split_k_for(m: int, k: int, block_k: int, tiles_n: int) -> int:
+    """K slices so that about 256 programs (up to SMALL_TILE_ROWS rows) or 512 stream the weights."""
+    programs = 256 if m <= SMALL_TILE_ROWS else 512
+    return max(1, min(triton.cdiv(k, block_k), programs // tiles_n))
 
 
 def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
@@ -94,11 +100,10 @@ def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
     of the MLP's down projection, about 512 programs
     (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json)."""
     if m <= SMALL_TILE_ROWS:
-        block_n, block_k, programs = 128, (256 if deep_tiles and (k >= 8192 or n >= 16384) else 128), 256
+        block_n, block_k = 128, (256 if deep_tiles and (k >= 8192 or n >= 16384) else 128)
     else:
-        block_n, block_k, programs = 64, (256 if k >= 8192 else 128), 512
-    return {"block_n": block_n, "block_k": block_k,
-            "split_k": max(1, min(triton.cdiv(k, block_k), programs // triton.cdiv(n, block_n)))}  # fmt: skip
+        block_n, block_k = 64, (256 if k >= 8192 else 128)
+    return {"block_n": block_n, "block_k": block_k, "split_k": split_k_for(m, k, block_k, triton.cdiv(n, block_n))}
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -120,7 +125,7 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     tiles_n = triton.cdiv(n, block_n)
     assert tiles_n <= _MAX_TILES
     if split_k is None:
-        split_k = auto["split_k"] if block_n == auto["block_n"] else max(1, min(triton.cdiv(k, block_k), 512 // tiles_n))
+        split_k = split_k_for(m, k, block_k, tiles_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)

@@ -25,27 +25,30 @@ setup_env() {  # packages the GPU image lacks travel as wheels in .whl
     --max-position-embeddings 131072 --rope-scaling-llama3 >/dev/null
 }
 
-start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (prints the start-up time)
-  # $SERVER_ARGS: extra engine flags; $TAG: suffix of this server's files
-  python3 -m llmserve serve $ENGINE ${SERVER_ARGS:-} --port 8000 --log-level warning > "$OUT/server${TAG:-}.log" 2>&1 &
-  server=$!
-  python3 - "$server" "${1:-200}" <<'PY' | tee "$OUT/server_startup${TAG:-}.txt" || return 1
+wait_http() {  # wait_http URL LIMIT_S PID [LABEL]: until URL answers 200, or PID dies, or the limit
+  python3 - "$1" "$2" "$3" "${4:-server}" <<'PY'
 import os, sys, time, urllib.request
-pid, limit, start = int(sys.argv[1]), float(sys.argv[2]), time.time()
+url, limit, pid, label, start = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], time.time()
 while time.time() - start < limit:
     try:
-        if urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=1).status == 200:
-            print(f"server healthy {time.time() - start:.1f} s after launch"); sys.exit(0)
+        if urllib.request.urlopen(url, timeout=1).status == 200:
+            print(f"{label} healthy {time.time() - start:.1f} s after launch"); sys.exit(0)
     except OSError:
         pass
     try:
         os.kill(pid, 0)
     except OSError:
-        print("server died"); sys.exit(1)
+        print(f"{label} died"); sys.exit(1)
     time.sleep(0.25)
-print(f"server not healthy after {limit:.0f} s"); sys.exit(1)
+print(f"{label} not healthy after {limit:.0f} s"); sys.exit(1)
 PY
-  grep -i "compiled\|captured" "$OUT/server${TAG:-}.log" | head -3
+}
+
+start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (prints the start-up time)
+  # $SERVER_ARGS: extra engine flags; $TAG: suffix of this server's files
+  python3 -m llmserve serve $ENGINE ${SERVER_ARGS:-} --port 8000 --log-level warning > "$OUT/server${TAG:-}.log" 2>&1 &
+  server=$!
+  wait_http http://127.0.0.1:8000/health "${1:-200}" "$server" | tee "$OUT/server_startup${TAG:-}.txt" || return 1  grep -i "compiled\|captured" "$OUT/server${TAG:-}.log" | head -3
 }
 
 bench_serve() {  # bench_serve RATE [NAME [SEED]]: workload (d), 400 requests of 512/256 (SEED: prompts and arrivals; default fresh)

@@ -27,29 +27,11 @@ models:
   chat: {kind: chat, model_dir: $M, load_format: dummy, max_model_len: 2048, instance_kind: KIND_GPU,
          max_num_seqs: 512, max_num_batched_tokens: 16384}
 EOF
-wait_http() {  # wait_http URL LIMIT_S PID
-  python3 - "$1" "$2" "$3" <<'PY'
-import os, sys, time, urllib.request
-url, limit, pid, start = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), time.time()
-while time.time() - start < limit:
-    try:
-        if urllib.request.urlopen(url, timeout=2).status == 200:
-            print(f"{url} answered {time.time() - start:.1f} s after launch"); sys.exit(0)
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        print("the process died"); sys.exit(1)
-    time.sleep(1)
-print(f"no answer from {url} within {limit:.0f} s"); sys.exit(1)
-PY
-}
 # 1. through the platform: gateway (port 9000) -> Triton -> the chat model on the GPU
 PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" timeout 420 python3 -m llmserve up --config "$OUT/platform.yaml" \
   --port 9000 --workdir /tmp/triton-work > "$OUT/up.log" 2>&1 &
 up=$!
-if wait_http http://127.0.0.1:9000/v1/models 300 $up | tee "$OUT/up_startup.txt"; then
+if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup.txt"; then
   timeout 150 python3 -m llmserve bench serve --base-url http://127.0.0.1:9000 --num-prompts 400 --input-len 512 \
     --output-len 256 --ignore-eos --request-rate 16 --vocab-size 128256 --seed 201 --percentiles 50,90,99 \
     --output-json "$OUT/d_platform.json" --disable-tqdm > "$OUT/d_platform.log" 2>&1
