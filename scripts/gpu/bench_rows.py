@@ -11,7 +11,11 @@ rows, penalties, top-k/top-p, logprobs over 128,256 tokens); rows named "...@ref
 swap the reference sampler into the running engine (penalties then run one step at a
 time, as before the batched sampler).
 
-    python3 scripts/gpu/bench_rows.py --out $OUT [--only a,presence,...]
+    python3 scripts/gpu/bench_rows.py --out $OUT [--only a,presence,...] [--root DIR]
+
+`--root DIR` imports llmserve from DIR (a `git archive REV llmserve` unpacked there) for a
+before/after of two trees in one lease (scripts/gpu/ab_trees.sh); `--no-sampler-check` skips
+the sampler check.
 """
 
 from __future__ import annotations
@@ -173,7 +177,15 @@ def main() -> None:
     parser.add_argument("--out", default="out")
     parser.add_argument("--only", default="", help="comma-separated row names (default: all)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and rows on the CPU: checks the script")
+    parser.add_argument("--root", help="import llmserve from this folder (an A/B of two trees)")
+    parser.add_argument("--no-sampler-check", action="store_true")
     opts = parser.parse_args()
+    if opts.root:
+        sys.path.insert(0, str(Path(opts.root).resolve()))
+        import llmserve
+
+        assert llmserve.__file__.startswith(str(Path(opts.root).resolve())), llmserve.__file__
+        print(f"RESULT llmserve from {Path(llmserve.__file__).parent}", flush=True)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     names = opts.only.split(",") if opts.only else list(ROWS)  # in the order given: engines start in that order
@@ -185,8 +197,10 @@ def main() -> None:
         results: dict = {}
     else:
         make_model_folder()
-        results = {"sampler_check": check_sampler_on_gpu()}
-        print("RESULT sampler_check", json.dumps(results["sampler_check"]), flush=True)
+        results = {}
+        if not opts.no_sampler_check:
+            results["sampler_check"] = check_sampler_on_gpu()
+            print("RESULT sampler_check", json.dumps(results["sampler_check"]), flush=True)
     from llmserve import LLM
     from llmserve.bench import latency, throughput
     from llmserve.cli_args import engine_args_from_cli

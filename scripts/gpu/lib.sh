@@ -48,7 +48,8 @@ start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (pri
   # $SERVER_ARGS: extra engine flags; $TAG: suffix of this server's files
   python3 -m llmserve serve $ENGINE ${SERVER_ARGS:-} --port 8000 --log-level warning > "$OUT/server${TAG:-}.log" 2>&1 &
   server=$!
-  wait_http http://127.0.0.1:8000/health "${1:-200}" "$server" | tee "$OUT/server_startup${TAG:-}.txt" || return 1  grep -i "compiled\|captured" "$OUT/server${TAG:-}.log" | head -3
+  wait_http http://127.0.0.1:8000/health "${1:-200}" "$server" | tee "$OUT/server_startup${TAG:-}.txt" || return 1
+  grep -i "compiled\|captured" "$OUT/server${TAG:-}.log" | head -3
 }
 
 bench_serve() {  # bench_serve RATE [NAME [SEED]]: workload (d), 400 requests of 512/256 (SEED: prompts and arrivals; default fresh)
