@@ -2,7 +2,8 @@
 # A before/after of two source trees in one device call (issue 20: "each within 2 %, noise band
 # measured by repeating the before run"). Prepare here, then carry [".whl", ".ab"]:
 #   bash scripts/gpu/ab_trees.sh prepare main=main branch=issue20-step-plan
-# writes .ab/NAME/llmserve from each revision (git archive; .ab is git-ignored locally).
+# writes .ab/NAME/llmserve from each revision (git archive without the embedded model; .ab is
+# git-ignored locally).
 # On the device: TREES="main branch main" (the order run) and PARTS="offline serve":
 #   offline: bench_rows.py --root .ab/NAME --only $ROWS (default a,b,c) on one engine per tree
 #   serve:   `llmserve serve` from .ab/NAME, workload (d): 400 x 512/256 at 16 req/s, seed 201
@@ -15,7 +16,7 @@ if [ "${1:-}" = prepare ]; then
   shift; rm -rf .ab
   for spec in "$@"; do
     name=${spec%%=*} rev=${spec#*=}
-    mkdir -p ".ab/$name" && git archive "$rev" llmserve | tar -x -C ".ab/$name"
+    mkdir -p ".ab/$name" && git archive "$rev" llmserve ":!llmserve/assets" | tar -x -C ".ab/$name"
     echo "$name: $(git rev-parse --short "$rev") $(du -sh ".ab/$name" | cut -f1)"
   done
   exit 0
