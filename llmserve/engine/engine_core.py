@@ -19,6 +19,7 @@ from llmserve.engine.request import (
 from llmserve.engine.grammar_manager import GrammarManager
 from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.request_checks import PromptError, check_request
+from llmserve.engine.step_plan import PlanBuilder
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.structured_output import StructuredOutputs
@@ -80,6 +81,8 @@ class EngineCore:
         mc = config.model_config
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
         self.grammars = GrammarManager(self.structured)
+        self.plans = PlanBuilder()  # what the runner is told of each step, as data
+        self._vocab_size = mc.arch.vocab_size
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and the grammar compile threads."""
@@ -158,12 +161,13 @@ class EngineCore:
         self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.runner.sampler.forget(sched.finished_request_ids)
+            self.plans.forget(sched.finished_request_ids)
+            self.runner.forget_requests(sched.finished_request_ids)
             return sched, None
         if self.loras is not None and sched.scheduled:  # the step's adapters in slots, its tokens mapped
             self.loras.prepare_step([s.request.lora_request for s in sched.scheduled],
                                     [s.num_new_tokens for s in sched.scheduled])  # fmt: skip
-        pending = self.runner.execute_async(sched)
+        pending = self.runner.execute_async(self.plans.plan(sched, self._vocab_size))
         self.scheduler.after_launch(sched)
         return sched, pending
 

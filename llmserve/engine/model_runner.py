@@ -29,7 +29,7 @@ from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_bu
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
-from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.step_plan import RunnerRequests, StepPlan
 from llmserve.engine.device_arena import make_arena
 from llmserve.engine.weight_stash import WeightStash
 from llmserve.lora.adapter import LoRAAdapter
@@ -50,9 +50,11 @@ class PendingStep:
     """A launched step: its sampled tokens arrive with `result()`. Until then the next
     step can read them on the device (`device_tokens`, row i = `sampling[i]`)."""
 
-    def __init__(self, sampling: list, pending: PendingSample | None) -> None:
+    def __init__(self, sampling: list, pending: PendingSample | None,
+                 on_result: Callable[[dict[str, int]], None] | None = None) -> None:  # fmt: skip
         self.sampling = sampling
         self.pending = pending
+        self.on_result = on_result  # the runner's own token state takes the sampled tokens
         self.device_tokens = pending.device_tokens if pending is not None else None
         self.row_of = {r.request_id: i for i, r in enumerate(sampling)}
 
@@ -63,6 +65,9 @@ class PendingStep:
             out = self.pending.result()
         sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
         logprobs = {r.request_id: [lp] for r, lp in zip(self.sampling, out.logprobs) if lp is not None}
+        if self.on_result is not None:
+            self.on_result(sampled)
+            self.on_result = None  # once
         return ModelRunnerOutput(sampled, logprobs)
 
 
@@ -141,6 +146,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
+        self.requests = RunnerRequests()  # each running request's tokens and blocks (driver)
         self._weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors().values())
         self._stash = WeightStash()  # the tensors kept in host memory while asleep
         self._asleep = False
@@ -481,26 +487,31 @@ class ModelRunner:
         self.lora.write_shard(slot, adapter)
 
     # -- one step -----------------------------------------------------------------------
+    def forget_requests(self, request_ids: list[str]) -> None:
+        """Requests that ended in a step with nothing to run: their sampler rows and state go."""
+        self.sampler.forget(request_ids)
+        self.requests.forget(request_ids)
+
     @torch.inference_mode()
-    def execute_async(self, sched: SchedulerOutput) -> "PendingStep":
-        """Launch the step on the device; `.result()` waits for its sampled tokens."""
-        self.sampler.forget(sched.finished_request_ids)
+    def execute_async(self, plan: StepPlan) -> "PendingStep":
+        """Launch the step on the device; `.result()` waits for its sampled tokens. The plan is
+        plain data (engine/step_plan.py): the runner keeps each request's tokens and blocks."""
+        self.sampler.forget(plan.finished_request_ids)
+        states = self.requests.update(plan)
         batch = None
-        if sched.scheduled:
-            rows = [
-                RowInput(s.request.request_id, s.block_table, s.request.num_computed_tokens, s.num_new_tokens,
-                         s.request.all_token_ids, s.samples)
-                for s in sched.scheduled
-            ]  # fmt: skip
+        if plan.rows:
+            rows = [RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
+                             state.token_ids, row.samples) for row, state in zip(plan.rows, states)]  # fmt: skip
             batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {})
-        if batch is None and not sched.blocks_to_swap_out and not sched.blocks_to_swap_in:
+        if batch is None and not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
-        logits = self.run_step(StepInputs(sched.blocks_to_swap_out, sched.blocks_to_swap_in, batch, lora_slots))
+        logits = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch, lora_slots))
         step = PendingStep([], None)
         if logits is not None:
-            sampling = [s.request for s in sched.scheduled if s.samples]
-            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling))
+            sampling = [state for row, state in zip(plan.rows, states) if row.samples]
+            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling, plan.grammar), self.requests.fill)
+        self.requests.after_launch(states, plan.rows)
         self._last_step = step
         return step
 

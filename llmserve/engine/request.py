@@ -151,6 +151,10 @@ class Request:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
 
     @property
+    def has_grammar(self) -> bool:
+        return self.matcher is not None
+
+    @property
     def num_known_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_pending
 

@@ -30,7 +30,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race
-from llmserve.engine.structured_output import apply_grammar_masks
+from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
 
@@ -66,20 +66,23 @@ class Sampler:
     def overlap_safe(self, request: Request) -> bool:
         """May this request's next step be scheduled before its last token is known? Yes,
         but for a grammar's: its mask needs the previous token."""
-        return request.matcher is None
+        return not request.has_grammar
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMask | None = None,
+                     ) -> PendingSample:  # fmt: skip
         """Queue the sampling work; `.result()` waits for the tokens. Between the two the
-        host is free for other work while the device computes."""
+        host is free for other work while the device computes. `requests`: `Request`s or the
+        runner's `RunnerRequest`s (the same fields); `grammar`: the rows' grammar mask, filled
+        on the core side (None: from the requests' own matchers, if they have any)."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         pen = self._penalty_rows(logits, requests)
-        logits = self.penalties_and_masks(logits, requests, pen)
+        logits = self.penalties_and_masks(logits, requests, pen, grammar)
         random = _random_rows(requests)
         if not random.rows:
             tokens = row_argmax(logits)
@@ -103,12 +106,12 @@ class Sampler:
         return self.penalties.rows_for(requests)
 
     def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
-                            ) -> torch.Tensor:  # fmt: skip
+                            grammar: GrammarMask | None = None) -> torch.Tensor:  # fmt: skip
         self._logit_bias(logits, requests)
         if pen is not None:
             logits = self.penalties.apply(logits, pen)
         _min_tokens(logits, requests)
-        apply_grammar_masks(logits, requests)  # last: what the grammar allows is all there is
+        apply_grammar_masks(logits, requests, grammar)  # last: what the grammar allows is all there is
         return logits
 
     def _logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> None:
@@ -190,7 +193,7 @@ def _min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     ids: list[int] = []
     for i, req in enumerate(requests):
         p = req.sampling_params
-        if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
+        if req.num_output_tokens < p.min_tokens and not req.has_grammar:  # a grammar decides its own end
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
             rows.extend([i] * len(banned))
             ids.extend(banned)

@@ -16,7 +16,7 @@ from llmserve.engine.argmax import row_argmax
 from llmserve.engine.host_copy import to_device
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs
-from llmserve.engine.structured_output import apply_grammar_masks
+from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 from llmserve.sampling_params import SamplingParams
 
 
@@ -29,17 +29,18 @@ class ReferenceSampler:
 
     def overlap_safe(self, request: Request) -> bool:
         """May this request's next step be scheduled before its last token is known?"""
-        return request.matcher is None and not request.sampling_params.has_penalties
+        return not request.has_grammar and not request.sampling_params.has_penalties
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]):
         return self.sample_async(logits, requests).result()
 
-    def sample_async(self, logits: torch.Tensor, requests: list[Request]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMask | None = None,
+                     ) -> PendingSample:  # fmt: skip
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self.penalties_and_masks(logits, requests)
+        logits = self.penalties_and_masks(logits, requests, grammar)
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         for i, req in enumerate(requests):
             p = req.sampling_params
@@ -53,7 +54,8 @@ class ReferenceSampler:
             ])  # fmt: skip
         return PendingSample(tokens, logprobs)
 
-    def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], grammar: GrammarMask | None = None,
+                            ) -> torch.Tensor:  # fmt: skip
         for i, req in enumerate(requests):
             p = req.sampling_params
             if p.logit_bias:
@@ -61,11 +63,11 @@ class ReferenceSampler:
                 logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=logits.device))
             if p.has_penalties:
                 logits[i] = apply_penalties(logits[i], req.prompt_token_ids, req.output_token_ids, p)
-            if req.num_output_tokens < p.min_tokens and req.matcher is None:  # a grammar decides its own end
+            if req.num_output_tokens < p.min_tokens and not req.has_grammar:  # a grammar decides its own end
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
                 if banned:
                     logits[i, banned] = float("-inf")
-        apply_grammar_masks(logits, requests)  # last: what the grammar allows is all there is
+        apply_grammar_masks(logits, requests, grammar)  # last: what the grammar allows is all there is
         return logits
 
 

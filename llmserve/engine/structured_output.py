@@ -19,6 +19,7 @@ import json
 import os
 import re
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -107,21 +108,43 @@ def _batch_matcher():
     return _xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"]) -> None:
-    """Set the logits of tokens each constrained request's grammar forbids next to -inf."""
-    rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+@dataclass(slots=True)
+class GrammarMask:
+    """The tokens each constrained row's grammar allows next: xgrammar's bitmask over the rows
+    of a batch, and which rows are constrained. Plain data: filled on the core side (where the
+    matchers live), applied by the sampler."""
+
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
+    rows: list[int]
+
+
+def grammar_mask(requests: list["Request"], vocab_size: int) -> GrammarMask | None:
+    """Fill the bitmask from the requests' matchers (None: no request has a grammar)."""
+    rows = [i for i, r in enumerate(requests) if getattr(r, "matcher", None) is not None]
     if not rows:
-        return
-    xgr = _xgrammar()
-    vocab = logits.shape[-1]
-    bitmask = xgr.allocate_token_bitmask(len(requests), vocab)
+        return None
+    bitmask = _xgrammar().allocate_token_bitmask(len(requests), vocab_size)
     if len(rows) == 1:
         requests[rows[0]].matcher.fill_next_token_bitmask(bitmask, rows[0])
     else:  # ~0.5 ms a request at a 128k vocabulary: several threads (xgrammar releases the GIL)
         _batch_matcher().batch_fill_next_token_bitmask([requests[i].matcher for i in rows], bitmask, rows)
+    return GrammarMask(bitmask, rows)
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask | None) -> None:
+    """Set the logits of tokens the rows' grammars forbid next to -inf."""
+    if mask is None:
+        return
+    bitmask = mask.bitmask
     if logits.device.type != "cpu":
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+    _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=mask.rows)
+
+
+def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"], mask: GrammarMask | None = None) -> None:
+    """`mask` when given (the engine's path: filled on the core side), else one filled from the
+    requests' own matchers (requests used directly, as in the tests)."""
+    apply_grammar_mask(logits, mask if mask is not None else grammar_mask(requests, logits.shape[-1]))
 
 
 def allowed_tokens(matcher: "xgr.GrammarMatcher", vocab_size: int) -> set[int]:

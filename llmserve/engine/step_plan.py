@@ -1,0 +1,163 @@
+"""What the model runner is told about a step: plain data, no `Request` (issue 20).
+
+The scheduler works on live `Request`s; `PlanBuilder` (core side) turns its `SchedulerOutput`
+into a `StepPlan`. A request the runner has not seen, or one resumed after a preemption (its
+blocks and computed tokens are new), arrives whole as a `NewRequest`; a running one as its
+new block ids and counts only. The runner keeps each request's tokens and blocks itself
+(`RunnerRequests`) and fills in the tokens it samples. A grammar's constraint crosses as data
+too: the bitmask rows of the step's sampling requests, filled on the core side before launch
+(steps with a grammar never overlap, so the matcher is current then).
+
+    core:   Scheduler.schedule() -> SchedulerOutput (Requests) -> PlanBuilder.plan() -> StepPlan
+    runner: StepPlan -> RunnerRequests.update() -> RowInputs, the sampler's rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.engine.request import PLACEHOLDER, Request
+from llmserve.engine.scheduler import SchedulerOutput
+from llmserve.engine.structured_output import GrammarMask, grammar_mask
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request as the runner first sees it (or sees it again after a preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # sampled before (a resumed request); all known on the host
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]  # a copy
+
+
+@dataclass(slots=True)
+class PlannedRow:
+    """One scheduled request's part of a step."""
+
+    request_id: str
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    samples: bool  # the step reaches its last token: a token is sampled
+    new_block_ids: list[int]  # blocks allocated since the runner last heard of it
+    new: NewRequest | None = None  # set when the runner starts (or restarts) this request
+    has_grammar: bool = False
+
+
+@dataclass(slots=True)
+class StepPlan:
+    rows: list[PlannedRow] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # the runner forgets these
+    grammar: GrammarMask | None = None  # the grammars' allowed tokens, rows of the sampling requests
+
+
+class PlanBuilder:
+    """Core side: what the runner already knows of each request (the preemption count it saw
+    and how many of its block ids were sent), so each step sends only what is new."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (num_preemptions, blocks sent)
+
+    def plan(self, out: SchedulerOutput, vocab_size: int | None = None) -> StepPlan:
+        for rid in out.finished_request_ids:
+            self._sent.pop(rid, None)
+        rows = []
+        for sched in out.scheduled:
+            req = sched.request
+            blocks = sched.block_table
+            known = self._sent.get(req.request_id)
+            new = None
+            if known is None or known[0] != req.num_preemptions:
+                new = NewRequest(req.request_id, list(req.prompt_token_ids), _known_outputs(req), req.sampling_params,
+                                 tuple(req.eos_token_ids), list(blocks))  # fmt: skip
+                new_blocks = []
+            else:
+                new_blocks = blocks[known[1]:]
+            self._sent[req.request_id] = (req.num_preemptions, len(blocks))
+            rows.append(PlannedRow(req.request_id, req.num_computed_tokens, sched.num_new_tokens, sched.samples,
+                                   new_blocks, new, req.matcher is not None))  # fmt: skip
+        plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
+        sampling = [s.request for s in out.scheduled if s.samples]
+        if vocab_size is not None and any(r.matcher is not None for r in sampling):
+            plan.grammar = grammar_mask(sampling, vocab_size)
+        return plan
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._sent.pop(rid, None)
+
+
+def _known_outputs(req: Request) -> list[int]:
+    out = req.all_token_ids[len(req.prompt_token_ids):]
+    assert PLACEHOLDER not in out, f"request {req.request_id} restarts with a token still on the device"
+    return list(out)
+
+
+@dataclass(slots=True)
+class RunnerRequest:
+    """The runner's own state of one request: what the sampler reads of it, and its tokens
+    (PLACEHOLDER where a token sampled by a running step is not yet on the host)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    token_ids: list[int]
+    block_ids: list[int]
+    has_grammar: bool = False
+    pending: list[int] = field(default_factory=list)  # indices of PLACEHOLDERs, oldest first
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+
+class RunnerRequests:
+    """Runner side: every running request's state, kept from step to step."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def update(self, plan: StepPlan) -> list[RunnerRequest]:
+        """Apply a step's plan; returns the state of each of its rows, in order."""
+        self.forget(plan.finished_request_ids)
+        states = []
+        for row in plan.rows:
+            if row.new is not None:
+                n = row.new
+                state = RunnerRequest(n.request_id, n.prompt_token_ids, n.sampling_params, n.eos_token_ids,
+                                      n.prompt_token_ids + n.output_token_ids, n.block_ids)  # fmt: skip
+                self.requests[row.request_id] = state
+            else:
+                state = self.requests[row.request_id]
+                state.block_ids.extend(row.new_block_ids)
+            state.has_grammar = row.has_grammar
+            states.append(state)
+        return states
+
+    def after_launch(self, states: list[RunnerRequest], rows: list[PlannedRow]) -> None:
+        """Each sampling row holds a PLACEHOLDER for its token until the step's result."""
+        for state, row in zip(states, rows):
+            if row.samples:
+                state.pending.append(len(state.token_ids))
+                state.token_ids.append(PLACEHOLDER)
+
+    def fill(self, sampled: dict[str, int]) -> None:
+        """A step's sampled tokens, now on the host, in place of their PLACEHOLDERs."""
+        for rid, token in sampled.items():
+            state = self.requests.get(rid)
+            if state is not None and state.pending:  # (a finished request is gone)
+                state.token_ids[state.pending.pop(0)] = token
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
