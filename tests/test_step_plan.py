@@ -39,12 +39,12 @@ def test_a_request_arrives_whole_once_then_as_its_new_blocks():
     (row,) = plan.rows
     assert row.new is not None and row.new.prompt_token_ids == out.scheduled[0].request.prompt_token_ids
     assert row.new.block_ids == out.scheduled[0].block_table and row.new.block_ids is not out.scheduled[0].block_table
-    assert row.new_block_ids == [] and row.num_computed_tokens == 0 and row.num_new_tokens == 6 and row.samples
+    assert list(row.new_block_ids) == [] and row.num_computed_tokens == 0 and row.num_new_tokens == 6 and row.samples
     sched.after_launch(out)
     sched.update_from_output(out, {"a": 7}, {})
     out = sched.schedule()  # position 6: still in the second block (4 tokens a block)
     (row,) = plans.plan(out).rows
-    assert row.new is None and row.new_block_ids == [] and row.num_computed_tokens == 6
+    assert row.new is None and list(row.new_block_ids) == [] and row.num_computed_tokens == 6
     sched.after_launch(out)
     sched.update_from_output(out, {"a": 8}, {})
     out = sched.schedule()  # position 7
@@ -68,13 +68,14 @@ def test_the_runner_state_mirrors_the_scheduler_through_preemptions():
         out = sched.schedule()
         plan = plans.plan(out)
         assert_plain(plan)
-        states = runner.update(plan)
-        for s, state in zip(out.scheduled, states):
-            assert state.token_ids == s.request.all_token_ids
-            assert state.block_ids == s.block_table
-            assert state.num_output_tokens == s.request.num_output_tokens
+        rows, sampling = runner.rows_for(plan)
+        for s, row in zip(out.scheduled, rows):
+            assert row.token_ids == s.request.all_token_ids and row.block_ids == s.block_table
+            assert (row.start, row.count, row.samples) == (s.request.num_computed_tokens, s.num_new_tokens, s.samples)
+            assert runner.requests[row.request_id].num_output_tokens == s.request.num_output_tokens
+        assert [x.request_id for x in sampling] == [s.request.request_id for s in out.scheduled if s.samples]
         restarts += sum(1 for row in plan.rows if row.new is not None and row.new.output_token_ids)
-        runner.after_launch(states, plan.rows)
+        runner.hold_places(sampling)
         sched.after_launch(out)
         sampled = {s.request.request_id: token + i for i, s in enumerate(out.scheduled) if s.samples}
         token += 10
@@ -94,16 +95,16 @@ def test_the_runner_state_mirrors_the_scheduler_through_preemptions():
 def test_tokens_still_on_the_device_are_placeholders_until_filled():
     runner = RunnerRequests()
     new = NewRequest("r", [1, 2, 3], [], SamplingParams(), (2,), [5])
-    plan = StepPlan([PlannedRow("r", 0, 3, True, [], new)])
-    states = runner.update(plan)
-    runner.after_launch(states, plan.rows)
-    step2 = StepPlan([PlannedRow("r", 3, 1, True, [])])  # scheduled before the first token is known
-    states2 = runner.update(step2)
-    assert states2[0] is states[0] and states[0].token_ids == [1, 2, 3, PLACEHOLDER]
-    runner.after_launch(states2, step2.rows)
+    rows, sampling = runner.rows_for(StepPlan([PlannedRow("r", 0, 3, True, [], new)]))
+    assert [(r.start, r.count) for r in rows] == [(0, 3)] and rows[0].token_ids == [1, 2, 3]
+    runner.hold_places(sampling)
+    rows2, sampling2 = runner.rows_for(StepPlan([PlannedRow("r", 3, 1, True, [6])]))  # before the first token is known
+    state = runner.requests["r"]
+    assert sampling2 == [state] and rows2[0].token_ids == [1, 2, 3, PLACEHOLDER] and rows2[0].block_ids == [5, 6]
+    runner.hold_places(sampling2)
     runner.fill({"r": 40})
-    assert states[0].token_ids == [1, 2, 3, 40, PLACEHOLDER] and states[0].output_token_ids == [40, PLACEHOLDER]
+    assert state.token_ids == [1, 2, 3, 40, PLACEHOLDER] and state.output_token_ids == [40, PLACEHOLDER]
     runner.fill({"r": 41, "gone": 9})  # a request that finished meanwhile is skipped
-    assert states[0].token_ids == [1, 2, 3, 40, 41] and states[0].pending == []
-    runner.update(StepPlan(finished_request_ids=["r"]))
+    assert state.token_ids == [1, 2, 3, 40, 41] and state.pending == []
+    runner.rows_for(StepPlan(finished_request_ids=["r"]))
     assert runner.requests == {}

@@ -497,21 +497,16 @@ class ModelRunner:
         """Launch the step on the device; `.result()` waits for its sampled tokens. The plan is
         plain data (engine/step_plan.py): the runner keeps each request's tokens and blocks."""
         self.sampler.forget(plan.finished_request_ids)
-        states = self.requests.update(plan)
-        batch = None
-        if plan.rows:
-            rows = [RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
-                             state.token_ids, row.samples) for row, state in zip(plan.rows, states)]  # fmt: skip
-            batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {})
+        rows, sampling = self.requests.rows_for(plan)
+        batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {}) if rows else None
         if batch is None and not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
         logits = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch, lora_slots))
         step = PendingStep([], None)
         if logits is not None:
-            sampling = [state for row, state in zip(plan.rows, states) if row.samples]
             step = PendingStep(sampling, self.sampler.sample_async(logits, sampling, plan.grammar), self.requests.fill)
-        self.requests.after_launch(states, plan.rows)
+        self.requests.hold_places(sampling)
         self._last_step = step
         return step
 

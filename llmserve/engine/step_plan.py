@@ -9,13 +9,14 @@ too: the bitmask rows of the step's sampling requests, filled on the core side b
 (steps with a grammar never overlap, so the matcher is current then).
 
     core:   Scheduler.schedule() -> SchedulerOutput (Requests) -> PlanBuilder.plan() -> StepPlan
-    runner: StepPlan -> RunnerRequests.update() -> RowInputs, the sampler's rows
+    runner: StepPlan -> RunnerRequests.rows_for() -> RowInputs, the sampler's rows
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from llmserve.engine.input_builder import RowInput
 from llmserve.engine.request import PLACEHOLDER, Request
 from llmserve.engine.scheduler import SchedulerOutput
 from llmserve.engine.structured_output import GrammarMask, grammar_mask
@@ -42,7 +43,7 @@ class PlannedRow:
     num_computed_tokens: int  # before this step
     num_new_tokens: int
     samples: bool  # the step reaches its last token: a token is sampled
-    new_block_ids: list[int]  # blocks allocated since the runner last heard of it
+    new_block_ids: list[int] | tuple[()]  # blocks allocated since the runner last heard of it
     new: NewRequest | None = None  # set when the runner starts (or restarts) this request
     has_grammar: bool = False
 
@@ -64,27 +65,36 @@ class PlanBuilder:
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (num_preemptions, blocks sent)
 
     def plan(self, out: SchedulerOutput, vocab_size: int | None = None) -> StepPlan:
+        sent = self._sent
         for rid in out.finished_request_ids:
-            self._sent.pop(rid, None)
-        rows = []
-        for sched in out.scheduled:
+            sent.pop(rid, None)
+        rows: list[PlannedRow] = []
+        append = rows.append
+        grammar = False
+        for sched in out.scheduled:  # (every step, every request: kept lean)
             req = sched.request
+            rid = req.request_id
             blocks = sched.block_table
-            known = self._sent.get(req.request_id)
-            new = None
-            if known is None or known[0] != req.num_preemptions:
-                new = NewRequest(req.request_id, list(req.prompt_token_ids), _known_outputs(req), req.sampling_params,
-                                 tuple(req.eos_token_ids), list(blocks))  # fmt: skip
-                new_blocks = []
+            n = len(blocks)
+            preemptions = req.num_preemptions
+            known = sent.get(rid)
+            if known is not None and known[0] == preemptions:
+                new = None
+                new_blocks = blocks[known[1]:] if n > known[1] else ()
+                if n != known[1]:
+                    sent[rid] = (preemptions, n)
             else:
-                new_blocks = blocks[known[1]:]
-            self._sent[req.request_id] = (req.num_preemptions, len(blocks))
-            rows.append(PlannedRow(req.request_id, req.num_computed_tokens, sched.num_new_tokens, sched.samples,
-                                   new_blocks, new, req.matcher is not None))  # fmt: skip
+                new = NewRequest(rid, list(req.prompt_token_ids), _known_outputs(req), req.sampling_params,
+                                 tuple(req.eos_token_ids), list(blocks))  # fmt: skip
+                new_blocks = ()
+                sent[rid] = (preemptions, n)
+            has_grammar = req.matcher is not None
+            grammar = grammar or (has_grammar and sched.samples)
+            append(PlannedRow(rid, req.num_computed_tokens, sched.num_new_tokens, sched.samples, new_blocks, new,
+                              has_grammar))  # fmt: skip
         plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
-        sampling = [s.request for s in out.scheduled if s.samples]
-        if vocab_size is not None and any(r.matcher is not None for r in sampling):
-            plan.grammar = grammar_mask(sampling, vocab_size)
+        if grammar and vocab_size is not None:
+            plan.grammar = grammar_mask([s.request for s in out.scheduled if s.samples], vocab_size)
         return plan
 
     def forget(self, request_ids: list[str]) -> None:
@@ -127,29 +137,37 @@ class RunnerRequests:
     def __init__(self) -> None:
         self.requests: dict[str, RunnerRequest] = {}
 
-    def update(self, plan: StepPlan) -> list[RunnerRequest]:
-        """Apply a step's plan; returns the state of each of its rows, in order."""
+    def rows_for(self, plan: StepPlan) -> tuple[list[RowInput], list[RunnerRequest]]:
+        """Apply a step's plan (`update`) and flatten it in the same pass: the input builder's
+        rows, and the states of the rows that sample (in order)."""
         self.forget(plan.finished_request_ids)
-        states = []
+        requests = self.requests
+        rows: list[RowInput] = []
+        sampling: list[RunnerRequest] = []
         for row in plan.rows:
-            if row.new is not None:
-                n = row.new
+            n = row.new
+            if n is None:
+                state = requests[row.request_id]
+                if row.new_block_ids:
+                    state.block_ids.extend(row.new_block_ids)
+            else:
                 state = RunnerRequest(n.request_id, n.prompt_token_ids, n.sampling_params, n.eos_token_ids,
                                       n.prompt_token_ids + n.output_token_ids, n.block_ids)  # fmt: skip
-                self.requests[row.request_id] = state
-            else:
-                state = self.requests[row.request_id]
-                state.block_ids.extend(row.new_block_ids)
+                requests[row.request_id] = state
             state.has_grammar = row.has_grammar
-            states.append(state)
-        return states
-
-    def after_launch(self, states: list[RunnerRequest], rows: list[PlannedRow]) -> None:
-        """Each sampling row holds a PLACEHOLDER for its token until the step's result."""
-        for state, row in zip(states, rows):
+            rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
+                                 state.token_ids, row.samples))  # fmt: skip
             if row.samples:
-                state.pending.append(len(state.token_ids))
-                state.token_ids.append(PLACEHOLDER)
+                sampling.append(state)
+        return rows, sampling
+
+    @staticmethod
+    def hold_places(sampling: list[RunnerRequest]) -> None:
+        """After the step is launched and sampled: each sampling row holds a PLACEHOLDER for its
+        token until the step's result (`fill`)."""
+        for state in sampling:
+            state.pending.append(len(state.token_ids))
+            state.token_ids.append(PLACEHOLDER)
 
     def fill(self, sampled: dict[str, int]) -> None:
         """A step's sampled tokens, now on the host, in place of their PLACEHOLDERs."""
