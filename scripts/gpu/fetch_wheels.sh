@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PKGS=(pyzmq fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection
       prometheus_client httpx httpcore h11 anyio sniffio idna certifi uvloop httptools
-      aiohttp aiosignal aiohappyeyeballs frozenlist multidict yarl propcache attrs)
+      aiohttp aiosignal aiohappyeyeballs frozenlist multidict yarl propcache attrs
+      opentelemetry-api annotated-doc)  # fastapi 0.165 imports opentelemetry (its telemetry module)
 # the versions of the project's own venv (known to work together) where it has them
 if [ -x .venv/bin/python ]; then
   mapfile -t PKGS < <(.venv/bin/python - "${PKGS[@]}" <<'PY'
