@@ -10,6 +10,7 @@ from there).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import signal
@@ -44,13 +45,12 @@ def _terminate_with(parent_pid: int):
 
 
 def triton_home() -> Path:
-    try:
-        import pytriton
-    except ImportError as exc:
-        raise ValueError(
-            "the Triton server needs nvidia-pytriton: pip install 'llmserve[tritonserver]'"
-        ) from exc
-    return Path(pytriton.__file__).parent / "tritonserver"
+    """The server tree inside nvidia-pytriton, found without importing pytriton (whose client
+    half needs packages the server does not: typer, tritonclient's HTTP extras)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the Triton server needs nvidia-pytriton: pip install 'llmserve[tritonserver]'")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
 
 
 def prepare_server_tree(workdir: Path) -> Path:

@@ -5,7 +5,8 @@
 #                      load: the bundled libpython3.13 (13.6 MB, for the 3.13 stub) and the
 #                      backend stubs of the other Python versions (52.8 -> 37.7 MiB)
 #   .whl-triton-deps/  numpy 1.26 (the stub is built against numpy 1.x), tritonclient's gRPC
-#                      client (what the gateway uses; without its perf_analyzer binaries), grpcio ...
+#                      client (what the gateway uses; without its perf_analyzer binaries), grpcio,
+#                      and the HTTP client with gevent (the watchdog drives Triton over HTTP)
 # A call carries at most 64 MiB with the working tree (about 15 MB), so these and .whl take
 # two calls of one warm machine: the first carries .whl-triton and installs it outside the
 # repo (pip --target /tmp/site-triton: it stays while the machine is held, 30 s idle), the
@@ -20,7 +21,8 @@ plat=(--platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platfo
 dl() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" "$@"; }
 dl -d /tmp/llmserve-pytriton nvidia-pytriton==0.7.0
 dl -d "$deps" numpy==1.26.4 tritonclient==2.51.0 grpcio==1.67.1 protobuf==5.28.3 python-rapidjson==1.20 \
-   urllib3==2.2.3 typing_inspect==0.9.0 mypy_extensions==1.0.0 wrapt==1.16.0 sh==2.1.0
+   urllib3==2.2.3 typing_inspect==0.9.0 mypy_extensions==1.0.0 wrapt==1.16.0 sh==2.1.0 \
+   geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 zope.event==6.2 zope.interface==8.7 brotli==1.2.1  # tritonclient.http (the watchdog)
 python3 - "$out" "$deps" <<'PY'
 import sys, zipfile
 from pathlib import Path

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20: the Triton path on the GPU, never run so far. NOT YET TRIED ON THE DEVICE MACHINE.
+# Issue 20: the Triton path on the GPU.
 # `llmserve up` (gateway -> Triton -> chat model on the GPU, KIND_GPU) with the 8B shape (dummy
 # weights), workload (d) through the gateway (400 requests of 512/256 at 16 req/s), then the same
 # against `llmserve serve` directly in the same call: output tok/s and TTFT p99 side by side.
@@ -22,6 +22,8 @@ fi
 setup_env  # .whl into /tmp/site, the 8B config in $M
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-tdeps .whl-triton-deps/*.whl
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" python3 -c "import tritonclient.grpc.aio, tritonclient.http, fastapi
+from llmserve.triton.server import triton_home; print('imports ok;', triton_home())" || exit 4
 cat > "$OUT/platform.yaml" <<EOF
 models:
   chat: {kind: chat, model_dir: $M, load_format: dummy, max_model_len: 2048, instance_kind: KIND_GPU,
