@@ -91,6 +91,50 @@ def test_repository_layout_and_config(repo):
         assert part in embed_cfg
     for name in ("chat", "embed", "rerank"):
         assert (repo / name / "1" / "model.py").is_file()
+        assert (repo / name / "1" / "server_path.py").is_file()  # model.py imports it first
+
+
+def test_models_see_packages_named_in_pythonpath(tmp_path, monkeypatch):
+    """The stub's embedded Python does not read PYTHONPATH (packages installed with `pip
+    --target`, as on the GPU image: `llmserve up` died there on `import zmq`). A model that
+    imports server_path first, as llmserve's do, sees them; one that does not, does not."""
+    from llmserve.triton.build_repo import MODELS_DIR
+
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "ppmarker.py").write_text("SCALE = 3.0\n")
+    repo = echo_repo(tmp_path / "repo")
+    probe = """{first}import importlib.util
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        scale = __import__("ppmarker").SCALE if importlib.util.find_spec("ppmarker") else -1.0
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", scale * pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
+                for r in requests]
+"""  # fmt: skip
+    for name, first in (("with_path", "import server_path  # noqa\n"), ("without", "")):
+        shutil.copytree(repo / "echo", repo / name)
+        (repo / name / "config.pbtxt").write_text((repo / "echo" / "config.pbtxt").read_text().replace('"echo"', f'"{name}"'))
+        (repo / name / "1" / "model.py").write_text(probe.format(first=first))
+        shutil.copyfile(MODELS_DIR / "server_path.py", repo / name / "1" / "server_path.py")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "extra"), os.environ.get("PYTHONPATH", "")]))
+    server = TritonServer(str(repo), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
+                          load_models=["with_path", "without"], exit_timeout_secs=3).start()  # fmt: skip
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+    try:
+        server.wait_ready(timeout=120)
+
+        def infer(model: str) -> float:
+            x = httpclient.InferInput("x", [1, 1], "FP32")
+            x.set_data_from_numpy(np.ones((1, 1), np.float32))
+            return float(client.infer(model, [x]).as_numpy("y")[0, 0])
+
+        assert infer("with_path") == 3.0
+        assert infer("without") == -1.0  # the stub's own sys.path: why server_path exists
+    finally:
+        client.close()
+        assert server.stop() == 0
 
 
 def test_config_rendering_options():
@@ -118,6 +162,7 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
     import importlib
     import types
 
+    from llmserve.triton.build_repo import MODELS_DIR
     from llmserve.triton.repo_config import platform_models
 
     (chat,) = platform_models({"models": {"chat": {"kind": "chat", "instance_kind": "KIND_GPU", "load_format": "dummy"}}})
@@ -125,10 +170,12 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
     stub = types.ModuleType("triton_python_backend_utils")
     stub.__getattr__ = lambda name: 0  # the module's constants, read at import
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
+    monkeypatch.syspath_prepend(str(MODELS_DIR))  # chat.py imports server_path, found beside it in a repository
     try:
         instance_gpu = importlib.import_module("llmserve.triton.models.chat").instance_gpu
     finally:
         sys.modules.pop("llmserve.triton.models.chat", None)  # imported over a stub: not for later tests
+        sys.modules.pop("server_path", None)
     assert instance_gpu("CPU", "0", None) is None
     assert instance_gpu("GPU", "1", None) == "1"
     assert instance_gpu("GPU", "1", "4,6") == "6" and instance_gpu("GPU", "0", "GPU-abc, GPU-def") == "GPU-abc"

@@ -1,4 +1,5 @@
-"""Write a Triton model repository: `<model>/config.pbtxt` plus `<model>/<version>/model.py`."""
+"""Write a Triton model repository: `<model>/config.pbtxt` plus `<model>/<version>/model.py`
+(and `server_path.py` beside it: PYTHONPATH for the stub, which does not read it)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def write_model(repo: Path, model: ModelConfig, version: int = 1) -> Path:
     (folder / str(version)).mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(model.render())
     shutil.copyfile(MODELS_DIR / f"{model.kind}.py", folder / str(version) / "model.py")
+    shutil.copyfile(MODELS_DIR / "server_path.py", folder / str(version) / "server_path.py")  # model.py imports it first
     return folder
 
 

@@ -33,14 +33,17 @@ EOF
 PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" timeout 420 python3 -m llmserve up --config "$OUT/platform.yaml" \
   --port 9000 --workdir /tmp/triton-work > "$OUT/up.log" 2>&1 &
 up=$!
+platform_ok=0
 if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup.txt"; then
+  platform_ok=1
   timeout 150 python3 -m llmserve bench serve --base-url http://127.0.0.1:9000 --num-prompts 400 --input-len 512 \
     --output-len 256 --ignore-eos --request-rate 16 --vocab-size 128256 --seed 201 --percentiles 50,90,99 \
     --output-json "$OUT/d_platform.json" --disable-tqdm > "$OUT/d_platform.log" 2>&1
   grep -E "throughput|TTFT|Successful|Failed" "$OUT/d_platform.log" | head -12
 fi
 kill -INT $up 2>/dev/null; wait $up 2>/dev/null
-tail -n 20 /tmp/triton-work/*.log 2>/dev/null > "$OUT/triton_tail.log"
+tail -n 60 /tmp/triton-work/*.log 2>/dev/null > "$OUT/triton_tail.log"
+[ $platform_ok = 1 ] || { grep -E "error|Error" /tmp/triton-work/*.log | head -20; pack_out; exit 5; }
 # 2. the same engine directly: llmserve serve (port 8000)
 ENGINE="--model $M --load-format dummy --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 start_server 200 && bench_serve 16 d_serve 201

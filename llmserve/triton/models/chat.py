@@ -18,6 +18,7 @@ The engine and its event loop live on a thread of their own, so `execute` only h
 requests over and returns; many requests stream concurrently (continuous batching).
 """
 
+import server_path  # noqa: F401, I001 (first: PYTHONPATH into sys.path; see server_path.py)
 import asyncio
 import json
 import multiprocessing

@@ -4,6 +4,7 @@ Input `text` (TYPE_STRING, [batch, 1]); output `embedding` (TYPE_FP32, [batch, d
 The model folder comes from the config parameter `model_dir` and is read offline.
 """
 
+import server_path  # noqa: F401, I001 (first: PYTHONPATH into sys.path; see server_path.py)
 import json
 import os
 

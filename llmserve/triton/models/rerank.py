@@ -5,6 +5,7 @@ output `scores` (TYPE_FP32, [batch, n]). By default a bi-encoder: cosine similar
 sentence embeddings (`model_dir`); with `cross_encoder_dir` set, a cross-encoder's scores.
 """
 
+import server_path  # noqa: F401, I001 (first: PYTHONPATH into sys.path; see server_path.py)
 import json
 import os
 

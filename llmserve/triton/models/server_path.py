@@ -1,0 +1,14 @@
+"""Imported first by every model of the repository (copied beside each model.py).
+
+The Python backend's stub runs an embedded interpreter that does not read PYTHONPATH: it
+sees the Python environment of the first `python3` on PATH, the model's folder and its
+working folder. Packages installed elsewhere and named in PYTHONPATH (`pip install
+--target`, a source checkout, numpy 1.x put ahead of an image's numpy 2) go in front of
+`sys.path` here, in PYTHONPATH's order, before the model imports anything else.
+"""
+
+import os
+import sys
+
+_entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+sys.path[:0] = [p for p in _entries if p not in sys.path]
