@@ -12,3 +12,9 @@ import sys
 
 _entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 sys.path[:0] = [p for p in _entries if p not in sys.path]
+
+# LLMSERVE_TRITON_HIDE_MODULES="sklearn,...": modules the stub treats as not installed. On an
+# image whose scipy needs numpy 2 while the stub needs numpy 1.x (the H200 image), transformers
+# imports sklearn, and so scipy, when it finds it; hidden, transformers leaves it alone.
+for _name in filter(None, os.environ.get("LLMSERVE_TRITON_HIDE_MODULES", "").split(",")):
+    sys.modules.setdefault(_name.strip(), None)
