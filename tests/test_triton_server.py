@@ -97,11 +97,13 @@ def test_repository_layout_and_config(repo):
 def test_models_see_packages_named_in_pythonpath(tmp_path, monkeypatch):
     """The stub's embedded Python does not read PYTHONPATH (packages installed with `pip
     --target`, as on the GPU image: `llmserve up` died there on `import zmq`). A model that
-    imports server_path first, as llmserve's do, sees them; one that does not, does not."""
+    imports server_path first, as llmserve's do, sees them (less those named in
+    LLMSERVE_TRITON_HIDE_MODULES); one that does not, does not."""
     from llmserve.triton.build_repo import MODELS_DIR
 
     (tmp_path / "extra").mkdir()
     (tmp_path / "extra" / "ppmarker.py").write_text("SCALE = 3.0\n")
+    (tmp_path / "extra" / "pphidden.py").write_text("")
     repo = echo_repo(tmp_path / "repo")
     probe = """{first}import importlib.util
 import triton_python_backend_utils as pb_utils
@@ -110,6 +112,7 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def execute(self, requests):
         scale = __import__("ppmarker").SCALE if importlib.util.find_spec("ppmarker") else -1.0
+        scale += 100.0 if importlib.util.find_spec("pphidden") else 0.0
         return [pb_utils.InferenceResponse([pb_utils.Tensor("y", scale * pb_utils.get_input_tensor_by_name(r, "x").as_numpy())])
                 for r in requests]
 """  # fmt: skip
@@ -119,6 +122,7 @@ class TritonPythonModel:
         (repo / name / "1" / "model.py").write_text(probe.format(first=first))
         shutil.copyfile(MODELS_DIR / "server_path.py", repo / name / "1" / "server_path.py")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "extra"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("LLMSERVE_TRITON_HIDE_MODULES", "pphidden")
     server = TritonServer(str(repo), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
                           load_models=["with_path", "without"], exit_timeout_secs=3).start()  # fmt: skip
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
