@@ -176,7 +176,13 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
     monkeypatch.syspath_prepend(str(MODELS_DIR))  # chat.py imports server_path, found beside it in a repository
     try:
-        instance_gpu = importlib.import_module("llmserve.triton.models.chat").instance_gpu
+        chat_module = importlib.import_module("llmserve.triton.models.chat")
+        instance_gpu = chat_module.instance_gpu
+        # the chat model's own settings are not engine settings; an unknown one is refused
+        assert chat_module._engine_args({"model_dir": "m", "switch_interval_s": "0.005", "max_num_seqs": "8"}) == {
+            "model": "m", "max_num_seqs": 8}
+        with pytest.raises(ValueError, match="unknown engine setting"):
+            chat_module._engine_args({"model_dir": "m", "switch_interval": "0.005"})
     finally:
         sys.modules.pop("llmserve.triton.models.chat", None)  # imported over a stub: not for later tests
         sys.modules.pop("server_path", None)

@@ -36,7 +36,9 @@ CANCEL_POLL_S = 0.05  # how often a request looks for its client's cancellation 
 # Each send and cancellation check waits on Triton with the GIL released; when the engine's
 # output thread holds the GIL meanwhile, getting it back takes up to the switch interval
 # (5 ms by default): at hundreds of tokens a second that stalls every stream
-SWITCH_INTERVAL_S = 0.0005  # scripts/triton_stream_costs.py: a send beside a busy thread, 5.5 ms at 5 ms, 0.9 at 0.5
+# (scripts/triton_stream_costs.py: a send beside a busy thread took 5.5 ms at 5 ms, 0.9 at 0.5);
+# the model's parameter `switch_interval_s` (platform.yaml) sets another
+SWITCH_INTERVAL_S = 0.0005
 
 
 def _engine_args(params: dict) -> dict:
@@ -49,8 +51,8 @@ def _engine_args(params: dict) -> dict:
 
     hints = typing.get_type_hints(EngineArgs)
     args = {"model": params.pop("model_dir")}
-    params.pop("tool_call_parser", None)
-    params.pop("lora_modules", None)
+    for key in ("tool_call_parser", "lora_modules", "switch_interval_s"):  # the chat model's, not the engine's
+        params.pop(key, None)
     for key, value in params.items():
         if key not in EngineArgs.field_names() or key == "usage_context":
             raise ValueError(f"unknown engine setting {key!r} in config.pbtxt parameters")
@@ -120,10 +122,10 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
+        sys.setswitchinterval(float(params.get("switch_interval_s") or SWITCH_INTERVAL_S))  # the stub's process alone
         self.sleep_mode = params.get("enable_sleep_mode") == "true"
         self.name = config.get("name", "chat")
         self.adapters = lora_modules(params.get("lora_modules", ""))  # a request's "model" may name one
-        sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the stub's: see SWITCH_INTERVAL_S
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
