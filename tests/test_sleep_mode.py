@@ -173,16 +173,16 @@ def test_sleep_mode_arenas_keep_every_address_and_the_outputs(model_dirs, tmp_pa
         llm = LLM(path, max_model_len=128, enable_sleep_mode=True, **extra)
         runner = llm.core.runner
         before = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-        addresses = {n: t.data_ptr() for n, t in runner._tensors().items()}
+        addresses = {n: t.data_ptr() for n, t in runner.sleep_mode.tensors().items()}
         kv = [c.data_ptr() for c in runner.kv_caches]
-        arena = runner._weights_arena.tensor
+        arena = runner.sleep_mode.weights_arena.tensor
         assert all(arena.data_ptr() <= a < arena.data_ptr() + arena.numel() for a in addresses.values())
         llm.sleep(level)
         assert llm.core.memory_footprint()["device_bytes"] == 0
         assert bool((arena == 0xFF).all())  # the reference arena's memory went (scrambled)
         for _ in range(2):  # twice: the second sleep reuses the host buffer
             assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == before  # woken by the request
-            assert {n: t.data_ptr() for n, t in runner._tensors().items()} == addresses
+            assert {n: t.data_ptr() for n, t in runner.sleep_mode.tensors().items()} == addresses
             assert [c.data_ptr() for c in runner.kv_caches] == kv and llm.stats().num_blocks_used == 0
             llm.sleep(level)
         llm.wake_up()

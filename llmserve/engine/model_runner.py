@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,12 +29,11 @@ from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequests, StepPlan
-from llmserve.engine.device_arena import make_arena
-from llmserve.engine.weight_stash import WeightStash
+from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import AttentionBackend, reference_paged_attention
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
-from llmserve.model.loader import fill_weights, load_model
+from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
 
 logger = logging.getLogger(__name__)
@@ -147,17 +145,9 @@ class ModelRunner:
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
         self.requests = RunnerRequests()  # each running request's tokens and blocks (driver)
-        self._weight_bytes = sum(t.numel() * t.element_size() for t in self._tensors().values())
-        self._stash = WeightStash()  # the tensors kept in host memory while asleep
-        self._asleep = False
-        self._dropped: dict[str, tuple[torch.Size, torch.dtype]] = {}  # parameters read again on waking
-        # sleep mode: weights and KV cache in arenas of fixed addresses, so a wake keeps the graphs
-        self._weights_arena = self._kv_arena = None
-        self._arena_views: dict[str, torch.Tensor] = {}  # each weight's view of its arena
-        self._buffer_stash = WeightStash()  # level 2 with arenas: the buffers only
-        self._arena_level = 0  # the level of a sleep with arenas
-        if config.enable_sleep_mode:
-            self._move_weights_to_arena()
+        self.sleep_mode = RunnerSleep(self)  # sleep and wake (engine/runner_sleep.py)
+        if config.enable_sleep_mode:  # weights in an arena of fixed addresses: a wake keeps the graphs
+            self.sleep_mode.move_weights_to_arena()
 
     # -- KV cache sizing ----------------------------------------------------------------
     @property
@@ -220,7 +210,7 @@ class ModelRunner:
         # what other processes held at start does not count: the fraction is this engine's
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device) - self._gpu_used_at_start
         # (weights in an arena are outside torch's allocator: counted in `non_torch` instead)
-        weights = 0 if self._weights_arena is not None else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = 0 if self.sleep_mode.weights_arena is not None else sum(p.numel() * p.element_size() for p in self.model.parameters())
         budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
         return self.tp.min_over_ranks(budget)
 
@@ -246,22 +236,16 @@ class ModelRunner:
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         if arena and self.config.enable_sleep_mode and num_blocks:
-            per_layer = self.bytes_per_block * num_blocks // a.num_layers
-            if self._kv_arena is not None:
-                self._kv_arena.close()
-            self._kv_arena = make_arena(per_layer * a.num_layers, self.device)
-            self._kv_arena.tensor.zero_()
-            self.kv_caches = [self._kv_arena.tensor[i * per_layer : (i + 1) * per_layer].view(self.kv_dtype).view(shape)
-                              for i in range(a.num_layers)]  # fmt: skip
+            self.kv_caches = self.sleep_mode.arena_kv_caches(num_blocks, shape, self.kv_dtype)
         else:
             self.kv_caches = [
                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)
             ]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
-        self._init_cpu_caches(num_cpu_blocks)
+        self.init_cpu_caches(num_cpu_blocks)
 
-    def _init_cpu_caches(self, num_cpu_blocks: int) -> None:
+    def init_cpu_caches(self, num_cpu_blocks: int) -> None:
         """Host memory for swapped-out blocks (pinned on a GPU), one tensor per layer."""
         a = self.arch
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
@@ -270,7 +254,7 @@ class ModelRunner:
             torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(a.num_layers)
         ] if num_cpu_blocks else []  # fmt: skip
 
-    def _cache_sizes(self) -> tuple[int, int]:
+    def cache_sizes(self) -> tuple[int, int]:
         """(device blocks, host swap blocks) of the caches now: what a wake makes again."""
         return (self.kv_caches[0].shape[1] if self.kv_caches else 0,
                 self.cpu_caches[0].shape[1] if self.cpu_caches else 0)  # fmt: skip
@@ -331,143 +315,23 @@ class ModelRunner:
         if not self.tp.min_over_ranks(captured):
             self.mixed_graphs = None
 
-    # -- sleep mode ------------------------------------------------------------------------
+    # -- sleep mode (engine/runner_sleep.py) ----------------------------------------------------
     @on_every_rank
     def sleep(self, level: int) -> None:
-        """Give the device memory back: the KV cache (and its CUDA graphs) always; at level 1
-        the weights move to host memory (pinned on a GPU), at level 2 they are dropped (the
-        checkpoint is read again on waking). The engine must be idle: the cache is lost.
-        With sleep mode's arenas the CUDA graphs stay: only the memory under them goes."""
-        if self._weights_arena is not None:
-            self._sleep_in_place(level)
-            return
-        self.release_cuda_graphs()
-        self._sleep_blocks = self._cache_sizes()
-        for layer in self.model.attention_layers():
-            layer.kv_cache = torch.empty(0)
-        self.kv_caches, self.cpu_caches = [], []
-        self._last_step = None
-        # level 1 keeps every tensor; level 2 only the buffers (rotary tables), which no
-        # checkpoint holds: the parameters are read again on waking
-        tensors = dict(self.model.named_buffers())
-        if level == 1:
-            tensors.update(self.model.named_parameters())
-        self._stash.stash(tensors, pin=self.device.type == "cuda")
-        self._dropped = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters() if level == 2}
-        for tensor in self._tensors().values():
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        self._asleep = True
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _move_weights_to_arena(self) -> None:
-        """At start: every weight and buffer into one arena (through host memory, so the
-        device never holds them twice), each tensor a view of it from now on."""
-        tensors = self._tensors()
-        pin = self.device.type == "cuda"
-        self._stash.stash(tensors, pin=pin)
-        for tensor in tensors.values():
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=self.device)
-        gc.collect()
-        if pin:
-            torch.cuda.empty_cache()
-        self._weights_arena = make_arena(max(1, self._stash.nbytes), self.device)
-        self._arena_views = self._stash.restore_into(self._weights_arena.tensor)
-        for name, view in self._arena_views.items():
-            tensors[name].data = view
-        if pin:
-            torch.cuda.synchronize(self.device)
-
-    def _sleep_in_place(self, level: int) -> None:
-        """Sleep with arenas: the weights' bytes to host memory in one copy (level 1; level 2
-        keeps only the buffers), then the arenas' memory goes; tensors and graphs stay."""
-        pin = self.device.type == "cuda"
-        self._sleep_blocks = self._cache_sizes()
-        self.cpu_caches = []
-        self._last_step = None
-        if pin:
-            torch.cuda.synchronize(self.device)
-        if level == 1:
-            self._stash.save_whole(self._weights_arena.tensor, pin)
-        else:
-            self._buffer_stash.stash(dict(self.model.named_buffers()), pin=pin)
-            self._stash.host = None  # nothing of the weights is kept
-        self._arena_level = level
-        self._weights_arena.release()
-        if self._kv_arena is not None:
-            self._kv_arena.release()
-        self._asleep = True
-
-    def _wake_in_place(self) -> None:
-        self._weights_arena.map()
-        if self._arena_level == 2:  # the buffers back, the parameters read again into their views
-            self._buffer_stash.copy_back(self._arena_views)
-            self._buffer_stash.release()
-            mc = self.config.model_config
-            fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
-            for name, tensor in self._tensors().items():  # a loader that made new tensors: into the arena
-                view = self._arena_views[name]
-                if tensor.data_ptr() != view.data_ptr():
-                    view.copy_(tensor.data)
-                    tensor.data = view
-        else:
-            self._weights_arena.tensor[: self._stash.nbytes].copy_(self._stash.host[: self._stash.nbytes],
-                                                                   non_blocking=self.device.type == "cuda")  # fmt: skip
-        if self._kv_arena is not None:
-            self._kv_arena.map()
-            self._kv_arena.tensor.zero_()  # blocks never written read as zeros, as after a fresh start
-        self._init_cpu_caches(self._sleep_blocks[1])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._arena_level, self._asleep = 0, False
-
-    def memory_footprint(self) -> dict:
-        """`weight_bytes` and `kv_cache_bytes` of the engine awake (the same asleep), and the
-        bytes its tensors hold on the device now (`device_bytes`; on a GPU also what torch's
-        allocator has handed out, `allocated_bytes`)."""
-        on_device = sum(t.numel() * t.element_size() for t in self._tensors().values())
-        kv_now = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        if self._asleep and self._weights_arena is not None:  # the views stay; the memory under them went
-            on_device = kv_now = 0
-        blocks = self._sleep_blocks[0] if self._asleep else (self.kv_caches[0].shape[1] if self.kv_caches else 0)
-        row = {"weight_bytes": self._weight_bytes, "kv_cache_bytes": blocks * self.bytes_per_block,
-               "device_bytes": on_device + kv_now}  # fmt: skip
-        if self.device.type == "cuda":
-            row["allocated_bytes"] = torch.cuda.memory_allocated(self.device)
-            # what torch's allocator holds besides the weights and KV cache (graph pools,
-            # activations, buffers): stays while asleep (the CUDA context, ~0.5 GiB, is not counted)
-            reserved = torch.cuda.memory_reserved(self.device)
-            row["overhead_bytes"] = reserved if self._weights_arena is not None else max(0, reserved - row["device_bytes"])
-            row["device_total_bytes"] = torch.cuda.mem_get_info(self.device)[1]
-        else:  # the host's memory is this device's
-            row["overhead_bytes"] = 0
-            row["device_total_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return row
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        return {**dict(self.model.named_buffers()), **dict(self.model.named_parameters())}
+        """Give the device memory back (level 1: weights to host memory; 2: dropped)."""
+        self.sleep_mode.sleep(level)
 
     @on_every_rank
     def wake_up(self) -> None:
-        """Weights back on the device (from host memory, or read again), an empty KV cache of
-        the same size, the kernels and CUDA graphs ready again (with sleep mode's arenas the
-        graphs never went)."""
-        if self._weights_arena is not None:
-            self._wake_in_place()
-            return
-        tensors = self._tensors()
-        for name, view in self._stash.restore(self.device).items():
-            tensors[name].data = view
-        for name, (shape, dtype) in self._dropped.items():
-            tensors[name].data = torch.empty(shape, dtype=dtype, device=self.device)
-        if self._dropped:
-            mc = self.config.model_config
-            fill_weights(self.model, mc.model, mc.arch, mc.load_format, mc.seed, self.tp, progress=False)
-            self._stash.release()
-        self._dropped, self._asleep = {}, False
-        self.init_kv_cache(*self._sleep_blocks)
-        self.capture_cuda_graphs()
+        """Weights, an empty KV cache of the same size and the CUDA graphs back on the device."""
+        self.sleep_mode.wake_up()
+
+    def memory_footprint(self) -> dict:
+        return self.sleep_mode.memory_footprint()
+
+    def drop_last_step(self) -> None:
+        """Forget the latest launched step (its inputs are not fed to the next one)."""
+        self._last_step = None
 
     def release_cuda_graphs(self) -> None:
         """Destroy the CUDA graphs (decode and piecewise). Called on every rank before it

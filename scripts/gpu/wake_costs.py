@@ -87,7 +87,7 @@ def measure(label: str) -> dict:
         row[f"tokens_equal_after_wake{level}"] = after == before
         row[f"graphs_kept_wake{level}"] = graphs is not None and llm.core.runner.graphs is graphs
     row["pcie_gb_per_s_level1"] = round(weights / row["wake1_s"] / 1e9, 1)
-    row["sleep_mode_arenas"] = llm.core.runner._weights_arena is not None
+    row["sleep_mode_arenas"] = llm.core.runner.sleep_mode.weights_arena is not None
     llm.shutdown()
     del llm
     import gc
