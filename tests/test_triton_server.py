@@ -29,6 +29,7 @@ from triton_utils import echo_infer, echo_repo, embed, grpcclient, httpclient, m
 
 from llmserve.triton import build_repo, chat_config, embed_config, platform_models, rerank_config  # noqa: E402
 from llmserve.triton.build_repo import write_model  # noqa: E402
+from llmserve.openai.sse_events import split_events  # noqa: E402
 from llmserve.triton.server import TritonServer, sweep_stale_workdirs  # noqa: E402
 
 TEXTS = ["The cat sits on the mat.", "Triton serves models.", "A quick brown fox.", "héllo wörld"]
@@ -179,8 +180,8 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
         chat_module = importlib.import_module("llmserve.triton.models.chat")
         instance_gpu = chat_module.instance_gpu
         # the chat model's own settings are not engine settings; an unknown one is refused
-        assert chat_module._engine_args({"model_dir": "m", "switch_interval_s": "0.005", "max_num_seqs": "8"}) == {
-            "model": "m", "max_num_seqs": 8}
+        assert chat_module._engine_args({"model_dir": "m", "switch_interval_s": "0.005", "stream_sends": "loop",
+                                         "max_num_seqs": "8"}) == {"model": "m", "max_num_seqs": 8}  # fmt: skip
         with pytest.raises(ValueError, match="unknown engine setting"):
             chat_module._engine_args({"model_dir": "m", "switch_interval": "0.005"})
     finally:
@@ -246,8 +247,9 @@ def _chat_call(url: str, body: dict, endpoint: str = "/v1/completions", timeout:
             if error is not None:
                 raise error
             response = result.get_response()
-            if response.outputs:
-                answers.append((int(result.as_numpy("status")[0]), result.as_numpy("response")[0].decode()))
+            if response.outputs:  # a response may carry several of a stream's events
+                status, text = int(result.as_numpy("status")[0]), result.as_numpy("response")[0].decode()
+                answers.extend((status, event) for event in split_events(text))
             if response.parameters["triton_final_response"].bool_param:
                 return answers
     finally:
@@ -310,9 +312,10 @@ def test_chat_http_generate_stream(triton):
     body = {"request": json.dumps(request), "endpoint": "/v1/completions"}
     with httpx.stream("POST", f"http://{triton.url}/v2/models/chat/generate_stream", json=body, timeout=60) as r:
         assert r.status_code == 200
-        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
-    assert len(events) > 1 and all(e["status"] == 200 for e in events)
-    assert events[-1]["response"] == "data: [DONE]"
+        responses = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert responses and all(e["status"] == 200 for e in responses)
+    events = [event for e in responses for event in split_events(e["response"])]
+    assert len(events) > 1 and events[-1] == "data: [DONE]"
 
 
 def test_chat_concurrent_streams_and_bad_requests(triton, llama_dir):

@@ -2,7 +2,7 @@
 
 - chat and completions: the OpenAI request body itself goes to the llmserve `chat` model
   (`request`, with its `endpoint`), which answers what `llmserve serve` answers, made by the
-  same code (llmserve/openai/): the body, or one server-sent event a response. The gateway
+  same code (llmserve/openai/): the body, or server-sent events (one or more a response). The gateway
   forwards those bytes; it reads no request field but `stream`, and sets `priority` (the
   key's) and asks streams for their usage, so that the limits settle with the real counts
   (the usage chunk is dropped again when the client did not ask for it);
@@ -33,6 +33,7 @@ from llmserve.gateway.router import Pick
 from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_call
 from llmserve.openai.errors import error_body
 from llmserve.openai.pooling_protocol import embedding_json, rerank_order
+from llmserve.openai.sse_events import split_events
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
 # the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)
@@ -215,7 +216,8 @@ class _DeathWatch:
 
 
 async def _responses(client, request: dict, timeout: float, backend: Backend) -> AsyncIterator[tuple[int, str]]:
-    """(status, text) of each response the chat model sends; cancelled when closed early;
+    """(status, text) of each event the chat model sends (a response may carry several); a
+    whole body or a refusal is one; cancelled when closed early;
     TimeoutError when the next response takes over `timeout` seconds (a model that died),
     BackendDied as soon as `backend` dies (the platform found it dead).
 
@@ -245,12 +247,13 @@ async def _responses(client, request: dict, timeout: float, backend: Backend) ->
                 continue
             status = int(result.as_numpy("status").reshape(-1)[0])
             text = result.as_numpy("response").reshape(-1)[0].decode()
-            last = not text.startswith("data: ") or text == "data: [DONE]"  # a whole body, or the stream's end
-            if last:
-                ended = await _call_ended(stream)
-            yield status, text
-            if last:
-                return
+            for event in split_events(text):  # a busy model sends a stream's waiting events together
+                last = not event.startswith("data: ") or event == "data: [DONE]"  # a whole body, or the stream's end
+                if last:
+                    ended = await _call_ended(stream)
+                yield status, event
+                if last:
+                    return
     finally:
         if not ended:  # the client went away mid-stream (or the call would not end): abort it
             stream.cancel()

@@ -91,6 +91,8 @@ def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_to
 
     import httpx
 
+    from llmserve.openai.sse_events import split_events
+
     def one(i: int) -> bool:
         request = {"messages": [{"role": "user", "content": f"Question {i}: what does the json module do?"}],
                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
@@ -102,10 +104,10 @@ def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_to
             for line in r.iter_lines():
                 if not line.startswith("data:"):
                     continue
-                event = json.loads(line[5:])["response"]
-                if event.startswith("data: {"):
-                    choices = json.loads(event[len("data: "):])["choices"]
-                    finish = (choices[0]["finish_reason"] if choices else None) or finish
+                for event in split_events(json.loads(line[5:])["response"]):  # one or more events
+                    if event.startswith("data: {"):
+                        choices = json.loads(event[len("data: "):])["choices"]
+                        finish = (choices[0]["finish_reason"] if choices else None) or finish
         return finish == "length"
 
     began = time.monotonic()

@@ -142,7 +142,7 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
     """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
     file (default: the default model, SmolLM2-135M-Instruct). It takes an OpenAI request body
     (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
-    `response`: the JSON body, or one server-sent event a response); `tool_call_parser`
+    `response`: the JSON body, or server-sent events, one or more a response); `tool_call_parser`
     (hermes) serves tool_choice "auto"; `enable_lora=True, lora_modules={name: path}` serves
     LoRA adapters a request names as its model. `instance_kind` KIND_GPU: Triton places each
     instance on a GPU and the engine runs there (the instance's GPU is the only one it sees)."""

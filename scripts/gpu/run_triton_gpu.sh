@@ -2,8 +2,9 @@
 # Issue 20: the Triton path on the GPU.
 # `llmserve serve` directly, then `llmserve up` (gateway -> Triton -> chat model on the GPU,
 # KIND_GPU), 8B shape, dummy weights: workload (d) (400 requests of 512/256) at 16 req/s and at an
-# unlimited rate (RATES) against each; the platform once for each GIL switch interval of the chat
-# model in SWITCH. Call 6 of 2026-12-02 ran the platform alone, at 16 req/s, in about 115 s.
+# unlimited rate (RATES) against each; the platform once for each way of sending streams in
+# VARIANTS. Call 6 of 2026-12-02 ran the platform alone, at 16 req/s, in about 115 s: budget
+# about 120 s for each server here (start, (d) at 16 req/s and unlimited).
 #
 # The wheels do not fit one call (64 MiB with the tree): `bash scripts/gpu/fetch_triton_wheels.sh`
 # here first, then two calls of one warm machine (it goes back 30 s after a call, so the second
@@ -42,21 +43,24 @@ if [ "${SKIP_DIRECT:-0}" != 1 ]; then
   kill -INT $server 2>/dev/null; wait $server 2>/dev/null
 fi
 # 2. through the platform: gateway (port 9000) -> Triton -> the chat model on the GPU, once for
-# each of the chat model's GIL switch intervals in $SWITCH (the model's default first)
-for switch in ${SWITCH:-0.0005 0.005}; do
-  printf 'models:\n  chat: {kind: chat, model_dir: %s, load_format: dummy, max_model_len: 2048, instance_kind: KIND_GPU,\n         max_num_seqs: 512, max_num_batched_tokens: 16384, switch_interval_s: %s}\n' \
-    "$M" "$switch" > "$OUT/platform_$switch.yaml"
+# each variant in $VARIANTS, "SENDS,INTERVAL": the chat model's stream_sends (thread | loop) and
+# its stub's GIL switch interval in seconds (0: Python's own, 5 ms)
+for variant in ${VARIANTS:-thread,0 loop,0 thread,0.0005}; do
+  sends=${variant%,*} interval=${variant#*,}
+  extra="stream_sends: $sends"; [ "$interval" != 0 ] && extra="$extra, switch_interval_s: $interval"
+  printf 'models:\n  chat: {kind: chat, model_dir: %s, load_format: dummy, max_model_len: 2048, instance_kind: KIND_GPU,\n         max_num_seqs: 512, max_num_batched_tokens: 16384, %s}\n' \
+    "$M" "$extra" > "$OUT/platform_${sends}_$interval.yaml"
   LLMSERVE_TRITON_HIDE_MODULES=sklearn PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" timeout 420 \
-    python3 -m llmserve up --config "$OUT/platform_$switch.yaml" --port 9000 --workdir "/tmp/triton-work-$switch" \
-    > "$OUT/up_$switch.log" 2>&1 &
+    python3 -m llmserve up --config "$OUT/platform_${sends}_$interval.yaml" --port 9000 \
+    --workdir "/tmp/triton-work-${sends}_$interval" > "$OUT/up_${sends}_$interval.log" 2>&1 &
   up=$!
-  if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup_$switch.txt"; then
-    bench_d http://127.0.0.1:9000 "platform_switch$switch"
+  if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup_${sends}_$interval.txt"; then
+    bench_d http://127.0.0.1:9000 "platform_${sends}_$interval"
   else
-    grep -E "error|Error" /tmp/triton-work-"$switch"/*.log | head -20
+    grep -E "error|Error" /tmp/triton-work-"${sends}_$interval"/*.log | head -20
   fi
   kill -INT $up 2>/dev/null; wait $up 2>/dev/null
-  tail -n 60 /tmp/triton-work-"$switch"/*.log 2>/dev/null > "$OUT/triton_tail_$switch.log"
+  tail -n 60 /tmp/triton-work-"${sends}_$interval"/*.log 2>/dev/null > "$OUT/triton_tail_${sends}_$interval.log"
 done
 python3 scripts/gpu/d_summary.py "$OUT"  # RESULT lines, and every run's JSON in $OUT/d_all.json
 pack_out d_all.json

@@ -33,12 +33,11 @@ import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05  # how often a request looks for its client's cancellation (a round trip to Triton)
-# Each send and cancellation check waits on Triton with the GIL released; when the engine's
-# output thread holds the GIL meanwhile, getting it back takes up to the switch interval
-# (5 ms by default): at hundreds of tokens a second that stalls every stream
-# (scripts/triton_stream_costs.py: a send beside a busy thread took 5.5 ms at 5 ms, 0.9 at 0.5);
-# the model's parameter `switch_interval_s` (platform.yaml) sets another
-SWITCH_INTERVAL_S = 0.0005
+# Model parameters of the chat model's own (not engine settings):
+#   stream_sends: thread (default) | loop -- who sends streamed responses (llmserve/triton/stream_sends.py)
+#   switch_interval_s -- the stub's GIL switch interval (Python's 5 ms by default); a send waits on
+#   Triton with the GIL released and gets it back from a busy thread only at a switch
+CHAT_PARAMETERS = ("tool_call_parser", "lora_modules", "switch_interval_s", "stream_sends")
 
 
 def _engine_args(params: dict) -> dict:
@@ -51,7 +50,7 @@ def _engine_args(params: dict) -> dict:
 
     hints = typing.get_type_hints(EngineArgs)
     args = {"model": params.pop("model_dir")}
-    for key in ("tool_call_parser", "lora_modules", "switch_interval_s"):  # the chat model's, not the engine's
+    for key in CHAT_PARAMETERS:  # the chat model's, not the engine's
         params.pop(key, None)
     for key, value in params.items():
         if key not in EngineArgs.field_names() or key == "usage_context":
@@ -122,10 +121,15 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
-        sys.setswitchinterval(float(params.get("switch_interval_s") or SWITCH_INTERVAL_S))  # the stub's process alone
+        if params.get("switch_interval_s"):  # the stub's process alone
+            sys.setswitchinterval(float(params["switch_interval_s"]))
         self.sleep_mode = params.get("enable_sleep_mode") == "true"
         self.name = config.get("name", "chat")
         self.adapters = lora_modules(params.get("lora_modules", ""))  # a request's "model" may name one
+        from llmserve.triton.stream_sends import stream_sends
+
+        # streams' responses: from a thread of their own (a stream's waiting events together), or from the loop
+        self.sends = stream_sends(params.get("stream_sends") or "thread", lambda text: _response(200, text), FINAL)
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
@@ -140,6 +144,7 @@ class TritonPythonModel:
         from llmserve.openai.errors import error_body
 
         sender = request.get_response_sender()
+        streaming = False
         try:
             body = (_text(request, "request") or "").encode("utf-8")
             endpoint = _text(request, "endpoint", CHAT)
@@ -154,6 +159,7 @@ class TritonPythonModel:
             if reply.error is not None:
                 sender.send(_response(reply.status, json.dumps(reply.error)), flags=FINAL)
             elif reply.events is not None:
+                streaming = True
                 await self._stream(request, sender, reply.events)
             else:
                 whole = await self._unless_cancelled(request, reply.body)
@@ -162,6 +168,12 @@ class TritonPythonModel:
                 else:
                     sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream
+            if streaming:  # after the events already queued: an error event and [DONE], as llmserve serve ends one
+                from llmserve.openai.errors import sse_error
+
+                self.sends.put(sender, sse_error(500, f"internal error: {type(exc).__name__}"))
+                self.sends.put(sender, "data: [DONE]", last=True)
+                return
             error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
             sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
 
@@ -187,8 +199,8 @@ class TritonPythonModel:
                     await events.aclose()  # leaving the stream aborts the request in the engine
                     pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
                     break
-            sender.send(_response(200, event.rstrip("\n")))
-        sender.send(flags=FINAL)
+            self.sends.put(sender, event)
+        self.sends.put(sender, None, last=True)
 
     async def _unless_cancelled(self, request, body):
         """The whole answer, or None if the client cancelled first (its request is aborted)."""
@@ -205,3 +217,4 @@ class TritonPythonModel:
         self.engine.shutdown()  # stops the engine core process and frees its memory
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
+        self.sends.close()
