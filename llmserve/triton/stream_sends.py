@@ -79,8 +79,8 @@ class StreamSends:
                     else:
                         continue
                     self.sends += 1
-                except Exception:  # noqa: BLE001 - one stream's failed send must not stop the others
-                    logger.exception("a streamed response could not be sent")
+                except Exception as exc:  # noqa: BLE001 - one stream's failed send must not stop the others
+                    logger.warning("a streamed response could not be sent (%s: %s)", type(exc).__name__, exc)
 
 
 class DirectSends:
