@@ -104,3 +104,43 @@ def test_direct_sends_each_event_at_once_and_the_choice_is_checked():
 
     with pytest.raises(ValueError, match="thread or loop"):
         stream_sends("both", lambda text: text, FINAL)
+
+
+class FailsOnce(Sender):
+    """Its first send (of anything) raises; later sends are recorded."""
+
+    def send(self, response=None, flags: int = 0) -> None:
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("could not encode")
+        super().send(response, flags)
+
+
+def test_a_failed_send_ends_its_stream_with_an_error_and_nothing_after():
+    log: list = []
+    gate = threading.Event()
+    sends = StreamSends(lambda text: text, FINAL, fail=lambda message: f"error: {message}")
+    first, broken = Sender("first", log, gate), FailsOnce("broken", log)
+    sends.put(first, "data: 0")
+    time.sleep(0.05)
+    sends.put(broken, "data: 1")  # fails: the stream ends here with the error
+    gate.set()
+    _wait_for(log, 2)
+    sends.put(broken, "data: 2")  # dropped: the client saw the stream end
+    sends.put(broken, "data: [DONE]", last=True)
+    later = FailsOnce("later", log)
+    sends.put(later, "data: x", last=True)  # its last send fails: the error ends it instead
+    sends.close()
+    assert log == [("first", "data: 0", 0), ("broken", "error: RuntimeError: could not encode", FINAL),
+                   ("later", "error: RuntimeError: could not encode", FINAL)]  # fmt: skip
+    assert not sends._broken  # the broken stream's entry went with its last item
+
+
+def test_after_close_the_caller_sends():
+    log: list = []
+    sends = StreamSends(lambda text: text, FINAL)
+    sends.close()
+    a = Sender("a", log)
+    sends.put(a, "data: late")
+    sends.put(a, None, last=True)
+    assert log == [("a", "data: late", 0), ("a", None, FINAL)]

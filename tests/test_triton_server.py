@@ -95,6 +95,23 @@ def test_repository_layout_and_config(repo):
         assert (repo / name / "1" / "server_path.py").is_file()  # model.py imports it first
 
 
+def test_server_path_puts_pythonpath_first_and_hides_modules():
+    """server_path moves PYTHONPATH's entries to the front even when the stub's path already has
+    them further back (a folder of numpy 1.x must win over site-packages), and hides the
+    modules named (blanks ignored)."""
+    from llmserve.triton.build_repo import MODELS_DIR
+
+    code = ("import os, sys; sys.path.append('/first'); sys.path.append('/second'); "
+            "os.environ['PYTHONPATH'] = '/second' + os.pathsep + '/first'; "
+            "os.environ['LLMSERVE_TRITON_HIDE_MODULES'] = ' pphidden2, ,'; "
+            f"sys.path.insert(0, {str(MODELS_DIR)!r}); import server_path; "
+            "assert sys.path[:2] == ['/second', '/first'], sys.path[:3]; "
+            "assert sys.path.count('/first') == 1; "
+            "assert sys.modules['pphidden2'] is None and '' not in sys.modules; print('ok')")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    assert out.stdout.strip() == "ok", out.stderr
+
+
 def test_models_see_packages_named_in_pythonpath(tmp_path, monkeypatch):
     """The stub's embedded Python does not read PYTHONPATH (packages installed with `pip
     --target`, as on the GPU image: `llmserve up` died there on `import zmq`). A model that

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 class RunnerSleep:
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+        self.runner = weakref.proxy(runner)  # no cycle: the runner's memory goes with its last reference
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.tensors().values())
         self.stash = WeightStash()  # the tensors kept in host memory while asleep
         self.asleep = False

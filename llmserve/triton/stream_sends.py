@@ -28,21 +28,31 @@ logger = logging.getLogger(__name__)
 
 
 class StreamSends:
-    def __init__(self, respond: Callable[[str], Any], final: int, name: str = "llmserve-sends") -> None:
+    """`respond(text)` makes a response; `fail(message)` an error response (it ends a stream whose
+    send failed: the client sees an error, never a stream with events missing)."""
+
+    def __init__(self, respond: Callable[[str], Any], final: int, fail: Callable[[str], Any] | None = None,
+                 name: str = "llmserve-sends") -> None:  # fmt: skip
         self._respond = respond
+        self._fail = fail
         self._final = final
         self._queue: deque[tuple[Any, str | None, bool]] = deque()
         self._ready = threading.Condition()
         self._closed = False
+        self._broken: dict[int, Any] = {}  # streams whose send failed (held until their last item)
         self.sends = 0  # responses sent (each may carry several events)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, sender: Any, event: str | None, last: bool = False) -> None:
-        """Queue `event` (a server-sent event; None: none) for `sender`'s stream; `last` ends it."""
+        """Queue `event` (a server-sent event; None: none) for `sender`'s stream; `last` ends it.
+        After `close` the caller's thread sends it at once."""
         with self._ready:
-            self._queue.append((sender, event, last))
-            self._ready.notify()
+            if not self._closed:
+                self._queue.append((sender, event, last))
+                self._ready.notify()
+                return
+        self._send(sender, [event] if event is not None else [], last)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then stop the thread."""
@@ -70,17 +80,33 @@ class StreamSends:
                     events.append(event)
                 ended[0] = ended[0] or last
             for sender, events, ended in streams.values():
-                flags = self._final if ended[0] else 0
-                try:
-                    if events:
-                        sender.send(self._respond(join_events(events)), flags=flags)
-                    elif ended[0]:
-                        sender.send(flags=flags)
-                    else:
-                        continue
-                    self.sends += 1
-                except Exception as exc:  # noqa: BLE001 - one stream's failed send must not stop the others
-                    logger.warning("a streamed response could not be sent (%s: %s)", type(exc).__name__, exc)
+                self._send(sender, events, ended[0])
+
+    def _send(self, sender: Any, events: list[str], last: bool) -> None:
+        if id(sender) in self._broken:  # ended already, with an error
+            if last:
+                del self._broken[id(sender)]
+            return
+        flags = self._final if last else 0
+        try:
+            if events:
+                sender.send(self._respond(join_events(events)), flags=flags)
+            elif last:
+                sender.send(flags=flags)
+            else:
+                return
+            self.sends += 1
+        except Exception as exc:  # noqa: BLE001 - one stream's failed send must not stop the others
+            logger.warning("a streamed response could not be sent (%s: %s)", type(exc).__name__, exc)
+            if not last:
+                self._broken[id(sender)] = sender
+            try:  # end the stream with the error, so that no client takes a gap for the whole answer
+                if self._fail is not None:
+                    sender.send(self._fail(f"{type(exc).__name__}: {exc}"), flags=self._final)
+                else:
+                    sender.send(flags=self._final)
+            except Exception:  # noqa: BLE001 - the stream is gone (its client went away)
+                pass
 
 
 class DirectSends:
@@ -105,10 +131,11 @@ class DirectSends:
         pass
 
 
-def stream_sends(kind: str, respond: Callable[[str], Any], final: int) -> StreamSends | DirectSends:
+def stream_sends(kind: str, respond: Callable[[str], Any], final: int,
+                 fail: Callable[[str], Any] | None = None) -> StreamSends | DirectSends:  # fmt: skip
     """The chat model's parameter `stream_sends`: "thread" (the default) or "loop"."""
     if kind == "thread":
-        return StreamSends(respond, final)
+        return StreamSends(respond, final, fail)
     if kind == "loop":
         return DirectSends(respond, final)
     raise ValueError(f"stream_sends must be thread or loop, got {kind!r}")

@@ -129,7 +129,8 @@ class TritonPythonModel:
         from llmserve.triton.stream_sends import stream_sends
 
         # streams' responses: from a thread of their own (a stream's waiting events together), or from the loop
-        self.sends = stream_sends(params.get("stream_sends") or "thread", lambda text: _response(200, text), FINAL)
+        self.sends = stream_sends(params.get("stream_sends") or "thread", lambda text: _response(200, text), FINAL,
+                                  lambda message: pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
@@ -171,11 +172,17 @@ class TritonPythonModel:
             if streaming:  # after the events already queued: an error event and [DONE], as llmserve serve ends one
                 from llmserve.openai.errors import sse_error
 
-                self.sends.put(sender, sse_error(500, f"internal error: {type(exc).__name__}"))
-                self.sends.put(sender, "data: [DONE]", last=True)
-                return
+                try:
+                    self.sends.put(sender, sse_error(500, f"internal error: {type(exc).__name__}"))
+                    self.sends.put(sender, "data: [DONE]", last=True)
+                    return
+                except Exception:  # noqa: BLE001 - the sends failed too (stream_sends: loop): end it below
+                    pass
             error = pb_utils.TritonError(f"{type(exc).__name__}: {exc}")
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            try:
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            except Exception:  # noqa: BLE001 - the stream is gone (its client went away)
+                pass
 
     async def _control(self, sender, endpoint: str, body: bytes) -> None:
         from llmserve.openai.errors import error_body
@@ -192,14 +199,16 @@ class TritonPythonModel:
 
     async def _stream(self, request, sender, events) -> None:
         next_check = time.monotonic() + CANCEL_POLL_S
-        async for event in events:
-            if time.monotonic() >= next_check:  # a round trip to Triton: not for every token
-                next_check = time.monotonic() + CANCEL_POLL_S
-                if request.is_cancelled():
-                    await events.aclose()  # leaving the stream aborts the request in the engine
-                    pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
-                    break
-            self.sends.put(sender, event)
+        try:
+            async for event in events:
+                if time.monotonic() >= next_check:  # a round trip to Triton: not for every token
+                    next_check = time.monotonic() + CANCEL_POLL_S
+                    if request.is_cancelled():
+                        pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
+                        break
+                self.sends.put(sender, event)
+        finally:
+            await events.aclose()  # leaving the stream early aborts the request in the engine
         self.sends.put(sender, None, last=True)
 
     async def _unless_cancelled(self, request, body):

@@ -10,11 +10,12 @@ working folder. Packages installed elsewhere and named in PYTHONPATH (`pip insta
 import os
 import sys
 
-_entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-sys.path[:0] = [p for p in _entries if p not in sys.path]
+_entries = list(dict.fromkeys(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p))
+sys.path[:] = _entries + [p for p in sys.path if p not in _entries]
 
 # LLMSERVE_TRITON_HIDE_MODULES="sklearn,...": modules the stub treats as not installed. On an
 # image whose scipy needs numpy 2 while the stub needs numpy 1.x (the H200 image), transformers
 # imports sklearn, and so scipy, when it finds it; hidden, transformers leaves it alone.
-for _name in filter(None, os.environ.get("LLMSERVE_TRITON_HIDE_MODULES", "").split(",")):
-    sys.modules.setdefault(_name.strip(), None)
+# (a module the stub imported already stays as it is)
+for _name in filter(None, (n.strip() for n in os.environ.get("LLMSERVE_TRITON_HIDE_MODULES", "").split(","))):
+    sys.modules.setdefault(_name, None)
