@@ -135,6 +135,11 @@ class TritonPythonModel:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
         self.thread.start()
+        from llmserve.heap import freeze_startup_objects
+
+        # this stub process is the model's alone: its start-up heap (torch, transformers, the
+        # engine's client) out of the collector's scans, whose full passes stalled every stream
+        freeze_startup_objects(f"Triton model {self.name}")
 
     def execute(self, requests):
         for request in requests:
