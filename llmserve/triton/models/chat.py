@@ -135,6 +135,7 @@ class TritonPythonModel:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
         self.thread.start()
+        import llmserve.openai.calls  # noqa: F401 - what the first request needs, loaded (and frozen) now
         from llmserve.heap import freeze_startup_objects
 
         # this stub process is the model's alone: its start-up heap (torch, transformers, the
