@@ -1,5 +1,5 @@
-"""Every `llmserve bench serve` JSON named *_rate*.json in a folder: one RESULT line each, and all of
-them in d_all.json there (scripts/gpu/run_triton_gpu.sh).
+"""Every `llmserve bench serve` JSON named *_rate*.json in a folder: one RESULT line each, and their
+summaries (not the per-request lists) in d_all.json there (scripts/gpu/run_triton_gpu.sh).
 
     python3 scripts/gpu/d_summary.py $OUT
 """
@@ -19,7 +19,9 @@ def main(folder: Path) -> None:
     for name, run in runs.items():
         row = {k: round(run[k], 2) if isinstance(run.get(k), float) else run.get(k) for k in KEYS}
         print("RESULT", name, json.dumps(row), flush=True)
-    (folder / "d_all.json").write_text(json.dumps(runs, indent=1))
+    # the summaries only: each run's per-request lists stay in its own JSON (runs.tgz)
+    scalars = {name: {k: v for k, v in run.items() if not isinstance(v, list)} for name, run in runs.items()}
+    (folder / "d_all.json").write_text(json.dumps(scalars, indent=1))
 
 
 if __name__ == "__main__":

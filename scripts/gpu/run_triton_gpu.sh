@@ -26,15 +26,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" python3 -c "import tritonclient.grpc.aio, tritonclient.http, fastapi
 from llmserve.triton.server import triton_home; print('imports ok;', triton_home())" || exit 4
-# (d) at 16 req/s and at an unlimited rate, 400 x 512/256, seed 201, against a base URL
+# (d) at 16 req/s and at an unlimited rate (RATES), seed 201, against a base URL (lib.sh's bench_serve)
 bench_d() {  # bench_d URL NAME
   local rate
-  for rate in ${RATES:-16 inf}; do
-    timeout 150 python3 -m llmserve bench serve --base-url "$1" --num-prompts 400 --input-len 512 --output-len 256 \
-      --ignore-eos --request-rate "$rate" --vocab-size 128256 --seed 201 --percentiles 50,90,99 \
-      --output-json "$OUT/$2_rate$rate.json" --disable-tqdm > "$OUT/$2_rate$rate.log" 2>&1
-    echo "--- $2 at $rate req/s"; grep -E "Output token throughput|TTFT|Failed" "$OUT/$2_rate$rate.log" | head -6
-  done
+  for rate in ${RATES:-16 inf}; do BASE_URL=$1 bench_serve "$rate" "$2_rate$rate" 201; done
 }
 # 1. the engine directly: llmserve serve (port 8000)
 if [ "${SKIP_DIRECT:-0}" != 1 ]; then
