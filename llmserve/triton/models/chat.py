@@ -207,8 +207,9 @@ class TritonPythonModel:
         next_check = time.monotonic() + CANCEL_POLL_S
         try:
             async for event in events:
-                if time.monotonic() >= next_check:  # a round trip to Triton: not for every token
-                    next_check = time.monotonic() + CANCEL_POLL_S
+                now = time.monotonic()
+                if now >= next_check:  # a round trip to Triton: not for every token
+                    next_check = now + CANCEL_POLL_S
                     if request.is_cancelled():
                         pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
                         break
