@@ -35,12 +35,11 @@ from collections.abc import Callable
 logger = logging.getLogger("llmserve.up")
 
 
-def gateway_config(spec: dict, model_names: list[str], grpc_port: int, placed: list[str] | None = None) -> dict:
-    """The gateway's config: the platform.yaml's `gateway:` section, aliases for Triton's models by default,
-    and the placement of the models sharing the GPU."""
+def gateway_config(spec: dict, model_names: list[str], replica: str, placed: list[str] | None = None) -> dict:
+    """The gateway's config: the platform.yaml's `gateway:` section, aliases for Triton's models
+    (on `replica`, the Triton server's URL) by default, and the placement of the models sharing the GPU."""
     config = dict(spec.get("gateway") or {})
     if "models" not in config:
-        replica = f"grpc://127.0.0.1:{grpc_port}"
         config["models"] = {name: {"kind": "triton", "replicas": [replica]} for name in model_names}
     placement = placement_config(spec, placed or [])
     if placement is not None and "placement" not in config:
@@ -70,7 +69,7 @@ def placement_config(spec: dict, placed: list[str]) -> dict | None:
     return {**dict(spec.get("placement") or {}), "gpu_memory_budget": spec["gpu_memory_budget"], "models": placed}
 
 
-async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_spec, sleep_level: int = 1,
+async def load_placed(http_url: str, replica_url: str, placed: list[str], budget_spec, sleep_level: int = 1,
                       held_asleep: Callable[[str], bool | None] | None = None) -> None:  # fmt: skip
     """Load the placed models one at a time; each that does not fit the budget beside those
     resident (and every loaded engine's own memory, held asleep too) goes to sleep at once,
@@ -82,7 +81,7 @@ async def load_placed(http_url: str, grpc_url: str, placed: list[str], budget_sp
     from llmserve.triton import control
 
     clients = TritonClients()
-    actuator = TritonActuator(clients, {name: (grpc_url, name) for name in placed})
+    actuator = TritonActuator(clients, {name: (replica_url, name) for name in placed})
     resident = overheads = 0
     try:
         for i, name in enumerate(placed, 1):
@@ -114,6 +113,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--triton-http-port", type=int, default=8000)
     p.add_argument("--triton-grpc-port", type=int, default=8001)
     p.add_argument("--triton-metrics-port", type=int, default=8002)
+    p.add_argument("--triton-transport", choices=("http", "grpc"), default="http",
+                   help="how the gateway speaks to Triton: HTTP (KServe v2 and generate_stream; a streamed "
+                        "token costs the gateway half of gRPC's) or gRPC")  # fmt: skip
     p.add_argument("--triton-address", default="127.0.0.1",
                    help="where Triton listens (default: this host only, so the gateway's keys and limits "
                         "cannot be gone around; 0.0.0.0 to let Prometheus elsewhere scrape it)")  # fmt: skip
@@ -142,8 +144,10 @@ def run(args: argparse.Namespace) -> None:
     for m in models:
         if m.name in placed:
             m.parameters["enable_sleep_mode"] = "true"
+    port = args.triton_http_port if args.triton_transport == "http" else args.triton_grpc_port
+    triton_url = f"{args.triton_transport}://127.0.0.1:{port}"  # the gateway's replica of every model
     # checked before anything starts: a bad gateway section fails here
-    config = GatewayConfig.model_validate(gateway_config(spec, [m.name for m in models], args.triton_grpc_port, placed))
+    config = GatewayConfig.model_validate(gateway_config(spec, [m.name for m in models], triton_url, placed))
     workdir = args.workdir or tempfile.mkdtemp(prefix="llmserve-up-")
     repo = build_repo(os.path.join(workdir, "model_repository"), models)
     log_path = os.path.join(workdir, "triton.log")
@@ -162,12 +166,11 @@ def run(args: argparse.Namespace) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit)
-    grpc_url = f"grpc://127.0.0.1:{args.triton_grpc_port}"
 
     def place(held_asleep: Callable[[str], bool | None] | None = None) -> None:
         if placed:
             http_url = f"127.0.0.1:{args.triton_http_port}"
-            asyncio.run(load_placed(http_url, grpc_url, placed, spec["gpu_memory_budget"],
+            asyncio.run(load_placed(http_url, triton_url, placed, spec["gpu_memory_budget"],
                                     config.placement.sleep_level if config.placement else 1, held_asleep))  # fmt: skip
 
     logger.info("starting Triton with %s (log: %s)", ", ".join(m.name for m in models), log_path)
@@ -180,9 +183,9 @@ def run(args: argparse.Namespace) -> None:
             # a dead backend is reloaded, a dead server restarted; too many restarts stop the platform (exit 1)
             # after a Triton restart the placed models sleep or wake as the gateway's placement holds them
             watchdog = Watchdog(triton, interval_s=args.watchdog_interval_s,
-                                after_server_restart=lambda: place(lambda m: app.gateway.placed_asleep(grpc_url, m)),
-                                on_backend_dead=lambda model: app.gateway.triton_backend_died(grpc_url, model),
-                                on_model_restarted=lambda model: app.gateway.triton_backend_restarted(grpc_url, model),
+                                after_server_restart=lambda: place(lambda m: app.gateway.placed_asleep(triton_url, m)),
+                                on_backend_dead=lambda model: app.gateway.triton_backend_died(triton_url, model),
+                                on_model_restarted=lambda model: app.gateway.triton_backend_restarted(triton_url, model),
                                 on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()  # fmt: skip
         logger.info(
             "llmserve is up: OpenAI API at http://%s:%d/v1 (models: %s); metrics at /metrics there and "

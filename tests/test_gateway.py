@@ -672,3 +672,46 @@ def test_a_busy_replica_is_shed_at_once_and_a_request_that_breaks_its_replica_is
             assert len(posts) == 2, posts  # the first try and one more
         finally:
             gateway.stop()
+
+
+def test_a_triton_streams_event_leaves_whole_before_the_next_one_exists():
+    """Each event of a Triton chat stream goes out with the blank line that ends it, in one
+    write: an SSE client (the openai SDK) takes a token as soon as it comes. (The blank line
+    once went out with the next event, so such clients saw each token one token late.)"""
+    from llmserve.gateway.config import ModelRoute
+    from llmserve.gateway.context import RequestContext
+    from llmserve.gateway.proxy import _rewrite_model
+    from llmserve.gateway.router import Pick, Replica
+    from llmserve.gateway.triton_upstream import Backend, TritonClients, _generate, chat_events
+
+    def chunk(text: str) -> str:
+        return 'data: {"id":"x","model":"chat","choices":[{"index":0,"delta":{"content":"%s"}}]}' % text
+
+    async def main() -> list[str]:
+        gate = asyncio.Event()
+
+        async def responses():
+            yield 200, chunk("one")
+            await gate.wait()  # the next token does not exist yet
+            yield 200, chunk("two") + "\n\n" + chunk("three")  # two events in one response
+            yield 200, "data: [DONE]"
+
+        clients = TritonClients()
+        clients.events = lambda *args, **kw: chat_events(responses(), 5.0, Backend())
+        ctx = RequestContext("r", "/v1/chat/completions", "chat", {"stream": True}, True, None)
+        pick = Pick("chat", ModelRoute(kind="triton", replicas=["http://127.0.0.1:1"]), Replica("chat", "http://127.0.0.1:1"))
+        opened = await _generate(clients, ctx, pick, "chat")
+        writes = [_rewrite_model(opened.first, "chat", ctx) + "\n"]  # what the gateway's relay writes
+        assert not gate.is_set()
+        gate.set()
+        writes += [_rewrite_model(line, "chat", ctx) + "\n" async for line in opened.lines]
+        await opened.close()
+        return writes
+
+    writes = asyncio.run(main())
+    assert writes == [chunk("one") + "\n\n", chunk("two") + "\n\n", chunk("three") + "\n\n", "data: [DONE]\n\n"]
+    # a chunk that names another model (an upstream's own name) is rewritten; its newlines are kept
+    ctx = RequestContext("r", "/v1/chat/completions", "alias", {"stream": True}, True, None)
+    assert _rewrite_model(chunk("x") + "\n", "alias", ctx) == chunk("x").replace('"chat"', '"alias"') + "\n"
+    usage = 'data: {"model":"alias","choices":[],"usage":{"total_tokens":7}}\n'
+    assert _rewrite_model(usage, "alias", ctx) == usage and ctx.used_tokens == 7

@@ -207,6 +207,33 @@ def test_through_the_platform_equals_llmserve_serve_field_for_field(up, default_
     assert _without_call_ids(_same_shape(got)) == _without_call_ids(_same_shape(want))
 
 
+def test_triton_over_http_equals_triton_over_grpc(up, tmp_path):
+    """`llmserve up`'s gateway speaks to Triton over HTTP (generate_stream); a gateway given the
+    same Triton over gRPC (the reference) answers the same requests with the same replies, a
+    refusal included."""
+    from gateway_utils import start_gateway
+
+    assert all(url.startswith("http://") for url in httpx.get(up["url"] + "/health").json()["upstreams"])
+    grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
+    gateway = start_gateway({"models": {"chat": {"kind": "triton", "replicas": [grpc_url]}}}, free_port(), str(tmp_path))
+    cases = [*PARITY[-2:], PARITY[1], ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": -1}),
+             ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 2, "logprobs": 99})]  # fmt: skip
+    try:
+        for path, body in cases:
+            # one after the other: side by side they would share batches (and logprobs' last digits)
+            via_http, via_grpc = (httpx.post(base + path, json={**body, "model": "chat"}, timeout=120)
+                                  for base in (up["url"], gateway.base_url))  # fmt: skip
+            assert via_http.status_code == via_grpc.status_code, (path, body, via_http.text[:300], via_grpc.text[:300])
+            if body.get("stream") and via_http.status_code == 200:
+                assert via_http.text.rstrip().endswith("data: [DONE]") and via_grpc.text.rstrip().endswith("data: [DONE]")
+                got, want = _events(via_http), _events(via_grpc)
+            else:
+                got, want = via_http.json(), via_grpc.json()
+            assert _same_shape(got) == _same_shape(want), (path, body)
+    finally:
+        gateway.stop()
+
+
 def test_token_limits_settle_with_the_counts_triton_reports(up, tmp_path):
     """A key's tokens per minute: each request reserves its prompt and max_tokens up front and
     gives back what it did not use, streamed or not (the reservation was kept before: Triton

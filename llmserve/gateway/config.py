@@ -25,8 +25,9 @@ class _Strict(BaseModel):
 class ModelRoute(_Strict):
     """One alias clients name, and the replicas that serve it."""
 
-    kind: Literal["openai", "triton"] = "openai"  # an OpenAI-compatible server, or Triton over gRPC
-    replicas: list[str] = Field(min_length=1)  # http(s)://host:port (openai), grpc://host:port (triton)
+    kind: Literal["openai", "triton"] = "openai"  # an OpenAI-compatible server, or Triton (gRPC or HTTP)
+    # http(s)://host:port (openai); triton: grpc://host:port (its gRPC port) or http://host:port (its HTTP port)
+    replicas: list[str] = Field(min_length=1)
     model: str | None = None  # the name the upstreams know; the alias when unset
     lora: str | None = None  # a LoRA adapter the upstream serves: sent as the body's model (to Triton: model stays its chat model)
     # the adapter's folder as the replicas see it: the gateway prefers replicas holding `lora` and
@@ -53,7 +54,7 @@ class ModelRoute(_Strict):
 
     @model_validator(mode="after")
     def _urls(self) -> ModelRoute:
-        schemes = ("grpc://",) if self.kind == "triton" else ("http://", "https://")
+        schemes = ("grpc://", "http://", "https://") if self.kind == "triton" else ("http://", "https://")
         for url in self.replicas:
             if not url.startswith(schemes):
                 raise ValueError(f"replica {url!r} of a {self.kind} upstream must start with {' or '.join(schemes)}")

@@ -25,6 +25,8 @@ class UpstreamFailed(Exception):
 class Opened:
     status: int
     content: bytes | None  # a whole (non-streamed) body
-    lines: AsyncIterator[str] | None  # a stream: what is left after `first`
+    # a stream: what is left after `first`, line by line; a line may end with "\n" (an event
+    # with the blank line that ends it, sent in one write)
+    lines: AsyncIterator[str] | None
     first: str | None  # a stream's first line, read before committing to this replica
     close: Callable[[], Awaitable[None]]  # drops the upstream call (the replica aborts the request)

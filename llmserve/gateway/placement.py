@@ -18,7 +18,7 @@ import logging
 
 from llmserve.gateway.config import GatewayConfig, PlacementConfig
 from llmserve.gateway.metrics import GatewayMetrics
-from llmserve.gateway.triton_upstream import TritonClients, _responses, _strings
+from llmserve.gateway.triton_upstream import TritonClients
 from llmserve.placement.controller import PlacementController, WakeTimeout
 from llmserve.placement.engine_control import FOOTPRINT, SLEEP, WAKE_UP
 from llmserve.placement.footprint import Footprint, parse_budget
@@ -70,7 +70,7 @@ class _ControlActuator:
 
 class TritonActuator(_ControlActuator):
     """Triton chat models (alias -> replica address and model name): the control calls as the
-    chat model's `endpoint` input, over the gRPC connection requests use."""
+    chat model's `endpoint` input, over the connection requests use (gRPC or HTTP)."""
 
     def __init__(self, clients: TritonClients, targets: dict[str, tuple[str, str]], timeout_s: float = 600.0):
         self.clients = clients
@@ -79,9 +79,8 @@ class TritonActuator(_ControlActuator):
 
     async def call(self, name: str, endpoint: str, body: dict | None = None) -> tuple[int, dict]:
         url, model = self.targets[name]
-        inputs = [_strings("request", [json.dumps(body or {})], [1]), _strings("endpoint", [endpoint], [1])]
-        answers = [a async for a in _responses(self.clients.get(url), {"model_name": model, "inputs": inputs},
-                                               self.timeout_s, self.clients.backend(url, model))]  # fmt: skip
+        answers = [a async for a in self.clients.events(url, model, json.dumps(body or {}), endpoint,
+                                                        self.timeout_s)]  # fmt: skip
         if not answers:
             raise ControlFailed(f"{name}: {endpoint} got no answer")
         status, text = answers[-1]

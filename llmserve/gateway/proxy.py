@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,12 +24,22 @@ class NoUpstream(Exception):
     """No replica of the alias (or of its fallback) can take the request."""
 
 
+@functools.lru_cache(maxsize=256)
+def _model_field(served: str) -> str:
+    return f'"model":{json.dumps(served)}'
+
+
 def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
-    """The `model` field says the alias that served; usage, when a chunk carries it, settles the limits."""
+    """The `model` field says the alias that served; usage, when a chunk carries it, settles the
+    limits. `line` may end with newlines (kept). A chunk that names `served` already and has no
+    usage passes as it is (no JSON round trip: this runs for every token of every stream)."""
     if not line.startswith("data: {"):
         return line
+    body = line.rstrip("\n")
+    if '"usage":{' not in body and '"usage": {' not in body and _model_field(served) in body:
+        return line
     try:
-        chunk = json.loads(line[len("data: "):])
+        chunk = json.loads(body[len("data: "):])
     except json.JSONDecodeError:
         return line
     if isinstance(chunk, dict):
@@ -36,7 +47,7 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
             chunk["model"] = served
         if isinstance(chunk.get("usage"), dict):
             ctx.used_tokens = chunk["usage"].get("total_tokens", ctx.used_tokens)
-    return "data: " + json.dumps(chunk, separators=(",", ":"))
+    return "data: " + json.dumps(chunk, separators=(",", ":")) + line[len(body):]
 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
@@ -206,10 +217,11 @@ def _stream(gateway: Gateway, ctx: RequestContext, pick: Pick, sent: InFlight, o
     async def relay() -> AsyncIterator[str]:
         status = 200
         try:
+            # a line may carry the blank line that ends its event ("data: ...\n"): one write
             yield _rewrite_model(opened.first, pick.alias, ctx) + "\n"
-            done = opened.first == "data: [DONE]"
+            done = opened.first.rstrip("\n") == "data: [DONE]"
             async for line in opened.lines:
-                done = done or line == "data: [DONE]"
+                done = done or line.rstrip("\n") == "data: [DONE]"
                 yield _rewrite_model(line, pick.alias, ctx) + "\n"
             if not done:
                 raise UpstreamFailed("the stream ended without [DONE]")

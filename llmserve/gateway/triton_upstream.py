@@ -1,4 +1,6 @@
-"""Triton Inference Server replicas as upstreams, spoken to over gRPC (tritonclient's asyncio client).
+"""Triton Inference Server replicas as upstreams, spoken to over gRPC (`grpc://`, tritonclient's
+asyncio client) or HTTP (`http://`, KServe v2 and the generate extension: triton_http.py; what
+`llmserve up` uses, as it costs the gateway half as much a streamed token).
 
 - chat and completions: the OpenAI request body itself goes to the llmserve `chat` model
   (`request`, with its `endpoint`), which answers what `llmserve serve` answers, made by the
@@ -9,7 +11,7 @@
 - `/v1/embeddings`: the `embed` model (`text` in, `embedding` out; float or base64 out);
 - `/v1/rerank`: the `rerank` model (`query` and `documents` in, `scores` out), results sorted.
 Embeddings and rerank carry no usage (limits keep the reservation). Cancelling the stream
-(the client left) cancels the gRPC call: Triton tells the model, which aborts the request
+(the client left) cancels the call: Triton tells the model, which aborts the request
 in its engine.
 """
 
@@ -31,6 +33,7 @@ from llmserve.gateway.context import RequestContext
 from llmserve.gateway.opened import Opened, UpstreamFailed
 from llmserve.gateway.router import Pick
 from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_call
+from llmserve.gateway.triton_http import CallBroken, TritonHttp
 from llmserve.openai.errors import error_body
 from llmserve.openai.pooling_protocol import embedding_json, rerank_order
 from llmserve.openai.sse_events import split_events
@@ -44,12 +47,15 @@ ENDPOINT_INPUTS = MappingProxyType({
 
 
 class TritonClients:
-    """One gRPC client per Triton replica address, opened on first use; `timeout` bounds each
-    call, and the wait for each next response of a stream."""
+    """How the gateway speaks to Triton replicas: over gRPC (`grpc://host:port`, one
+    tritonclient asyncio client per address, opened on first use) or over HTTP (`http://host:port`,
+    one aiohttp session: triton_http.py); `timeout` bounds each call, and the wait for each
+    next response of a stream."""
 
     def __init__(self, timeout: float = 600.0) -> None:
         self.timeout = timeout
         self._clients: dict[str, grpcclient.InferenceServerClient] = {}
+        self.http = TritonHttp(timeout)
         self._inputs: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
         self._backends: dict[tuple[str, str], Backend] = {}
 
@@ -75,19 +81,48 @@ class TritonClients:
         key, now = (url, model), time.monotonic()
         cached = self._inputs.get(key)
         if cached is None or now - cached[0] > 60.0:
-            meta = await self.get(url).get_model_metadata(model, as_json=True, client_timeout=self.timeout)
+            if _over_http(url):
+                meta = await self.http.metadata(url, model)
+            else:
+                meta = await self.get(url).get_model_metadata(model, as_json=True, client_timeout=self.timeout)
             cached = self._inputs[key] = (now, frozenset(i["name"] for i in meta.get("inputs", [])))
         return cached[1]
 
     async def ready(self, url: str, model: str, timeout: float) -> bool:
+        if _over_http(url):
+            return await self.http.ready(url, model, timeout)
         try:
             return bool(await self.get(url).is_model_ready(model, client_timeout=timeout))
         except (InferenceServerException, grpc.RpcError, OSError):
             return False
 
+    async def infer_strings(self, url: str, model: str, inputs: list[tuple[str, list[int], list[str]]],
+                            output: str) -> np.ndarray:  # fmt: skip
+        """One KServe v2 inference with string inputs (name, shape, texts): the output `output`."""
+        if _over_http(url):
+            return await self.http.infer_strings(url, model, inputs, output)
+        tensors = [_strings(name, texts, shape) for name, shape, texts in inputs]
+        return (await self.get(url).infer(model, tensors, client_timeout=self.timeout)).as_numpy(output)
+
+    def events(self, url: str, model: str, body: str, endpoint: str,
+               timeout: float | None = None) -> AsyncIterator[tuple[int, str]]:  # fmt: skip
+        """(status, event) of each server-sent event (or the whole body) the chat model `model`
+        answers to the OpenAI `body` for `endpoint` (chat_events; `timeout`: this client's)."""
+        if _over_http(url):
+            responses = self.http.responses(url, model, {"request": body, "endpoint": endpoint})
+        else:
+            inputs = [_strings("request", [body], [1]), _strings("endpoint", [endpoint], [1])]
+            responses = _grpc_responses(self.get(url), {"model_name": model, "inputs": inputs})
+        return chat_events(responses, self.timeout if timeout is None else timeout, self.backend(url, model))
+
     async def close(self) -> None:
         for client in self._clients.values():
             await client.close()
+        await self.http.close()
+
+
+def _over_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
 
 
 def _strings(name: str, texts: list[str], shape: list[int]) -> grpcclient.InferInput:
@@ -112,13 +147,12 @@ def _json(status: int, body: dict) -> Opened:
     return Opened(status, json.dumps(body).encode(), None, None, _nothing)
 
 
-async def _embeddings(clients: TritonClients, client, ctx: RequestContext, model: str) -> dict:
+async def _embeddings(clients: TritonClients, url: str, ctx: RequestContext, model: str) -> dict:
     call = embeddings_call(ctx.payload)
     rows = []
     for start in range(0, len(call.texts), EMBED_BATCH):
         part = call.texts[start:start + EMBED_BATCH]
-        result = await client.infer(model, [_strings("text", part, [len(part), 1])], client_timeout=clients.timeout)
-        rows.extend(result.as_numpy("embedding"))
+        rows.extend(await clients.infer_strings(url, model, [("text", [len(part), 1], part)], "embedding"))
     if call.dimensions is not None and rows and call.dimensions != len(rows[0]):
         raise BadRequest(f"this model's embeddings have {len(rows[0])} dimensions; `dimensions` cannot change "
                          f"that (got {call.dimensions})")  # fmt: skip
@@ -127,11 +161,11 @@ async def _embeddings(clients: TritonClients, client, ctx: RequestContext, model
     return {"object": "list", "data": data, "model": ctx.alias}
 
 
-async def _rerank(clients: TritonClients, client, ctx: RequestContext, model: str) -> dict:
+async def _rerank(clients: TritonClients, url: str, ctx: RequestContext, model: str) -> dict:
     call = rerank_call(ctx.payload)
     docs = call.documents
-    inputs = [_strings("query", [call.query], [1, 1]), _strings("documents", docs, [1, len(docs)])]
-    scores = (await client.infer(model, inputs, client_timeout=clients.timeout)).as_numpy("scores")[0]
+    inputs = [("query", [1, 1], [call.query]), ("documents", [1, len(docs)], docs)]
+    scores = (await clients.infer_strings(url, model, inputs, "scores"))[0]
     results = []
     for i in rerank_order(scores, call.top_n):
         result = {"index": i, "relevance_score": float(scores[i])}
@@ -141,9 +175,9 @@ async def _rerank(clients: TritonClients, client, ctx: RequestContext, model: st
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "results": results}
 
 
-def _chat_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, bool]:
-    """The KServe request carrying the OpenAI body for the chat model, and whether the client
-    asked for the stream's usage itself."""
+def _chat_request(ctx: RequestContext, pick: Pick) -> tuple[str, bool]:
+    """The OpenAI body for the chat model, and whether the client asked for the stream's usage
+    itself."""
     payload = dict(ctx.payload)
     if pick.route.lora:  # the chat model runs the request with this adapter
         payload["model"] = pick.route.lora
@@ -154,9 +188,7 @@ def _chat_request(ctx: RequestContext, pick: Pick, model: str) -> tuple[dict, bo
     asked = isinstance(options, dict) and options.get("include_usage") is True
     if ctx.stream:
         payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    body = json.dumps(payload, ensure_ascii=False)
-    inputs = [_strings("request", [body], [1]), _strings("endpoint", [ctx.path], [1])]
-    return {"model_name": model, "inputs": inputs}, asked
+    return json.dumps(payload, ensure_ascii=False), asked
 
 
 class BackendDied(InferenceServerException):
@@ -215,9 +247,31 @@ class _DeathWatch:
             self.task.cancel()
 
 
-async def _responses(client, request: dict, timeout: float, backend: Backend) -> AsyncIterator[tuple[int, str]]:
-    """(status, text) of each event the chat model sends (a response may carry several); a
-    whole body or a refusal is one; cancelled when closed early;
+async def _grpc_responses(client, request: dict) -> AsyncIterator[tuple[int, str]]:
+    """(status, text) of each response of the chat model's gRPC call; cancelled when closed
+    before the server ended it."""
+
+    async def one_request():
+        yield request
+
+    stream = client.stream_infer(one_request())
+    ended = False
+    try:
+        async for result, error in stream:
+            if error is not None:
+                raise error
+            if result.get_response().outputs:  # (the final flag alone carries none)
+                yield int(result.as_numpy("status").reshape(-1)[0]), result.as_numpy("response").reshape(-1)[0].decode()
+        ended = True
+    finally:
+        if not ended:  # the client went away mid-stream (or the call would not end): abort it
+            stream.cancel()
+
+
+async def chat_events(responses: AsyncIterator[tuple[int, str]], timeout: float,
+                      backend: Backend) -> AsyncIterator[tuple[int, str]]:  # fmt: skip
+    """(status, text) of each event in the chat model's `responses` (a response may carry
+    several); a whole body or a refusal is one; closing it early cancels the call;
     TimeoutError when the next response takes over `timeout` seconds (a model that died),
     BackendDied as soon as `backend` dies (the platform found it dead).
 
@@ -225,49 +279,36 @@ async def _responses(client, request: dict, timeout: float, backend: Backend) ->
     can crash (SIGSEGV) when a cancellation races the completion of a request, a race
     fixed only in later releases (triton-inference-server/server#7840, #8034), and a CI
     run here hit it."""
-
-    async def one_request():
-        yield request
-
     generation = backend.generation
-    stream = client.stream_infer(one_request())
-    ended = False
     try:
         while True:
             try:
                 async with asyncio.timeout(timeout), backend.watch(generation):
-                    result, error = await anext(stream)
+                    status, text = await anext(responses)
             except StopAsyncIteration:
                 return
             except TimeoutError:
                 raise TimeoutError(f"no response from the Triton model within {timeout:g} s") from None
-            if error is not None:
-                raise error
-            if not result.get_response().outputs:
-                continue
-            status = int(result.as_numpy("status").reshape(-1)[0])
-            text = result.as_numpy("response").reshape(-1)[0].decode()
             for event in split_events(text):  # a busy model sends a stream's waiting events together
                 last = not event.startswith("data: ") or event == "data: [DONE]"  # a whole body, or the stream's end
                 if last:
-                    ended = await _call_ended(stream)
+                    await _call_ended(responses)
                 yield status, event
                 if last:
                     return
     finally:
-        if not ended:  # the client went away mid-stream (or the call would not end): abort it
-            stream.cancel()
+        await responses.aclose()
 
 
-async def _call_ended(stream, timeout: float = 2.0) -> bool:
+async def _call_ended(responses: AsyncIterator, timeout: float = 2.0) -> bool:
     """Wait for the server to end a call whose request has finished (we sent one request,
     and the server ends the call after its final response); False if it did not."""
     try:
         async with asyncio.timeout(timeout):
-            async for _ in stream:
+            async for _ in responses:
                 pass
         return True
-    except (TimeoutError, grpc.RpcError, InferenceServerException):
+    except (TimeoutError, grpc.RpcError, InferenceServerException, CallBroken):
         return False
 
 
@@ -282,9 +323,9 @@ def _usage_only(line: str) -> dict | None:
     return chunk["usage"] if isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") else None
 
 
-async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: Pick, model: str) -> Opened:
-    request, asked_usage = _chat_request(ctx, pick, model)
-    responses = _responses(client, request, clients.timeout, clients.backend(pick.replica.url, model))
+async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, model: str) -> Opened:
+    body, asked_usage = _chat_request(ctx, pick)
+    responses = clients.events(pick.replica.url, model, body, ctx.path)
     try:
         status, first = await anext(responses)  # errors before this are retried elsewhere
     except StopAsyncIteration:
@@ -300,13 +341,14 @@ async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: P
         return Opened(status, first.encode(), None, None, _nothing)
 
     async def lines() -> AsyncIterator[str]:
+        """Each event with the blank line that ends it (so a client's SSE parser takes it at once)."""
         async for _status, line in responses:
             usage = _usage_only(line)
             if usage is not None:
                 ctx.used_tokens = usage.get("total_tokens", ctx.used_tokens)  # the limits settle with it
                 if not asked_usage:
                     continue
-            yield line
+            yield line + "\n"
 
     rest = lines()
 
@@ -314,40 +356,32 @@ async def _generate(clients: TritonClients, client, ctx: RequestContext, pick: P
         await rest.aclose()
         await responses.aclose()
 
-    return Opened(200, None, _with_blank_lines(rest), first, close)
+    return Opened(200, None, rest, first + "\n", close)
 
 
 async def _nothing() -> None:
     return None
 
 
-async def _with_blank_lines(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Server-sent events are separated by an empty line (the first event went out before these)."""
-    async for line in lines:
-        yield ""
-        yield line
-    yield ""
-
-
 async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -> Opened:
     model = pick.route.model or pick.alias
-    client = clients.get(pick.replica.url)
+    url = pick.replica.url
     try:
         needed = ENDPOINT_INPUTS.get(ctx.path, ENDPOINT_INPUTS["/v1/completions"])
-        if not needed <= await clients.inputs(pick.replica.url, model):  # e.g. a chat call to the embed model
+        if not needed <= await clients.inputs(url, model):  # e.g. a chat call to the embed model
             raise BadRequest(f"the model {ctx.alias!r} does not serve {ctx.path} (a Triton model taking "
                              f"{', '.join(sorted(needed))} does)")  # fmt: skip
         if ctx.path == "/v1/embeddings":
-            return _json(200, await _embeddings(clients, client, ctx, model))
+            return _json(200, await _embeddings(clients, url, ctx, model))
         if ctx.path == "/v1/rerank":
-            return _json(200, await _rerank(clients, client, ctx, model))
-        return await _generate(clients, client, ctx, pick, model)
+            return _json(200, await _rerank(clients, url, ctx, model))
+        return await _generate(clients, ctx, pick, model)
     except BadRequest as exc:
         return _json(400, error_body(400, str(exc), code="invalid_request"))
     except InferenceServerException as exc:
         message = _message(exc)
         if "is not healthy" in message:  # its stub died: the calls still waiting on it are over too
-            clients.backend_died(pick.replica.url, model)
+            clients.backend_died(url, model)
         if _client_fault(exc):
             return _json(400, error_body(400, f"the Triton model refused the request: {message}",
                                          code="upstream_rejected"))  # fmt: skip
@@ -357,6 +391,9 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
         # replica may answer; the breaker counts it
         raise _failed(pick, 502, f"the Triton model failed: {message}", "upstream_failed", _down(exc),
                       accepted=isinstance(exc, BackendDied)) from exc  # fmt: skip
+    except CallBroken as exc:  # over HTTP: the call itself broke, or no connection was made
+        raise _failed(pick, 502, f"the Triton call failed: {exc.why}", "upstream_failed", unavailable=True,
+                      accepted=not exc.refused) from exc  # fmt: skip
     except grpc.RpcError as exc:  # the call itself broke (Triton went away mid-call, or was not there)
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         why = code.name if code is not None else type(exc).__name__

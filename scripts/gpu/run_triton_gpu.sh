@@ -38,24 +38,27 @@ if [ "${SKIP_DIRECT:-0}" != 1 ]; then
   kill -INT $server 2>/dev/null; wait $server 2>/dev/null
 fi
 # 2. through the platform: gateway (port 9000) -> Triton -> the chat model on the GPU, once for
-# each variant in $VARIANTS, "SENDS,INTERVAL": the chat model's stream_sends (thread | loop) and
-# its stub's GIL switch interval in seconds (0: Python's own, 5 ms)
-for variant in ${VARIANTS:-thread,0 loop,0 thread,0.0005}; do
-  sends=${variant%,*} interval=${variant#*,}
+# each variant in $VARIANTS, "SENDS,INTERVAL[,TRANSPORT]": the chat model's stream_sends (thread | loop),
+# its stub's GIL switch interval in seconds (0: Python's own, 5 ms), and how the gateway speaks to
+# Triton (http, the default, or grpc: `llmserve up --triton-transport`)
+for variant in ${VARIANTS:-thread,0,http thread,0,grpc}; do
+  IFS=, read -r sends interval transport <<< "$variant"; transport=${transport:-http}
   extra="stream_sends: $sends"; [ "$interval" != 0 ] && extra="$extra, switch_interval_s: $interval"
+  tag="${sends}_${interval}_$transport"
   printf 'models:\n  chat: {kind: chat, model_dir: %s, load_format: dummy, max_model_len: 2048, instance_kind: KIND_GPU,\n         max_num_seqs: 512, max_num_batched_tokens: 16384, %s}\n' \
-    "$M" "$extra" > "$OUT/platform_${sends}_$interval.yaml"
+    "$M" "$extra" > "$OUT/platform_$tag.yaml"
   LLMSERVE_TRITON_HIDE_MODULES=sklearn PYTHONPATH="/tmp/site-tdeps:/tmp/site-triton:$PYTHONPATH" timeout 420 \
-    python3 -m llmserve up --config "$OUT/platform_${sends}_$interval.yaml" --port 9000 \
-    --workdir "/tmp/triton-work-${sends}_$interval" > "$OUT/up_${sends}_$interval.log" 2>&1 &
+    python3 -m llmserve up --config "$OUT/platform_$tag.yaml" --port 9000 --triton-transport "$transport" \
+    --workdir "/tmp/triton-work-$tag" > "$OUT/up_$tag.log" 2>&1 &
   up=$!
-  if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup_${sends}_$interval.txt"; then
-    bench_d http://127.0.0.1:9000 "platform_${sends}_$interval"
+  if wait_http http://127.0.0.1:9000/v1/models 300 $up platform | tee "$OUT/up_startup_$tag.txt"; then
+    [ -n "${CPU_SAMPLE:-}" ] && (sleep 12; python3 scripts/gpu/proc_cpu.py 10 > "$OUT/cpu_$tag.txt") &
+    bench_d http://127.0.0.1:9000 "platform_$tag"
   else
-    grep -E "error|Error" /tmp/triton-work-"${sends}_$interval"/*.log | head -20
+    grep -E "error|Error" /tmp/triton-work-"$tag"/*.log | head -20
   fi
   kill -INT $up 2>/dev/null; wait $up 2>/dev/null
-  tail -n 60 /tmp/triton-work-"${sends}_$interval"/*.log 2>/dev/null > "$OUT/triton_tail_${sends}_$interval.log"
+  tail -n 60 /tmp/triton-work-"$tag"/*.log 2>/dev/null > "$OUT/triton_tail_$tag.log"
 done
 python3 scripts/gpu/d_summary.py "$OUT"  # RESULT lines, and every run's JSON in $OUT/d_all.json
 pack_out d_all.json
