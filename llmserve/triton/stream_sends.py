@@ -50,7 +50,8 @@ class StreamSends:
         with self._ready:
             if not self._closed:
                 self._queue.append((sender, event, last))
-                self._ready.notify()
+                if len(self._queue) == 1:  # the thread may be waiting (it is awake while the queue holds more)
+                    self._ready.notify()
                 return
         self._send(sender, [event] if event is not None else [], last)
 

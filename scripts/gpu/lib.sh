@@ -53,9 +53,9 @@ start_server() {  # [LIMIT_S] sets $server; waits until /health answers 200 (pri
 }
 
 bench_serve() {  # bench_serve RATE [NAME [SEED]]: workload (d), 400 requests of 512/256 (SEED: prompts and arrivals; default fresh)
-  # $BASE_URL: the server (default the one start_server starts)
+  # $BASE_URL: the server (default the one start_server starts); $NUM_PROMPTS: other than 400
   local rate=$1 name=${2:-d_rate$1} seed=${3:-}
-  timeout 150 python3 -m llmserve bench serve --base-url "${BASE_URL:-http://127.0.0.1:8000}" --num-prompts 400 \
+  timeout 240 python3 -m llmserve bench serve --base-url "${BASE_URL:-http://127.0.0.1:8000}" --num-prompts "${NUM_PROMPTS:-400}" \
     --input-len 512 --output-len 256 --ignore-eos --request-rate "$rate" --vocab-size 128256 ${seed:+--seed $seed} \
     --percentiles 50,90,99 --save-detailed --output-json "$OUT/$name.json" --plot "$OUT/$name.png" \
     --disable-tqdm > "$OUT/$name.log" 2>&1

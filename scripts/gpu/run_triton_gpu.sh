@@ -29,7 +29,10 @@ from llmserve.triton.server import triton_home; print('imports ok;', triton_home
 # (d) at 16 req/s and at an unlimited rate (RATES), seed 201, against a base URL (lib.sh's bench_serve)
 bench_d() {  # bench_d URL NAME
   local rate
-  for rate in ${RATES:-16 inf}; do BASE_URL=$1 bench_serve "$rate" "$2_rate$rate" 201; done
+  # NUM_PROMPTS_16: requests at 16 req/s (default 400; more for a steadier p99)
+  for rate in ${RATES:-16 inf}; do
+    NUM_PROMPTS=$([ "$rate" = 16 ] && echo "${NUM_PROMPTS_16:-400}" || echo 400) BASE_URL=$1 bench_serve "$rate" "$2_rate$rate" 201
+  done
 }
 # 1. the engine directly: llmserve serve (port 8000)
 if [ "${SKIP_DIRECT:-0}" != 1 ]; then
