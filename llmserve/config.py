@@ -130,6 +130,7 @@ class LoRAConfig:
     max_lora_rank: int
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
     expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
+    overlap_tokens: int = 16  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
 
 
 @dataclass
@@ -176,6 +177,10 @@ class EngineArgs:
     # ops.py) instead of the Triton expand; 0: never. H200, (a) with 8 adapters: 0.857 of the base
     # with it, 0.826 without (docs/benchmarks.md)
     lora_expand_gemm_tokens: int = 65
+    # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
+    # float32 buffer) on a second CUDA stream while the base GEMM runs, then add it: at batch 1 the
+    # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py); 0: never
+    lora_overlap_tokens: int = 16
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -249,9 +254,11 @@ class EngineArgs:
             raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
         if self.enable_sleep_mode:
             raise ConfigError("LoRA adapters with sleep mode are not supported yet (issue 22)")
-        if self.lora_expand_gemm_tokens < 0:
-            raise ConfigError(f"lora_expand_gemm_tokens must be >= 0; got {self.lora_expand_gemm_tokens}")
-        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens)
+        if self.lora_expand_gemm_tokens < 0 or self.lora_overlap_tokens < 0:
+            raise ConfigError(f"lora_expand_gemm_tokens and lora_overlap_tokens must be >= 0; got "
+                              f"{self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}")  # fmt: skip
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens,
+                          self.lora_overlap_tokens)  # fmt: skip
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

@@ -18,6 +18,9 @@ def _reference_expand(y, t, lora, batch) -> None:
 class LoRAOps:
     shrink: Callable = lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32 (or splits of it)
     expand: Callable = _reference_expand  # (y, t, lora: ProjectionLoRA, batch) -> None, y += in place
+    # layer inputs of at most this many rows: the adapter on a second CUDA stream beside the base
+    # GEMM (LoRALinear; CUDA only, 0: never)
+    overlap_max_tokens: int = 0
 
 
 REFERENCE_LORA_OPS = LoRAOps()
@@ -26,7 +29,8 @@ REFERENCE_LORA_OPS = LoRAOps()
 GEMM_EXPAND_MIN_WIDTH = 16384  # H200, 512 tokens: gate_up 27.7 µs as a GEMM vs 51.2; q/k/v, o, down slower
 
 
-def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH) -> LoRAOps:
+def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH,
+                    overlap_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
     """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter).
     `gemm_expand_min_tokens` > 0: layer inputs of at least that many rows expand through
     `lora_expand_gemm` instead of the Triton expand (0: never), in projections with at least
@@ -41,4 +45,4 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         else:
             lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
-    return LoRAOps(lora_shrink, expand)
+    return LoRAOps(lora_shrink, expand, overlap_max_tokens)

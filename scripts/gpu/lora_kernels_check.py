@@ -8,7 +8,10 @@
 3. A first timing (not a benchmark): shrink + expand of qkv_proj and down_proj against the base
    bf16 GEMM of the same projection, each inside a CUDA graph of 20 calls (launch costs not
    counted, as in the engine's decode graphs), CUDA events, median of 20 replays.
-Writes $OUT/lora_kernels_check.json.
+4. The adapter on a second stream beside the base GEMM (LoRALinear's overlap, 1 and 8 tokens):
+   the same output as in order, bit for bit, eager and replayed from a CUDA graph; and a whole
+   projection (base GEMM, in order, overlapped) timed as in 3.
+Writes $OUT/lora_kernels_check.json. LORA_CHECK=overlap runs step 4 alone.
 
     python3 scripts/gpu/lora_kernels_check.py
 """
@@ -171,9 +174,48 @@ def timings() -> list[dict]:
     return rows
 
 
+def check_overlap() -> list[dict]:
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    cpu_gen = torch.Generator().manual_seed(3)
+    side = torch.cuda.Stream(DEV)
+    rows = []
+    for name, (in_features, widths) in PROJ.items():
+        base = torch.nn.Linear(in_features, sum(widths), bias=False, device=DEV, dtype=torch.bfloat16)
+        w = weights(in_features, widths, torch.bfloat16, gen)
+        for n in (1, 8):
+            ctx = LoRAContext(256, SLOTS, DEV, always_apply=True)
+            plain = LoRALinear(base, w, ctx, triton_lora_ops())
+            over = LoRALinear(base, w, ctx, triton_lora_ops(overlap_max_tokens=16), side=side)
+            x = torch.randn(n, in_features, generator=gen, device=DEV).to(torch.bfloat16)
+            with torch.inference_mode():
+                ctx.set_token_slots(token_slots(n, cpu_gen))
+                eager_diff = (plain(x).float() - over(x).float()).abs().max().item()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = over(x)
+                graph_diff = 0.0
+                for _ in range(3):
+                    ctx.set_token_slots(token_slots(n, cpu_gen))
+                    graph.replay()
+                    want = plain(x)
+                    torch.cuda.synchronize()
+                    graph_diff = max(graph_diff, (out.float() - want.float()).abs().max().item())
+                ctx.set_token_slots([i % SLOTS for i in range(n)])
+                times = {"base_ms": time_ms(lambda: base(x)), "in_order_ms": time_ms(lambda: plain(x)),
+                         "overlapped_ms": time_ms(lambda: over(x))}  # fmt: skip
+            rows.append({"proj": name, "tokens": n, "eager_max_abs": eager_diff, "graph_max_abs": graph_diff, **times})
+            print("RESULT overlap", rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    report = {"correctness": check_correctness(), "graphs": check_graphs(), "timings": timings()}
+    if os.environ.get("LORA_CHECK") == "overlap":
+        report = {"overlap": check_overlap()}
+    else:
+        report = {"correctness": check_correctness(), "graphs": check_graphs(), "timings": timings(),
+                  "overlap": check_overlap()}  # fmt: skip
     (OUT / "lora_kernels_check.json").write_text(json.dumps(report, indent=1))
 
 
