@@ -130,7 +130,7 @@ class LoRAConfig:
     max_lora_rank: int
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
     expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
-    overlap_tokens: int = 16  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
+    overlap_tokens: int = 1  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
 
 
 @dataclass
@@ -179,8 +179,10 @@ class EngineArgs:
     lora_expand_gemm_tokens: int = 65
     # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
     # float32 buffer) on a second CUDA stream while the base GEMM runs, then add it: at batch 1 the
-    # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py); 0: never
-    lora_overlap_tokens: int = 16
+    # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py). H200,
+    # batch 1: 5.50 ms a token against 6.00 in order (base 4.83); at 8 tokens the projections
+    # measured 1-3 µs slower overlapped, hence 1 (docs/benchmarks.md); 0: never
+    lora_overlap_tokens: int = 1
 
     @classmethod
     def field_names(cls) -> set[str]:

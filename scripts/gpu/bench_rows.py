@@ -89,7 +89,7 @@ ENGINES["lora8g"] = ENGINES["lora8"] + ["--lora-expand-gemm-tokens", "65"]
 ENGINES["lora8t"] = ENGINES["lora8"] + ["--lora-expand-gemm-tokens", "0"]  # the Triton expand in every step
 ROWS["a_lora8g"] = ("lora8g", "throughput", ROWS["a_lora8"][2])
 ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
-# the adapter of steps of up to 16 tokens on a second stream beside the base GEMM (llmserve/lora/apply.py):
+# the adapter of steps of one token on a second stream beside the base GEMM (llmserve/lora/apply.py):
 # the default since 2026-12-02; lora8s: in order on one stream, as before
 ENGINES["lora8s"] = ENGINES["lora8"] + ["--lora-overlap-tokens", "0"]
 ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
