@@ -49,8 +49,8 @@ def test_span_point_after_a_restart_or_a_failed_scrape():
 
 
 def test_sampler_over_unreachable_and_triton_upstreams():
-    """A down HTTP replica is sampled as empty; a Triton (gRPC) replica is not scraped at all;
-    neither stops the sampler."""
+    """A down HTTP replica is sampled as empty; a Triton replica (over gRPC or HTTP) is not
+    scraped at all; neither stops the sampler."""
     import asyncio
 
     import httpx
@@ -63,6 +63,7 @@ def test_sampler_over_unreachable_and_triton_upstreams():
     config = GatewayConfig.model_validate({"models": {
         "chat": {"replicas": [down]},
         "embed": {"kind": "triton", "replicas": [f"grpc://127.0.0.1:{free_port()}"]},
+        "rerank": {"kind": "triton", "replicas": [f"http://127.0.0.1:{free_port()}"]},
     }})  # fmt: skip
     sampler = Gateway(config).sampler
 
@@ -75,6 +76,7 @@ def test_sampler_over_unreachable_and_triton_upstreams():
     data = sampler.data()
     by_url = {u.url: u for u in data.upstreams}
     assert not by_url[down].scraped and by_url[down].has_metrics and by_url[down].latest.tokens_per_s is None
-    triton = next(u for u in data.upstreams if u.url.startswith("grpc://"))
-    assert not triton.has_metrics and triton.series == []
-    assert [m.alias for m in data.models] == ["chat", "embed"]
+    tritons = [u for u in data.upstreams if u.url != down]
+    assert len(tritons) == 2 and all(not u.has_metrics and u.series == [] for u in tritons)
+    assert sampler.scraped_urls == [down]
+    assert [m.alias for m in data.models] == ["chat", "embed", "rerank"]

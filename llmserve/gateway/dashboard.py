@@ -81,7 +81,7 @@ class UpstreamStatus:
     aliases: list[str]
     model: str | None  # the model_name the upstream reports
     healthy: bool  # the gateway's breaker
-    has_metrics: bool  # an HTTP upstream with /metrics (a Triton gRPC upstream has none here)
+    has_metrics: bool  # an OpenAI upstream with /metrics (a Triton upstream has none here)
     scraped: bool  # its last /metrics scrape worked
     outstanding: int  # requests the gateway has in flight there
     latest: Point | None
@@ -181,7 +181,9 @@ class StatusSampler:
         self.router, self.metrics, self.placement = router, metrics, placement
         self.interval_s = interval_s
         self.urls = sorted({r.url for r in router.all_replicas()})
-        self.scraped_urls = [u for u in self.urls if u.startswith(("http://", "https://"))]
+        # OpenAI servers' /metrics (a Triton replica, over gRPC or HTTP, has none on its address)
+        self.scraped_urls = sorted({r.url for r in router.all_replicas()
+                                    if router.config.models[r.alias].kind == "openai"})  # fmt: skip
         self.upstreams: dict[str, deque[Sample]] = {u: deque(maxlen=history) for u in self.urls}
         self.gateway: deque[tuple[float, dict[str, float]]] = deque(maxlen=history)  # (t, requests by alias)
 
