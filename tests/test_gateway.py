@@ -715,3 +715,64 @@ def test_a_triton_streams_event_leaves_whole_before_the_next_one_exists():
     assert _rewrite_model(chunk("x") + "\n", "alias", ctx) == chunk("x").replace('"chat"', '"alias"') + "\n"
     usage = 'data: {"model":"alias","choices":[],"usage":{"total_tokens":7}}\n'
     assert _rewrite_model(usage, "alias", ctx) == usage and ctx.used_tokens == 7
+
+
+def test_triton_over_http_reads_big_events_and_tells_failures_apart():
+    """The HTTP transport against a real HTTP server speaking Triton's generate_stream: an event
+    of 1 MB (a whole answer: past aiohttp's 512 KiB line limit) arrives whole; an error status
+    is the gRPC status Triton gives for it; an error event mid-stream is raised; a port nobody
+    listens on is a refused call (retried elsewhere, never accepted)."""
+    from aiohttp import web
+    from tritonclient.utils import InferenceServerException
+
+    from llmserve.gateway.triton_http import CallBroken, TritonHttp
+    from llmserve.gateway.triton_upstream import _client_fault
+
+    big = "x" * (1 << 20)
+
+    async def generate_stream(request: web.Request) -> web.StreamResponse:
+        model = request.match_info["model"]
+        if model == "missing":
+            return web.json_response({"error": "Request for unknown model: 'missing' is not found"}, status=404)
+        if model == "refuses":
+            return web.json_response({"error": "expected 1 input"}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        body = await request.json()
+        await resp.write(b"data: " + json.dumps({"model_name": model, "status": [200], "response": big}).encode() + b"\n\n")
+        if model == "fails":
+            await resp.write(b'data: {"error": "Stub process is not healthy."}\n\n')
+        await resp.write(b"data: " + json.dumps({"status": 200, "response": body["endpoint"]}).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_post("/v2/models/{model}/generate_stream", generate_stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        http = TritonHttp(timeout=10)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            got = [r async for r in http.responses(url, "chat", {"request": "{}", "endpoint": "/v1/completions"})]
+            assert got == [(200, big), (200, "/v1/completions")]
+            with pytest.raises(InferenceServerException) as missing:
+                await anext(http.responses(url, "missing", {}))
+            assert "unknown model" in str(missing.value) and "NOT_FOUND" in str(missing.value.status())
+            with pytest.raises(InferenceServerException) as refused:
+                await anext(http.responses(url, "refuses", {}))
+            assert _client_fault(refused.value)
+            stream = http.responses(url, "fails", {"endpoint": "/v1/completions"})
+            assert (await anext(stream))[1] == big
+            with pytest.raises(InferenceServerException, match="not healthy"):
+                await anext(stream)
+            with pytest.raises(CallBroken) as broken:
+                await anext(http.responses(f"http://127.0.0.1:{free_port()}", "chat", {}))
+            assert broken.value.refused
+        finally:
+            await http.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -27,6 +27,7 @@ from tritonclient.utils import InferenceServerException
 # Triton's HTTP status -> the gRPC status it gives for the same error
 _STATUS = {400: "StatusCode.INVALID_ARGUMENT", 404: "StatusCode.NOT_FOUND", 429: "StatusCode.RESOURCE_EXHAUSTED",
            500: "StatusCode.INTERNAL", 501: "StatusCode.UNIMPLEMENTED", 503: "StatusCode.UNAVAILABLE"}  # fmt: skip
+MAX_EVENT_BYTES = 1 << 28  # one event may hold a whole answer (n, logprobs: megabytes); aiohttp's own line limit is 512 KiB
 _NUMPY = {"BYTES": np.object_, "FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32,
           "INT64": np.int64, "BOOL": np.bool_}  # fmt: skip
 
@@ -118,7 +119,7 @@ class TritonHttp:
             content = resp.content
             while True:
                 try:
-                    line = await content.readline()
+                    line = await content.readuntil(b"\n", max_size=MAX_EVENT_BYTES)
                 except aiohttp.ClientError as exc:
                     raise CallBroken(f"{type(exc).__name__}: {exc}", refused=False) from exc
                 if not line:  # the server ended the call
