@@ -97,6 +97,23 @@ def check_correctness() -> list[dict]:
     return rows
 
 
+def replayed_max_abs(captured, reference, x: torch.Tensor, new_slots, replays: int) -> float:
+    """`captured(x)` captured once in a CUDA graph, then `replays` times: new token slots
+    (`new_slots()`), a replay, and the largest difference from `reference(x)` run eagerly."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = captured(x)
+    worst = 0.0
+    for _ in range(replays):
+        new_slots()
+        graph.replay()
+        want = reference(x)
+        torch.cuda.synchronize()
+        worst = max(worst, (out.float() - want.float()).abs().max().item())
+    return worst
+
+
 def check_graphs() -> dict:
     gen = torch.Generator(device=DEV).manual_seed(1)
     cpu_gen = torch.Generator().manual_seed(1)
@@ -109,17 +126,8 @@ def check_graphs() -> dict:
     ctx.set_token_slots([-1] * n)
     with torch.inference_mode():
         layer(x)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(x)
-        worst = 0.0
-        for _ in range(5):
-            ctx.set_token_slots(token_slots(n - 3, cpu_gen))  # and 3 padding rows
-            graph.replay()
-            eager = layer(x)
-            torch.cuda.synchronize()
-            worst = max(worst, (out.float() - eager.float()).abs().max().item())
+        # (3 padding rows: no slot)
+        worst = replayed_max_abs(layer, layer, x, lambda: ctx.set_token_slots(token_slots(n - 3, cpu_gen)), 5)
     result = {"graph_vs_eager_max_abs": worst}
     print("RESULT graphs", result, flush=True)
     return result
@@ -190,17 +198,7 @@ def check_overlap() -> list[dict]:
             with torch.inference_mode():
                 ctx.set_token_slots(token_slots(n, cpu_gen))
                 eager_diff = (plain(x).float() - over(x).float()).abs().max().item()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    out = over(x)
-                graph_diff = 0.0
-                for _ in range(3):
-                    ctx.set_token_slots(token_slots(n, cpu_gen))
-                    graph.replay()
-                    want = plain(x)
-                    torch.cuda.synchronize()
-                    graph_diff = max(graph_diff, (out.float() - want.float()).abs().max().item())
+                graph_diff = replayed_max_abs(over, plain, x, lambda: ctx.set_token_slots(token_slots(n, cpu_gen)), 3)
                 ctx.set_token_slots([i % SLOTS for i in range(n)])
                 times = {"base_ms": time_ms(lambda: base(x)), "in_order_ms": time_ms(lambda: plain(x)),
                          "overlapped_ms": time_ms(lambda: over(x))}  # fmt: skip
