@@ -4,8 +4,8 @@ generate extension, with one aiohttp session.
 The chat model's answers stream from `/v2/models/NAME/generate_stream`: one server-sent event
 for each response of the decoupled model, `{"status": 200, "response": "data: {...}", ...}`.
 That costs the gateway about half of what the same stream costs over gRPC (tritonclient's
-asyncio client and its poller thread: 100-135 µs against 53-64 µs a response on this machine,
-scripts/gpu/README and docs/triton.md), and the gateway does it once for every token of every
+asyncio client and its poller thread: 100-135 µs against 53-64 µs a response in one client
+process, docs/benchmarks.md), and the gateway does it once for every token of every
 stream. Closing the response early drops its connection, and Triton cancels the request
 (the chat model aborts it in its engine), as cancelling the gRPC call does.
 
@@ -22,14 +22,12 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 # Triton's HTTP status -> the gRPC status it gives for the same error
 _STATUS = {400: "StatusCode.INVALID_ARGUMENT", 404: "StatusCode.NOT_FOUND", 429: "StatusCode.RESOURCE_EXHAUSTED",
            500: "StatusCode.INTERNAL", 501: "StatusCode.UNIMPLEMENTED", 503: "StatusCode.UNAVAILABLE"}  # fmt: skip
 MAX_EVENT_BYTES = 1 << 28  # one event may hold a whole answer (n, logprobs: megabytes); aiohttp's own line limit is 512 KiB
-_NUMPY = {"BYTES": np.object_, "FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT32": np.int32,
-          "INT64": np.int64, "BOOL": np.bool_}  # fmt: skip
 
 
 class CallBroken(Exception):
@@ -38,6 +36,12 @@ class CallBroken(Exception):
     def __init__(self, why: str, refused: bool) -> None:
         super().__init__(why)
         self.why, self.refused = why, refused
+
+
+def _broken(exc: aiohttp.ClientError) -> CallBroken:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return CallBroken(f"failed to connect: {exc}", refused=True)
+    return CallBroken(f"{type(exc).__name__}: {exc}", refused=False)
 
 
 def _error(status: int, text: str) -> InferenceServerException:
@@ -71,10 +75,8 @@ class TritonHttp:
             async with asyncio.timeout(timeout):
                 async with self.session().request(method, url, json=body) as resp:
                     return resp.status, await resp.text()
-        except aiohttp.ClientConnectorError as exc:
-            raise CallBroken(f"failed to connect: {exc}", refused=True) from exc
         except aiohttp.ClientError as exc:
-            raise CallBroken(f"{type(exc).__name__}: {exc}", refused=False) from exc
+            raise _broken(exc) from exc
 
     async def metadata(self, url: str, model: str) -> dict:
         status, text = await self._json("GET", f"{url}/v2/models/{model}", self.timeout)
@@ -99,7 +101,8 @@ class TritonHttp:
             raise _error(status, text)
         for tensor in json.loads(text).get("outputs", []):
             if tensor["name"] == output:
-                return np.array(tensor["data"], dtype=_NUMPY.get(tensor["datatype"], np.object_)).reshape(tensor["shape"])
+                dtype = triton_to_np_dtype(tensor["datatype"]) or np.object_
+                return np.array(tensor["data"], dtype=dtype).reshape(tensor["shape"])
         raise InferenceServerException(f"the model's answer has no output {output!r}", status="StatusCode.INTERNAL")
 
     async def responses(self, url: str, model: str, inputs: dict[str, str]) -> AsyncIterator[tuple[int, str]]:
@@ -108,10 +111,8 @@ class TritonHttp:
         dropped (Triton cancels the request); run to its end, the connection is kept."""
         try:
             resp = await self.session().post(f"{url}/v2/models/{model}/generate_stream", json=inputs)
-        except aiohttp.ClientConnectorError as exc:
-            raise CallBroken(f"failed to connect: {exc}", refused=True) from exc
         except aiohttp.ClientError as exc:
-            raise CallBroken(f"{type(exc).__name__}: {exc}", refused=False) from exc
+            raise _broken(exc) from exc
         ended = False
         try:
             if resp.status != 200:
@@ -121,7 +122,7 @@ class TritonHttp:
                 try:
                     line = await content.readuntil(b"\n", max_size=MAX_EVENT_BYTES)
                 except aiohttp.ClientError as exc:
-                    raise CallBroken(f"{type(exc).__name__}: {exc}", refused=False) from exc
+                    raise _broken(exc) from exc
                 if not line:  # the server ended the call
                     ended = True
                     return

@@ -300,16 +300,16 @@ async def chat_events(responses: AsyncIterator[tuple[int, str]], timeout: float,
         await responses.aclose()
 
 
-async def _call_ended(responses: AsyncIterator, timeout: float = 2.0) -> bool:
+async def _call_ended(responses: AsyncIterator, timeout: float = 2.0) -> None:
     """Wait for the server to end a call whose request has finished (we sent one request,
-    and the server ends the call after its final response); False if it did not."""
+    and the server ends the call after its final response); one that does not end within
+    `timeout` is cancelled when `responses` is closed."""
     try:
         async with asyncio.timeout(timeout):
             async for _ in responses:
                 pass
-        return True
     except (TimeoutError, grpc.RpcError, InferenceServerException, CallBroken):
-        return False
+        pass
 
 
 def _usage_only(line: str) -> dict | None:
