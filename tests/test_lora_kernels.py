@@ -221,3 +221,13 @@ def test_b_is_output_major_only_where_a_projection_takes_the_gemm_expand(tmp_pat
         b = runner.store.weights.b["gate_up_proj"]
         layouts.append(b.is_contiguous())  # slot-major: contiguous; output-major: a permuted view
     assert layouts == [True, False]
+
+
+def test_the_overlap_stays_below_the_gemm_expand():
+    """Steps the adapter would run overlapped (into a float32 buffer) never reach the cuBLAS
+    expand, which adds in y's own dtype: the overlap's bound is held under the GEMM's."""
+    from llmserve.lora.ops import triton_lora_ops
+
+    assert triton_lora_ops(65, overlap_max_tokens=1).overlap_max_tokens == 1
+    assert triton_lora_ops(65, overlap_max_tokens=100).overlap_max_tokens == 64
+    assert triton_lora_ops(0, overlap_max_tokens=100).overlap_max_tokens == 100

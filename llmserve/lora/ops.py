@@ -45,4 +45,6 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         else:
             lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
+    if gemm_expand_min_tokens > 0:  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
+        overlap_max_tokens = min(overlap_max_tokens, gemm_expand_min_tokens - 1)
     return LoRAOps(lora_shrink, expand, overlap_max_tokens)
