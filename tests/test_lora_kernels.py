@@ -122,45 +122,6 @@ def test_the_gemm_expand_matches_the_reference(case, dtype):
     assert torch.equal(y[no_adapter], y0[no_adapter])
 
 
-@pytest.mark.parametrize("accumulate", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_the_fused_small_kernel_matches_the_reference(case, dtype, accumulate):
-    """lora_fused_small (shrink and expand in one launch, each program doing its token's whole
-    shrink) against the reference shrink + expand: added into y in place, or written whole into a
-    float32 buffer whose rows without an adapter (and padding rows) read zero."""
-    from llmserve.kernels.lora import lora_fused_small
-    from llmserve.lora.ops import REFERENCE_LORA_OPS
-    from llmserve.lora.slot_weights import ProjectionLoRA
-
-    token_slots, in_features, max_rank, widths = CASES[case]
-    gen = torch.Generator().manual_seed(200 + case)
-    a, b, scaling = make_slots(3, len(widths), max_rank, in_features, widths, dtype, gen)
-    num_tokens = len(token_slots) + 2
-    ctx = LoRAContext(max_num_tokens=128, num_slots=3)
-    ctx.set_token_slots(token_slots)
-    batch = ctx.batch(num_tokens)
-    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    lora = ProjectionLoRA(a, b, scaling, offsets(widths), max(widths), tuple(offsets(widths).tolist()))
-    no_adapter = torch.tensor([s < 0 for s in token_slots] + [True, True])
-    if accumulate:
-        out = torch.randn(num_tokens, sum(widths), generator=gen).to(dtype)
-    else:
-        out = torch.full((num_tokens, sum(widths)), float("nan"))  # every element must be written
-    want, before = out.clone(), out.clone()
-    REFERENCE_LORA_OPS.fused(want, x, lora, batch, accumulate)
-    # K blocks of 16 (K of 40-72: a partial last block), column blocks of 32 (slices of 24-160)
-    lora_fused_small(out, x, a, scaling, b, lora.slice_offsets, max(widths), batch.token_slots, accumulate,
-                     block_n=32, block_k=16)  # fmt: skip
-    torch.testing.assert_close(out, want, **TOL[dtype if accumulate else torch.float32])
-    if accumulate:
-        assert torch.equal(out[no_adapter], before[no_adapter])
-    else:
-        assert torch.equal(out[no_adapter], torch.zeros_like(out[no_adapter]))
-    if any(s >= 0 for s in token_slots):  # the adapters' rows changed
-        assert not torch.equal(out[~no_adapter], before[~no_adapter]) and out[~no_adapter].abs().amax() > 0
-
-
 def test_shrink_splits_follow_the_token_count():
     from llmserve.kernels.lora import shrink_splits
 
@@ -208,8 +169,7 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
 
     widest = max(spec.out_features for spec in projection_specs(arch))
     variants = ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True),
-                (triton_lora_ops(1, gemm_expand_min_width=widest), True),
-                (triton_lora_ops(fused_max_tokens=16), False))  # the 12 tokens through the fused kernel  # fmt: skip
+                (triton_lora_ops(1, gemm_expand_min_width=widest), True))  # fmt: skip
     for ops, output_major in variants:
         model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
                            progress=False)  # fmt: skip

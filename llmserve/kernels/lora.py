@@ -109,51 +109,6 @@ def _expand_kernel(
     tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fused_small_kernel(
-    x_ptr, a_ptr, scale_ptr, b_ptr, offsets_ptr, slots_ptr, out_ptr, K,
-    stride_xm, stride_as, stride_aj, stride_ar, stride_bs, stride_bn, stride_om, N_BLOCKS,
-    RANK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-):  # fmt: skip
-    m = tl.program_id(0)  # one token
-    j = tl.program_id(1) // N_BLOCKS  # output slice
-    nb = tl.program_id(1) % N_BLOCKS  # column block inside the slice
-    lo = tl.load(offsets_ptr + j)
-    hi = tl.load(offsets_ptr + j + 1)
-    if lo + nb * BLOCK_N >= hi:  # past a narrower slice
-        return
-    cols = lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = cols < hi
-    out_ptrs = out_ptr + m * stride_om + cols
-    s = tl.load(slots_ptr + m)
-    if s < 0:  # the base model: a delta buffer reads zero, an output stays
-        if not ACCUMULATE:
-            tl.store(out_ptrs, tl.zeros([BLOCK_N], dtype=tl.float32), mask=c_ok)
-        return
-    rs = tl.arange(0, BLOCK_R)
-    r_ok = rs < RANK
-    a_base = a_ptr + s.to(tl.int64) * stride_as + j * stride_aj
-    # the shrink, whole, in every program: t = x_m @ A[s, j]^T (the A tile is read from L2)
-    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + m * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
-        a = tl.load(a_base + rs[:, None] * stride_ar + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += a.to(tl.float32) * x[None, :]
-    t = tl.sum(acc, axis=1) * tl.load(scale_ptr + s)  # [BLOCK_R] float32
-    b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + rs[None, :],
-                mask=c_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-    t = t.to(b.dtype).to(tl.float32)  # rounded as the expand rounds it
-    delta = tl.sum(b.to(tl.float32) * t[None, :], axis=1)  # [BLOCK_N] float32
-    if ACCUMULATE:
-        y = tl.load(out_ptrs, mask=c_ok, other=0.0)
-        tl.store(out_ptrs, (y.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=c_ok)
-    else:
-        tl.store(out_ptrs, delta.to(out_ptr.dtype.element_ty), mask=c_ok)
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -218,34 +173,4 @@ def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets
         t.stride(0), t.stride(1), t.stride(2), b.stride(0), b.stride(1), y.stride(0), n_blocks,
         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         DOT_PREC=_dot_precision(b.dtype), num_warps=num_warps,
-    )  # fmt: skip
-
-
-def lora_fused_small(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, b: torch.Tensor,
-                     slice_offsets: torch.Tensor, max_slice_width: int, token_slots: torch.Tensor, accumulate: bool,
-                     block_n: int | None = None, block_k: int = 256, num_warps: int = 4) -> None:  # fmt: skip
-    """Shrink and expand in one launch, for steps of a few tokens: for each token m with slot s
-    and each slice j, delta = (scaling[s] * x[m] @ A[s, j]^T, rounded to B's dtype) @ B[s, slice
-    j]^T in float32; `accumulate`: out [T, out] += delta in place (rows without a slot kept),
-    else out = delta (rows without a slot set to zero: a whole buffer is written, no memset).
-
-    One program per (token, column block of a slice) computes the whole shrink itself: at one
-    token the A tile (max_rank x in, 128-448 KB) comes from L2 for each program, which costs
-    less than the two extra launches and the partial-sum planes of shrink + expand. Reads
-    `token_slots` [>= T] directly (no grouping: each token reads its own slot's tiles)."""
-    num_tokens, k = x.shape
-    num_slots, slices, rank, k_a = a.shape
-    assert k_a == k and x.dtype == a.dtype and a.stride(-1) == 1 and b.stride(-1) == 1, (x.shape, a.shape, b.shape)
-    assert out.shape[0] == num_tokens and out.stride(-1) == 1 and slice_offsets.shape[0] == slices + 1, out.shape
-    if num_tokens == 0:
-        return
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    block_n = block_n or (256 if max_slice_width >= 8192 else 128)
-    n_blocks = triton.cdiv(max_slice_width, block_n)
-    _fused_small_kernel[(num_tokens, slices * n_blocks)](
-        x, a, scaling, b, slice_offsets, token_slots, out, k,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), out.stride(0), n_blocks,
-        RANK=rank, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_K=block_k,
-        ACCUMULATE=accumulate, num_warps=num_warps,
     )  # fmt: skip

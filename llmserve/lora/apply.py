@@ -53,30 +53,22 @@ class LoRALinear(nn.Module):
         if not batch.active:
             return self.base_layer(x)
         lora = self.lora
-        fused = x.shape[0] <= self.ops.fused_max_tokens and self.reduce is None
         if self.side is not None and x.shape[0] <= self.ops.overlap_max_tokens:
-            return self._overlapped(x, batch, fused)
+            return self._overlapped(x, batch)
         y = self.base_layer(x)
-        if fused:
-            self.ops.fused(y, x, lora, batch, True)
-            return y
         t = self.ops.shrink(x, lora.a, lora.scaling, batch)
         if self.reduce is not None:
             t = self.reduce(t)
         self.ops.expand(y, t, lora, batch)
         return y
 
-    def _overlapped(self, x: torch.Tensor, batch, fused: bool) -> torch.Tensor:
+    def _overlapped(self, x: torch.Tensor, batch) -> torch.Tensor:
         main, side, lora = torch.cuda.current_stream(x.device), self.side, self.lora
         side.wait_stream(main)  # x, and the step's slot map, are ready
         with torch.cuda.stream(side):
-            if fused:  # one launch, which writes the whole buffer
-                delta = torch.empty(x.shape[0], lora.b.shape[1], dtype=torch.float32, device=x.device)
-                self.ops.fused(delta, x, lora, batch, False)
-            else:
-                t = self.ops.shrink(x, lora.a, lora.scaling, batch)
-                delta = torch.zeros(x.shape[0], lora.b.shape[1], dtype=torch.float32, device=x.device)
-                self.ops.expand(delta, t, lora, batch)
+            t = self.ops.shrink(x, lora.a, lora.scaling, batch)
+            delta = torch.zeros(x.shape[0], lora.b.shape[1], dtype=torch.float32, device=x.device)
+            self.ops.expand(delta, t, lora, batch)
         y = self.base_layer(x)
         main.wait_stream(side)
         # (the buffers were made on `side`: each next use of that memory there comes after a

@@ -14,13 +14,6 @@ def _reference_expand(y, t, lora, batch) -> None:
     lora_expand_reference(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
 
-def _reference_fused(out, x, lora, batch, accumulate: bool) -> None:
-    t = lora_shrink_reference(x, lora.a, lora.scaling, batch)
-    if not accumulate:
-        out.zero_()
-    _reference_expand(out, t, lora, batch)
-
-
 @dataclass(frozen=True, slots=True)
 class LoRAOps:
     shrink: Callable = lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32 (or splits of it)
@@ -28,11 +21,6 @@ class LoRAOps:
     # layer inputs of at most this many rows: the adapter on a second CUDA stream beside the base
     # GEMM (LoRALinear; CUDA only, 0: never)
     overlap_max_tokens: int = 0
-    # (out, x, lora, batch, accumulate) -> None: shrink and expand in one launch, out += delta
-    # (accumulate) or out = delta (zero rows without an adapter); used for layer inputs of at most
-    # `fused_max_tokens` rows (0: never) outside tensor parallelism's row-parallel layers
-    fused: Callable = _reference_fused
-    fused_max_tokens: int = 0
 
 
 REFERENCE_LORA_OPS = LoRAOps()
@@ -42,14 +30,13 @@ GEMM_EXPAND_MIN_WIDTH = 16384  # H200, 512 tokens: gate_up 27.7 µs as a GEMM vs
 
 
 def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH,
-                    overlap_max_tokens: int = 0, fused_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
+                    overlap_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
     """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter).
     `gemm_expand_min_tokens` > 0: layer inputs of at least that many rows expand through
     `lora_expand_gemm` instead of the Triton expand (0: never), in projections with at least
     `gemm_expand_min_width` outputs (the MLP's gate/up: there the Triton expand re-reads its
-    partial planes for every one of many output tiles). `fused_max_tokens` > 0: layer inputs of
-    at most that many rows run shrink and expand as one kernel (`lora_fused_small`)."""
-    from llmserve.kernels.lora import lora_expand, lora_fused_small, lora_shrink
+    partial planes for every one of many output tiles)."""
+    from llmserve.kernels.lora import lora_expand, lora_shrink
     from llmserve.lora.expand_gemm import lora_expand_gemm
 
     def expand(y, t, lora, batch) -> None:
@@ -58,10 +45,6 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         else:
             lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
-    def fused(out, x, lora, batch, accumulate: bool) -> None:
-        lora_fused_small(out, x, lora.a, lora.scaling, lora.b, lora.slice_offsets, lora.max_slice_width,
-                         batch.token_slots, accumulate)  # fmt: skip
-
     if gemm_expand_min_tokens > 0:  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
         overlap_max_tokens = min(overlap_max_tokens, gemm_expand_min_tokens - 1)
-    return LoRAOps(lora_shrink, expand, overlap_max_tokens, fused, fused_max_tokens)
+    return LoRAOps(lora_shrink, expand, overlap_max_tokens)

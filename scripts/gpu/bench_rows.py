@@ -93,11 +93,6 @@ ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
 # the default since 2026-12-02; lora8s: in order on one stream, as before
 ENGINES["lora8s"] = ENGINES["lora8"] + ["--lora-overlap-tokens", "0"]
 ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
-# shrink and expand of steps of one token as one kernel (llmserve/kernels/lora.py lora_fused_small):
-# the default since 2026-12-02 (session 3), on the side stream (lora8) or in order (lora8s);
-# lora8u: two kernels and a zeroed buffer on the side stream, the session-2 default
-ENGINES["lora8u"] = ENGINES["lora8"] + ["--lora-fused-tokens", "0"]
-ROWS["b_lora_unfused"] = ("lora8u", "latency", ROWS["b_lora"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
