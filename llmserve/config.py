@@ -131,7 +131,6 @@ class LoRAConfig:
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
     expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
     overlap_tokens: int = 1  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
-    append_tokens: int = 1  # layer inputs of at most this many rows take the shrink from the base GEMM over appended A (0: never)
 
 
 @dataclass
@@ -184,12 +183,6 @@ class EngineArgs:
     # batch 1: 5.50 ms a token against 6.00 in order (base 4.83); at 8 tokens the projections
     # measured 1-3 µs slower overlapped, hence 1 (docs/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
-    # steps of at most this many tokens take each projection's shrink from the base GEMM itself,
-    # over the base weight with every slot's A appended as extra rows, then one expand kernel
-    # (llmserve/lora/appended.py; in o, gate/up and down of an 8B model with 8 slots of rank 16,
-    # where the extra rows are at most 1/32 of the base's; the others keep the overlap). H200,
-    # batch 1: see docs/benchmarks.md; 0: never (and no base weight is moved)
-    lora_append_tokens: int = 1
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -263,12 +256,11 @@ class EngineArgs:
             raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({self.max_loras})")
         if self.enable_sleep_mode:
             raise ConfigError("LoRA adapters with sleep mode are not supported yet (issue 22)")
-        if min(self.lora_expand_gemm_tokens, self.lora_overlap_tokens, self.lora_append_tokens) < 0:
-            raise ConfigError(f"lora_expand_gemm_tokens, lora_overlap_tokens and lora_append_tokens must be >= 0; "
-                              f"got {self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}, "
-                              f"{self.lora_append_tokens}")  # fmt: skip
+        if self.lora_expand_gemm_tokens < 0 or self.lora_overlap_tokens < 0:
+            raise ConfigError(f"lora_expand_gemm_tokens and lora_overlap_tokens must be >= 0; got "
+                              f"{self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}")  # fmt: skip
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens,
-                          self.lora_overlap_tokens, self.lora_append_tokens)  # fmt: skip
+                          self.lora_overlap_tokens)  # fmt: skip
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

@@ -122,62 +122,6 @@ def test_the_gemm_expand_matches_the_reference(case, dtype):
     assert torch.equal(y[no_adapter], y0[no_adapter])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_the_appended_expand_matches_the_reference(case, dtype):
-    """lora_expand_appended (every slot's unscaled shrink, read from the tail of the appended
-    GEMM's output rows) against its reference, and against the plain expand fed each token's
-    own scaled shrink: the same y, rows without an adapter untouched."""
-    from llmserve.kernels.lora import lora_expand_appended
-    from llmserve.lora.reference import lora_expand_appended_reference
-
-    token_slots, in_features, max_rank, widths = CASES[case]
-    gen = torch.Generator().manual_seed(300 + case)
-    a, b, scaling = make_slots(3, len(widths), max_rank, in_features, widths, dtype, gen)
-    num_tokens = len(token_slots) + 2
-    ctx = LoRAContext(max_num_tokens=128, num_slots=3)
-    ctx.set_token_slots(token_slots)
-    batch = ctx.batch(num_tokens)
-    out = sum(widths)
-    full = torch.randn(num_tokens, out + 3 * len(widths) * max_rank, generator=gen).to(dtype)  # as F.linear gives it
-    t_all = full[:, out:].unflatten(1, (3, len(widths), max_rank))
-    y, y_ref, y_plain = (full[:, :out].clone() for _ in range(3))
-    y0 = y.clone()
-    lora_expand_appended(y, t_all, b, scaling, offsets(widths), max(widths), batch)
-    lora_expand_appended_reference(y_ref, t_all, b, scaling, offsets(widths), max(widths), batch)
-    torch.testing.assert_close(y, y_ref, **TOL[dtype])
-    slots = torch.tensor(token_slots + [-1, -1]).clamp(min=0)
-    own = t_all[torch.arange(num_tokens), slots].float() * scaling[slots][:, None, None]
-    lora_expand_reference(y_plain, own, b, offsets(widths), max(widths), batch)
-    torch.testing.assert_close(y, y_plain, **TOL[dtype])
-    no_adapter = torch.tensor([s < 0 for s in token_slots] + [True, True])
-    assert torch.equal(y[no_adapter], y0[no_adapter])
-    if any(s >= 0 for s in token_slots):
-        assert not torch.equal(y, y0)
-
-
-def test_appending_a_keeps_the_base_layer_and_gives_every_shrink():
-    """append_a: the base layer reads its rows of the appended matrix (same outputs, bias too),
-    and the matrix's extra outputs are x @ A[s, j]^T for every slot and slice; can_append refuses
-    another dtype, a non-Linear layer, and extra rows above the share."""
-    from llmserve.lora import appended
-
-    gen = torch.Generator().manual_seed(7)
-    base = torch.nn.Linear(24, 640, bias=True)
-    a = torch.randn(2, 2, 4, 24, generator=gen)  # 16 extra rows on 640: 1/40
-    x = torch.randn(3, 24, generator=gen)
-    want = base(x)
-    assert appended.can_append(base, a)
-    assert not appended.can_append(base, a.half()) and not appended.can_append(torch.nn.Identity(), a)
-    assert not appended.can_append(torch.nn.Linear(24, 256), a)  # 16 on 256: above 1/32
-    ap = appended.append_a(base, a)
-    assert base.weight.data_ptr() == ap.weight.data_ptr() and base.bias.data_ptr() == ap.bias.data_ptr()
-    torch.testing.assert_close(base(x), want)
-    full = torch.nn.functional.linear(x, ap.weight, ap.bias)
-    torch.testing.assert_close(full[:, :640], want)
-    torch.testing.assert_close(ap.t_all(full), torch.einsum("tk,sjrk->tsjr", x, a), rtol=1e-5, atol=1e-5)
-
-
 def test_shrink_splits_follow_the_token_count():
     from llmserve.kernels.lora import shrink_splits
 
@@ -195,15 +139,10 @@ def test_empty_batch():
     lora_expand(torch.zeros(0, 32), t, b, offsets([32]), 32, ctx.batch(0))
 
 
-def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypatch):
+def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
     """The tiny Llama with two adapters in its slots, one flat batch (two adapters, the base):
-    the same logits through the Triton kernels as through the PyTorch references, and through
-    the appended A (every projection: the share limit lifted), whose copies of A are written
-    when the adapters load after the layers are wrapped."""
-    import dataclasses
-
-    from llmserve.lora import REFERENCE_LORA_OPS, LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
-    from llmserve.lora import appended as appended_module
+    the same logits through the Triton kernels as through the PyTorch references."""
+    from llmserve.lora import LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
     from llmserve.lora.projections import module_shapes
     from llmserve.model.arch import read_model_arch
     from llmserve.model.attention import AttentionMetadata, reference_paged_attention
@@ -230,16 +169,13 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypa
 
     widest = max(spec.out_features for spec in projection_specs(arch))
     variants = ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True),
-                (triton_lora_ops(1, gemm_expand_min_width=widest), True), (triton_lora_ops(append_max_tokens=16), False),
-                (dataclasses.replace(REFERENCE_LORA_OPS, append_max_tokens=16), False))  # fmt: skip
-    monkeypatch.setattr(appended_module, "APPEND_MAX_FRACTION", 1.0)  # tiny projections: every one qualifies
+                (triton_lora_ops(1, gemm_expand_min_width=widest), True))  # fmt: skip
     for ops, output_major in variants:
         model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
                            progress=False)  # fmt: skip
         store = LoRASlotStore(arch, num_slots=2, max_rank=16, output_major_b=output_major)
         ctx = LoRAContext(max_num_tokens=16, num_slots=2)
-        applied = apply_lora(model, store, ctx, *([ops] if ops else []))
-        assert all(layer.appended is not None for layer in applied.layers()) == bool(ops and ops.append_max_tokens)
+        apply_lora(model, store, ctx, *([ops] if ops else []))
         for adapter in adapters:
             store.load(adapter)
         ctx.set_token_slots(token_slots)
@@ -247,8 +183,6 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypa
             layer.kv_cache = torch.zeros(2, 3, 16, arch.num_kv_heads, arch.head_dim)
         with torch.inference_mode():
             logits.append(model.compute_logits(model(ids, positions, meta)))
-    applied.remove()  # (the last variant appended A: the base layers keep reading their rows of it)
-    assert store.weights.on_slot_written == []
     ctx.set_token_slots([-1] * 12)  # the same batch on the base model alone
     for layer in model.attention_layers():
         layer.kv_cache.zero_()

@@ -80,10 +80,9 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    t_ptr, b_ptr, y_ptr, offsets_ptr, blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, scale_ptr, SPLITS,
-    stride_ts, stride_tslot, stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
+    t_ptr, b_ptr, y_ptr, offsets_ptr, blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, SPLITS,
+    stride_ts, stride_tm, stride_tj, stride_bs, stride_bn, stride_ym, N_BLOCKS,
     RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
-    SCALE: tl.constexpr,
 ):  # fmt: skip
     j = tl.program_id(1) // N_BLOCKS  # output slice
     nb = tl.program_id(1) % N_BLOCKS  # column block inside the slice
@@ -96,14 +95,11 @@ def _expand_kernel(
     r_ok = rs < RANK
     cols = lo + nb * BLOCK_N + tl.arange(0, BLOCK_N)
     c_ok = cols < hi
-    # (stride_tslot: t holds every slot's shrink, as the appended GEMM gives it; 0: t is the slot's)
-    t_ptrs = t_ptr + s.to(tl.int64) * stride_tslot + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
+    t_ptrs = t_ptr + tok[:, None] * stride_tm + j * stride_tj + rs[None, :]
     t_ok = row_ok[:, None] & r_ok[None, :]
-    t = tl.load(t_ptrs, mask=t_ok, other=0.0).to(tl.float32)
+    t = tl.load(t_ptrs, mask=t_ok, other=0.0)
     for split in range(1, SPLITS):  # the shrink's partial sums, added in split order
         t += tl.load(t_ptrs + split * stride_ts, mask=t_ok, other=0.0)
-    if SCALE:  # t is x @ A^T without the slot's scaling (the appended GEMM's)
-        t = t * tl.load(scale_ptr + s)
     b = tl.load(b_ptr + s.to(tl.int64) * stride_bs + cols[:, None] * stride_bn + rs[None, :],
                 mask=c_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
     delta = tl.dot(t.to(b.dtype), tl.trans(b), input_precision=DOT_PREC)  # [BLOCK_M, BLOCK_N] float32
@@ -167,37 +163,14 @@ def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets
     assert t.stride(-1) == 1, t.stride()
     if num_tokens == 0:
         return
-    _launch_expand(y, t, 0, b, slice_offsets, max_slice_width, batch, None, t.stride(0), block_n, num_warps)
-
-
-def lora_expand_appended(y: torch.Tensor, t_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                         slice_offsets: torch.Tensor, max_slice_width: int, batch: LoRABatch,
-                         block_n: int | None = None, num_warps: int = 4) -> None:  # fmt: skip
-    """lora_expand from every slot's unscaled shrink, as the GEMM over a base weight with each
-    slot's A appended gives it (llmserve/lora/appended.py): t_all [T, slots, slices, max_rank], any
-    row and slot strides; each token reads its own slot's part, times scaling[slot]."""
-    num_tokens = y.shape[0]
-    assert t_all.dim() == 4 and t_all.shape[0] == num_tokens and t_all.stride(-1) == 1, (t_all.shape, t_all.stride())
-    if num_tokens == 0:
-        return
-    t = t_all[:, 0].unsqueeze(0)  # [1, T, slices, max_rank]: the strides of one slot's shrink
-    _launch_expand(y, t, t_all.stride(1), b, slice_offsets, max_slice_width, batch, scaling, 0, block_n, num_warps)
-
-
-def _launch_expand(y, t, slot_stride: int, b, slice_offsets, max_slice_width: int, batch: LoRABatch, scaling,
-                   split_stride: int, block_n: int | None, num_warps: int) -> None:  # fmt: skip
-    num_tokens = y.shape[0]
-    num_slots, _, rank = b.shape
-    slices = slice_offsets.shape[0] - 1
     block_m = row_block(num_tokens)
     # wider column blocks for row blocks of 64: half the programs, each re-reading the shrink's
     # partial sums half as often (at 512 tokens the 64-wide blocks ran at a third of the bandwidth)
     block_n = block_n or (64 if block_m < 64 else 128)
     n_blocks = triton.cdiv(max_slice_width, block_n)
     _expand_kernel[(max_row_blocks(num_tokens, num_slots), slices * n_blocks)](
-        t, b, y, slice_offsets, batch.row_blocks, batch.sorted_tokens, batch.slot_starts, batch.slot_counts,
-        scaling if scaling is not None else t, t.shape[0],
-        split_stride, slot_stride, t.stride(1), t.stride(2), b.stride(0), b.stride(1), y.stride(0), n_blocks,
+        t, b, y, slice_offsets, batch.row_blocks, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t.shape[0],
+        t.stride(0), t.stride(1), t.stride(2), b.stride(0), b.stride(1), y.stride(0), n_blocks,
         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        DOT_PREC=_dot_precision(b.dtype), SCALE=scaling is not None, num_warps=num_warps,
+        DOT_PREC=_dot_precision(b.dtype), num_warps=num_warps,
     )  # fmt: skip

@@ -17,10 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llmserve.lora.appended import AppendedWeight, append_a, can_append
 from llmserve.lora.context import LoRAContext
 from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
 from llmserve.lora.projections import ROW_PARALLEL
@@ -37,15 +35,11 @@ class LoRALinear(nn.Module):
     shrink and expand run on `side` into a zeroed float32 buffer while the base GEMM runs, and
     the buffer is added to the GEMM's output after both: at batch 1 the two LoRA kernels are a few
     µs of launch-bound latency each, hidden behind the GEMM's 12-30 µs. The sum is the same as
-    the expand's in place (y rounded once from y + delta in float32).
-
-    With `appended` (every slot's A stored under the base weight: llmserve/lora/appended.py) and at
-    most `ops.append_max_tokens` rows, one GEMM gives y and every slot's shrink, and one expand
-    adds each token's delta: no shrink kernel, no second stream."""
+    the expand's in place (y rounded once from y + delta in float32)."""
 
     def __init__(self, base_layer: nn.Module, lora: ProjectionLoRA, context: LoRAContext, ops: LoRAOps,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 side: torch.cuda.Stream | None = None, appended: AppendedWeight | None = None) -> None:  # fmt: skip
+                 side: torch.cuda.Stream | None = None) -> None:  # fmt: skip
         super().__init__()
         self.base_layer = base_layer
         self.lora = lora  # views of the store's tensors: not parameters, not in the state dict
@@ -53,15 +47,12 @@ class LoRALinear(nn.Module):
         self.ops = ops
         self.reduce = reduce  # a row-parallel layer's: the shrink outputs summed over the ranks
         self.side = side if reduce is None else None  # (a reduce is a collective: kept on the main stream)
-        self.appended = appended if reduce is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.context.batch(x.shape[0])
         if not batch.active:
             return self.base_layer(x)
         lora = self.lora
-        if self.appended is not None and x.shape[0] <= self.ops.append_max_tokens:
-            return self._appended(x, batch)
         if self.side is not None and x.shape[0] <= self.ops.overlap_max_tokens:
             return self._overlapped(x, batch)
         y = self.base_layer(x)
@@ -84,15 +75,6 @@ class LoRALinear(nn.Module):
         # wait on the main stream, which orders it after this add)
         return y.add_(delta)
 
-    def _appended(self, x: torch.Tensor, batch) -> torch.Tensor:
-        ap = self.appended
-        full = F.linear(x, ap.weight, ap.bias)  # [T, out + slots * slices * max_rank]
-        y = full[:, : ap.out_features]  # (one row: contiguous as it is)
-        if not y.is_contiguous():
-            y = y.contiguous()
-        self.ops.expand_appended(y, ap.t_all(full), self.lora, batch)
-        return y
-
 
 @dataclass
 class AppliedLoRA:
@@ -101,8 +83,6 @@ class AppliedLoRA:
     model: LlamaForCausalLM
     store: LoRASlotStore
     context: LoRAContext
-    # keeps the appended copies of A in step with the store (None: no projection has them)
-    on_slot_written: Callable[[int], None] | None = None
 
     def layers(self) -> list[LoRALinear]:
         return [m for m in self.model.modules() if isinstance(m, LoRALinear)]
@@ -114,8 +94,6 @@ class AppliedLoRA:
                 wrapped = getattr(parent, spec.name)
                 if isinstance(wrapped, LoRALinear):
                     setattr(parent, spec.name, wrapped.base_layer)
-        if self.on_slot_written is not None:  # (a base weight with A appended stays a view of it)
-            self.store.weights.on_slot_written.remove(self.on_slot_written)
 
 
 def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAContext,
@@ -132,7 +110,6 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
     device = store.weights.scaling.device
     overlap = ops.overlap_max_tokens > 0 and device.type == "cuda"
     side = torch.cuda.Stream(device) if overlap else None  # one for every layer
-    appended: list[LoRALinear] = []
     for i, layer in enumerate(model.model.layers):
         for spec in store.weights.specs.values():
             parent = getattr(layer, spec.parent)
@@ -140,20 +117,5 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
             if isinstance(base, LoRALinear):
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
             reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL else None
-            lora = store.projection(spec.name, i)
-            ap = append_a(base, lora.a) if ops.append_max_tokens > 0 and reduce is None and can_append(base, lora.a) else None
-            wrapped = LoRALinear(base, lora, context, ops, reduce, side, ap)
-            setattr(parent, spec.name, wrapped)
-            if ap is not None:
-                appended.append(wrapped)
-    if not appended:
-        return AppliedLoRA(model, store, context)
-
-    def copy_a(slot: int) -> None:  # the store's A of `slot`, rewritten: its appended copies too
-        for wrapped in appended:
-            wrapped.appended.a[slot].copy_(wrapped.lora.a[slot])
-
-    store.weights.on_slot_written.append(copy_a)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the base weights' old blocks (each moved into its appended matrix)
-    return AppliedLoRA(model, store, context, copy_a)
+            setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce, side))
+    return AppliedLoRA(model, store, context)

@@ -7,15 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmserve.lora.reference import lora_expand_appended_reference, lora_expand_reference, lora_shrink_reference
+from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
 
 
 def _reference_expand(y, t, lora, batch) -> None:
     lora_expand_reference(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
-
-
-def _reference_expand_appended(y, t_all, lora, batch) -> None:
-    lora_expand_appended_reference(y, t_all, lora.b, lora.scaling, lora.slice_offsets, lora.max_slice_width, batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +21,6 @@ class LoRAOps:
     # layer inputs of at most this many rows: the adapter on a second CUDA stream beside the base
     # GEMM (LoRALinear; CUDA only, 0: never)
     overlap_max_tokens: int = 0
-    # (y, t_all, lora, batch) -> None: the expand from every slot's unscaled shrink, as the GEMM over
-    # a base weight with the slots' A appended gives it (llmserve/lora/appended.py), y += in place
-    expand_appended: Callable = _reference_expand_appended
-    # layer inputs of at most this many rows: that GEMM and expand_appended, in the projections
-    # where A was appended (apply_lora; 0: nowhere)
-    append_max_tokens: int = 0
 
 
 REFERENCE_LORA_OPS = LoRAOps()
@@ -40,14 +30,13 @@ GEMM_EXPAND_MIN_WIDTH = 16384  # H200, 512 tokens: gate_up 27.7 µs as a GEMM vs
 
 
 def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH,
-                    overlap_max_tokens: int = 0, append_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
+                    overlap_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
     """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter).
     `gemm_expand_min_tokens` > 0: layer inputs of at least that many rows expand through
     `lora_expand_gemm` instead of the Triton expand (0: never), in projections with at least
     `gemm_expand_min_width` outputs (the MLP's gate/up: there the Triton expand re-reads its
-    partial planes for every one of many output tiles). `append_max_tokens` > 0: layer inputs of at
-    most that many rows take the shrink from the base GEMM over the appended A (lora/appended.py)."""
-    from llmserve.kernels.lora import lora_expand, lora_expand_appended, lora_shrink
+    partial planes for every one of many output tiles)."""
+    from llmserve.kernels.lora import lora_expand, lora_shrink
     from llmserve.lora.expand_gemm import lora_expand_gemm
 
     def expand(y, t, lora, batch) -> None:
@@ -56,9 +45,6 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         else:
             lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
-    def expand_appended(y, t_all, lora, batch) -> None:
-        lora_expand_appended(y, t_all, lora.b, lora.scaling, lora.slice_offsets, lora.max_slice_width, batch)
-
     if gemm_expand_min_tokens > 0:  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
         overlap_max_tokens = min(overlap_max_tokens, gemm_expand_min_tokens - 1)
-    return LoRAOps(lora_shrink, expand, overlap_max_tokens, expand_appended, append_max_tokens)
+    return LoRAOps(lora_shrink, expand, overlap_max_tokens)

@@ -44,13 +44,3 @@ def lora_expand_reference(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, sli
             lo, hi = offsets[j], offsets[j + 1]
             delta = t[rows, j].to(b.dtype).float() @ b[s, lo:hi].float().t()
             y[rows, lo:hi] = (y[rows, lo:hi].float() + delta).to(y.dtype)
-
-
-def lora_expand_appended_reference(y: torch.Tensor, t_all: torch.Tensor, b: torch.Tensor, scaling: torch.Tensor,
-                                   slice_offsets: torch.Tensor, max_slice_width: int, batch: LoRABatch) -> None:  # fmt: skip
-    """lora_expand_reference from every slot's unscaled shrink t_all [T, slots, slices, max_rank]
-    (the appended GEMM's, llmserve/lora/appended.py): each token's own slot, times its scaling."""
-    slots = batch.token_slots[: y.shape[0]].long().clamp(min=0)  # (tokens without a slot: not read)
-    rows = torch.arange(y.shape[0], device=y.device)
-    t = t_all[rows, slots].float() * scaling[slots][:, None, None]
-    lora_expand_reference(y, t, b, slice_offsets, max_slice_width, batch)

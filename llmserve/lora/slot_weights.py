@@ -16,7 +16,6 @@ model's layers (and CUDA graphs) keep their addresses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +64,6 @@ class SlotWeights:
                       for s in self.specs.values()}  # fmt: skip
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self._offsets = {s.name: torch.tensor(s.offsets, dtype=torch.int32, device=device) for s in self.specs.values()}
-        # called with a slot after its weights change (copies of A kept elsewhere: lora/appended.py)
-        self.on_slot_written: list[Callable[[int], None]] = []
 
     def check(self, adapter: LoRAAdapter) -> None:
         """Raise LoRAAdapterError unless `adapter` fits these slots (rank, modules, shapes)."""
@@ -79,28 +76,19 @@ class SlotWeights:
     def write(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put `adapter` (checked) in `slot`; whatever was there is cleared."""
         self.check(adapter)
-        self._clear(slot)
+        self.clear(slot)
         for (layer, module), w in adapter.modules.items():
             name, j = self._place[module]
             lo, hi = self.specs[name].offsets[j], self.specs[name].offsets[j + 1]
             self.a[name][layer, slot, j, : adapter.rank].copy_(w.a, non_blocking=True)  # from pinned memory: async
             self.b[name][layer, slot, lo:hi, : adapter.rank].copy_(w.b, non_blocking=True)
         self.scaling[slot] = adapter.scaling
-        self._written(slot)
 
     def clear(self, slot: int) -> None:
-        self._clear(slot)
-        self._written(slot)
-
-    def _clear(self, slot: int) -> None:
         for name in self.specs:
             self.a[name][:, slot].zero_()
             self.b[name][:, slot].zero_()
         self.scaling[slot] = 0.0
-
-    def _written(self, slot: int) -> None:
-        for callback in self.on_slot_written:
-            callback(slot)
 
     def projection(self, name: str, layer: int) -> ProjectionLoRA:
         spec = self.specs[name]

@@ -93,10 +93,6 @@ ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
 # the default since 2026-12-02; lora8s: in order on one stream, as before
 ENGINES["lora8s"] = ENGINES["lora8"] + ["--lora-overlap-tokens", "0"]
 ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
-# the shrink of steps of one token from the base GEMM over every slot's A appended (o, gate/up, down;
-# llmserve/lora/appended.py): the default since 2026-12-02 (session 3); lora8o: the overlap alone, as before
-ENGINES["lora8o"] = ENGINES["lora8"] + ["--lora-append-tokens", "0"]
-ROWS["b_lora_overlap"] = ("lora8o", "latency", ROWS["b_lora"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:

@@ -10,8 +10,7 @@
    counted, as in the engine's decode graphs), CUDA events, median of 20 replays.
 4. The adapter on a second stream beside the base GEMM (LoRALinear's overlap, 1 and 8 tokens):
    the same output as in order, bit for bit, eager and replayed from a CUDA graph; and a whole
-   projection (base GEMM, in order, overlapped) timed as in 3; and the same for the shrink taken
-   from the base GEMM over every slot's A appended (lora/appended.py), against in order.
+   projection (base GEMM, in order, overlapped) timed as in 3.
 Writes $OUT/lora_kernels_check.json. LORA_CHECK=overlap runs step 4 alone.
 
     python3 scripts/gpu/lora_kernels_check.py
@@ -19,7 +18,6 @@ Writes $OUT/lora_kernels_check.json. LORA_CHECK=overlap runs step 4 alone.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
@@ -30,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from llmserve.kernels.lora import lora_expand, lora_shrink  # noqa: E402
-from llmserve.lora.appended import append_a  # noqa: E402
 from llmserve.lora.apply import LoRALinear  # noqa: E402
 from llmserve.lora.context import LoRAContext  # noqa: E402
 from llmserve.lora.expand_gemm import lora_expand_gemm  # noqa: E402
@@ -197,22 +194,15 @@ def check_overlap() -> list[dict]:
             ctx = LoRAContext(256, SLOTS, DEV, always_apply=True)
             plain = LoRALinear(base, w, ctx, triton_lora_ops())
             over = LoRALinear(base, w, ctx, triton_lora_ops(overlap_max_tokens=16), side=side)
-            base_ext = copy.deepcopy(base)  # its weight moves into the appended matrix
-            app = LoRALinear(base_ext, w, ctx, triton_lora_ops(append_max_tokens=16), appended=append_a(base_ext, w.a))
             x = torch.randn(n, in_features, generator=gen, device=DEV).to(torch.bfloat16)
             with torch.inference_mode():
                 ctx.set_token_slots(token_slots(n, cpu_gen))
                 eager_diff = (plain(x).float() - over(x).float()).abs().max().item()
                 graph_diff = replayed_max_abs(over, plain, x, lambda: ctx.set_token_slots(token_slots(n, cpu_gen)), 3)
-                appended = {"appended_eager_max_abs": (plain(x).float() - app(x).float()).abs().max().item(),
-                            "appended_graph_max_abs": replayed_max_abs(
-                                app, plain, x, lambda: ctx.set_token_slots(token_slots(n, cpu_gen)), 3),
-                            "lora_delta_max": (plain(x).float() - base(x).float()).abs().max().item()}  # fmt: skip
                 ctx.set_token_slots([i % SLOTS for i in range(n)])
                 times = {"base_ms": time_ms(lambda: base(x)), "in_order_ms": time_ms(lambda: plain(x)),
-                         "overlapped_ms": time_ms(lambda: over(x)), "appended_ms": time_ms(lambda: app(x))}  # fmt: skip
-            rows.append({"proj": name, "tokens": n, "eager_max_abs": eager_diff, "graph_max_abs": graph_diff,
-                         **appended, **times})  # fmt: skip
+                         "overlapped_ms": time_ms(lambda: over(x))}  # fmt: skip
+            rows.append({"proj": name, "tokens": n, "eager_max_abs": eager_diff, "graph_max_abs": graph_diff, **times})
             print("RESULT overlap", rows[-1], flush=True)
     return rows
 
