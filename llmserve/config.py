@@ -131,6 +131,7 @@ class LoRAConfig:
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
     expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
     overlap_tokens: int = 1  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
+    defer_add: bool = True  # overlapped: the op after o, gate/up and down adds their delta in its own kernel
 
 
 @dataclass
@@ -183,6 +184,10 @@ class EngineArgs:
     # batch 1: 5.50 ms a token against 6.00 in order (base 4.83); at 8 tokens the projections
     # measured 1-3 µs slower overlapped, hence 1 (docs/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
+    # at those steps the delta of o, gate/up and down is added by the op after each (the norm, the
+    # activation: one more input of their kernels, llmserve/lora/deferred.py) instead of an add
+    # kernel of its own; --no-lora-defer-add: the add
+    lora_defer_add: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -260,7 +265,7 @@ class EngineArgs:
             raise ConfigError(f"lora_expand_gemm_tokens and lora_overlap_tokens must be >= 0; got "
                               f"{self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}")  # fmt: skip
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens,
-                          self.lora_overlap_tokens)  # fmt: skip
+                          self.lora_overlap_tokens, self.lora_defer_add)  # fmt: skip
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

@@ -383,6 +383,40 @@ def test_fused_add_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_norm_and_activation_add_a_float32_delta_first(dtype):
+    """The `delta=` of the fused add-norm and of silu_and_mul (a LoRA layer's deferred delta,
+    llmserve/lora/deferred.py): the same as `x.add_(delta)` before the op, kernel and reference,
+    and the inputs untouched."""
+    from llmserve.model.layers import fused_add_rms_norm as ref_fused_add_rms_norm
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(40, generator=g).to(dtype)
+    x = (torch.randn(3, 40, generator=g) * 2).to(dtype)
+    residual = torch.randn(3, 40, generator=g).to(dtype)
+    delta = torch.randn(3, 40, generator=g)  # float32
+    x_before = x.clone()
+    added = x.clone().add_(delta)
+    tol = dict(atol=0, rtol=0) if dtype != torch.bfloat16 else TOL[dtype]  # (the interpreter's bf16 cast truncates)
+    want_out, want_res = ref_fused_add_rms_norm(added, residual, w, 1e-6)
+    ref_out, ref_res = ref_fused_add_rms_norm(x, residual, w, 1e-6, delta=delta)
+    assert torch.equal(ref_out, want_out) and torch.equal(ref_res, want_res)  # the reference: exactly the add first
+    out, new_res = norm.fused_add_rms_norm(x, residual, w, 1e-6, delta=delta)
+    torch.testing.assert_close(new_res, want_res, **tol)
+    torch.testing.assert_close(out, want_out, **TOL[dtype])
+    plain_out, _ = norm.fused_add_rms_norm(x, residual, w, 1e-6)
+    assert not torch.equal(out, plain_out)  # the delta was added
+    h = (torch.randn(3, 2 * 40, generator=g) * 3).to(dtype)
+    h_delta = torch.randn(3, 2 * 40, generator=g)
+    want = ref_silu_and_mul(h.clone().add_(h_delta))
+    assert torch.equal(ref_silu_and_mul(h, delta=h_delta), want)
+    act_tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    got = activation.silu_and_mul(h, delta=h_delta)
+    torch.testing.assert_close(got, want, **act_tol)
+    assert not torch.equal(got, activation.silu_and_mul(h))
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
 def test_rotary(dtype):
     head_dim, n_q, n_k, tokens = 32, 4, 2, 7
     rope = RotaryEmbedding(

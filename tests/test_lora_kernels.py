@@ -139,10 +139,23 @@ def test_empty_batch():
     lora_expand(torch.zeros(0, 32), t, b, offsets([32]), 32, ctx.batch(0))
 
 
-def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
+class _NoStream:
+    """A stand-in for the second CUDA stream on the CPU: the overlapped path runs in order."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypatch):
     """The tiny Llama with two adapters in its slots, one flat batch (two adapters, the base):
-    the same logits through the Triton kernels as through the PyTorch references."""
-    from llmserve.lora import LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
+    the same logits through the Triton kernels as through the PyTorch references; and the
+    overlapped path (a stand-in stream on the CPU), the delta added by its own add or by the op
+    after the projection (lora/deferred.py), gives the references' logits bit for bit."""
+    import contextlib
+    import dataclasses
+
+    from llmserve.lora import REFERENCE_LORA_OPS, LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
+    from llmserve.lora.deferred import ActAddingDelta, NormAddingDelta
     from llmserve.lora.projections import module_shapes
     from llmserve.model.arch import read_model_arch
     from llmserve.model.attention import AttentionMetadata, reference_paged_attention
@@ -168,14 +181,27 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
     from llmserve.lora.projections import projection_specs
 
     widest = max(spec.out_features for spec in projection_specs(arch))
+    overlapped = dataclasses.replace(REFERENCE_LORA_OPS, overlap_max_tokens=16)
     variants = ((None, False), (triton_lora_ops(), False), (triton_lora_ops(1, gemm_expand_min_width=1), True),
-                (triton_lora_ops(1, gemm_expand_min_width=widest), True))  # fmt: skip
+                (triton_lora_ops(1, gemm_expand_min_width=widest), True),
+                (triton_lora_ops(overlap_max_tokens=16), False),  # deferred adds, through the kernels
+                (dataclasses.replace(overlapped, defer_add=False), False), (overlapped, False))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     for ops, output_major in variants:
         model = load_model(str(model_dir), arch, torch.float32, "cpu", reference_paged_attention, load_format="dummy",
                            progress=False)  # fmt: skip
         store = LoRASlotStore(arch, num_slots=2, max_rank=16, output_major_b=output_major)
         ctx = LoRAContext(max_num_tokens=16, num_slots=2)
-        apply_lora(model, store, ctx, *([ops] if ops else []))
+        overlap = ops is not None and ops.overlap_max_tokens > 0
+        applied = apply_lora(model, store, ctx, *([ops] if ops else []), side=_NoStream() if overlap else None)
+        wrappers = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                                layer.mlp.act)] + [model.model.norm]  # fmt: skip
+        deferred = overlap and ops.defer_add
+        # the op after every o, gate/up and down: 2 norms a layer (the first layer's input norm follows no
+        # projection; the final norm follows the last down) and the activation
+        assert sum(isinstance(m, NormAddingDelta) for m in wrappers) == (2 * arch.num_layers if deferred else 0)
+        assert sum(isinstance(m, ActAddingDelta) for m in wrappers) == (arch.num_layers if deferred else 0)
         for adapter in adapters:
             store.load(adapter)
         ctx.set_token_slots(token_slots)
@@ -183,6 +209,9 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
             layer.kv_cache = torch.zeros(2, 3, 16, arch.num_kv_heads, arch.head_dim)
         with torch.inference_mode():
             logits.append(model.compute_logits(model(ids, positions, meta)))
+    applied.remove()  # (the last variant deferred its adds: the norms and activations are back too)
+    assert not any(isinstance(m, (NormAddingDelta, ActAddingDelta)) for layer in model.model.layers
+                   for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act))  # fmt: skip
     ctx.set_token_slots([-1] * 12)  # the same batch on the base model alone
     for layer in model.attention_layers():
         layer.kv_cache.zero_()
@@ -194,6 +223,7 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path):
     for fast in logits[1:]:
         torch.testing.assert_close(fast, logits[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(fast.argmax(-1), logits[0].argmax(-1))
+    assert torch.equal(logits[-2], logits[0]) and torch.equal(logits[-1], logits[0])  # the references, overlapped
 
 
 def test_b_is_output_major_only_where_a_projection_takes_the_gemm_expand(tmp_path, monkeypatch):

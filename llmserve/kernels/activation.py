@@ -22,13 +22,17 @@ from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr
+    x_ptr, out_ptr, delta_ptr, stride_x, stride_o, stride_d, n_cols, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    if HAS_DELTA:  # x.add_(delta) first: a float32 LoRA delta, rounded back to x's dtype
+        d_row = delta_ptr + row * stride_d
+        gate = (gate.to(tl.float32) + tl.load(d_row + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
+        up = (up.to(tl.float32) + tl.load(d_row + n_cols + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     out = act * up.to(tl.float32)
@@ -98,21 +102,28 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
     return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x `[..., 2 * I]` -> `[..., I]`."""
+def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[..., 2 * I]` -> `[..., I]`. `delta` (float32, x's shape): added to x first, as
+    `x.add_(delta)` would (a LoRA layer's deferred delta: llmserve/lora/deferred.py)."""
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
     x2 = x.reshape(-1, two_i)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    d2 = x2
+    if delta is not None:
+        assert delta.dtype == torch.float32 and delta.shape == x.shape, (delta.dtype, delta.shape)
+        d2 = delta.reshape(-1, two_i)
+        if d2.stride(-1) != 1:
+            d2 = d2.contiguous()
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     out2 = out.view(-1, inter)
     rows = x2.shape[0]
     if rows and inter:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
-            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block,
+            x2, out2, d2, x2.stride(0), out2.stride(0), d2.stride(0), inter, BLOCK=block, HAS_DELTA=delta is not None,
             num_warps=max(1, min(8, block // 128)),
         )  # fmt: skip
     return out

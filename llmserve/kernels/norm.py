@@ -12,6 +12,9 @@ as `llmserve.model.fp8.quantize_tokens` quantizes the reference's output: the no
 rounded to its dtype, its amax, the correctly rounded division (`tl.div_rn`), saturated at
 ±448. The FP8 row and its scale are written instead of the normalised row, which saves a
 kernel and a pass over the activations before each QKV and gate/up projection.
+
+With a `delta` (float32) the row first becomes `x.add_(delta)`: the LoRA delta of the projection
+before, added here instead of in a kernel of its own (llmserve/lora/deferred.py).
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, scale_ptr,
-    stride_x, stride_r, stride_o, stride_nr,
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, scale_ptr, delta_ptr,
+    stride_x, stride_r, stride_o, stride_nr, stride_d,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_DELTA:  # x.add_(delta) first: a float32 LoRA delta, x rounded back to its dtype
+        d = tl.load(delta_ptr + row * stride_d + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # the sum is rounded to the residual dtype first, exactly like `x + residual`
@@ -61,7 +67,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch(x, residual, weight, eps, quantize: bool = False):
+def _launch(x, residual, weight, eps, quantize: bool = False, delta: torch.Tensor | None = None):
     hidden = x.shape[-1]
     x2 = _rows(x)
     sum_dtype = torch.result_type(x, residual) if residual is not None else x.dtype
@@ -81,14 +87,18 @@ def _launch(x, residual, weight, eps, quantize: bool = False):
         r2 = nr2 = x2
         new_res = None
     rows = x2.shape[0]
+    d2 = x2
+    if delta is not None:
+        assert delta.dtype == torch.float32 and delta.shape == x.shape, (delta.dtype, delta.shape)
+        d2 = _rows(delta)
     if rows:
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2, r2, weight, out2, nr2, scale if quantize else out2,
-            x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0),
+            x2, r2, weight, out2, nr2, scale if quantize else out2, d2,
+            x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), d2.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, HAS_DELTA=delta is not None, BLOCK=block,
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     if quantize:
         return Fp8Tokens(out.to(torch.float8_e4m3fn), scale, sum_dtype), new_res
@@ -102,12 +112,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(RMSNorm(x + residual), x + residual)` in one pass (new tensors; inputs untouched)."""
+    """`(RMSNorm(x + residual), x + residual)` in one pass (new tensors; inputs untouched).
+    `delta` (float32, x's shape): added to x first, as `x.add_(delta)` would (a LoRA layer's
+    deferred delta: llmserve/lora/deferred.py)."""
     assert weight.is_contiguous() and weight.shape[-1] == x.shape[-1]
     assert residual.shape == x.shape
-    out, new_res = _launch(x, residual, weight, eps)
+    out, new_res = _launch(x, residual, weight, eps, delta=delta)
     return out, new_res
 
 

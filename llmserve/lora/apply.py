@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.lora.context import LoRAContext
+from llmserve.lora.deferred import ActAddingDelta, DeferredDelta, NormAddingDelta
 from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
 from llmserve.lora.projections import ROW_PARALLEL
 from llmserve.lora.slot_weights import ProjectionLoRA
@@ -47,8 +48,12 @@ class LoRALinear(nn.Module):
         self.ops = ops
         self.reduce = reduce  # a row-parallel layer's: the shrink outputs summed over the ranks
         self.side = side if reduce is None else None  # (a reduce is a collective: kept on the main stream)
+        # set by apply_lora where the op after this projection adds an overlapped delta itself
+        self.deferred: DeferredDelta | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.deferred is not None:
+            self.deferred.put(None)  # (until an overlapped step hands one over)
         batch = self.context.batch(x.shape[0])
         if not batch.active:
             return self.base_layer(x)
@@ -70,9 +75,12 @@ class LoRALinear(nn.Module):
             delta = torch.zeros(x.shape[0], lora.b.shape[1], dtype=torch.float32, device=x.device)
             self.ops.expand(delta, t, lora, batch)
         y = self.base_layer(x)
-        main.wait_stream(side)
         # (the buffers were made on `side`: each next use of that memory there comes after a
-        # wait on the main stream, which orders it after this add)
+        # wait on the main stream, which orders it after the add below, or the op that adds it)
+        if self.deferred is not None:  # the next op adds it as it reads y (lora/deferred.py)
+            self.deferred.put(delta)
+            return y
+        main.wait_stream(side)
         return y.add_(delta)
 
 
@@ -94,12 +102,19 @@ class AppliedLoRA:
                 wrapped = getattr(parent, spec.name)
                 if isinstance(wrapped, LoRALinear):
                     setattr(parent, spec.name, wrapped.base_layer)
+        for owner, name in _consumers(self.model):  # the ops that took deferred deltas, as they were
+            consumer = getattr(owner, name)
+            if isinstance(consumer, NormAddingDelta):
+                setattr(owner, name, consumer.norm)
+            elif isinstance(consumer, ActAddingDelta):
+                setattr(owner, name, consumer.act)
 
 
 def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAContext,
-               ops: LoRAOps = REFERENCE_LORA_OPS) -> AppliedLoRA:  # fmt: skip
+               ops: LoRAOps = REFERENCE_LORA_OPS, side: torch.cuda.Stream | None = None) -> AppliedLoRA:  # fmt: skip
     """Wrap every adaptable projection of `model` (loaded) in a LoRALinear over `store`'s slots,
-    reading the step's token slots from `context`."""
+    reading the step's token slots from `context`. `side`: the second stream of overlapped steps
+    (default: a new one, on CUDA when `ops` overlap)."""
     if store.weights.arch != model.shard:
         raise ValueError("the LoRA slot store was made for another model architecture (or another rank's share)")
     dtype = model.model.embed_tokens.weight.dtype  # the activations' (FP8 layers keep theirs)
@@ -108,8 +123,8 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
     if context.num_slots != store.num_slots:
         raise ValueError(f"the LoRA context has {context.num_slots} slots, the store {store.num_slots}")
     device = store.weights.scaling.device
-    overlap = ops.overlap_max_tokens > 0 and device.type == "cuda"
-    side = torch.cuda.Stream(device) if overlap else None  # one for every layer
+    if side is None and ops.overlap_max_tokens > 0 and device.type == "cuda":
+        side = torch.cuda.Stream(device)  # one for every layer
     for i, layer in enumerate(model.model.layers):
         for spec in store.weights.specs.values():
             parent = getattr(layer, spec.parent)
@@ -118,4 +133,32 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
             reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL else None
             setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce, side))
+    if side is not None and ops.defer_add:
+        _defer_adds(model, side)
     return AppliedLoRA(model, store, context)
+
+
+def _consumers(model: LlamaForCausalLM) -> list[tuple[object, str]]:
+    """(owner, attribute) of the op right after each layer's o_proj, gate_up_proj and down_proj,
+    in that order, layer by layer: the post-attention norm, the MLP's activation, and the next
+    layer's input norm (the model's final norm after the last layer)."""
+    layers = model.model.layers
+    out: list[tuple[object, str]] = []
+    for i, layer in enumerate(layers):
+        after_down = (layers[i + 1], "input_layernorm") if i + 1 < len(layers) else (model.model, "norm")
+        out += [(layer, "post_attention_layernorm"), (layer.mlp, "act"), after_down]
+    return out
+
+
+def _defer_adds(model: LlamaForCausalLM, side: torch.cuda.Stream) -> None:
+    """Let the op after o_proj, gate_up_proj and down_proj add their overlapped deltas (lora/deferred.py)."""
+    consumers = iter(_consumers(model))
+    for layer in model.model.layers:
+        for projection in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            owner, name = next(consumers)
+            if not isinstance(projection, LoRALinear) or projection.side is None:
+                continue
+            projection.deferred = DeferredDelta(side)
+            consumer = getattr(owner, name)
+            wrap = ActAddingDelta if name == "act" else NormAddingDelta
+            setattr(owner, name, wrap(consumer, projection.deferred))

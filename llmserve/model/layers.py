@@ -27,10 +27,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def add_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """`x.add_(delta)` without writing x: a float32 LoRA delta added, rounded back to x's dtype
+    (the `delta` of the ops below: a LoRA layer's, added by the op after it, llmserve/lora/deferred.py)."""
+    return x if delta is None else (x.to(torch.float32) + delta).to(x.dtype)
+
+
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x + residual
+    x = add_delta(x, delta) + residual
     return rms_norm(x, weight, eps), x
 
 
@@ -59,8 +65,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    gate, up = add_delta(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 

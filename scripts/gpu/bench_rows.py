@@ -93,6 +93,10 @@ ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
 # the default since 2026-12-02; lora8s: in order on one stream, as before
 ENGINES["lora8s"] = ENGINES["lora8"] + ["--lora-overlap-tokens", "0"]
 ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
+# the overlapped delta of o, gate/up and down added by the op after each (llmserve/lora/deferred.py):
+# the default since 2026-12-02 (session 3); lora8a: each added by its own kernel, as before
+ENGINES["lora8a"] = ENGINES["lora8"] + ["--no-lora-defer-add"]
+ROWS["b_lora_adds"] = ("lora8a", "latency", ROWS["b_lora"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
