@@ -50,13 +50,21 @@ class NormAddingDelta(nn.Module):
         self.norm = norm
         self.deferred = deferred
 
+    @property
+    def weight(self) -> torch.Tensor:  # (read by others: the piecewise graphs take their dtype from it)
+        return self.norm.weight
+
+    @property
+    def eps(self) -> float:
+        return self.norm.eps
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         delta = self.deferred.take()
         if delta is None:
             return self.norm(x, residual)
         if residual is None:  # (never: a projection's output always meets the residual here)
             raise RuntimeError("a deferred LoRA delta reached a norm without a residual")
-        return self.norm.ops.fused_add_rms_norm(x, residual, self.norm.weight, self.norm.eps, delta=delta)
+        return self.norm.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, delta=delta)
 
     def fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(an FP8 projection after the norm: a LoRA layer before it never defers then)"""
