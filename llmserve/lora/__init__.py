@@ -15,6 +15,7 @@ fixed number of slots with LRU eviction (`store`), and applied per token in one 
 | `context` | LoRAContext: the step's token -> slot mapping in fixed buffers |
 | `reference`, `ops` | the PyTorch shrink/expand, and which implementation the layers call |
 | `apply` | LoRALinear around the model's projections; apply_lora / AppliedLoRA.remove |
+| `deferred` | an overlapped delta handed to the op after the projection (norm, activation), which adds it |
 
 The engine, the scheduler, the servers and the gateway do not use it yet (docs/lora.md).
 """
