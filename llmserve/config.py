@@ -181,13 +181,13 @@ class EngineArgs:
     # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
     # float32 buffer) on a second CUDA stream while the base GEMM runs, then add it: at batch 1 the
     # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py). H200,
-    # batch 1: 5.50 ms a token against 6.00 in order (base 4.83), 5.17 with lora_defer_add (base
-    # 4.79); at 8 tokens the projections measured 1-3 µs slower overlapped, hence 1
+    # batch 1: 5.50 ms a token against 6.00 in order (base 4.83, one call); with lora_defer_add
+    # (below) 5.17 (base 4.79, another call); at 8 tokens the projections measured 1-3 µs slower overlapped, hence 1
     # (docs/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
     # at those steps the delta of o, gate/up and down is added by the op after each (the norm, the
     # activation: one more input of their kernels, llmserve/lora/deferred.py) instead of an add
-    # kernel of its own (H200, batch 1: 5.17 ms a token against 5.52 with the adds, base 4.79);
+    # kernel of its own (H200, batch 1, one call: 5.17 ms a token against 5.52 with the adds, base 4.79);
     # --no-lora-defer-add: the add
     lora_defer_add: bool = True
 

@@ -405,15 +405,21 @@ def test_norm_and_activation_add_a_float32_delta_first(dtype):
     torch.testing.assert_close(out, want_out, **TOL[dtype])
     plain_out, _ = norm.fused_add_rms_norm(x, residual, w, 1e-6)
     assert not torch.equal(out, plain_out)  # the delta was added
+    if dtype != torch.bfloat16:  # the kernel itself after torch's add: the same bits (its rounding is the add's)
+        first_out, first_res = norm.fused_add_rms_norm(added, residual, w, 1e-6)
+        assert torch.equal(out, first_out) and torch.equal(new_res, first_res)
     h = (torch.randn(3, 2 * 40, generator=g) * 3).to(dtype)
     h_delta = torch.randn(3, 2 * 40, generator=g)
     want = ref_silu_and_mul(h.clone().add_(h_delta))
     assert torch.equal(ref_silu_and_mul(h, delta=h_delta), want)
     act_tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    h_before, residual_before = h.clone(), residual.clone()
     got = activation.silu_and_mul(h, delta=h_delta)
     torch.testing.assert_close(got, want, **act_tol)
     assert not torch.equal(got, activation.silu_and_mul(h))
-    assert torch.equal(x, x_before)
+    if dtype != torch.bfloat16:
+        assert torch.equal(got, activation.silu_and_mul(h.clone().add_(h_delta)))
+    assert torch.equal(x, x_before) and torch.equal(h, h_before) and torch.equal(residual, residual_before)
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)

@@ -210,9 +210,17 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypa
             layer.kv_cache = torch.zeros(2, 3, 16, arch.num_kv_heads, arch.head_dim)
         with torch.inference_mode():
             logits.append(model.compute_logits(model(ids, positions, meta)))
+        if deferred:  # the piecewise graphs' pieces (run eagerly here) read the wrapped norm and keep each
+            # producer with its consumer in one piece: the same logits
+            from llmserve.engine.cuda_graphs import PiecewiseGraphs
+
+            pieces = PiecewiseGraphs(model, 16, torch.device("cpu"))
+            with torch.inference_mode():
+                torch.testing.assert_close(model.compute_logits(pieces.run(ids, positions, meta)), logits[-1],
+                                           rtol=1e-5, atol=1e-5)  # fmt: skip
     applied.remove()  # (the last variant deferred its adds: the norms and activations are back too)
     assert not any(isinstance(m, (NormAddingDelta, ActAddingDelta)) for layer in model.model.layers
-                   for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act))  # fmt: skip
+                   for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp.act, model.model.norm))  # fmt: skip
     ctx.set_token_slots([-1] * 12)  # the same batch on the base model alone
     for layer in model.attention_layers():
         layer.kv_cache.zero_()

@@ -9,6 +9,9 @@ layer takes unquantized activations (the fused norm/activation quantization is s
 it, since `takes_fp8_tokens` sees a LoRALinear): the adapter must see the real input.
 Under tensor parallelism the store holds each rank's share (lora/shard.py), and the
 row-parallel layers sum their shrink outputs over the ranks before the expand.
+In overlapped steps the delta of o_proj, gate_up_proj and down_proj is added by the op after
+each (lora/deferred.py): those norms and the activation are wrapped too, and their parameter
+names gain `.norm` while LoRA is applied.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class LoRALinear(nn.Module):
     shrink and expand run on `side` into a zeroed float32 buffer while the base GEMM runs, and
     the buffer is added to the GEMM's output after both: at batch 1 the two LoRA kernels are a few
     µs of launch-bound latency each, hidden behind the GEMM's 12-30 µs. The sum is the same as
-    the expand's in place (y rounded once from y + delta in float32)."""
+    the expand's in place (y rounded once from y + delta in float32). With `deferred` (set by
+    apply_lora for o, gate/up and down) the layer returns y without the delta and hands the
+    buffer to the op after it, which adds it with the same rounding (lora/deferred.py)."""
 
     def __init__(self, base_layer: nn.Module, lora: ProjectionLoRA, context: LoRAContext, ops: LoRAOps,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -152,13 +157,11 @@ def _consumers(model: LlamaForCausalLM) -> list[tuple[object, str]]:
 
 def _defer_adds(model: LlamaForCausalLM, side: torch.cuda.Stream) -> None:
     """Let the op after o_proj, gate_up_proj and down_proj add their overlapped deltas (lora/deferred.py)."""
-    consumers = iter(_consumers(model))
-    for layer in model.model.layers:
-        for projection in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            owner, name = next(consumers)
-            if not isinstance(projection, LoRALinear) or projection.side is None:
-                continue
-            projection.deferred = DeferredDelta(side)
-            consumer = getattr(owner, name)
-            wrap = ActAddingDelta if name == "act" else NormAddingDelta
-            setattr(owner, name, wrap(consumer, projection.deferred))
+    projections = [p for layer in model.model.layers for p in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                                                layer.mlp.down_proj)]  # fmt: skip
+    for projection, (owner, name) in zip(projections, _consumers(model), strict=True):
+        if not isinstance(projection, LoRALinear) or projection.side is None:  # (row-parallel: no side stream)
+            continue
+        projection.deferred = DeferredDelta(side)
+        wrap = ActAddingDelta if name == "act" else NormAddingDelta
+        setattr(owner, name, wrap(getattr(owner, name), projection.deferred))

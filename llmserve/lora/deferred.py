@@ -62,12 +62,14 @@ class NormAddingDelta(nn.Module):
         delta = self.deferred.take()
         if delta is None:
             return self.norm(x, residual)
-        if residual is None:  # (never: a projection's output always meets the residual here)
+        if residual is None:  # (a guard: only the first layer's input norm has none, and it follows no projection)
             raise RuntimeError("a deferred LoRA delta reached a norm without a residual")
         return self.norm.ops.fused_add_rms_norm(x, residual, self.weight, self.eps, delta=delta)
 
     def fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """(an FP8 projection after the norm: a LoRA layer before it never defers then)"""
+        """`RMSNorm.fp8`. A guard: the model picks it only when the next projection takes FP8
+        tokens, and with LoRA every projection is a LoRALinear, which does not; so no delta is
+        pending here."""
         if self.deferred.pending is not None:
             raise RuntimeError("a deferred LoRA delta reached the FP8 norm")
         return self.norm.fp8(x, residual)

@@ -6,7 +6,10 @@ bf16, each timing 20 calls in one CUDA graph (scripts/gpu/lora_kernels_check.py 
   rows (one cuBLAS call that would give y and every slot's shrink at once);
 - the shrink at several K splits, K blocks and warp counts; the expand at several column blocks
   and warp counts; the zeroed buffer and the add of the overlapped path alone;
-- the whole projection in order, overlapped (the default), and as the appended GEMM + expand.
+- the whole projection in order, overlapped (with its own add: the engine's default adds o's,
+  gate/up's and down's delta in the next op instead, lora/deferred.py, which one projection
+  alone cannot show), and as the appended GEMM + expand (an idea measured on 2026-12-02 and not
+  kept: docs/benchmarks.md).
 Writes $OUT/lora_batch1_micro.json.
 
     python3 scripts/gpu/lora_batch1_micro.py
