@@ -19,6 +19,7 @@ _HELP = {
     "served_model_name": "model name the API reports and accepts",
     "dtype": "auto, float32, float16 or bfloat16",
     "quantization": "fp8: the projections' weights quantized at load to FP8 E4M3 (a scale per output channel), activations per token",
+    "quantization_ignore": "with --quantization fp8: comma-separated projections kept in the model's dtype, by module name (model.layers.29.mlp.down_proj) or re:PATTERN of the whole name",
     "max_model_len": "longest prompt + output, in tokens",
     "load_format": "auto/safetensors, or dummy for random weights",
     "device": "auto, cpu or cuda",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -54,6 +55,7 @@ class ModelConfig:
     arch: ModelArch
     quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
     checkpoint_quantization: "CheckpointQuantization | None" = None  # the FP8 format the checkpoint is in
+    quantization_ignore: tuple[str, ...] = ()  # projections kept unquantized (module names or re: patterns)
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -143,6 +145,10 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     quantization: str | None = None  # fp8: weights quantized at load to FP8 E4M3 (per output channel)
+    # with --quantization fp8: comma-separated projections kept in the model's dtype, by module name
+    # (model.layers.29.mlp.down_proj) or `re:` and a pattern of the whole name (compressed-tensors'
+    # `ignore`). SmolLM2: the last down_proj alone holds a third of FP8's perplexity cost (docs/models.md)
+    quantization_ignore: str | None = None
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -204,6 +210,7 @@ class EngineArgs:
             if quantization not in (None, "fp8"):
                 raise ConfigError(f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply")
             quantization = "fp8"
+        ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch.num_layers)
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
@@ -217,6 +224,7 @@ class EngineArgs:
             arch=arch,
             quantization=quantization,
             checkpoint_quantization=checkpoint_quant,
+            quantization_ignore=ignore,
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -430,6 +438,26 @@ def _checkpoint_quantization(path: Path) -> "CheckpointQuantization | None":
         return read_checkpoint_quantization(json.loads((path / "config.json").read_text()))
     except UnsupportedModelError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_quantization_ignore(value: str | None, quantization: str | None, checkpoint_quant,
+                               num_layers: int) -> tuple[str, ...]:  # fmt: skip
+    patterns = tuple(p.strip() for p in (value or "").split(",") if p.strip())
+    if not patterns:
+        return ()
+    if quantization != "fp8" or checkpoint_quant is not None:
+        raise ConfigError("quantization_ignore applies to --quantization fp8 on a checkpoint of bf16/fp16 weights "
+                          "(an FP8 checkpoint lists its own unquantized layers)")  # fmt: skip
+    from llmserve.model.fp8 import PROJECTION_PATHS, unmatched_patterns
+
+    try:
+        unmatched = unmatched_patterns(patterns, num_layers)
+    except re.error as e:
+        raise ConfigError(f"quantization_ignore: a bad regular expression ({e})") from None
+    if unmatched:
+        raise ConfigError(f"quantization_ignore: {', '.join(unmatched)} names no projection of this model (its "
+                          f"{num_layers} layers have model.layers.N.{{{','.join(PROJECTION_PATHS)}}})")  # fmt: skip
+    return patterns
 
 
 def _check_quantization(quantization: str | None) -> str | None:

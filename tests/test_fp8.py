@@ -119,6 +119,54 @@ def test_unknown_quantization_is_a_clear_error(bad):
         EngineArgs(model=str(TINY_MODEL_DIR), quantization=bad).create_engine_config()
 
 
+def test_projections_kept_unquantized_load_as_they_are(llama_dir):
+    """`quantization_ignore`: the projections it names stay plain layers in the model's dtype
+    (the others FP8); ignoring every projection gives the unquantized model's weights exactly;
+    the engine runs a model that mixes both and records what it kept."""
+    from pathlib import Path
+
+    from llmserve.model.arch import read_model_arch
+    from llmserve.model.attention import reference_paged_attention
+
+    arch = read_model_arch(Path(llama_dir))
+    last = f"model.layers.{arch.num_layers - 1}.mlp.down_proj"
+
+    def build(quantization, ignore=()):
+        return load_model(str(llama_dir), arch, torch.float32, "cpu", reference_paged_attention, progress=False,
+                          quantization=quantization, quantization_ignore=ignore)  # fmt: skip
+
+    mixed = dict(build("fp8", (last,)).named_modules())
+    assert not isinstance(mixed[last], Fp8Linear) and mixed[last].weight.dtype == torch.float32
+    fp8_names = [n for n, m in mixed.items() if isinstance(m, Fp8Linear)]
+    assert len(fp8_names) == 4 * arch.num_layers - 1 and last not in fp8_names
+    everything, plain = build("fp8", ("re:.*",)), build(None)
+    assert not any(isinstance(m, Fp8Linear) for m in everything.modules())
+    want = plain.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in everything.state_dict().items()) and len(want) == len(everything.state_dict())
+    llm = LLM(llama_dir, max_model_len=128, quantization="fp8", quantization_ignore=f"{last}, re:model\\.layers\\.0\\..*")
+    assert llm.config.model_config.quantization_ignore == (last, "re:model\\.layers\\.0\\..*")
+    layers = llm.core.runner.model.model.layers
+    assert not isinstance(layers[0].self_attn.qkv_proj, Fp8Linear) and isinstance(layers[1].self_attn.qkv_proj, Fp8Linear)
+    assert len(llm.generate([{"prompt_token_ids": [1, 5, 9, 33]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+
+
+@pytest.mark.parametrize(("ignore", "quantization", "message"), [
+    ("model.layers.99.mlp.down_proj", "fp8", "names no projection of this model"),
+    ("model.layers.0.mlp.down", "fp8", "names no projection"),  # a full name, or re: and a pattern
+    ("re:(", "fp8", "a bad regular expression"),
+    ("model.layers.0.mlp.down_proj", None, "applies to --quantization fp8"),
+])  # fmt: skip
+def test_a_bad_quantization_ignore_is_a_clear_error(llama_dir, ignore, quantization, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(model=str(llama_dir), quantization=quantization, quantization_ignore=ignore).create_engine_config()
+
+
+def test_an_fp8_checkpoint_takes_no_quantization_ignore(fp8_checkpoints):
+    path = fp8_checkpoints[("fp8", "tensor", "dynamic")]
+    with pytest.raises(ConfigError, match="an FP8 checkpoint lists its own"):
+        EngineArgs(model=str(path), quantization_ignore="model.layers.0.mlp.down_proj").create_engine_config()
+
+
 # -- FP8 checkpoints as published ----------------------------------------------------------
 VARIANTS = [("fp8", "tensor", "dynamic"), ("fp8", "tensor", "static"), ("compressed-tensors", "tensor", "dynamic"),
             ("compressed-tensors", "channel", "dynamic"), ("compressed-tensors", "channel", "static")]  # fmt: skip

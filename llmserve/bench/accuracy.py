@@ -122,14 +122,16 @@ def load_for_reading(engine_args):
     cfg = engine_args.create_engine_config()
     mc = cfg.model_config
     model = load_model(mc.model, mc.arch, mc.dtype, cfg.device, reference_paged_attention, load_format=mc.load_format,
-                       seed=mc.seed, progress=False, max_positions=mc.max_model_len, quantization=mc.quantization)  # fmt: skip
+                       seed=mc.seed, progress=False, max_positions=mc.max_model_len, quantization=mc.quantization,
+                       quantization_ignore=mc.quantization_ignore)  # fmt: skip
     return model, load_tokenizer(mc.tokenizer), cfg
 
 
 def describe(cfg) -> str:
     mc = cfg.model_config
     kv = cfg.cache_config.kv_cache_dtype
-    return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}, KV {kv}"
+    kept = f" (kept: {', '.join(mc.quantization_ignore)})" if mc.quantization_ignore else ""
+    return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}{kept}, KV {kv}"
 
 
 def run(args: argparse.Namespace) -> AccuracyResult:
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> AccuracyResult:
 
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
-    baseline_args = dataclasses.replace(candidate_args, quantization=None, kv_cache_dtype="auto")
+    baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto")
     texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]

@@ -112,6 +112,7 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
         "device": llm.config.device,
         "dtype": str(mc.dtype).removeprefix("torch."),
         "quantization": mc.quantization,
+        "quantization_ignore": list(mc.quantization_ignore),
         "kv_cache_dtype": getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         "kv_cache_tokens": llm.stats().kv_cache_tokens,
         "batch_size": args.batch_size,

@@ -38,6 +38,7 @@ class ThroughputResult:
     prefix_len: int = 0
     quantization: str | None = None  # the engine's (fp8), and its KV cache's dtype
     kv_cache_dtype: str = "auto"
+    quantization_ignore: list[str] | None = None  # projections kept unquantized (--quantization-ignore)
     kv_cache_tokens: int = 0  # tokens the engine's KV cache holds
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
@@ -119,6 +120,7 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         startup_s=round(startup, 1),
         prefix_len=args.prefix_len,
         quantization=llm.config.model_config.quantization,
+        quantization_ignore=list(llm.config.model_config.quantization_ignore) or None,
         kv_cache_dtype=getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         kv_cache_tokens=llm.stats().kv_cache_tokens,
         sampling=sampling_label(args) or None,

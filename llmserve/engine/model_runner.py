@@ -125,7 +125,7 @@ class ModelRunner:
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
-            max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization,
+            max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization, quantization_ignore=mc.quantization_ignore,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.lora: RunnerLoRA | None = None  # --enable-lora: adapter slots around the projections

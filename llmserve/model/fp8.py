@@ -12,6 +12,8 @@ fast one with the fused kernels). The LM head and the embedding stay in the mode
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -123,6 +125,37 @@ def make_linear(in_features: int, out_features: int, bias: bool, quantization: s
 
         return RowParallelLinear(in_features, out_features, bias, tp)
     return nn.Linear(in_features, out_features, bias=bias)
+
+
+PROJECTION_PATHS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def projection_names(num_layers: int) -> list[str]:
+    """The module names `--quantization fp8` quantizes, as `named_modules` gives them."""
+    return [f"model.layers.{i}.{path}" for i in range(num_layers) for path in PROJECTION_PATHS]
+
+
+def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
+    """compressed-tensors' `ignore` semantics: a pattern is a module's full name, or `re:` and a
+    regular expression the whole name must match."""
+    return any(name == p or (p.startswith("re:") and re.fullmatch(p[3:], name) is not None) for p in patterns)
+
+
+def unmatched_patterns(patterns: tuple[str, ...], num_layers: int) -> list[str]:
+    """The patterns that name none of the projections (a typo, or another model's layer)."""
+    names = projection_names(num_layers)
+    return [p for p in patterns if not any(is_ignored(n, (p,)) for n in names)]
+
+
+def keep_unquantized(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Put a plain (bf16/fp16) linear layer in place of each FP8 projection `patterns` name,
+    before the weights load: the checkpoint's weights then load into it as they are."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Fp8Linear) and is_ignored(name, patterns):
+            parent, _, attr = name.rpartition(".")
+            out_features, in_features = module.weight.shape
+            plain = make_linear(in_features, out_features, module.bias is not None, None, module.matmul, module.tp)
+            setattr(model.get_submodule(parent), attr, plain)
 
 
 def is_fp8(t: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from torch import nn
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
-from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, make_linear, quantize_rows
+from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
     SINGLE,
@@ -206,15 +206,19 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
         ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE, quantization: str | None = None,
+        quantization_ignore: tuple[str, ...] = (),
     ) -> None:  # fmt: skip
         """`quantization` "fp8": the projections hold FP8 weights (model/fp8.py), quantized
-        from the checkpoint's as they load."""
+        from the checkpoint's as they load, except those `quantization_ignore` names (module
+        names or `re:` patterns: model/fp8.py `keep_unquantized`)."""
         super().__init__()
         self.arch = arch
         self.tp = tp
         self.quantization = quantization
         self.shard = local_arch(arch, tp.world_size)
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
+        if quantization == "fp8" and quantization_ignore:
+            keep_unquantized(self, quantization_ignore)
         if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
             self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
 

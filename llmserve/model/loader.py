@@ -34,14 +34,16 @@ def load_model(
     ops: LayerOps = REFERENCE_OPS,
     tp: TPGroup = SINGLE,
     quantization: str | None = None,
+    quantization_ignore: tuple[str, ...] = (),
 ) -> LlamaForCausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
     rank's tensor-parallel group (each rank builds and loads only its shard); `quantization`
-    "fp8" gives the projections FP8 weights, quantized from the checkpoint as it loads."""
+    "fp8" gives the projections FP8 weights, quantized from the checkpoint as it loads, except
+    the modules `quantization_ignore` names."""
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp, quantization)
+        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
         for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
             if param.dtype == torch.float32 and not _is_scale(model, param):
                 param.data = param.data.to(dtype)
