@@ -20,7 +20,6 @@ Perplexity over the texts as `llmserve bench accuracy` reads them (its `read_tex
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -31,24 +30,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_weight_format import PROJECTIONS, fake_quant  # noqa: E402
+from fp8_weight_format import PROJECTIONS, fake_quant, load_study, study_parser  # noqa: E402
 
-from llmserve.bench.accuracy import load_for_reading, read_text  # noqa: E402
-from llmserve.config import EngineArgs  # noqa: E402
+from llmserve.bench.accuracy import read_text  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--text", nargs="+", default=["docs/architecture.md"])
-    ap.add_argument("--max-positions", type=int, default=2048)
-    ap.add_argument("--window", type=int, default=512)
+    ap = study_parser()
     ap.add_argument("--alphas", default="0,0.5,1")
-    ap.add_argument("--output-json", default=None)
     opts = ap.parse_args()
-    model, tokenizer, _ = load_for_reading(EngineArgs(model=opts.model, dtype="bfloat16", device="cpu"))
-    texts = {t: tokenizer.encode(Path(t).read_text(encoding="utf-8"), add_special_tokens=False,
-                                 verbose=False)[: opts.max_positions + 1] for t in opts.text}  # fmt: skip
+    model, texts = load_study(opts)
     params = dict(model.named_parameters())
     original = {n: p.detach().clone() for n, p in params.items()}
     pairs = [(layer.input_layernorm, layer.self_attn.qkv_proj) for layer in model.model.layers]

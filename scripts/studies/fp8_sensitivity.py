@@ -9,7 +9,6 @@ or one projection of the last layer. What each group's share of the cost is, and
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,23 +19,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fp8_weight_format import PROJECTIONS, fake_quant  # noqa: E402
+from fp8_weight_format import PROJECTIONS, fake_quant, load_study, study_parser  # noqa: E402
 
-from llmserve.bench.accuracy import load_for_reading, read_text  # noqa: E402
-from llmserve.config import EngineArgs  # noqa: E402
+from llmserve.bench.accuracy import read_text  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--text", nargs="+", default=["docs/architecture.md"])
-    ap.add_argument("--max-positions", type=int, default=2048)
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--output-json", default=None)
+    ap = study_parser()
     opts = ap.parse_args()
-    model, tokenizer, _ = load_for_reading(EngineArgs(model=opts.model, dtype="bfloat16", device="cpu"))
-    texts = [tokenizer.encode(Path(t).read_text(encoding="utf-8"), add_special_tokens=False,
-                              verbose=False)[: opts.max_positions + 1] for t in opts.text]  # fmt: skip
+    model, texts = load_study(opts)
     modules = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS}
     original = {n: m.weight.detach().clone() for n, m in modules.items()}
     quantized = {n: fake_quant(w, torch.float8_e4m3fn, None) for n, w in original.items()}
@@ -44,7 +35,7 @@ def main() -> None:
 
     def mean_nll() -> float:  # the texts' mean NLL (equal position counts: a geometric mean of perplexities)
         return sum(sum(r.nll) / len(r.nll) for r in (read_text(model, ids, opts.window, torch.device("cpu"),
-                                                                 torch.bfloat16) for ids in texts)) / len(texts)  # fmt: skip
+                                                                 torch.bfloat16) for ids in texts.values())) / len(texts)  # fmt: skip
 
     base = mean_nll()
     groups = {"none (all FP8)": lambda n: False, **{f"{p} in every layer": (lambda n, p=p: n.endswith(p)) for p in PROJECTIONS},

@@ -45,6 +45,25 @@ def fake_quant(w: torch.Tensor, dtype: torch.dtype, group: int | None) -> torch.
     return q.reshape(rows, cols).to(w.dtype)
 
 
+def study_parser() -> argparse.ArgumentParser:
+    """The options of the FP8 studies that read several texts (fp8_sensitivity, fp8_norm_folding)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--text", nargs="+", default=["docs/architecture.md"])
+    ap.add_argument("--max-positions", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--output-json", default=None)
+    return ap
+
+
+def load_study(opts: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, list[int]]]:
+    """The bf16 model on the CPU, read as `llmserve bench accuracy` reads it, and each text's
+    token ids (up to --max-positions + 1)."""
+    model, tokenizer, _ = load_for_reading(EngineArgs(model=opts.model, dtype="bfloat16", device="cpu"))
+    return model, {t: tokenizer.encode(Path(t).read_text(encoding="utf-8"), add_special_tokens=False,
+                                       verbose=False)[: opts.max_positions + 1] for t in opts.text}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
