@@ -150,6 +150,17 @@ def test_projections_kept_unquantized_load_as_they_are(llama_dir):
     assert len(llm.generate([{"prompt_token_ids": [1, 5, 9, 33]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
 
 
+def test_projections_kept_unquantized_split_over_two_ranks(llama_dir):
+    """A row-parallel (o) and a column-parallel (qkv) projection kept in the model's dtype: two
+    ranks give one rank's tokens."""
+    ignore = "model.layers.0.self_attn.o_proj,model.layers.1.self_attn.qkv_proj"
+    prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70]}]
+    with LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore) as one, \
+            LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore, tensor_parallel_size=2) as two:
+        assert one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4] == \
+            two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+
+
 @pytest.mark.parametrize(("ignore", "quantization", "message"), [
     ("model.layers.99.mlp.down_proj", "fp8", "names no projection of this model"),
     ("model.layers.0.mlp.down", "fp8", "names no projection"),  # a full name, or re: and a pattern
