@@ -161,6 +161,20 @@ def test_projections_kept_unquantized_split_over_two_ranks(llama_dir):
             two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
 
 
+def test_weight_bytes_count_projections_kept_unquantized_in_the_model_dtype(llama_dir):
+    """`bench latency`'s weight bandwidth: a projection kept out of FP8 reads 2 bytes a weight."""
+    from pathlib import Path
+
+    from llmserve.bench.latency import weight_bytes_per_step
+    from llmserve.model.arch import read_model_arch
+
+    arch = read_model_arch(Path(llama_dir))
+    bf16, fp8 = weight_bytes_per_step(arch, torch.bfloat16), weight_bytes_per_step(arch, torch.bfloat16, "fp8")
+    down = arch.intermediate_size * arch.hidden_size
+    assert weight_bytes_per_step(arch, torch.bfloat16, "fp8", ("model.layers.0.mlp.down_proj",)) == fp8 + down
+    assert weight_bytes_per_step(arch, torch.bfloat16, "fp8", ("re:.*",)) == bf16 > fp8
+
+
 @pytest.mark.parametrize(("ignore", "quantization", "message"), [
     ("model.layers.99.mlp.down_proj", "fp8", "names no projection of this model"),
     ("model.layers.0.mlp.down", "fp8", "names no projection"),  # a full name, or re: and a pattern

@@ -41,14 +41,21 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def weight_bytes_per_step(arch, dtype, quantization: str | None = None) -> int:
+def weight_bytes_per_step(arch, dtype, quantization: str | None = None, quantization_ignore: tuple[str, ...] = ()) -> int:
     """Bytes of weights one decode step reads: every matrix once (one byte a weight in FP8,
-    whose LM head stays in `dtype`); the input embedding only for its few rows (so it counts
-    only when tied to the LM head). Norms and scales are negligible."""
-    h, layers = arch.hidden_size, arch.num_layers
-    per_layer = h * arch.q_size + 2 * h * arch.kv_size + arch.q_size * h + 3 * h * arch.intermediate_size
-    layer_bytes = 1 if quantization == "fp8" else dtype.itemsize
-    return layers * per_layer * layer_bytes + arch.vocab_size * h * dtype.itemsize  # + the LM head
+    whose LM head and `quantization_ignore`'s projections stay in `dtype`); the input embedding
+    only for its few rows (so it counts only when tied to the LM head). Norms and scales are
+    negligible."""
+    from llmserve.model.fp8 import PROJECTION_PATHS, is_ignored
+
+    h, inter = arch.hidden_size, arch.intermediate_size
+    sizes = dict(zip(PROJECTION_PATHS, (h * (arch.q_size + 2 * arch.kv_size), arch.q_size * h, 2 * h * inter, inter * h)))
+    total = 0
+    for layer in range(arch.num_layers):
+        for path, weights in sizes.items():
+            fp8 = quantization == "fp8" and not is_ignored(f"model.layers.{layer}.{path}", quantization_ignore)
+            total += weights * (1 if fp8 else dtype.itemsize)
+    return total + arch.vocab_size * h * dtype.itemsize  # + the LM head
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -106,7 +113,7 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
     # move the TTFT it is subtracted from (a mean did: 4.65 ms for a true 4.83 on the H200)
     ttft, avg = float(np.median(ttfts)), float(np.mean(latencies))
     tpot = (float(np.median(latencies)) - ttft) / (args.output_len - 1) if args.output_len > 1 else None
-    wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization)
+    wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization, mc.quantization_ignore)
     result = {
         "model": mc.model,
         "device": llm.config.device,
