@@ -38,6 +38,9 @@ if ((${#missing[@]})); then
 fi
 
 echo "install.sh: Python packages into .venv (a few minutes the first time)"
+# No copy of each wheel in pip's cache: the venv alone needs about 2 GB, and a second copy of
+# the large wheels (triton, torch) has run a small CI disk out of space.
+export PIP_NO_CACHE_DIR=1
 "$PYTHON" -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
 .venv/bin/pip install --quiet "$TORCH" -e ".[serve,bench,test,tritonserver]"
