@@ -27,8 +27,9 @@ FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Values as the cache stores them: an FP8 cache saturates at +-448 (scale 1)."""
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Values as the cache stores them: an FP8 cache holds x / scale (the layer's key or value
+    scale), saturated at +-448; any other cache holds x (its scale is 1)."""
     if dtype == FP8_KV:
-        return x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+        return (x.float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
     return x.to(dtype)

@@ -48,9 +48,10 @@ def _make_random_model(args: argparse.Namespace) -> None:
 def _make_fp8_checkpoint(args: argparse.Namespace) -> None:
     from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
 
-    path = write_fp8_checkpoint(args.model, args.out, args.format, args.weights, args.activations)
+    path = write_fp8_checkpoint(args.model, args.out, args.format, args.weights, args.activations,
+                                kv_scales=args.kv_scales)  # fmt: skip
     print(f"wrote an FP8 checkpoint ({args.format}, weight scales per {args.weights}, {args.activations} "
-          f"activations) to {path}")  # fmt: skip
+          f"activations{', KV cache scales' if args.kv_scales else ''}) to {path}")  # fmt: skip
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -107,6 +108,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fp8.add_argument("--format", default="compressed-tensors", choices=["fp8", "compressed-tensors"])
     fp8.add_argument("--weights", default="channel", choices=["tensor", "channel"], help="a weight scale per tensor or per output channel (fp8: tensor)")
     fp8.add_argument("--activations", default="dynamic", choices=["dynamic", "static"], help="static: input scales calibrated on a few prompts")
+    fp8.add_argument("--kv-scales", action="store_true", help="each layer's k_scale / v_scale for --kv-cache-dtype fp8 (kv_cache_scheme), calibrated on a few prompts")
     fp8.set_defaults(func=_make_fp8_checkpoint)
     return parser
 

@@ -26,6 +26,7 @@ _HELP = {
     "block_size": "tokens per KV block",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "kv_cache_dtype": "auto (the model's dtype) or fp8 (fp8_e4m3: twice the KV tokens of bf16 in the same memory)",
+    "calculate_kv_scales": "with --kv-cache-dtype fp8: each layer's key and value scales from one forward pass over random tokens at start (default: unless the checkpoint has them; --no-calculate-kv-scales: the checkpoint's, else 1)",
     "swap_space": "GiB of CPU memory for swapped-out KV blocks (0: preempt by recompute)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides gpu_memory_utilization)",

@@ -72,12 +72,17 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     num_gpu_blocks_override: int | None
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (E4M3, half the bytes of bf16)
+    # an FP8 cache's per-layer scales calibrated at start (model/kv_scales.py); None: when the
+    # checkpoint gives none; False: the checkpoint's, else 1
+    calculate_kv_scales: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype in ("fp8_e4m3", "fp8e4m3"):
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be auto or fp8 (fp8_e4m3); got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ConfigError("calculate_kv_scales needs kv_cache_dtype fp8 (only an FP8 KV cache has scales)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -157,6 +162,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = recompute
     kv_cache_dtype: str = "auto"  # auto | fp8 (fp8_e4m3): the KV cache in FP8, twice the tokens
+    calculate_kv_scales: bool | None = None  # FP8 KV: per-layer scales calibrated at start (None: unless the checkpoint has them)
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -234,6 +240,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         default_seqs, default_batched = default_budgets(device, self.usage_context)
         batched = self.max_num_batched_tokens

@@ -336,3 +336,160 @@ def test_bench_accuracy_over_several_texts(tmp_path):
     assert 0.5 < r["top1_agreement"] <= 1
     assert r["top1_agreement"] == pytest.approx((a["top1_agreement"] + b["top1_agreement"]) / 2, abs=1e-3)
     assert "quantization fp8" in r["candidate"] and "quantization none" in r["baseline"]
+
+
+# -- an FP8 KV cache's scales ----------------------------------------------------------------
+def _logprob_error(ref, outs) -> float:
+    """Summed |logprob difference| of the first token's top choices, against `ref`."""
+    total = 0.0
+    for a, b in zip(ref, outs):
+        la, lb = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        total += sum(abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys())
+    return total
+
+
+@pytest.fixture(scope="module")
+def small_values_dir(llama_dir, tmp_path_factory):
+    """The tiny model with its values 100x smaller and o_proj 100x larger: the same function,
+    but values around 2^-8, where E4M3 with scale 1 has only subnormals (as SmolLM2's first
+    layer has values under 0.6)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("small-values") / "m"
+    shutil.copytree(llama_dir, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in tensors:
+        if name.endswith(("v_proj.weight", "o_proj.weight")):
+            tensors[name] = tensors[name] * (0.01 if "v_proj" in name else 100.0)
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_an_fp8_kv_cache_calibrates_per_layer_scales_at_start(small_values_dir):
+    """Each layer's key and value scales come from one forward pass over random tokens
+    (largest |value| x 2 -> 448), before graph capture; they bring the outputs closer to an
+    unquantized cache than scale 1 (`--no-calculate-kv-scales`) where the values are small."""
+    from llmserve.model.kv_scales import HEADROOM, calibration_token_ids, record_amax
+
+    llama_dir = small_values_dir
+    budget = dict(dtype="float32", kv_cache_memory_bytes=1 << 20, max_model_len=128)
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i, 11, 12, 13] * 3} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(llama_dir, **budget) as exact, LLM(llama_dir, kv_cache_dtype="fp8", **budget) as cal, \
+            LLM(llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=False, **budget) as one:  # fmt: skip
+        scales = cal.core.runner.kv_scales
+        layers = cal.core.runner.model.attention_layers()
+        assert scales.source == "calibrated" and len(scales.scales) == len(layers)
+        assert [layer.kv_scales for layer in layers] == list(scales.scales)
+        # the numbers: the largest |key| / |value| of each layer over the calibration prompt, x 2 / 448
+        runner = exact.core.runner
+        ids = calibration_token_ids(runner.config.model_config.arch.vocab_size, 128)  # max_model_len's
+        amax = record_amax(runner.model, lambda: runner._dummy_forward(1, len(ids), ids))
+        for (k, v), (ak, av) in zip(scales.scales, amax):  # (calibration attends over unquantized keys and values)
+            assert k == pytest.approx(ak * HEADROOM / 448, rel=1e-6) and v == pytest.approx(av * HEADROOM / 448, rel=1e-6)
+            assert v < 1e-4  # values under 2^-6: subnormal with scale 1
+        assert one.core.runner.kv_scales.source == "one" and set(one.core.runner.kv_scales.scales) == {(1.0, 1.0)}
+        assert exact.core.runner.kv_scales.scales == ()  # not an FP8 cache: no scales
+        ref = exact.generate(prompts, params, use_tqdm=False)
+        err_cal = _logprob_error(ref, cal.generate(prompts, params, use_tqdm=False))
+        err_one = _logprob_error(ref, one.generate(prompts, params, use_tqdm=False))
+        print(f"first-token logprob error against float32: calibrated {err_cal:.4f}, scale 1 {err_one:.4f}")
+        assert err_cal < err_one / 4, (err_cal, err_one)
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache():
+    with pytest.raises(ConfigError, match="calculate_kv_scales needs kv_cache_dtype fp8"):
+        EngineArgs(model=str(TINY_MODEL_DIR), calculate_kv_scales=True).create_engine_config()
+
+
+def test_a_checkpoint_s_kv_scales_are_used_as_they_are(llama_dir, tmp_path):
+    """`kv_cache_scheme` with `self_attn.k_scale` / `v_scale` (written by make-fp8-checkpoint
+    --kv-scales): the engine takes the checkpoint's numbers unless asked to calibrate; the
+    legacy single `kv_scale` and compressed-tensors' `k_proj.output_scale` names load too."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
+
+    path = write_fp8_checkpoint(llama_dir, tmp_path / "kv", "compressed-tensors", "channel", "dynamic", kv_scales=True)
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    tensors = load_file(str(path / "model.safetensors"))
+    want = [(float(tensors[f"model.layers.{i}.self_attn.k_scale"]), float(tensors[f"model.layers.{i}.self_attn.v_scale"]))
+            for i in range(2)]  # fmt: skip
+    budget = dict(max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    with LLM(str(path), kv_cache_dtype="fp8", **budget) as llm:
+        got = llm.core.runner.kv_scales
+        assert got.source == "checkpoint" and [tuple(round(x, 6) for x in p) for p in got.scales[:2]] == [
+            tuple(round(x, 6) for x in p) for p in want]
+        out = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 70]}], GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 16
+    with LLM(str(path), kv_cache_dtype="fp8", calculate_kv_scales=True, **budget) as llm:
+        assert llm.core.runner.kv_scales.source == "calibrated"
+    with LLM(str(path), **budget) as llm:  # a bfloat16 cache: the scales are read, and unused
+        assert llm.core.runner.kv_scales.scales == ()
+    # the other names: one kv_scale for both, and compressed-tensors' output scales
+    renamed = {}
+    for name, t in tensors.items():
+        if name == "model.layers.0.self_attn.k_scale":
+            renamed["model.layers.0.self_attn.kv_scale"] = torch.tensor(0.25)
+        elif name.endswith((".k_scale", ".v_scale")) and ".layers.1." in name:
+            renamed[name.replace(".k_scale", ".k_proj.output_scale").replace(".v_scale", ".v_proj.output_scale")] = t
+        elif name != "model.layers.0.self_attn.v_scale":
+            renamed[name] = t
+    save_file(renamed, str(path / "model.safetensors"))
+    with LLM(str(path), kv_cache_dtype="fp8", **budget) as llm:
+        assert llm.core.runner.kv_scales.scales[0] == (0.25, 0.25)
+        assert [round(x, 6) for x in llm.core.runner.kv_scales.scales[1]] == [round(x, 6) for x in want[1]]
+
+
+@pytest.mark.parametrize(("tensor", "reason"), [
+    (torch.tensor([0.1, 0.2]), r"\(2,\) KV cache scales \(one per layer is read, not per head\)"),
+    (torch.tensor(-1.0), "KV cache scale -1.0 .must be positive"),
+])  # fmt: skip
+def test_a_bad_kv_scale_in_a_checkpoint_is_a_clear_error(llama_dir, tmp_path, tensor, reason):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_scale"] = tensor
+    save_file(tensors, str(model / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"model.layers.1.self_attn.k_scale: {reason}"):
+        LLM(str(model), kv_cache_dtype="fp8", max_model_len=64)
+
+
+@pytest.mark.parametrize(("kv", "reason"), [
+    ({"num_bits": 8, "type": "int"}, "a KV cache of 8-bit int"),
+    ({"num_bits": 8, "type": "float", "strategy": "attn_head"}, "KV cache scales 'attn_head'"),
+    ({"num_bits": 8, "type": "float", "dynamic": True}, "KV cache scales 'dynamic'"),
+])  # fmt: skip
+def test_an_unsupported_kv_cache_scheme_is_refused_at_start(llama_dir, tmp_path, kv, reason):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(llama_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "kv_cache_scheme": kv}
+    (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(ConfigError, match=f"unsupported quantization_config: {reason}"):
+        EngineArgs(model=str(model)).create_engine_config()
+
+
+def test_each_rank_calibrates_the_kv_scales_of_its_own_heads(small_values_dir):
+    """Under tensor parallelism every rank holds its own heads' keys and values, and calibrates
+    their scales (at most the whole model's: a maximum over fewer heads); the output stays close."""
+    budget = dict(dtype="float32", kv_cache_memory_bytes=1 << 20, max_model_len=128, kv_cache_dtype="fp8")
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i, 11, 12, 13] * 3} for i in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    with LLM(small_values_dir, **budget) as one, LLM(small_values_dir, tensor_parallel_size=2, **budget) as two:
+        whole, rank0 = one.core.runner.kv_scales.scales, two.core.runner.kv_scales.scales
+        assert two.core.runner.kv_scales.source == "calibrated" and len(rank0) == len(whole)
+        assert all(a <= b * (1 + 1e-6) for pa, pb in zip(rank0, whole) for a, b in zip(pa, pb))
+        assert _logprob_error(one.generate(prompts, params, use_tqdm=False),
+                              two.generate(prompts, params, use_tqdm=False)) < 0.05  # fmt: skip

@@ -116,11 +116,11 @@ def make_batch(
     return q, k, v, kv_cache, meta
 
 
-def check_attention(q, k, v, kv_cache, meta, scale, *, num_splits=None, config=None):
+def check_attention(q, k, v, kv_cache, meta, scale, *, num_splits=None, config=None, kv_scales=(1.0, 1.0)):
     ref_cache = kv_cache.clone()
-    ref = reference_paged_attention(q, k, v, ref_cache, meta, scale)
+    ref = reference_paged_attention(q, k, v, ref_cache, meta, scale, kv_scales=kv_scales)
     out = K.triton_paged_attention(
-        q, k, v, kv_cache, meta, scale, num_splits=num_splits, config=config
+        q, k, v, kv_cache, meta, scale, num_splits=num_splits, config=config, kv_scales=kv_scales
     )
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)  # same K/V written
@@ -306,6 +306,32 @@ def test_paged_attention_reads_and_writes_an_fp8_cache(num_splits):
     k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 447.0, 0.001])  # out of range, and tiny
     cache = cache.clamp(-448, 448).to(torch.float8_e4m3fn)
     check_attention(q, k, v, cache, meta, 32**-0.5, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_an_fp8_cache_with_per_layer_scales(num_splits):
+    """Keys and values stored divided by the layer's scales (--kv-cache-dtype fp8 with
+    calibrated or checkpoint scales): the kernel writes the reference's bytes and attends as
+    it does; small values keep more bits than with scale 1, and a bfloat16 cache ignores them."""
+    q, k, v, cache, meta = make_batch(MIXED_QLENS, MIXED_SEQLENS, num_heads=8, num_kv_heads=2, head_dim=32,
+                                      block_size=8, dtype=torch.float32, skip_tokens=MIXED_SKIP)  # fmt: skip
+    from llmserve.attention_metadata import to_cache_dtype
+
+    k, v = k * 0.02, v * 0.005  # values around 2^-6, where E4M3 has only subnormals
+    cache = torch.stack([cache[0] * 0.02, cache[1] * 0.005])  # the cached context too
+    scales = (float(cache[0].abs().amax()) * 2 / 448, float(cache[1].abs().amax()) * 2 / 448)
+
+    def fp8(pair):
+        return torch.stack([to_cache_dtype(cache[i], torch.float8_e4m3fn, pair[i]) for i in (0, 1)])
+
+    scaled = check_attention(q, k, v, fp8(scales), meta, 32**-0.5, num_splits=num_splits, kv_scales=scales)
+    one = check_attention(q, k, v, fp8((1.0, 1.0)), meta, 32**-0.5, num_splits=num_splits)
+    exact = reference_paged_attention(q, k, v, cache.clone(), meta, 32**-0.5)
+    err = [float((o - exact).abs().max()) for o in (scaled, one)]
+    assert err[0] < err[1] / 3, err  # about 4x smaller here
+    # an unquantized cache ignores the scales
+    plain = K.triton_paged_attention(q, k, v, cache.clone(), meta, 32**-0.5, kv_scales=(3.0, 5.0))
+    torch.testing.assert_close(plain, exact, **TOL[torch.float32])
 
 
 def test_choose_num_splits_policy():

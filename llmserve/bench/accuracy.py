@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
+from llmserve.attention_metadata import FP8_KV
 from llmserve.config import kv_torch_dtype
+from llmserve.model.kv_scales import calibrate, current_scales, wants_calibration
 
 
 @dataclass
@@ -147,6 +149,14 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     for engine_args in (baseline_args, candidate_args):
         model, tokenizer, cfg = load_for_reading(engine_args)
         kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
+        label = describe(cfg)
+        if kv_dtype == FP8_KV:  # the scales the engine would use: the checkpoint's, or calibrated as it does
+            device = torch.device(cfg.device)
+            scales = current_scales(model, model.kv_scales_source)
+            if wants_calibration(cfg.cache_config.calculate_kv_scales, model.kv_scales_source):
+                scales = calibrate(model, lambda ids, m=model: read_text(m, [*ids, 0], len(ids), device, kv_dtype),
+                                   cfg.model_config.arch.vocab_size)  # fmt: skip
+            label += f" (scales {scales.summary()})"
         per_text = []
         for text, content in zip(texts, contents):
             ids = tokenizer.encode(content, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
@@ -154,7 +164,7 @@ def run(args: argparse.Namespace) -> AccuracyResult:
                 raise ValueError(f"{text}: {len(ids)} token(s), nothing to predict (at least 2 are needed)")
             per_text.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
         readings.append(per_text)
-        labels.append(describe(cfg))
+        labels.append(label)
         del model
     each = [compare(t, b, c) for t, b, c in zip(texts, readings[0], readings[1])]
     base, cand = (Reading([v for r in rs for v in r.nll], [v for r in rs for v in r.top1]) for rs in readings)

@@ -40,6 +40,7 @@ class ThroughputResult:
     kv_cache_dtype: str = "auto"
     quantization_ignore: list[str] | None = None  # projections kept unquantized (--quantization-ignore)
     kv_cache_tokens: int = 0  # tokens the engine's KV cache holds
+    kv_scales: str | None = None  # an FP8 KV cache's scales: where from, and their range
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
     lora: dict | None = None  # the adapters the requests took in turn (--lora-adapters)
@@ -123,6 +124,7 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         quantization_ignore=list(llm.config.model_config.quantization_ignore) or None,
         kv_cache_dtype=getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         kv_cache_tokens=llm.stats().kv_cache_tokens,
+        kv_scales=llm.core.runner.kv_scales.summary() if llm.core.runner.kv_scales.scales else None,
         sampling=sampling_label(args) or None,
         gpu=usage.as_dict() if usage is not None else None,
         lora=adapters.label(llm) if adapters else None,

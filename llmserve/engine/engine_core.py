@@ -70,6 +70,9 @@ class EngineCore:
                 "cache more memory (--gpu-memory-utilization / kv_cache_memory_bytes)"
             )
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        kv_scales = self.runner.set_kv_scales()
+        if kv_scales.scales:
+            logger.info("FP8 KV cache scales, %s", kv_scales.summary())
         self.runner.warmup()
         self.runner.capture_cuda_graphs()
         self.kv = KVCacheManager(

@@ -31,7 +31,8 @@ from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequests, StepPlan
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
-from llmserve.model.attention import AttentionBackend, reference_paged_attention
+from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
+from llmserve.model.kv_scales import CALIBRATION_TOKENS, KVScales, calibrate, current_scales, wants_calibration
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
@@ -128,6 +129,7 @@ class ModelRunner:
             max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization, quantization_ignore=mc.quantization_ignore,
             ops=triton_ops() if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
+        self.kv_scales = KVScales("none (the cache is not FP8)", ())  # set_kv_scales: an FP8 cache's
         self.lora: RunnerLoRA | None = None  # --enable-lora: adapter slots around the projections
         if config.lora is not None:
             # with CUDA graphs the LoRA ops are always in the step (captured once, for any mix of adapters)
@@ -214,13 +216,13 @@ class ModelRunner:
         budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
         return self.tp.min_over_ranks(budget)
 
-    def _dummy_forward(self, num_seqs: int, seq_len: int) -> None:
+    def _dummy_forward(self, num_seqs: int, seq_len: int, token_ids: list[int] | None = None) -> None:
         bs = self.block_size
         blocks_per_seq = -(-seq_len // bs)
         num_blocks = self.kv_caches[0].shape[1]
         rows = [
             RowInput(f"profile-{i}", [(i * blocks_per_seq + j) % num_blocks for j in range(blocks_per_seq)],
-                     0, seq_len, [0] * seq_len, True)
+                     0, seq_len, token_ids or [0] * seq_len, True)
             for i in range(num_seqs)
         ]  # fmt: skip
         batch = self.inputs.build(rows)
@@ -244,6 +246,25 @@ class ModelRunner:
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
         self.init_cpu_caches(num_cpu_blocks)
+
+    @on_every_rank
+    def set_kv_scales(self) -> KVScales:
+        """An FP8 cache's per-layer key and value scales, before warm-up and graph capture (the
+        graphs keep them): calibrated on one prompt of random tokens (`--calculate-kv-scales`,
+        the default unless the checkpoint gives them), else the checkpoint's, else 1."""
+        cc = self.config.cache_config
+        source = self.model.kv_scales_source
+        if self.kv_dtype != FP8_KV:
+            self.kv_scales = KVScales("none (the cache is not FP8)", ())
+            return self.kv_scales
+        if not wants_calibration(cc.calculate_kv_scales, source):
+            self.kv_scales = current_scales(self.model, source)
+            return self.kv_scales
+        sc = self.config.scheduler_config
+        n = min(CALIBRATION_TOKENS, sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size)
+        self.kv_scales = calibrate(self.model, lambda ids: self._dummy_forward(1, len(ids), ids),
+                                   self.config.model_config.arch.vocab_size, n)  # fmt: skip
+        return self.kv_scales
 
     def init_cpu_caches(self, num_cpu_blocks: int) -> None:
         """Host memory for swapped-out blocks (pinned on a GPU), one tensor per layer."""

@@ -133,7 +133,7 @@ def _attend_range(
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    seq0, num_seqs, qk_scale,
+    seq0, num_seqs, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -228,7 +228,7 @@ def _paged_attn_kernel(
     )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    result = acc / l_safe[:, None]
+    result = acc / l_safe[:, None] * v_scale  # an FP8 cache's value scale (1 otherwise)
     store_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -415,8 +415,11 @@ def paged_attention_forward(
     config: AttnLaunchConfig | None = None,
     out: torch.Tensor | None = None,
     split_decodes: bool | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Attention of q `[T, Hq, D]` over the cache only (the new K/V must already be in it).
+    An FP8 cache's keys and values count times `kv_scales` (k's folds into the softmax scale,
+    v's into the output).
 
     A batch that mixes prefill chunks with decodes whose `meta.num_decode_seqs` lead it runs
     as two launches, the decodes with the decode tiles and the rest with the prefill tiles
@@ -439,13 +442,15 @@ def paged_attention_forward(
     nd = meta.num_decode_seqs
     if split_decodes is None:
         split_decodes = config is None and num_splits is None and nd >= MIN_DECODES_TO_SPLIT
+    scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
-        _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config)
+        _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config,
+                scales)  # fmt: skip
         _launch(q, kv_cache, out, qsl, seq_lens, bt, nd, num_seqs - nd, num_tokens - nd, meta.max_query_len,
-                meta.max_seq_len, scale, num_splits, config)  # fmt: skip
+                meta.max_seq_len, scale, num_splits, config, scales)  # fmt: skip
         return out
     _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, num_seqs, num_tokens, meta.max_query_len, meta.max_seq_len,
-            scale, num_splits, config)  # fmt: skip
+            scale, num_splits, config, scales)  # fmt: skip
     return out
 
 
@@ -453,7 +458,7 @@ def _launch(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
     qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor,
     seq0: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, scale: float,
-    num_splits: int | None, config: AttnLaunchConfig | None,
+    num_splits: int | None, config: AttnLaunchConfig | None, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:  # fmt: skip
     """One launch over the batch's sequences seq0 .. seq0 + num_seqs - 1 (the whole batch's
     `qsl`, `seq_lens` and block tables are passed, with the offset: slicing them would give
@@ -514,7 +519,7 @@ def _launch(
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         qsl, seq_lens, bt,
-        seq0, num_seqs, scale * LOG2E,
+        seq0, num_seqs, scale * LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
         *p_strides, *l_strides,
@@ -546,6 +551,7 @@ def triton_paged_attention(
     num_splits: int | None = None,
     config: AttnLaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Drop-in for `reference_paged_attention`: write the new K/V, then attend.
 
@@ -554,12 +560,13 @@ def triton_paged_attention(
     reference's. One long sequence with no cached context (a prompt's first chunk) is
     attended by torch's SDPA over its own q/k/v instead (`sdpa_prefill`).
     """
-    write_kv(k, v, kv_cache, meta.slot_mapping)
+    write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if config is None and num_splits is None and fresh_single_prefill(meta):
         done = sdpa_prefill(q, k, v, scale, out)
         if done is not None:
             return done
-    return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out)
+    return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out,
+                                   kv_scales=kv_scales)  # fmt: skip
 
 
 _SDPA_UNAVAILABLE: set[str] = set()  # devices where SDPA's fast backends refused (then: the Triton kernel)

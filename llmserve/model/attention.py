@@ -3,7 +3,8 @@ PyTorch reference implementation (the CPU path, and the oracle for GPU kernels).
 
 KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 (keys at index 0, values at 1), in the model's dtype or in FP8 E4M3 (`--kv-cache-dtype fp8`:
-stored with scale 1, saturating at +-448, read back in the queries' dtype). A token at position p of a sequence lives in slot
+keys divided by the layer's k_scale and values by its v_scale (`kv_scales`), saturating at
++-448, read back in the queries' dtype and multiplied by the scales). A token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 """
 
@@ -32,20 +33,23 @@ class AttentionBackend(Protocol):
         scale: float,
         *,
         out: torch.Tensor | None = None,  # [T, Hq, D] to write the result into
+        kv_scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's key and value scales
     ) -> torch.Tensor: ...
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """Scatter the new tokens' keys and values into their cache slots (slot < 0: skip)."""
+    """Scatter the new tokens' keys and values into their cache slots (slot < 0: skip); an FP8
+    cache holds them divided by `kv_scales`."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
-    flat[0, slot_mapping] = to_cache_dtype(k, flat.dtype)
-    flat[1, slot_mapping] = to_cache_dtype(v, flat.dtype)
+    flat[0, slot_mapping] = to_cache_dtype(k, flat.dtype, kv_scales[0])
+    flat[1, slot_mapping] = to_cache_dtype(v, flat.dtype, kv_scales[1])
 
 
 def gather_kv(
@@ -68,14 +72,16 @@ def reference_paged_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Write the new K/V, then attend each sequence's new queries over its whole context.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D] (`out`, if given). Causal: the query
     at position p sees keys at positions <= p. One SDPA call per sequence keeps it obviously
-    correct.
+    correct. An FP8 cache's keys and values are multiplied back by `kv_scales`.
     """
-    write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+    fp8 = kv_cache.dtype == FP8_KV
+    write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if out is None:
         out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
@@ -85,7 +91,9 @@ def reference_paged_attention(
         if end == start:
             continue
         keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache reads back as q's dtype
+        if fp8 and kv_scales != (1.0, 1.0):  # an FP8 cache reads back as q's dtype, times its scales
+            keys, values = (keys.float() * kv_scales[0]).to(q.dtype), (values.float() * kv_scales[1]).to(q.dtype)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         query_len = end - start
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)

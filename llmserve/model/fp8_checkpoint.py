@@ -8,8 +8,11 @@ embedding left in 16 bits):
 - `quant_method: "compressed-tensors"` (llm-compressor), format `float-quantized`: weights
   with a `weight_scale` per tensor or per output channel; input activations dynamic per
   token, static per tensor (`input_scale`), or none listed (then dynamic per token).
+Either may carry an FP8 KV cache's scales (`kv_cache_scheme`: 8-bit float, one static scale
+per layer for keys and one for values: `self_attn.k_scale` / `v_scale`, read by
+model/kv_scales.py and used with `--kv-cache-dtype fp8`).
 Anything else (block-wise scales, integer or 4-bit types, per-layer exceptions other than
-the LM head) is refused at start with the reason. `write_fp8_checkpoint` writes every
+the LM head, dynamic or per-head KV scales) is refused at start with the reason. `write_fp8_checkpoint` writes every
 variant from a Hugging Face folder, for the tests (no download) and for users.
 """
 
@@ -48,6 +51,13 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    kv = qc.get("kv_cache_scheme")
+    if kv:
+        if kv.get("type") != "float" or kv.get("num_bits") != 8:
+            raise _refuse(f"a KV cache of {kv.get('num_bits')}-bit {kv.get('type')} (8-bit float is read)")
+        if kv.get("dynamic") or kv.get("strategy", "tensor") != "tensor":
+            raise _refuse(f"KV cache scales {'dynamic' if kv.get('dynamic') else kv.get('strategy')!r} "
+                          "(one static scale per layer is read)")  # fmt: skip
     if method == "fp8":
         if qc.get("weight_block_size"):
             raise _refuse(f"block-wise FP8 scales (weight_block_size {qc['weight_block_size']})")
@@ -101,19 +111,24 @@ def _config_entry(fmt: str, weights: str, activations: str) -> dict:
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _calibrate(model_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
-    """Static activation scales: the largest |input| each projection sees over `prompts`, / 448."""
+def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Static activation scales (the largest |input| each projection sees over `prompts`,
+    / 448) and KV cache scales (each layer's largest |key| and |value|, k_proj's and v_proj's
+    outputs, as model/kv_scales.py maps them: x HEADROOM / 448), by module name."""
     from transformers import AutoModelForCausalLM
 
     from llmserve.model.fp8 import FP8_MAX
+    from llmserve.model.kv_scales import HEADROOM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     amax: dict[str, float] = {}
+    out_amax: dict[str, float] = {}
     hooks = []
     for name, module in model.named_modules():
         if name.split(".")[-1] in _PROJECTIONS:
-            def hook(_m, args, _out, name=name):
+            def hook(_m, args, out, name=name):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+                out_amax[name] = max(out_amax.get(name, 0.0), float(out.abs().max()))
 
             hooks.append(module.register_forward_hook(hook))
     with torch.no_grad():
@@ -121,15 +136,18 @@ def _calibrate(model_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
             model(torch.tensor([ids]))
     for h in hooks:
         h.remove()
-    return {name: value / FP8_MAX for name, value in amax.items()}
+    kv = {name: out_amax[name] * HEADROOM / FP8_MAX for name in out_amax if name.endswith(("k_proj", "v_proj"))}
+    return {name: value / FP8_MAX for name, value in amax.items()}, kv
 
 
 def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = "fp8", weights: str = "tensor",
-                         activations: str = "dynamic", calibration: list[list[int]] | None = None) -> Path:  # fmt: skip
+                         activations: str = "dynamic", calibration: list[list[int]] | None = None,
+                         kv_scales: bool = False) -> Path:  # fmt: skip
     """Quantize a Hugging Face folder's projections to FP8 and write them in `fmt`
     ("fp8": per-tensor weight scales; "compressed-tensors": per `weights` "tensor" or
     "channel"), with `activations` "dynamic" or "static" (scales calibrated on
-    `calibration`, token-id prompts; default: a few fixed ones)."""
+    `calibration`, token-id prompts; default: a few fixed ones). `kv_scales`: each layer's
+    `self_attn.k_scale` / `v_scale` for an FP8 KV cache, calibrated the same way."""
     from safetensors.torch import load_file, save_file
 
     from llmserve.model.fp8 import quantize_rows
@@ -146,9 +164,11 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
         raise ValueError(f"{str(model_dir)!r} is not a Hugging Face model folder (no config.json): an FP8 "
                          "checkpoint is written from one (safetensors weights)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    input_scales = {}
-    if activations == "static":
-        input_scales = _calibrate(model_dir, calibration or [[1, *range(5 + i, 60 + 7 * i)] for i in range(4)])
+    input_scales: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    if activations == "static" or kv_scales:
+        input_scales, kv = _calibrate(model_dir, calibration or [[1, *range(5 + i, 60 + 7 * i)] for i in range(4)])
+        input_scales = input_scales if activations == "static" else {}
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         for name, tensor in load_file(str(path)).items():
@@ -161,9 +181,15 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
                     tensors[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
             else:
                 tensors[name] = tensor
+    for module, scale in (kv if kv_scales else {}).items():  # model.layers.N.self_attn.k_proj -> ...self_attn.k_scale
+        attn, proj = module.rsplit(".", 1)
+        tensors[f"{attn}.{proj[0]}_scale"] = torch.tensor(scale, dtype=torch.float32)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["quantization_config"] = _config_entry(fmt, weights, activations)
+    if kv_scales:
+        cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                         "dynamic": False, "symmetric": True}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for extra in model_dir.iterdir():  # tokenizer and generation settings
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):

@@ -18,6 +18,7 @@ from torch import nn
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
+from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
     SINGLE,
@@ -51,6 +52,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
         self.rotary = [rotary]  # shared by every layer; a list keeps it out of this module's state
         self.kv_cache = torch.empty(0)  # bound by the model runner
+        # an FP8 cache's key and value scales (the stored value times the scale is the value): a
+        # checkpoint's, calibrated at start (model/kv_scales.py), or 1; plain floats, so a CUDA
+        # graph captures them
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def project(
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Tokens
@@ -72,7 +77,8 @@ class Attention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Write k/v to the cache and attend over it: [T, q_size] (into `out` if given)."""
-        return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out).reshape(-1, self.arch.q_size)
+        return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out,
+                            kv_scales=self.kv_scales).reshape(-1, self.arch.q_size)  # fmt: skip
 
 
 class MLP(nn.Module):
@@ -217,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         self.shard = local_arch(arch, tp.world_size)
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
+        self.kv_scales_source = "one"  # an FP8 KV cache's scales: "checkpoint" once a checkpoint gives them
         if quantization == "fp8" and quantization_ignore:
             keep_unquantized(self, quantization_ignore)
         if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
@@ -245,6 +252,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            kv_target = checkpoint_scale_target(name)
+            if kv_target is not None:  # an FP8 KV cache's scale (used with --kv-cache-dtype fp8)
+                self._load_kv_scale(name, *kv_target, tensor)
                 continue
             target, shard = self._target(name)
             if name.endswith(".input_scale"):  # an FP8 checkpoint's static activation scale
@@ -285,6 +296,15 @@ class LlamaForCausalLM(nn.Module):
                 dest.narrow(0, 0, part.shape[0]).copy_(part)
             loaded.add(target if shard is None else f"{target}#{shard}")
         return loaded
+
+    def _load_kv_scale(self, name: str, layer: int, which: str, tensor: torch.Tensor) -> None:
+        if not 0 <= layer < len(self.model.layers):
+            raise KeyError(f"checkpoint tensor {name!r}: no layer {layer} in {self.arch.architecture}")
+        value = checkpoint_scale_value(name, tensor)
+        attn = self.model.layers[layer].self_attn
+        k, v = attn.kv_scales
+        attn.kv_scales = (value if which in ("k", "kv") else k, value if which in ("v", "kv") else v)
+        self.kv_scales_source = "checkpoint"
 
     def _load_input_scale(self, target: str, tensor: torch.Tensor) -> None:
         """A static activation scale: the layer quantizes its input with it. q/k/v (gate/up)
