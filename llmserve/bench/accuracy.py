@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> AccuracyResult:
 
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
-    baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto")
+    baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto",
+                                        calculate_kv_scales=None)
     texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]
