@@ -427,7 +427,11 @@ def test_a_checkpoint_s_kv_scales_are_used_as_they_are(llama_dir, tmp_path):
         out = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 70]}], GREEDY, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 16
     with LLM(str(path), kv_cache_dtype="fp8", calculate_kv_scales=True, **budget) as llm:
-        assert llm.core.runner.kv_scales.source == "calibrated"
+        calibrated = llm.core.runner.kv_scales
+        assert calibrated.source == "calibrated" and calibrated.scales[:2] != got.scales[:2]
+        llm.sleep(2)  # a wake reads the checkpoint again: the calibrated scales stay in use
+        llm.wake_up()
+        assert [a.kv_scales for a in llm.core.runner.model.attention_layers()] == list(calibrated.scales)
     with LLM(str(path), **budget) as llm:  # a bfloat16 cache: the scales are read, and unused
         assert llm.core.runner.kv_scales.scales == ()
     # the other names: one kv_scale for both, and compressed-tensors' output scales
@@ -448,6 +452,8 @@ def test_a_checkpoint_s_kv_scales_are_used_as_they_are(llama_dir, tmp_path):
 @pytest.mark.parametrize(("tensor", "reason"), [
     (torch.tensor([0.1, 0.2]), r"\(2,\) KV cache scales \(one per layer is read, not per head\)"),
     (torch.tensor(-1.0), "KV cache scale -1.0 .must be positive"),
+    (torch.tensor(1e-38), r"KV cache scale 9.99.*e-39 .must be positive and finite, at least 1e-30"),
+    (None, "the checkpoint gives KV cache scales for some layers but not model.layers.0.self_attn.k_scale"),
 ])  # fmt: skip
 def test_a_bad_kv_scale_in_a_checkpoint_is_a_clear_error(llama_dir, tmp_path, tensor, reason):
     import shutil
@@ -457,9 +463,9 @@ def test_a_bad_kv_scale_in_a_checkpoint_is_a_clear_error(llama_dir, tmp_path, te
     model = tmp_path / "m"
     shutil.copytree(llama_dir, model)
     tensors = load_file(str(model / "model.safetensors"))
-    tensors["model.layers.1.self_attn.k_scale"] = tensor
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.1) if tensor is None else tensor  # None: only this one
     save_file(tensors, str(model / "model.safetensors"))
-    with pytest.raises(ValueError, match=f"model.layers.1.self_attn.k_scale: {reason}"):
+    with pytest.raises(ValueError, match=reason if tensor is None else f"model.layers.1.self_attn.k_scale: {reason}"):
         LLM(str(model), kv_cache_dtype="fp8", max_model_len=64)
 
 
@@ -506,7 +512,8 @@ def test_bench_accuracy_reads_an_fp8_kv_cache_with_the_engine_s_scales(tmp_path,
     text = tmp_path / "a.txt"
     text.write_text("The engine keeps a paged KV cache and schedules requests step by step. " * 20)
     results = {}
-    for name, flags in (("calibrated", ["--calculate-kv-scales"]), ("one", ["--no-calculate-kv-scales"])):
+    for name, flags in (("calibrated", ["--calculate-kv-scales", "--max-model-len", "256"]),  # calibrates on 256 tokens
+                        ("one", ["--no-calculate-kv-scales"])):  # fmt: skip
         out = tmp_path / f"{name}.json"
         main(["bench", "accuracy", "--model", small_values_dir, "--dtype", "float32", "--kv-cache-dtype", "fp8", *flags,
               "--text", str(text), "--max-positions", "100", "--window", "64", "--output-json", str(out)])  # fmt: skip
@@ -515,3 +522,27 @@ def test_bench_accuracy_reads_an_fp8_kv_cache_with_the_engine_s_scales(tmp_path,
     assert "scales calibrated: k " in cal["candidate"] and "scales one" in one["candidate"]
     assert "KV auto" in cal["baseline"] and cal["perplexity_baseline"] == one["perplexity_baseline"]
     assert abs(cal["perplexity_change_pct"]) < abs(one["perplexity_change_pct"]) / 3, (cal, one)  # 0.015 against 0.072 %
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_written_kv_scales_are_those_of_the_keys_and_values_the_cache_holds(model_dirs, tmp_path, family):
+    """make-fp8-checkpoint --kv-scales measures keys after the q/k norm (Qwen3) and the rotary
+    embedding, as the cache stores them: the same numbers as the engine's own maxima over the
+    same prompts, x 2 / 448."""
+    from safetensors.torch import load_file
+
+    from llmserve.bench.accuracy import load_for_reading, read_text
+    from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
+    from llmserve.model.kv_scales import record_amax, scales_from_amax
+
+    prompts = [[1, *range(5 + i, 60 + 7 * i)] for i in range(3)]
+    out = write_fp8_checkpoint(model_dirs[family], tmp_path / "out", "compressed-tensors", "channel", "dynamic",
+                               calibration=prompts, kv_scales=True)  # fmt: skip
+    written = load_file(str(out / "model.safetensors"))
+    model, _, _ = load_for_reading(EngineArgs(model=model_dirs[family], dtype="float32", device="cpu"))
+    cpu = torch.device("cpu")
+    ours = scales_from_amax(record_amax(model, lambda: [read_text(model, [*ids, 0], len(ids), cpu, torch.float32)
+                                                         for ids in prompts]))  # fmt: skip
+    for i, (k, v) in enumerate(ours):
+        assert float(written[f"model.layers.{i}.self_attn.k_scale"]) == pytest.approx(k, rel=1e-4)
+        assert float(written[f"model.layers.{i}.self_attn.v_scale"]) == pytest.approx(v, rel=1e-4)

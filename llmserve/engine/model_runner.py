@@ -32,7 +32,7 @@ from llmserve.engine.step_plan import RunnerRequests, StepPlan
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
-from llmserve.model.kv_scales import CALIBRATION_TOKENS, KVScales, calibrate, current_scales, wants_calibration
+from llmserve.model.kv_scales import KVScales, calibrate, calibration_length, current_scales, wants_calibration
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
@@ -261,7 +261,7 @@ class ModelRunner:
             self.kv_scales = current_scales(self.model, source)
             return self.kv_scales
         sc = self.config.scheduler_config
-        n = min(CALIBRATION_TOKENS, sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size)
+        n = calibration_length(sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size)
         self.kv_scales = calibrate(self.model, lambda ids: self._dummy_forward(1, len(ids), ids),
                                    self.config.model_config.arch.vocab_size, n)  # fmt: skip
         return self.kv_scales

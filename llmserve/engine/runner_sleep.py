@@ -23,6 +23,7 @@ import torch
 
 from llmserve.engine.device_arena import make_arena
 from llmserve.engine.weight_stash import WeightStash
+from llmserve.model.kv_scales import apply_scales
 from llmserve.model.loader import fill_weights
 
 if TYPE_CHECKING:
@@ -177,6 +178,8 @@ class RunnerSleep:
         runner = self.runner
         mc = runner.config.model_config
         fill_weights(runner.model, mc.model, mc.arch, mc.load_format, mc.seed, runner.tp, progress=False)
+        if runner.kv_scales.scales:  # a reload puts a checkpoint's KV scales back: keep the ones in use (and in the graphs)
+            apply_scales(runner.model, runner.kv_scales)
 
     # -- what it holds ----------------------------------------------------------------------
     def memory_footprint(self) -> dict:

@@ -111,32 +111,42 @@ def _config_entry(fmt: str, weights: str, activations: str) -> dict:
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, float], dict[str, float]]:
+def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, float], dict[int, tuple[float, float]]]:
     """Static activation scales (the largest |input| each projection sees over `prompts`,
-    / 448) and KV cache scales (each layer's largest |key| and |value|, k_proj's and v_proj's
-    outputs, as model/kv_scales.py maps them: x HEADROOM / 448), by module name."""
-    from transformers import AutoModelForCausalLM
+    / 448, by module name) and KV cache scales by layer (the largest |key| and |value| as the
+    cache holds them, after any q/k norm and the rotary embedding, mapped as
+    model/kv_scales.py maps them: x HEADROOM / 448)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     from llmserve.model.fp8 import FP8_MAX
-    from llmserve.model.kv_scales import HEADROOM
+    from llmserve.model.kv_scales import scales_from_amax
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     amax: dict[str, float] = {}
-    out_amax: dict[str, float] = {}
+    kv_amax: dict[int, tuple[float, float]] = {}
     hooks = []
     for name, module in model.named_modules():
         if name.split(".")[-1] in _PROJECTIONS:
-            def hook(_m, args, out, name=name):
+            def hook(_m, args, _out, name=name):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
-                out_amax[name] = max(out_amax.get(name, 0.0), float(out.abs().max()))
 
             hooks.append(module.register_forward_hook(hook))
     with torch.no_grad():
         for ids in prompts:
-            model(torch.tensor([ids]))
+            cache = DynamicCache()
+            update = cache.update
+
+            def recording_update(key, value, layer_idx, *args, update=update, **kwargs):  # what the cache stores
+                k, v = kv_amax.get(layer_idx, (0.0, 0.0))
+                kv_amax[layer_idx] = (max(k, float(key.abs().max())), max(v, float(value.abs().max())))
+                return update(key, value, layer_idx, *args, **kwargs)
+
+            cache.update = recording_update
+            model(torch.tensor([ids]), past_key_values=cache, use_cache=True)
     for h in hooks:
         h.remove()
-    kv = {name: out_amax[name] * HEADROOM / FP8_MAX for name in out_amax if name.endswith(("k_proj", "v_proj"))}
+    layers = sorted(kv_amax)
+    kv = dict(zip(layers, scales_from_amax([kv_amax[i] for i in layers])))
     return {name: value / FP8_MAX for name, value in amax.items()}, kv
 
 
@@ -165,7 +175,7 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
                          "checkpoint is written from one (safetensors weights)")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     input_scales: dict[str, float] = {}
-    kv: dict[str, float] = {}
+    kv: dict[int, tuple[float, float]] = {}
     if activations == "static" or kv_scales:
         input_scales, kv = _calibrate(model_dir, calibration or [[1, *range(5 + i, 60 + 7 * i)] for i in range(4)])
         input_scales = input_scales if activations == "static" else {}
@@ -181,9 +191,9 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
                     tensors[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
             else:
                 tensors[name] = tensor
-    for module, scale in (kv if kv_scales else {}).items():  # model.layers.N.self_attn.k_proj -> ...self_attn.k_scale
-        attn, proj = module.rsplit(".", 1)
-        tensors[f"{attn}.{proj[0]}_scale"] = torch.tensor(scale, dtype=torch.float32)
+    for layer, (k_scale, v_scale) in (kv if kv_scales else {}).items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["quantization_config"] = _config_entry(fmt, weights, activations)

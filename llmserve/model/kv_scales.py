@@ -28,6 +28,7 @@ FP8_MAX = 448.0
 HEADROOM = 2.0  # calibrated maxima map to 448 / HEADROOM: inputs up to 2x larger still fit
 CALIBRATION_TOKENS = 512
 CALIBRATION_SEED = 0
+MIN_SCALE = 1e-30  # a smaller one's inverse overflows float32 in the cache-write kernel
 
 # model.layers.N.self_attn.{k_scale, v_scale, kv_scale, attn.k_scale, k_proj.output_scale, ...}
 _NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?(k_scale|v_scale|kv_scale|k_proj\.output_scale"
@@ -62,14 +63,20 @@ def checkpoint_scale_value(name: str, tensor: torch.Tensor) -> float:
     if tensor.numel() != 1:
         raise ValueError(f"{name}: {tuple(tensor.shape)} KV cache scales (one per layer is read, not per head)")
     value = float(tensor.reshape(()).float())
-    if not value > 0.0 or value == float("inf"):
-        raise ValueError(f"{name}: KV cache scale {value} (must be positive and finite)")
+    if not MIN_SCALE <= value < float("inf"):
+        raise ValueError(f"{name}: KV cache scale {value} (must be positive and finite, at least {MIN_SCALE:g})")
     return value
 
 
 def scales_from_amax(amax: list[tuple[float, float]], headroom: float = HEADROOM) -> tuple[tuple[float, float], ...]:
     """Scales that map each layer's largest |key| and |value| to 448 / headroom (1 where 0)."""
     return tuple(tuple(a * headroom / FP8_MAX if a > 0.0 else 1.0 for a in pair) for pair in amax)  # type: ignore[misc]
+
+
+def calibration_length(max_num_batched_tokens: int, max_model_len: int, cache_tokens: int | None = None) -> int:
+    """How many tokens the calibration prompt has: CALIBRATION_TOKENS, or fewer where one step,
+    one sequence or the cache holds fewer."""
+    return min(CALIBRATION_TOKENS, max_num_batched_tokens, max_model_len, cache_tokens or CALIBRATION_TOKENS)
 
 
 def wants_calibration(calculate_kv_scales: bool | None, source: str) -> bool:

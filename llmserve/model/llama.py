@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = local_arch(arch, tp.world_size)
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
         self.kv_scales_source = "one"  # an FP8 KV cache's scales: "checkpoint" once a checkpoint gives them
+        self._kv_scales_read: set[tuple[int, str]] = set()  # (layer, "k" | "v") a checkpoint gave
         if quantization == "fp8" and quantization_ignore:
             keep_unquantized(self, quantization_ignore)
         if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
@@ -295,6 +296,7 @@ class LlamaForCausalLM(nn.Module):
                     dest.zero_()
                 dest.narrow(0, 0, part.shape[0]).copy_(part)
             loaded.add(target if shard is None else f"{target}#{shard}")
+        self._check_kv_scales()
         return loaded
 
     def _load_kv_scale(self, name: str, layer: int, which: str, tensor: torch.Tensor) -> None:
@@ -305,6 +307,17 @@ class LlamaForCausalLM(nn.Module):
         k, v = attn.kv_scales
         attn.kv_scales = (value if which in ("k", "kv") else k, value if which in ("v", "kv") else v)
         self.kv_scales_source = "checkpoint"
+        self._kv_scales_read.update({(layer, w) for w in ("k", "v") if w in which})
+
+    def _check_kv_scales(self) -> None:
+        """A checkpoint gives both KV scales of every layer, or none (not a silent 1 somewhere)."""
+        if not self._kv_scales_read:
+            return
+        missing = [f"model.layers.{i}.self_attn.{w}_scale" for i in range(len(self.model.layers)) for w in ("k", "v")
+                   if (i, w) not in self._kv_scales_read]  # fmt: skip
+        if missing:
+            raise ValueError(f"the checkpoint gives KV cache scales for some layers but not {', '.join(missing[:4])}"
+                             f"{' ...' if len(missing) > 4 else ''}: every layer needs its k_scale and v_scale")  # fmt: skip
 
     def _load_input_scale(self, target: str, tensor: torch.Tensor) -> None:
         """A static activation scale: the layer quantizes its input with it. q/k/v (gate/up)
