@@ -102,7 +102,8 @@ def record_amax(model: torch.nn.Module, forward: Callable[[], None]) -> list[tup
             pair = torch.stack([k.detach().abs().amax().float(), v.detach().abs().amax().float()])
             maxima[i] = pair if maxima[i] is None else torch.maximum(maxima[i], pair)
             if kv_cache.dtype != q.dtype:  # e.g. FP8: attend over the exact keys and values instead
-                blocks = int(meta.block_tables.max()) + 1
+                used = -(-meta.max_seq_len // kv_cache.shape[2])  # the table's columns in use (the rest may be stale)
+                blocks = int(meta.block_tables[:, :used].max()) + 1
                 kv_cache = torch.zeros((2, blocks, *kv_cache.shape[2:]), dtype=q.dtype, device=q.device)
                 kwargs["kv_scales"] = (1.0, 1.0)
             return backend(q, k, v, kv_cache, meta, scale, **kwargs)
