@@ -25,7 +25,7 @@ import torch
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.attention_metadata import FP8_KV
 from llmserve.config import kv_torch_dtype
-from llmserve.model.kv_scales import calibrate, calibration_length, current_scales, wants_calibration
+from llmserve.model.kv_scales import calibration_length, choose_scales
 
 
 @dataclass
@@ -153,10 +153,9 @@ def run(args: argparse.Namespace) -> AccuracyResult:
         label = describe(cfg)
         if kv_dtype == FP8_KV:  # the scales the engine would use: the checkpoint's, or calibrated as it does
             device = torch.device(cfg.device)
-            scales = current_scales(model, model.kv_scales_source)
-            if wants_calibration(cfg.cache_config.calculate_kv_scales, model.kv_scales_source):
-                n = calibration_length(cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len)
-                scales = calibrate(model, lambda ids, m=model: read_text(m, [*ids, 0], len(ids), device, kv_dtype),
+            n = calibration_length(cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len)
+            scales = choose_scales(model, cfg.cache_config.calculate_kv_scales,
+                                   lambda ids, m=model: read_text(m, [*ids, 0], len(ids), device, kv_dtype),
                                    cfg.model_config.arch.vocab_size, n)  # fmt: skip
             label += f" (scales {scales.summary()})"
         per_text = []

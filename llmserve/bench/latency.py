@@ -122,7 +122,7 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
         "quantization_ignore": list(mc.quantization_ignore),
         "kv_cache_dtype": getattr(llm.config.cache_config, "kv_cache_dtype", "auto"),
         "kv_cache_tokens": llm.stats().kv_cache_tokens,
-        "kv_scales": llm.core.runner.kv_scales.summary() if llm.core.runner.kv_scales.scales else None,
+        "kv_scales": llm.core.runner.kv_scales.label(),
         "batch_size": args.batch_size,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -32,7 +32,7 @@ from llmserve.engine.step_plan import RunnerRequests, StepPlan
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
-from llmserve.model.kv_scales import KVScales, calibrate, calibration_length, current_scales, wants_calibration
+from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
@@ -252,18 +252,14 @@ class ModelRunner:
         """An FP8 cache's per-layer key and value scales, before warm-up and graph capture (the
         graphs keep them): calibrated on one prompt of random tokens (`--calculate-kv-scales`,
         the default unless the checkpoint gives them), else the checkpoint's, else 1."""
-        cc = self.config.cache_config
-        source = self.model.kv_scales_source
         if self.kv_dtype != FP8_KV:
             self.kv_scales = KVScales("none (the cache is not FP8)", ())
             return self.kv_scales
-        if not wants_calibration(cc.calculate_kv_scales, source):
-            self.kv_scales = current_scales(self.model, source)
-            return self.kv_scales
         sc = self.config.scheduler_config
         n = calibration_length(sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size)
-        self.kv_scales = calibrate(self.model, lambda ids: self._dummy_forward(1, len(ids), ids),
-                                   self.config.model_config.arch.vocab_size, n)  # fmt: skip
+        self.kv_scales = choose_scales(self.model, self.config.cache_config.calculate_kv_scales,
+                                       lambda ids: self._dummy_forward(1, len(ids), ids),
+                                       self.config.model_config.arch.vocab_size, n)  # fmt: skip
         return self.kv_scales
 
     def init_cpu_caches(self, num_cpu_blocks: int) -> None:

@@ -91,8 +91,8 @@ def reference_paged_attention(
         if end == start:
             continue
         keys, values = gather_kv(kv_cache, meta.block_tables[i], seq_len)
-        if fp8 and kv_scales != (1.0, 1.0):  # an FP8 cache reads back as q's dtype, times its scales
-            keys, values = (keys.float() * kv_scales[0]).to(q.dtype), (values.float() * kv_scales[1]).to(q.dtype)
+        if fp8:  # an FP8 cache reads back times its scales (exact for scale 1), in q's dtype
+            keys, values = keys.float() * kv_scales[0], values.float() * kv_scales[1]
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         query_len = end - start
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_MAX = 448.0
+from llmserve.attention_metadata import FP8_KV_MAX
+
 HEADROOM = 2.0  # calibrated maxima map to 448 / HEADROOM: inputs up to 2x larger still fit
 CALIBRATION_TOKENS = 512
 CALIBRATION_SEED = 0
@@ -48,6 +49,10 @@ class KVScales:
         ks, vs = [s[0] for s in self.scales], [s[1] for s in self.scales]
         return f"{self.source}: k {min(ks):.3g}-{max(ks):.3g}, v {min(vs):.3g}-{max(vs):.3g}"
 
+    def label(self) -> str | None:
+        """What the bench JSON records: the summary, or None without an FP8 cache."""
+        return self.summary() if self.scales else None
+
 
 def checkpoint_scale_target(name: str) -> tuple[int, str] | None:
     """(layer index, "k" | "v" | "kv") for a checkpoint tensor that is a KV cache scale."""
@@ -70,7 +75,7 @@ def checkpoint_scale_value(name: str, tensor: torch.Tensor) -> float:
 
 def scales_from_amax(amax: list[tuple[float, float]], headroom: float = HEADROOM) -> tuple[tuple[float, float], ...]:
     """Scales that map each layer's largest |key| and |value| to 448 / headroom (1 where 0)."""
-    return tuple(tuple(a * headroom / FP8_MAX if a > 0.0 else 1.0 for a in pair) for pair in amax)  # type: ignore[misc]
+    return tuple(tuple(a * headroom / FP8_KV_MAX if a > 0.0 else 1.0 for a in pair) for pair in amax)  # type: ignore[misc]
 
 
 def calibration_length(max_num_batched_tokens: int, max_model_len: int, cache_tokens: int | None = None) -> int:
@@ -140,3 +145,14 @@ def calibrate(model: torch.nn.Module, forward: Callable[[list[int]], None], voca
     scales = KVScales("calibrated", scales_from_amax(record_amax(model, lambda: forward(ids))))
     apply_scales(model, scales)
     return scales
+
+
+def choose_scales(model: torch.nn.Module, calculate_kv_scales: bool | None, forward: Callable[[list[int]], None],
+                  vocab_size: int, num_tokens: int) -> KVScales:  # fmt: skip
+    """An FP8 cache's scales as the engine picks them: calibrated (`forward(token_ids)` runs one
+    prompt of `num_tokens`) when asked, or by default when the checkpoint gives none; else the
+    checkpoint's, else 1."""
+    source = model.kv_scales_source
+    if not wants_calibration(calculate_kv_scales, source):
+        return current_scales(model, source)
+    return calibrate(model, forward, vocab_size, num_tokens)
