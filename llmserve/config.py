@@ -56,6 +56,7 @@ class ModelConfig:
     quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
     checkpoint_quantization: "CheckpointQuantization | None" = None  # the FP8 format the checkpoint is in
     quantization_ignore: tuple[str, ...] = ()  # projections kept unquantized (module names or re: patterns)
+    fp8_fast_accum_tokens: int = 1024  # FP8 GEMMs of steps this long accumulate fast on a GPU (0: never)
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -99,12 +100,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_model_len: int
+    admission_reserve_tokens: int = 256  # EngineArgs.admission_reserve_tokens
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.admission_reserve_tokens < 0:
+            raise ConfigError(f"admission_reserve_tokens must be >= 0, got {self.admission_reserve_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
@@ -154,6 +158,12 @@ class EngineArgs:
     # (model.layers.29.mlp.down_proj) or `re:` and a pattern of the whole name (compressed-tensors'
     # `ignore`). SmolLM2: the last down_proj alone holds a third of FP8's perplexity cost (docs/models.md)
     quantization_ignore: str | None = None
+    # FP8 GEMMs (torch._scaled_mm) of steps of at least this many tokens use the tensor cores' fast
+    # accumulation (cuBLASLt's FAST_ACCUM; vLLM's FP8 CUTLASS kernels on Hopper run the same
+    # FP8FastAccum schedules): 9-12 % faster at 4,096-16,384 tokens on an H200, the same at 512;
+    # the products differ from the exact accumulation by under 1.5 % of their largest value
+    # (docs/benchmarks.md). 0: never. CPUs ignore it
+    fp8_fast_accum_tokens: int = 1024
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -169,6 +179,12 @@ class EngineArgs:
     max_num_seqs: int | None = None  # None: by device and caller (`default_budgets`), as vLLM does
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # a waiting request is admitted only while the KV blocks stay free that the running requests
+    # still need: the rest of their prompts, and up to this many more output tokens each (their
+    # max_tokens at most). Without it, admissions filled the cache with prompts and the decodes'
+    # growth then preempted requests to recompute: 48 of 1,000 in (c) on an H200, about 5 % more
+    # prefill (docs/benchmarks.md). 0: only a watermark of 1 % of the blocks, as before
+    admission_reserve_tokens: int = 256
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
@@ -231,6 +247,7 @@ class EngineArgs:
             quantization=quantization,
             checkpoint_quantization=checkpoint_quant,
             quantization_ignore=ignore,
+            fp8_fast_accum_tokens=_check_non_negative("fp8_fast_accum_tokens", self.fp8_fast_accum_tokens),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -251,6 +268,7 @@ class EngineArgs:
             max_num_batched_tokens=batched,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
+            admission_reserve_tokens=self.admission_reserve_tokens,
         )
         backend = _resolve_backend(self.attention_backend, device)
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
@@ -283,6 +301,12 @@ class EngineArgs:
                               f"{self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}")  # fmt: skip
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens,
                           self.lora_overlap_tokens, self.lora_defer_add)  # fmt: skip
+
+
+def _check_non_negative(name: str, value: int) -> int:
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0; got {value}")
+    return value
 
 
 LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory

@@ -13,6 +13,7 @@ from llmserve.model.fp8 import (
     FP8,
     Fp8Linear,
     dequantize,
+    fp8_gemm_reference,
     fp8_matmul_reference,
     fp8_matmul_scaled_mm,
     quantize_rows,
@@ -546,3 +547,27 @@ def test_written_kv_scales_are_those_of_the_keys_and_values_the_cache_holds(mode
     for i, (k, v) in enumerate(ours):
         assert float(written[f"model.layers.{i}.self_attn.k_scale"]) == pytest.approx(k, rel=1e-4)
         assert float(written[f"model.layers.{i}.self_attn.v_scale"]) == pytest.approx(v, rel=1e-4)
+
+
+def test_fp8_fast_accumulation_threshold_is_configured_and_checked(llama_dir):
+    """--fp8-fast-accum-tokens reaches the fused ops' FP8 GEMMs; a negative value is a clear error;
+    on a CPU the GEMM is the exact one whatever the threshold (torch ignores nothing: we pass False)."""
+    from llmserve.kernels.fp8_linear import FAST_ACCUM_TOKENS, fp8_gemm_fast
+    from llmserve.model.layers import triton_ops
+
+    config = EngineArgs(model=str(llama_dir), quantization="fp8", fp8_fast_accum_tokens=0).create_engine_config()
+    assert config.model_config.fp8_fast_accum_tokens == 0
+    assert EngineArgs(model=str(llama_dir)).create_engine_config().model_config.fp8_fast_accum_tokens == FAST_ACCUM_TOKENS
+    with pytest.raises(ConfigError, match="fp8_fast_accum_tokens must be >= 0"):
+        EngineArgs(model=str(llama_dir), fp8_fast_accum_tokens=-1).create_engine_config()
+    ops = triton_ops(4096)
+    assert ops.fp8_gemm.keywords == {"fast_accum_tokens": 4096} == ops.fp8_matmul.keywords
+    assert triton_ops().fp8_gemm.keywords == {"fast_accum_tokens": FAST_ACCUM_TOKENS}
+    torch.manual_seed(0)
+    x, w = torch.randn(80, 64), torch.randn(48, 64)
+    xq, sx = quantize_tokens(x)
+    wq, sw = quantize_rows(w)
+    want = fp8_gemm_reference(xq, sx, wq, sw, torch.float32)
+    for threshold in (0, 1, 80, 81):  # 80 rows: past the split-K kernel's 64, so torch._scaled_mm
+        got = fp8_gemm_fast(xq, sx, wq, sw, torch.float32, fast_accum_tokens=threshold)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

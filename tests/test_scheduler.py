@@ -13,9 +13,10 @@ from llmserve.sampling_params import SamplingParams
 BS = 4
 
 
-def make_scheduler(num_blocks=64, budget=64, max_seqs=8, chunked=True, caching=True, cpu_blocks=0):
+def make_scheduler(num_blocks=64, budget=64, max_seqs=8, chunked=True, caching=True, cpu_blocks=0, reserve=256):
     kv = KVCacheManager(num_blocks, BS, caching, cpu_blocks)
-    cfg = SchedulerConfig(max_seqs, budget, chunked, max_model_len=min(256, num_blocks * BS))
+    cfg = SchedulerConfig(max_seqs, budget, chunked, max_model_len=min(256, num_blocks * BS),
+                          admission_reserve_tokens=reserve)
     return Scheduler(cfg, kv, swap_enabled=cpu_blocks > 0)
 
 
@@ -112,8 +113,9 @@ def test_priority_lower_number_first():
 
 
 def test_recompute_preemption_picks_lowest_priority_latest():
-    # 6 blocks of 4 tokens; three 8-token prompts take 2 blocks each; decode needs more
-    sched = make_scheduler(num_blocks=6, budget=64)
+    # 6 blocks of 4 tokens; three 8-token prompts take 2 blocks each; decode needs more (admitted
+    # without reserving the decodes' growth, as before admission_reserve_tokens)
+    sched = make_scheduler(num_blocks=6, budget=64, reserve=0)
     sched.watermark = 0
     sched.add_request(make_request("a", prompt_len=8, max_tokens=6, arrival=0))
     sched.add_request(make_request("b", prompt_len=8, max_tokens=6, arrival=1, priority=-1))
@@ -129,8 +131,41 @@ def test_recompute_preemption_picks_lowest_priority_latest():
     assert sched.kv.pool.num_used == 0
 
 
+@pytest.mark.parametrize("reserve", [0, 2, 6])
+def test_admission_keeps_the_running_requests_growth_free(reserve):
+    """The scene above with the requests' growth reserved at admission (the running ones' and the
+    newcomer's own): fewer at once, and with the whole growth reserved (6 tokens: max_tokens) no
+    preemption. 2 tokens of horizon reserve one block a request: one more is admitted, and the
+    decodes past that block still preempt."""
+    sched = make_scheduler(num_blocks=6, budget=64, reserve=reserve)
+    sched.watermark = 0
+    for i, rid in enumerate("abc"):
+        sched.add_request(make_request(rid, prompt_len=8, max_tokens=6, arrival=i))
+    out, _ = step(sched)
+    admitted = [s.request.request_id for s in out.scheduled]
+    # 8 prompt + 6 output tokens = 4 blocks a request: with the whole growth kept free only "a" fits
+    # at first; with 2 tokens of it (one block each) "a" and "b"; with none all three
+    assert admitted == {0: ["a", "b", "c"], 2: ["a", "b"], 6: ["a"]}[reserve]
+    assert run_to_end(sched) == {"a": "length", "b": "length", "c": "length"}
+    assert (sched.num_preemptions == 0) == (reserve == 6)
+    assert sched.kv.pool.num_used == 0
+
+
+def test_admission_reserves_the_rest_of_a_chunked_prompt():
+    """A prompt admitted in chunks keeps the blocks for its later chunks: a second request is not
+    admitted into them (it would be preempted, or preempt, when the first prompt's next chunk comes)."""
+    sched = make_scheduler(num_blocks=8, budget=8, reserve=1)
+    sched.watermark = 0
+    sched.add_request(make_request("long", prompt_len=24, max_tokens=1, arrival=0))
+    sched.add_request(make_request("short", prompt_len=4, max_tokens=1, arrival=1))
+    out, _ = step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("long", 8)]
+    assert sched._growth_blocks(sched.running[0]) == 5  # 16 prompt tokens and 1 output token: 17 -> 5 blocks
+    assert run_to_end(sched) == {"long": "length", "short": "length"} and sched.num_preemptions == 0
+
+
 def test_swap_preemption_keeps_progress():
-    sched = make_scheduler(num_blocks=6, budget=64, cpu_blocks=16)
+    sched = make_scheduler(num_blocks=6, budget=64, cpu_blocks=16, reserve=0)
     sched.watermark = 0
     for i, rid in enumerate("abc"):
         sched.add_request(make_request(rid, prompt_len=8, max_tokens=6, arrival=i))

@@ -58,7 +58,7 @@ def test_a_request_arrives_whole_once_then_as_its_new_blocks():
 def test_the_runner_state_mirrors_the_scheduler_through_preemptions():
     """A whole run with recompute preemptions, the runner fed only plans (and the sampled
     tokens): before each step its tokens and blocks for each row equal the scheduler's."""
-    sched, plans, runner = make_scheduler(num_blocks=6, budget=64), PlanBuilder(), RunnerRequests()
+    sched, plans, runner = make_scheduler(num_blocks=6, budget=64, reserve=0), PlanBuilder(), RunnerRequests()
     sched.watermark = 0
     for rid, arrival in (("a", 0), ("b", 1), ("c", 2)):
         sched.add_request(make_request(rid, prompt_len=8, max_tokens=6, arrival=arrival))

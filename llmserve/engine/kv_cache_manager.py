@@ -134,6 +134,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.req_blocks[request_id]
 
+    def num_allocated_blocks(self, request_id: str) -> int:
+        blocks = self.req_blocks.get(request_id)
+        return len(blocks) if blocks else 0
+
     # -- swap -------------------------------------------------------------------------
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to CPU swap blocks; None when swap space is short."""

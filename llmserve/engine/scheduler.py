@@ -69,7 +69,8 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_computed_tokens_total = 0
         self._finished_ids: list[str] = []
-        # keep a few blocks free when admitting, so running decodes rarely preempt
+        # keep a few blocks free when admitting, so running decodes rarely preempt; and the blocks
+        # running requests still need (`_growth_blocks`, config.admission_reserve_tokens)
         self.watermark = max(1, kv.num_blocks // 100)
 
     # -- queue changes ------------------------------------------------------------------
@@ -162,6 +163,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         prefilling_groups = {r.share_group for r in self.running if self._fills_shared_blocks(r)}
         adapters = {r.lora_request.key for r in self.running if r.lora_request is not None}
+        growth = None  # the running requests' `_growth_blocks`, summed when first needed
         idx = 0
         while idx < len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
@@ -174,10 +176,20 @@ class Scheduler:
             if lora is not None and lora not in adapters and len(adapters) >= (self.max_loras or 0):
                 idx += 1  # every adapter slot is held by running requests: wait for one to free
                 continue
-            reserve = self.watermark if self.running else 0
+            reserve = 0
+            if self.running:
+                reserve = self.watermark
+                # the blocks running requests still need, and those this one will need after its first
+                # chunk (not summed when the watermark alone leaves no block: nothing is admitted then)
+                if self.kv.pool.num_free > reserve:
+                    if growth is None:
+                        growth = sum(map(self._growth_blocks, self.running))
+                    reserve += growth + self._own_growth_blocks(req, budget)
             num_new = self._admit(req, budget, reserve, out)
             if num_new is None:
                 break
+            if growth is not None:
+                growth += self._growth_blocks(req)
             self.waiting.pop(idx)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
@@ -189,6 +201,29 @@ class Scheduler:
             budget -= num_new
             if self._fills_shared_blocks(req):
                 prefilling_groups.add(req.share_group)
+
+    def _growth_blocks(self, req: Request) -> int:
+        """Blocks a running request will still take: the rest of its prompt, and up to
+        `admission_reserve_tokens` more of its output (its max_tokens at most). Admissions keep
+        them free, so that the cache does not fill with prompts whose decodes then preempt."""
+        horizon = self.config.admission_reserve_tokens
+        if not horizon:
+            return 0
+        allocated = self.kv.num_allocated_blocks(req.request_id) * self.block_size
+        prompt = len(req.prompt_token_ids)
+        final = min(prompt + req.max_tokens, self.config.max_model_len)
+        tokens = max(0, prompt - allocated) + min(horizon, max(0, final - max(allocated, prompt)))
+        return -(-tokens // self.block_size)
+
+    def _own_growth_blocks(self, req: Request, budget: int) -> int:
+        """`_growth_blocks` of a waiting request once admitted with up to `budget` tokens (cache
+        hits not counted: at most what it will be)."""
+        horizon = self.config.admission_reserve_tokens
+        if not horizon:
+            return 0
+        final = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
+        tokens = max(0, req.num_tokens - budget) + min(horizon, max(0, final - req.num_tokens))
+        return -(-tokens // self.block_size)
 
     def _fills_shared_blocks(self, req: Request) -> bool:
         """Is this n > 1 sibling still computing the full prompt blocks its siblings share?

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
-from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
+from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
 
 
 @triton.jit
@@ -64,7 +64,7 @@ def _silu_and_mul_fp8_kernel(
         mask = cols < n_cols
         y = _silu_mul_row(x_row, cols, mask, n_cols)
         scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
-        q = fp8_scaled(y, scale, FP8_MAX)
+        q = fp8_scaled(y, fp8_reciprocal(scale), FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -72,10 +72,11 @@ def _silu_and_mul_fp8_kernel(
             cols = start + tl.arange(0, BLOCK)
             amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, cols, cols < n_cols, n_cols)))
         scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
+        inv = fp8_reciprocal(scale)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            q = fp8_scaled(_silu_mul_row(x_row, cols, mask, n_cols), scale, FP8_MAX)
+            q = fp8_scaled(_silu_mul_row(x_row, cols, mask, n_cols), inv, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

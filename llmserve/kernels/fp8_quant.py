@@ -4,9 +4,12 @@ PyTorch reference: `llmserve.model.fp8.quantize_tokens`. It takes five torch ops
 copy, abs, amax, divide and clamp, the cast) and cost 13-23 µs a call on an H200 at decode
 sizes, about as much as the FP8 GEMM after it (docs/benchmarks.md). Here one program per
 token reads its row twice: once for the amax, once to scale, clamp and cast. Rounding is the
-reference's: the same correctly rounded float32 division (`tl.div_rn`: Triton's `/` compiles
-to an approximate division on a GPU, which changed up to 1,114 bytes of a tensor on an H200),
-then round-to-nearest-even to E4M3.
+reference's: the scale's reciprocal by the correctly rounded float32 division (`tl.div_rn`:
+Triton's `/` compiles to an approximate division on a GPU), once a token, then each value
+times it (a correctly rounded multiply on both sides), then round-to-nearest-even to E4M3.
+Dividing every value by the scale instead, with `tl.div_rn`, was the bottleneck of the fused
+SiLU-and-multiply at prefill sizes on an H200 (16,384 x 14,336: 454 µs against 304 with the
+reciprocal; docs/benchmarks.md); the two differ in about 0.05 % of the bytes, by one step.
 
 The Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two, so there the
 kernel stores the scaled float32 values and torch casts them; a GPU casts in the kernel.
@@ -30,9 +33,15 @@ def fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
 
 
 @triton.jit
-def fp8_scaled(v, scale, FP8_MAX: tl.constexpr):
-    """`v / scale` saturated to the E4M3 range, in float32 (the cast to FP8 follows)."""
-    return tl.minimum(tl.maximum(tl.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+def fp8_reciprocal(scale):
+    """`1 / scale`, correctly rounded (as torch divides): what every value is multiplied by."""
+    return tl.div_rn(scale * 0.0 + 1.0, scale)
+
+
+@triton.jit
+def fp8_scaled(v, inv_scale, FP8_MAX: tl.constexpr):
+    """`v * (1 / scale)` saturated to the E4M3 range, in float32 (the cast to FP8 follows)."""
+    return tl.minimum(tl.maximum(v * inv_scale, -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
@@ -53,11 +62,12 @@ def _quantize_rows_kernel(
             amax = tl.maximum(amax, tl.abs(v))
         scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
+    inv = fp8_reciprocal(scale)
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
         v = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        q = fp8_scaled(v, scale, FP8_MAX)
+        q = fp8_scaled(v, inv, FP8_MAX)
         tl.store(q_row + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,7 +9,7 @@ One program normalises one row.
 
 With `quantize=True` (FP8 linear layers next) the row is also quantized to FP8 per token,
 as `llmserve.model.fp8.quantize_tokens` quantizes the reference's output: the normalised row
-rounded to its dtype, its amax, the correctly rounded division (`tl.div_rn`), saturated at
+rounded to its dtype, its amax, times the scale's correctly rounded reciprocal, saturated at
 ±448. The FP8 row and its scale are written instead of the normalised row, which saves a
 kernel and a pass over the activations before each QKV and gate/up projection.
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
-from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_scale, fp8_scaled
+from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _rms_norm_kernel(
         y = (w * h).to(x.dtype).to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
         tl.store(scale_ptr + row, scale)
-        q = fp8_scaled(y, scale, FP8_MAX)
+        q = fp8_scaled(y, fp8_reciprocal(scale), FP8_MAX)
         tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + cols, (w * h).to(out_ptr.dtype.element_ty), mask=mask)

@@ -46,7 +46,10 @@ def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -
         scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=_MIN_SCALE)
     else:
         scale = static_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1)
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+    # times the scale's reciprocal (correctly rounded), as the kernels do: a division of every value
+    # was their bottleneck at prefill sizes (llmserve/kernels/fp8_quant.py)
+    inv = torch.ones_like(scale) / scale
+    return (x * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
 
 
 def fp8_gemm_reference(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

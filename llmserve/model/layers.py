@@ -94,11 +94,18 @@ class LayerOps:
 REFERENCE_OPS = LayerOps()
 
 
-def triton_ops() -> LayerOps:
-    from llmserve import kernels
+def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
+    """The fused kernels; FP8 GEMMs of steps of at least `fp8_fast_accum_tokens` tokens accumulate
+    fast (None: the kernels' default, FAST_ACCUM_TOKENS; 0: never)."""
+    from functools import partial
 
+    from llmserve import kernels
+    from llmserve.kernels.fp8_linear import FAST_ACCUM_TOKENS
+
+    fast = FAST_ACCUM_TOKENS if fp8_fast_accum_tokens is None else fp8_fast_accum_tokens
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
-                    kernels.fp8_matmul_fused_quant, kernels.fp8_gemm_fast, kernels.rms_norm_fp8,
+                    partial(kernels.fp8_matmul_fused_quant, fast_accum_tokens=fast),
+                    partial(kernels.fp8_gemm_fast, fast_accum_tokens=fast), kernels.rms_norm_fp8,
                     kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8)  # fmt: skip
 
 

@@ -79,6 +79,16 @@ ENGINES["fp8kv1"] = ENGINES["fp8kv"] + ["--no-calculate-kv-scales"]
 for _row, _base in (("a", "a_fp8"), ("b", "b_fp8"), ("c", "c_fp8")):
     ROWS[f"{_row}_fp8keep"] = ("fp8keep", ROWS[_base][1], ROWS[_base][2])
 ROWS["a_fp8kv1"] = ("fp8kv1", "throughput", ROWS["a_fp8kv"][2])
+# FP8 GEMMs with the exact accumulation at every size (the default accumulates fast from 1,024 tokens
+# on), and admissions that keep no blocks for the running requests' growth (the default keeps 256
+# tokens' worth each): each before-and-after of 2026-12-02 (session 5)
+ENGINES["fp8exact"] = ENGINES["fp8"] + ["--fp8-fast-accum-tokens", "0"]
+ENGINES["fp8res0"] = ENGINES["fp8"] + ["--admission-reserve-tokens", "0"]
+ENGINES["res0"] = ENGINES["short"] + ["--admission-reserve-tokens", "0"]
+for _row in ("a", "c"):
+    ROWS[f"{_row}_fp8exact"] = ("fp8exact", "throughput", ROWS[f"{_row}_fp8"][2])
+ROWS["c_fp8res0"] = ("fp8res0", "throughput", ROWS["c_fp8"][2])
+ROWS["c_res0"] = ("res0", "throughput", ROWS["c"][2])
 ROWS["a_70b_fp8"] = ("70b_fp8", "throughput", ["--num-prompts", "256", "--input-len", "512", "--output-len", "256",
                                                "--temperature", "0"])  # fmt: skip
 ROWS["b_70b_fp8"] = ("70b_fp8", "latency", ROWS["b"][2])

@@ -191,6 +191,8 @@ def gemm_rows() -> None:
                                                                   out_dtype=torch.bfloat16, use_fast_accum=True),
             }  # fmt: skip
             ref = calls["rowwise"]().float()
+            # the product of the dequantized operands in float64: what exact accumulation approaches
+            exact = ((xq.double() * xs.double()) @ (wq.double() * ws.double()).t()).float()
             for label, fn in calls.items():
                 try:
                     out = fn().float()
@@ -198,6 +200,10 @@ def gemm_rows() -> None:
                     row[label] = {"us": round(us, 2), "tflops": round(flop / us / 1e6, 1)}
                     if label == "rowwise_fast_accum":
                         row[label]["max_rel_diff_vs_rowwise"] = round(((out - ref).abs().max() / ref.abs().max()).item(), 5)
+                    if label.startswith("rowwise"):  # error against float64, relative to the largest output
+                        err = (out - exact).abs()
+                        row[label]["max_err_vs_f64"] = round((err.max() / exact.abs().max()).item(), 6)
+                        row[label]["rms_err_vs_f64"] = round((err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item(), 6)
                 except Exception as exc:  # noqa: BLE001
                     row[label] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
             record(row)
