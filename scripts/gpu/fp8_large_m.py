@@ -4,9 +4,8 @@ kernels and its GEMMs stand at hundreds to 16,384 tokens a step.
 1. SiLU-and-multiply with the per-token FP8 quantization (`silu_and_mul_fp8`): 1.40 s of (c)'s
    22.6 s of GPU time on an H200 (161 µs a call), about twice its bytes at 4.15 TB/s. The
    engine's launch against the same kernel with other row strategies (one pass holding the row,
-   or two passes in column blocks) and warps, and against a variant that multiplies by the
-   reciprocal of the scale instead of dividing (not the reference's rounding: its differing
-   bytes are reported). Every variant's FP8 bytes and scales are compared with the reference.
+   or two passes in column blocks) and warps. Every variant's FP8 bytes and scales are compared
+   with the reference.
 2. The per-token quantization of the o_proj input (`quantize_tokens_fp8`), the same way.
 3. `torch._scaled_mm` at 512-16,384 tokens for the four 8B projections: row-wise scales (the
    engine's), with `use_fast_accum`, and per-tensor scales, against bf16, in TFLOP/s.
@@ -25,42 +24,20 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from llmserve.kernels.activation import _silu_and_mul_fp8_kernel, _silu_mul_row, silu_and_mul, silu_and_mul_fp8  # noqa: E402
-from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, _quantize_rows_kernel, fp8_scale, quantize_tokens_fp8  # noqa: E402
+from llmserve.kernels.activation import _silu_and_mul_fp8_kernel, silu_and_mul, silu_and_mul_fp8  # noqa: E402
+from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, _quantize_rows_kernel, quantize_tokens_fp8  # noqa: E402
 from llmserve.model.fp8 import quantize_rows, quantize_tokens  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_gemm_micro import SHAPES, graph_time_us  # noqa: E402  (a CUDA graph of 20 calls, replayed 10 times)
 
 OUT = Path(os.environ.get("OUT", "out"))
 TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,64,512,4096,16384").split(","))
 GEMM_TOKENS = tuple(int(t) for t in os.environ.get("GEMM_TOKENS", "512,4096,16384").split(","))
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 INTER = 14336
-CALLS = 20
 FOUND: list[dict] = []
-
-
-def graph_time_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def record(row: dict) -> None:
@@ -70,40 +47,11 @@ def record(row: dict) -> None:
     (OUT / "fp8_large_m.json").write_text(json.dumps(FOUND, indent=1))
 
 
-@triton.jit
-def _silu_fp8_recip_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols, BLOCK: tl.constexpr,
-                           ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        y = _silu_mul_row(x_row, cols, mask, n_cols)
-        scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
-        inv = 1.0 / scale
-        q = tl.minimum(tl.maximum(y * inv, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, cols, cols < n_cols, n_cols)))
-        scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
-        inv = 1.0 / scale
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            q = tl.minimum(tl.maximum(_silu_mul_row(x_row, cols, mask, n_cols) * inv, -FP8_MAX), FP8_MAX)
-            tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-def silu_variant(x: torch.Tensor, one_pass: bool, block: int, warps: int, recip: bool):
+def silu_variant(x: torch.Tensor, one_pass: bool, block: int, warps: int):
     rows = x.shape[0]
     q = torch.empty((rows, INTER), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    kernel = _silu_fp8_recip_kernel if recip else _silu_and_mul_fp8_kernel
-    kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), INTER, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
+    _silu_and_mul_fp8_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), INTER, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
                     MIN_SCALE=MIN_SCALE, num_warps=warps)  # fmt: skip
     return q, s
 
@@ -123,10 +71,10 @@ def differing(got, want) -> dict:
 
 
 def silu_rows() -> None:
-    variants = [("one_pass", True, 16384, w, False) for w in (8, 16, 32)]
-    variants += [("two_pass", False, b, w, False) for b in (512, 1024, 2048, 4096) for w in (2, 4, 8) if b // w >= 128]
-    variants += [("one_pass_recip", True, 16384, 16, True), ("two_pass_recip", False, 2048, 4, True),
-                 ("two_pass_recip", False, 1024, 4, True)]  # fmt: skip
+    # (call 1 of 2026-12-02 also timed the division's replacement by the reciprocal as variants here:
+    # it is the engine's kernel since)
+    variants = [("one_pass", True, 16384, w) for w in (8, 16, 32)]
+    variants += [("two_pass", False, b, w) for b in (512, 1024, 2048, 4096) for w in (2, 4, 8) if b // w >= 128]
     for m in TOKENS:
         x = torch.randn(m, 2 * INTER, device="cuda", dtype=torch.bfloat16) * 3
         want = quantize_tokens(silu_and_mul(x))
@@ -135,12 +83,12 @@ def silu_rows() -> None:
         row = {"op": "silu_and_mul_fp8", "M": m, "ideal_us_at_4.15TBps": round(ideal_us, 2),
                "engine_us": round(graph_time_us(lambda: silu_and_mul_fp8(x)), 2),
                **differing((engine.q, engine.scale), want), "variants": []}  # fmt: skip
-        for name, one_pass, block, warps, recip in variants:
+        for name, one_pass, block, warps in variants:
             cfg = {"kind": name, "block": block, "warps": warps}
             try:
-                got = silu_variant(x, one_pass, block, warps, recip)
+                got = silu_variant(x, one_pass, block, warps)
                 cfg.update(differing(got, want))
-                cfg["us"] = round(graph_time_us(lambda: silu_variant(x, one_pass, block, warps, recip)), 2)
+                cfg["us"] = round(graph_time_us(lambda: silu_variant(x, one_pass, block, warps)), 2)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a finding
                 cfg["error"] = f"{type(exc).__name__}: {exc}"[:160]
             row["variants"].append(cfg)
