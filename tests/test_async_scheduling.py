@@ -64,7 +64,7 @@ def test_async_scheduling_under_preemption(llama_dir):
     """Few blocks: requests are preempted while their token is still on the device."""
     prompts, _ = _requests()
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    opts = {"block_size": 8, "num_gpu_blocks_override": 20, "max_model_len": 128}
+    opts = {"block_size": 8, "num_gpu_blocks_override": 20, "max_model_len": 128, "admission_reserve_tokens": 0}
     for swap in (0, 0.001):
         sync = LLM(llama_dir, async_scheduling=False, swap_space=swap, **opts)
         overlapped = LLM(llama_dir, swap_space=swap, **opts)

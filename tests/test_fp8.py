@@ -284,7 +284,7 @@ def test_an_fp8_kv_cache_holds_twice_the_tokens_and_stays_close(llama_dir):
         assert max(abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys()) < 0.1
     # FP8 weights and an FP8 cache together, preempting by swap (the CPU copy is FP8 too)
     with LLM(llama_dir, quantization="fp8", kv_cache_dtype="fp8", num_gpu_blocks_override=16, block_size=8,
-             swap_space=0.01, max_model_len=128) as both:  # fmt: skip
+             swap_space=0.01, max_model_len=128, admission_reserve_tokens=0) as both:  # fmt: skip
         outs = both.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
         assert both.core.runner.cpu_caches[0].dtype == torch.float8_e4m3fn and both.stats().num_preemptions > 0

@@ -23,8 +23,9 @@ ENGINE_VARIANTS = {
     "prefix-cache-off": dict(enable_prefix_caching=False),
     "chunked-prefill": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
     "no-chunked-prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=256),
-    "preempt-recompute": dict(block_size=8, num_gpu_blocks_override=14, swap_space=0),
-    "preempt-swap": dict(block_size=8, num_gpu_blocks_override=14, swap_space=0.001),
+    # admitted without keeping the decodes' growth free (admission_reserve_tokens=0), so they preempt
+    "preempt-recompute": dict(block_size=8, num_gpu_blocks_override=14, swap_space=0, admission_reserve_tokens=0),
+    "preempt-swap": dict(block_size=8, num_gpu_blocks_override=14, swap_space=0.001, admission_reserve_tokens=0),
 }
 
 

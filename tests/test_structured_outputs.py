@@ -59,7 +59,8 @@ def test_bitmask_equals_the_matcher_asked_token_by_token():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(TINY_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60)
+    return LLM(str(TINY_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60,
+               admission_reserve_tokens=0)  # admissions that fill the blocks, so that requests preempt
 
 
 def generate(llm, spec: StructuredOutputsParams, n: int = 4, max_tokens: int = 120, **kw):

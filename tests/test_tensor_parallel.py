@@ -59,7 +59,8 @@ def test_tp2_odd_vocab_chunked_prefill_and_preemption(tmp_path):
     """A vocabulary that does not split evenly (the last rank's rows are padded), with
     chunked prefill and preemption by swapping KV blocks out and back on every rank."""
     model = str(make_random_model(tmp_path / "m", "mistral", seed=5, vocab_size=517))
-    opts = dict(block_size=8, num_gpu_blocks_override=16, max_model_len=128, swap_space=0.001, max_num_batched_tokens=24)
+    opts = dict(block_size=8, num_gpu_blocks_override=16, max_model_len=128, swap_space=0.001, max_num_batched_tokens=24,
+                admission_reserve_tokens=0)  # admissions that fill the blocks, so that requests preempt
     _assert_same(_run(model, 1, **opts), _run(model, 2, **opts))
 
 
