@@ -206,23 +206,22 @@ class Scheduler:
         """Blocks a running request will still take: the rest of its prompt, and up to
         `admission_reserve_tokens` more of its output (its max_tokens at most). Admissions keep
         them free, so that the cache does not fill with prompts whose decodes then preempt."""
-        horizon = self.config.admission_reserve_tokens
-        if not horizon:
-            return 0
         allocated = self.kv.num_allocated_blocks(req.request_id) * self.block_size
-        prompt = len(req.prompt_token_ids)
-        final = min(prompt + req.max_tokens, self.config.max_model_len)
-        tokens = max(0, prompt - allocated) + min(horizon, max(0, final - max(allocated, prompt)))
-        return -(-tokens // self.block_size)
+        return self._blocks_to_come(req, allocated, len(req.prompt_token_ids))
 
     def _own_growth_blocks(self, req: Request, budget: int) -> int:
         """`_growth_blocks` of a waiting request once admitted with up to `budget` tokens (cache
         hits not counted: at most what it will be)."""
+        return self._blocks_to_come(req, min(req.num_tokens, budget), req.num_tokens)
+
+    def _blocks_to_come(self, req: Request, allocated: int, to_compute: int) -> int:
+        """Blocks for `req`'s tokens past the `allocated` ones: the rest of its first `to_compute`
+        tokens, then up to `admission_reserve_tokens` of its output (its max_tokens at most)."""
         horizon = self.config.admission_reserve_tokens
         if not horizon:
             return 0
         final = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
-        tokens = max(0, req.num_tokens - budget) + min(horizon, max(0, final - req.num_tokens))
+        tokens = max(0, to_compute - allocated) + min(horizon, max(0, final - max(allocated, to_compute)))
         return -(-tokens // self.block_size)
 
     def _fills_shared_blocks(self, req: Request) -> bool:
