@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -63,28 +64,12 @@ from fp8_weight_format import PROJECTIONS, fake_quant, study_parser  # noqa: E40
 from llmserve.bench.accuracy import load_for_reading, read_text  # noqa: E402
 from llmserve.config import EngineArgs  # noqa: E402
 from llmserve.model import kv_scales  # noqa: E402
-from llmserve.model.attention import AttentionMetadata  # noqa: E402
-from llmserve.model.fp8_gptq import dequantize, gptq_fp8, input_hessian  # noqa: E402
+from llmserve.model.fp8_gptq import dequantize  # noqa: E402
+from llmserve.model.gptq_calibration import GptqOptions, calibration_windows, gptq_model, read_calibration_texts  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 CPU = torch.device("cpu")
-BLOCK = 16  # the cache block size `read_text` uses
 VARIANTS = ("columns", "act-order", "columns+a8", "act-order+a8")
-
-
-def calibration_windows(tokenizer, texts: list[str], window: int, tokens: int) -> list[list[int]]:
-    """Windows of `window` token ids from the texts in turn (each read from position 0, as
-    `read_text` reads its windows), until `tokens` ids."""
-    out: list[list[int]] = []
-    for text in texts:
-        ids = tokenizer.encode(Path(text).read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)
-        for start in range(0, len(ids) - window + 1, window):
-            if len(out) * window >= tokens:
-                return out
-            out.append(ids[start : start + window])
-    if len(out) * window < tokens:
-        print(f"calibration: only {len(out) * window} tokens in {texts}", flush=True)
-    return out
 
 
 def act_hooks(modules) -> list:
@@ -117,19 +102,15 @@ def float32_products(model):
         del embed.logits
 
 
-def window_meta(n: int) -> AttentionMetadata:
-    """One sequence of n new tokens in cache slots 0..n-1, as `read_text` lays out a window."""
-    blocks = -(-n // BLOCK)
-    return AttentionMetadata(slot_mapping=torch.arange(n), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32),
-                             block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=n, max_seq_len=n)  # fmt: skip
-
-
 def main() -> None:
     ap = study_parser()
     ap.add_argument("--calibration-text", nargs="+", default=["README.md", "docs/models.md", "docs/triton.md"],
                     help="texts the Hessians come from (none of --text)")  # fmt: skip
     ap.add_argument("--calibration-tokens", type=int, default=4096)
+    ap.add_argument("--calibration-mix", action="store_true", help="one window from each calibration text in turn")
+    ap.add_argument("--keep", nargs="*", default=[],
+                    help="regular expressions of projections (e.g. 'model\\.layers\\.29\\.mlp\\.down_proj') left in bf16, "
+                         "weights and inputs, as --quantization-ignore leaves them")  # fmt: skip
     ap.add_argument("--calibration-mode", choices=("sequential", "bf16"), default="sequential",
                     help="layer i's inputs from the layers before it quantized (sequential) or from the bf16 model")  # fmt: skip
     ap.add_argument("--variants", default="columns,act-order",
@@ -155,14 +136,17 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
     model, tokenizer, _ = load_for_reading(EngineArgs(model=opts.model, dtype="bfloat16", device="cpu"))
     texts = {t: tokenizer.encode(Path(t).read_text(encoding="utf-8"), add_special_tokens=False,
                                  verbose=False)[: opts.max_positions + 1] for t in opts.text}  # fmt: skip
-    windows = calibration_windows(tokenizer, opts.calibration_text, opts.window, opts.calibration_tokens)
+    windows = calibration_windows(read_calibration_texts(opts.calibration_text, tokenizer), opts.window,
+                                  opts.calibration_tokens, opts.calibration_mix)  # fmt: skip
     print(f"texts: {', '.join(f'{t} ({len(ids) - 1})' for t, ids in texts.items())}; calibration: "
           f"{len(windows)} windows of {opts.window} from {', '.join(opts.calibration_text)}", flush=True)  # fmt: skip
     modules = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS}
     original = {n: m.weight.detach().clone() for n, m in modules.items()}
-    layers = model.model.layers
+    kept = {n for n in modules if any(re.fullmatch(k, n) for k in opts.keep)}
+    if opts.keep:
+        print(f"kept in bf16: {', '.join(sorted(kept)) or 'nothing matched'}", flush=True)
+    quantized_modules = [m for n, m in modules.items() if n not in kept]
     attention_layers = model.attention_layers()
-    arch = model.shard
     if not opts.exact_bf16:
         stack.enter_context(float32_products(model))
 
@@ -184,71 +168,25 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
         return float(((d @ h) * d).sum())
 
     def run_gptq(act_order: bool, a8: bool) -> tuple[dict[str, torch.Tensor], list[dict]]:
-        """Every projection rounded by GPTQ, layer by layer: each layer runs the calibration
-        windows from the hidden states the layers before it left (kept per window), its
-        projections' input Hessians are summed, its weights quantized, and (sequential) it runs
-        again, quantized, to give the next layer's inputs."""
-        set_weights(original)
-        quantized: dict[str, torch.Tensor] = {}
+        """Every projection but the kept ones rounded by GPTQ, layer by layer
+        (`gptq_calibration.gptq_model`), with each layer's output error against RTN's."""
         log = []
-        metas = [window_meta(len(ids)) for ids in windows]
-        with torch.inference_mode():
-            states = [(model.model.embed_tokens(torch.tensor(ids)), None) for ids in windows]
 
-        def run_layer(i: int) -> list:
-            out = []
-            with torch.inference_mode():
-                for (x, residual), meta, ids in zip(states, metas, windows):
-                    n = len(ids)
-                    attention_layers[i].kv_cache = torch.zeros(2, -(-n // BLOCK), BLOCK, arch.num_kv_heads, arch.head_dim,
-                                                               dtype=torch.bfloat16)  # fmt: skip
-                    out.append(layers[i](torch.arange(n), x, residual, meta))
-            return out
-
-        for i in range(len(layers)):
-            t0 = time.perf_counter()
-            names = [n for n in modules if n.startswith(f"model.layers.{i}.")]
-            hs = {n: torch.zeros(modules[n].weight.shape[1], modules[n].weight.shape[1], dtype=torch.float64) for n in names}
-
-            def collect(name):
-                def hook(_m, args):
-                    x = fake_quant(args[0], E4M3, None) if a8 else args[0]
-                    hs[name] += input_hessian(x)
-                    return (x,)
-
-                return hook
-
-            hooks = [modules[n].register_forward_pre_hook(collect(n)) for n in names]
-            try:
-                unquantized_out = run_layer(i)
-            finally:
-                for h in hooks:
-                    h.remove()
-            t1 = time.perf_counter()
+        def report(r, done) -> None:
             errs = {}
-            for n in names:
-                q, s = gptq_fp8(original[n], hs[n], damp=opts.damp, block=opts.block, act_order=act_order)
-                quantized[n] = dequantize(q, s, original[n].dtype)
+            for n, (q, s) in done.items():
                 rtn = fake_quant(original[n], E4M3, None)
-                errs[n.rsplit(".", 1)[-1]] = round(output_error(n, quantized[n], hs[n]) / output_error(n, rtn, hs[n]), 4)
-            with torch.no_grad():
-                for n in names:
-                    modules[n].weight.copy_(quantized[n])
-            t2 = time.perf_counter()
-            if opts.calibration_mode == "sequential":
-                hooks = act_hooks(modules[n] for n in names) if a8 else []
-                try:
-                    states = run_layer(i)
-                finally:
-                    for h in hooks:
-                        h.remove()
-            else:
-                states = unquantized_out
-            log.append({"layer": i, "output_error_vs_rtn": errs})
-            print(f"  layer {i:2d}: output error GPTQ / RTN on the calibration inputs "
-                  f"{' '.join(f'{k} {v:.3f}' for k, v in errs.items())} (Hessians {t1 - t0:.1f} s, "
-                  f"GPTQ {t2 - t1:.1f} s, next inputs {time.perf_counter() - t2:.1f} s)", flush=True)  # fmt: skip
-        set_weights(original)
+                errs[n.rsplit(".", 1)[-1]] = round(output_error(n, dequantize(q, s, original[n].dtype), r.hessians[n])
+                                                   / output_error(n, rtn, r.hessians[n]), 4)  # fmt: skip
+            log.append({"layer": r.layer, "output_error_vs_rtn": errs})
+            print(f"  layer {r.layer:2d}: output error GPTQ / RTN on the calibration inputs "
+                  f"{' '.join(f'{k} {v:.3f}' for k, v in errs.items())} ({r.seconds:.1f} s)", flush=True)  # fmt: skip
+
+        done = gptq_model(model, windows, kept, GptqOptions(opts.damp, opts.block, act_order),
+                          input_transform=(lambda x: fake_quant(x, E4M3, None)) if a8 else None,
+                          sequential=opts.calibration_mode == "sequential", on_layer=report)  # fmt: skip
+        quantized = {n: original[n] for n in kept}
+        quantized.update({n: dequantize(q, s, original[n].dtype) for n, (q, s) in done.items()})
         return quantized, log
 
     rows: dict[str, dict] = {}
@@ -263,7 +201,7 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
     def measure(name: str, weights: dict[str, torch.Tensor] | None, acts: bool, kv: bool) -> None:
         started = time.perf_counter()
         set_weights(weights if weights is not None else original)
-        hooks = act_hooks(modules.values()) if acts else []
+        hooks = act_hooks(quantized_modules) if acts else []
         scales = None
         try:
             if kv:  # the engine's calibration at start, on the model as it runs
@@ -287,7 +225,7 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
         print(f"{name}: perplexity {math.exp(nll):.4f} ({change:+.2f} %), top-1 agreement {agree:.4f}, per text "
               f"{' / '.join(f'{v:+.2f}' for v in per_text.values())} ({time.perf_counter() - started:.0f} s)", flush=True)  # fmt: skip
 
-    rtn = {n: fake_quant(w, E4M3, None) for n, w in original.items()}
+    rtn = {n: w if n in kept else fake_quant(w, E4M3, None) for n, w in original.items()}
     if opts.kv:
         measure("bf16, KV fp8", None, acts=False, kv=True)
     measure("RTN, weights only", rtn, acts=False, kv=False)
@@ -319,7 +257,8 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
         Path(opts.output_json).write_text(json.dumps({
             "model": opts.model, "texts": opts.text, "max_positions": opts.max_positions, "window": opts.window,
             "calibration": {"texts": opts.calibration_text, "tokens": len(windows) * opts.window,
-                            "mode": opts.calibration_mode},
+                            "mode": opts.calibration_mode, "mix": opts.calibration_mix},
+            "kept_in_bf16": sorted(kept),
             "gptq": {"damp": opts.damp, "block": opts.block, "scale": "row absmax / 448, fixed before GPTQ"},
             "float32_products": not opts.exact_bf16, "seconds": round(elapsed), "rows": rows, "layers": logs}, indent=1))  # fmt: skip
 
