@@ -46,12 +46,25 @@ def _make_random_model(args: argparse.Namespace) -> None:
 
 
 def _make_fp8_checkpoint(args: argparse.Namespace) -> None:
-    from llmserve.model.fp8_checkpoint import write_fp8_checkpoint
+    from pathlib import Path
 
-    path = write_fp8_checkpoint(args.model, args.out, args.format, args.weights, args.activations,
-                                kv_scales=args.kv_scales)  # fmt: skip
-    print(f"wrote an FP8 checkpoint ({args.format}, weight scales per {args.weights}, {args.activations} "
-          f"activations{', KV cache scales' if args.kv_scales else ''}) to {path}")  # fmt: skip
+    from llmserve.config import DEFAULT_MODEL, resolve_model_path
+    from llmserve.model.fp8_checkpoint import GptqCalibration, write_fp8_checkpoint
+
+    if args.gptq and not args.calibration_text:
+        raise ValueError("make-fp8-checkpoint --gptq needs --calibration-text (UTF-8 files; none of the text you "
+                         "will measure on)")  # fmt: skip
+    if args.calibration_text and not args.gptq:
+        raise ValueError("make-fp8-checkpoint: --calibration-text is read by --gptq")
+    gptq = GptqCalibration(tuple(args.calibration_text), args.calibration_tokens) if args.gptq else None
+    ignore = tuple(p.strip() for p in (args.ignore or "").split(",") if p.strip())
+    source = resolve_model_path(args.model) if args.model == DEFAULT_MODEL else Path(args.model)
+    path = write_fp8_checkpoint(source, args.out, args.format, args.weights, args.activations,
+                                kv_scales=args.kv_scales, ignore=ignore, gptq=gptq)  # fmt: skip
+    print(f"wrote an FP8 checkpoint ({args.format}, weight scales per {args.weights}, "
+          f"{'GPTQ' if gptq else 'round-to-nearest'} weights, {args.activations} activations"
+          f"{', KV cache scales' if args.kv_scales else ''}{f', {len(ignore)} pattern(s) kept in 16 bits' if ignore else ''}) "
+          f"to {path}")  # fmt: skip
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -103,12 +116,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     rm.set_defaults(func=_make_random_model)
 
     fp8 = sub.add_parser("make-fp8-checkpoint", help="write a Hugging Face folder's projections as an FP8 checkpoint")
-    fp8.add_argument("model", help="a Hugging Face folder (safetensors)")
+    fp8.add_argument("model", help="a Hugging Face folder (safetensors), a GGUF file, or the default model's name")
     fp8.add_argument("out")
     fp8.add_argument("--format", default="compressed-tensors", choices=["fp8", "compressed-tensors"])
     fp8.add_argument("--weights", default="channel", choices=["tensor", "channel"], help="a weight scale per tensor or per output channel (fp8: tensor)")
     fp8.add_argument("--activations", default="dynamic", choices=["dynamic", "static"], help="static: input scales calibrated on a few prompts")
     fp8.add_argument("--kv-scales", action="store_true", help="each layer's k_scale / v_scale for --kv-cache-dtype fp8 (kv_cache_scheme), calibrated on a few prompts")
+    fp8.add_argument("--ignore", default=None, help="projections left in 16 bits, comma-separated, as --quantization-ignore "
+                     "names them (e.g. model.layers.29.mlp.down_proj, or re:PATTERN); written to the config's ignore list")  # fmt: skip
+    fp8.add_argument("--gptq", action="store_true", help="round the weights by GPTQ (error-compensating, layer by layer) "
+                     "on --calibration-text instead of to nearest; scales per channel")  # fmt: skip
+    fp8.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files GPTQ calibrates on (windows of 512 "
+                     "tokens, one from each file in turn)")  # fmt: skip
+    fp8.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens in all")
     fp8.set_defaults(func=_make_fp8_checkpoint)
     return parser
 

@@ -233,6 +233,8 @@ class EngineArgs:
                 raise ConfigError(f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply")
             quantization = "fp8"
         ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch.num_layers)
+        if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
+            ignore = checkpoint_quant.ignore
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(

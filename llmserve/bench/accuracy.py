@@ -75,6 +75,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--text", required=True, nargs="+", help="held-out text files (UTF-8): the result is over all of them")
     p.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
     p.add_argument("--max-positions", type=int, default=4096, help="positions read at most, per text")
+    p.add_argument("--baseline-model", default=None, help="the unquantized model to compare with (default: --model "
+                   "itself without --quantization / --kv-cache-dtype); e.g. the source of an FP8 checkpoint")  # fmt: skip
     p.add_argument("--output-json", default=None)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -142,15 +144,20 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
     baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto",
-                                        calculate_kv_scales=None)
+                                        calculate_kv_scales=None)  # fmt: skip
+    if getattr(args, "baseline_model", None):
+        baseline_args = dataclasses.replace(baseline_args, model=args.baseline_model, tokenizer=None)
     texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]
+    token_ids: list[list[int]] = []  # the baseline's, per text: the candidate must read the same
     labels = []
     for engine_args in (baseline_args, candidate_args):
         model, tokenizer, cfg = load_for_reading(engine_args)
         kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
         label = describe(cfg)
+        if getattr(args, "baseline_model", None):  # two models: say which is which
+            label = f"{Path(cfg.model_config.model).name}, {label}"
         if kv_dtype == FP8_KV:  # the scales the engine would use: the checkpoint's, or calibrated as it does
             device = torch.device(cfg.device)
             n = calibration_length(cfg.scheduler_config.max_num_batched_tokens, cfg.model_config.max_model_len)
@@ -163,6 +170,10 @@ def run(args: argparse.Namespace) -> AccuracyResult:
             ids = tokenizer.encode(content, add_special_tokens=False, verbose=False)[: args.max_positions + 1]
             if len(ids) < 2:
                 raise ValueError(f"{text}: {len(ids)} token(s), nothing to predict (at least 2 are needed)")
+            if len(token_ids) < len(texts):
+                token_ids.append(ids)
+            elif ids != token_ids[len(per_text)]:
+                raise ValueError(f"{text}: the two models' tokenizers give different tokens (compare models with one tokenizer)")
             per_text.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
         readings.append(per_text)
         labels.append(label)

@@ -11,21 +11,30 @@ embedding left in 16 bits):
 Either may carry an FP8 KV cache's scales (`kv_cache_scheme`: 8-bit float, one static scale
 per layer for keys and one for values: `self_attn.k_scale` / `v_scale`, read by
 model/kv_scales.py and used with `--kv-cache-dtype fp8`).
-Anything else (block-wise scales, integer or 4-bit types, per-layer exceptions other than
-the LM head, dynamic or per-head KV scales) is refused at start with the reason. `write_fp8_checkpoint` writes every
-variant from a Hugging Face folder, for the tests (no download) and for users.
+Either may leave projections in 16 bits (`ignore` / `ignored_layers` /
+`modules_to_not_convert`: module names, or `re:` and a regular expression): they run unquantized,
+as `--quantization-ignore` runs them. A fused projection's parts (q/k/v, gate/up) must be
+left together or not at all.
+Anything else (block-wise scales, integer or 4-bit types, a fused projection partly left in 16
+bits, dynamic or per-head KV scales) is refused at start with the reason. `write_fp8_checkpoint`
+writes every variant from a Hugging Face folder or a GGUF file (round to nearest, or GPTQ on
+calibration text), for the tests (no download) and for users.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from llmserve.model.arch import UnsupportedModelError
+from llmserve.model.gptq_calibration import GptqOptions
+from llmserve.model.llama import checkpoint_parts
 
 FORMATS = ("fp8", "compressed-tensors")
 
@@ -35,14 +44,34 @@ class CheckpointQuantization:
     format: str  # fp8 | compressed-tensors
     weights: str  # tensor | channel: how the checkpoint's weight scales are laid out
     activations: str  # dynamic | static
+    ignore: tuple[str, ...] = ()  # projections left unquantized, by this model's (fused) module names
 
 
 def _refuse(why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported quantization_config: {why}")
 
 
-def _only_lm_head(ignored: list) -> bool:
-    return all(isinstance(name, str) and name.removeprefix("re:").lstrip(".*").endswith("lm_head") for name in ignored)
+def _kept_projections(ignored: object, num_layers: int) -> tuple[str, ...]:
+    """The model's projections a checkpoint's ignore list leaves in 16 bits (entries naming
+    the LM head or nothing of this model are allowed: the LM head is never quantized here)."""
+    from llmserve.model.fp8 import is_ignored, projection_names
+
+    if not isinstance(ignored, list) or not all(isinstance(p, str) for p in ignored):
+        raise _refuse(f"the ignore list {ignored!r} is not a list of module names")
+    patterns = tuple(ignored)
+    kept = []
+    try:
+        for fused in projection_names(num_layers):
+            parts = checkpoint_parts(fused)
+            left = [p for p in parts if is_ignored(p, patterns)]
+            if left and len(left) < len(parts):
+                raise _refuse(f"{', '.join(left)} left unquantized without {', '.join(p for p in parts if p not in left)} "
+                              f"(llmserve runs them as one projection, {fused.rsplit('.', 1)[-1]})")  # fmt: skip
+            if left:
+                kept.append(fused)
+    except re.error as e:
+        raise _refuse(f"a bad regular expression in the ignore list ({e})") from None
+    return tuple(kept)
 
 
 def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
@@ -51,6 +80,7 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     if not qc:
         return None
     method = qc.get("quant_method")
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
     kv = qc.get("kv_cache_scheme")
     if kv:
         if kv.get("type") != "float" or kv.get("num_bits") != 8:
@@ -64,9 +94,8 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise _refuse(f"activation_scheme {scheme!r}")
-        if not _only_lm_head(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []):
-            raise _refuse("layers left unquantized other than the LM head")
-        return CheckpointQuantization("fp8", "tensor", scheme)
+        kept = _kept_projections(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [], num_layers)
+        return CheckpointQuantization("fp8", "tensor", scheme, kept)
     if method == "compressed-tensors":
         fmt = qc.get("format")
         if fmt not in ("float-quantized", "naive-quantized"):
@@ -79,8 +108,7 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
             raise _refuse(f"weights of {weights.get('num_bits')}-bit {weights.get('type')} (8-bit float is read)")
         if weights.get("strategy") not in ("tensor", "channel"):
             raise _refuse(f"weight strategy {weights.get('strategy')!r} (tensor and channel are read)")
-        if not _only_lm_head(qc.get("ignore") or []):
-            raise _refuse("layers left unquantized other than the LM head")
+        kept = _kept_projections(qc.get("ignore") or [], num_layers)
         activations = "dynamic"
         if acts:
             if acts.get("type") != "float" or acts.get("num_bits") != 8:
@@ -92,18 +120,19 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
                 activations = "static"
             else:
                 raise _refuse(f"static activation strategy {acts.get('strategy')!r} (tensor is read)")
-        return CheckpointQuantization("compressed-tensors", weights["strategy"], activations)
+        return CheckpointQuantization("compressed-tensors", weights["strategy"], activations, kept)
     raise _refuse(f"quant_method {method!r} (fp8 and compressed-tensors FP8 are read)")
 
 
-def _config_entry(fmt: str, weights: str, activations: str) -> dict:
+def _config_entry(fmt: str, weights: str, activations: str, kept: list[str] = ()) -> dict:
+    ignore = ["lm_head", *kept]
     if fmt == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ["lm_head"]}
+        return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ignore}
     acts = ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
             if activations == "dynamic" else
             {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True})  # fmt: skip
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "ignore": ignore, "config_groups": {"group_0": {
                 "targets": ["Linear"], "input_activations": acts,
                 "weights": {"num_bits": 8, "type": "float", "strategy": weights, "dynamic": False, "symmetric": True}}}}  # fmt: skip
 
@@ -111,17 +140,26 @@ def _config_entry(fmt: str, weights: str, activations: str) -> dict:
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def _hf_model(source: Path):
+    """The source as transformers loads it (float32): a Hugging Face folder or a GGUF file."""
+    from transformers import AutoModelForCausalLM
+
+    if source.is_file():
+        return AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+
+
 def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, float], dict[int, tuple[float, float]]]:
     """Static activation scales (the largest |input| each projection sees over `prompts`,
     / 448, by module name) and KV cache scales by layer (the largest |key| and |value| as the
     cache holds them, after any q/k norm and the rotary embedding, mapped as
     model/kv_scales.py maps them: x HEADROOM / 448)."""
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import DynamicCache
 
     from llmserve.model.fp8 import FP8_MAX
     from llmserve.model.kv_scales import scales_from_amax
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_model(model_dir)
     amax: dict[str, float] = {}
     kv_amax: dict[int, tuple[float, float]] = {}
     hooks = []
@@ -150,18 +188,76 @@ def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, flo
     return {name: value / FP8_MAX for name, value in amax.items()}, kv
 
 
+@dataclass(frozen=True, slots=True)
+class GptqCalibration:
+    """`make-fp8-checkpoint --gptq`: the weights rounded by GPTQ (model/gptq_calibration.py)
+    on windows of these UTF-8 texts, round robin, `tokens` in all."""
+
+    texts: tuple[str, ...]
+    tokens: int = 8192
+    window: int = 512
+    options: GptqOptions = GptqOptions()
+    device: str = "auto"  # cuda when there is one
+
+
+def _gptq_rounded(source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(FP8 weight, row scales) by checkpoint tensor name (`...q_proj.weight`) for every
+    projection not `kept`, GPTQ-rounded on the model as llmserve runs it (float32 on a CPU,
+    bfloat16 on a GPU)."""
+    from llmserve.model.attention import reference_paged_attention
+    from llmserve.model.gptq_calibration import calibration_windows, gptq_model, read_calibration_texts
+    from llmserve.model.llama import LlamaForCausalLM
+    from llmserve.model.loader import load_model
+    from llmserve.tokenizer import load_tokenizer
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if gptq.device == "auto" else gptq.device
+    windows = calibration_windows(read_calibration_texts(list(gptq.texts), load_tokenizer(str(source))),
+                                  gptq.window, gptq.tokens)  # fmt: skip
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = load_model(str(source), arch, dtype, device, reference_paged_attention, progress=False,
+                       max_positions=gptq.window)  # fmt: skip
+    layers = arch.num_layers
+    started = time.perf_counter()
+
+    def progress(report, _done) -> None:
+        print(f"GPTQ: layer {report.layer + 1}/{layers} rounded ({report.seconds:.1f} s, "
+              f"{time.perf_counter() - started:.0f} s in all)", flush=True)  # fmt: skip
+
+    print(f"GPTQ: {len(windows)} calibration windows of {gptq.window} tokens from {len(gptq.texts)} text(s), on {device}",
+          flush=True)  # fmt: skip
+    fused = gptq_model(model, windows, set(kept), gptq.options, on_layer=progress)
+    out = {}
+    for name, (q, scale) in fused.items():
+        for part in checkpoint_parts(name):
+            target, shard = LlamaForCausalLM._target(part + ".weight")
+            if shard is None:
+                out[part + ".weight"] = (q.cpu(), scale.cpu())
+            else:
+                out[part + ".weight"] = (model._shard_view(target, q, shard).cpu().clone(),
+                                         model._shard_view(target, scale, shard).cpu().clone())  # fmt: skip
+    return out
+
+
 def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = "fp8", weights: str = "tensor",
                          activations: str = "dynamic", calibration: list[list[int]] | None = None,
-                         kv_scales: bool = False) -> Path:  # fmt: skip
-    """Quantize a Hugging Face folder's projections to FP8 and write them in `fmt`
+                         kv_scales: bool = False, ignore: tuple[str, ...] = (),
+                         gptq: GptqCalibration | None = None) -> Path:  # fmt: skip
+    """Quantize a model's projections to FP8 and write them as a Hugging Face folder in `fmt`
     ("fp8": per-tensor weight scales; "compressed-tensors": per `weights` "tensor" or
     "channel"), with `activations` "dynamic" or "static" (scales calibrated on
-    `calibration`, token-id prompts; default: a few fixed ones). `kv_scales`: each layer's
-    `self_attn.k_scale` / `v_scale` for an FP8 KV cache, calibrated the same way."""
-    from safetensors.torch import load_file, save_file
+    `calibration`, token-id prompts; default: a few fixed ones). The source is a Hugging Face
+    folder (safetensors) or a GGUF file (its weights dequantized and written in bfloat16, its
+    config and tokenizer as Hugging Face files). `kv_scales`: each layer's
+    `self_attn.k_scale` / `v_scale` for an FP8 KV cache, calibrated the same way. `ignore`:
+    projections left in 16 bits (this model's module names or `re:` patterns, as
+    `--quantization-ignore` takes them; listed in the config's ignore list by checkpoint
+    name). `gptq`: the weights rounded by GPTQ on calibration text instead of to nearest
+    (per-channel scales)."""
+    from safetensors.torch import save_file
 
-    from llmserve.model.fp8 import quantize_rows
-    from llmserve.model.loader import safetensors_files
+    from llmserve.config import read_arch
+    from llmserve.model.fp8 import is_ignored, projection_names, quantize_rows, unmatched_patterns
+    from llmserve.model.loader import _checkpoint_tensors
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}")
@@ -169,39 +265,76 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
         raise ValueError("weights: tensor (either format) or channel (compressed-tensors)")
     if activations not in ("dynamic", "static"):
         raise ValueError("activations: dynamic or static")
-    model_dir, out = Path(model_dir), Path(out_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{str(model_dir)!r} is not a Hugging Face model folder (no config.json): an FP8 "
-                         "checkpoint is written from one (safetensors weights)")  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
+    if gptq is not None and weights != "channel":
+        raise ValueError("GPTQ rounds onto a scale per output channel: weights channel (compressed-tensors)")
+    source, out = Path(model_dir), Path(out_dir)
+    if not source.is_file() and not (source / "config.json").is_file():
+        raise ValueError(f"{str(source)!r} is not a Hugging Face model folder (no config.json) nor a GGUF file: an FP8 "
+                         "checkpoint is written from one")  # fmt: skip
+    arch = read_arch(source, own_tokenizer=source.is_file())
+    try:
+        unmatched = unmatched_patterns(tuple(ignore), arch.num_layers)
+    except re.error as e:
+        raise ValueError(f"ignore: a bad regular expression ({e})") from None
+    if unmatched:
+        raise ValueError(f"ignore: {', '.join(unmatched)} names no projection of this model")
+    kept = tuple(n for n in projection_names(arch.num_layers) if is_ignored(n, tuple(ignore)))
+    kept_parts = [part for n in kept for part in checkpoint_parts(n)]
     input_scales: dict[str, float] = {}
     kv: dict[int, tuple[float, float]] = {}
     if activations == "static" or kv_scales:
-        input_scales, kv = _calibrate(model_dir, calibration or [[1, *range(5 + i, 60 + 7 * i)] for i in range(4)])
+        input_scales, kv = _calibrate(source, calibration or [[1, *range(5 + i, 60 + 7 * i)] for i in range(4)])
         input_scales = input_scales if activations == "static" else {}
+    rounded = _gptq_rounded(source, arch, gptq, kept) if gptq is not None else {}
     tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        for name, tensor in load_file(str(path)).items():
-            module = name.removesuffix(".weight")
-            if name.endswith(".weight") and module.split(".")[-1] in _PROJECTIONS:
-                q, scale = quantize_rows(tensor, per_channel=weights == "channel")
-                tensors[name] = q
-                tensors[module + ".weight_scale"] = scale[:1, 0].clone() if weights == "tensor" else scale
-                if module in input_scales:
-                    tensors[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
-            else:
-                tensors[name] = tensor
+    for name, tensor in _checkpoint_tensors(source, arch, progress=True):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.split(".")[-1] in _PROJECTIONS and module not in kept_parts:
+            q, scale = rounded.get(name) or quantize_rows(tensor, per_channel=weights == "channel")
+            tensors[name] = q
+            tensors[module + ".weight_scale"] = scale[:1, 0].clone() if weights == "tensor" else scale
+            if module in input_scales:
+                tensors[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
+        elif source.is_file():  # a GGUF's weights, dequantized to float32
+            tensors[name] = tensor.to(torch.bfloat16).contiguous()
+        else:
+            tensors[name] = tensor
     for layer, (k_scale, v_scale) in (kv if kv_scales else {}).items():
         tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)  # only now: a refused setting leaves nothing behind
     save_file(tensors, str(out / "model.safetensors"))
-    cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["quantization_config"] = _config_entry(fmt, weights, activations)
+    cfg = _source_config(source)
+    cfg["quantization_config"] = _config_entry(fmt, weights, activations, kept_parts)
     if kv_scales:
         cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                          "dynamic": False, "symmetric": True}  # fmt: skip
+    if gptq is not None:  # how the weights were rounded (read by nothing; for people)
+        cfg["quantization_config"]["llmserve_rounding"] = {"method": "gptq", "calibration_texts": [Path(t).name for t in gptq.texts],
+                                                           "calibration_tokens": gptq.tokens, "window": gptq.window,
+                                                           "damp": gptq.options.damp}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for extra in model_dir.iterdir():  # tokenizer and generation settings
+    _copy_tokenizer(source, out)
+    return out
+
+
+def _source_config(source: Path) -> dict:
+    if not source.is_file():
+        return json.loads((source / "config.json").read_text())
+    from llmserve.model.gguf.checkpoint import open_gguf
+    from llmserve.model.gguf.config import gguf_hf_config
+
+    return {**gguf_hf_config(open_gguf(source)), "torch_dtype": "bfloat16"}
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    """The tokenizer and generation settings: a folder's files as they are; a GGUF's
+    tokenizer (with its chat template) written by transformers."""
+    if source.is_file():
+        from llmserve.tokenizer import load_tokenizer
+
+        load_tokenizer(str(source)).save_pretrained(out)
+        return
+    for extra in source.iterdir():
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy(extra, out / extra.name)
-    return out

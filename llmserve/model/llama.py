@@ -195,6 +195,14 @@ _STACKED = {
 }
 
 
+def checkpoint_parts(module: str) -> list[str]:
+    """The Hugging Face module names one of this model's projections loads from: the parts of
+    a fused one (`...qkv_proj` -> q_proj, k_proj, v_proj), else the name itself."""
+    parts = [module.replace(fused[:-1], fragment[:-1]) for fragment, (fused, _) in _STACKED.items()
+             if module.endswith(fused[:-1])]  # fmt: skip
+    return parts or [module]
+
+
 def _is_vocab(target: str) -> bool:
     return target in ("model.embed_tokens.weight", "lm_head.weight")
 
