@@ -132,6 +132,11 @@ def test_ignore_lists_map_onto_the_fused_projections(method):
     ):
         with pytest.raises(Exception, match=message):
             read(_cfg(bad, method))
+    # compressed-tensors' reading: a pattern matches from the name's start
+    assert read(_cfg(["re:.*layers\\.1\\.self_attn"], method)).ignore == (
+        "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj")
+    with pytest.raises(Exception, match="without num_hidden_layers"):
+        read({"quantization_config": _cfg(["re:.*down_proj"], method)["quantization_config"]})
 
 
 def test_a_gguf_file_becomes_a_folder_the_engine_reads_as_the_file(tmp_path):
@@ -159,6 +164,23 @@ def test_a_gguf_file_becomes_a_folder_the_engine_reads_as_the_file(tmp_path):
 def _reading_bf16(path):
     model, tokenizer, _ = load_for_reading(EngineArgs(model=str(path), dtype="bfloat16", device="cpu"))
     return model, tokenizer
+
+
+def test_an_fp8_source_and_an_fp8_weight_where_a_kept_projection_loads_are_refused(gptq_dir, tmp_path):
+    with pytest.raises(ValueError, match="is already an FP8 checkpoint"):
+        write_fp8_checkpoint(gptq_dir, tmp_path / "again", "compressed-tensors", "channel")
+    with pytest.raises(ValueError, match="not one string"):
+        write_fp8_checkpoint(TINY_MODEL_DIR, tmp_path / "s", "compressed-tensors", "channel", ignore=KEPT)
+    # a config whose ignore list names a projection the weights hold in FP8: a clear error at load
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in gptq_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("model.layers.0.self_attn.o_proj")
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="o_proj.weight' is FP8 but its projection runs unquantized"):
+        _reading_model(broken)
 
 
 def test_cli_refuses_bad_gptq_settings(tmp_path, capsys):
@@ -204,3 +226,6 @@ def test_bench_accuracy_compares_a_checkpoint_with_its_source(gptq_dir, tmp_path
         main(["bench", "accuracy", "--model", str(gptq_dir), "--baseline-model", str(other), "--text", str(text),
               "--max-positions", "64", "--device", "cpu"])  # fmt: skip
     assert exited.value.code == 2 and "tokenizers give different tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an FP8 checkpoint against itself would read 0 %: its source is asked for
+        main(["bench", "accuracy", "--model", str(gptq_dir), "--text", str(text), "--device", "cpu"])
+    assert "compare it with its source (--baseline-model)" in capsys.readouterr().err

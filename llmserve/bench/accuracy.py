@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> AccuracyResult:
                                         calculate_kv_scales=None)  # fmt: skip
     if getattr(args, "baseline_model", None):
         baseline_args = dataclasses.replace(baseline_args, model=args.baseline_model, tokenizer=None)
+    elif baseline_args.create_engine_config().model_config.checkpoint_quantization is not None:
+        raise ValueError(f"{candidate_args.model!r} is an FP8 checkpoint, which runs as FP8 whatever the flags: "
+                         "compare it with its source (--baseline-model)")  # fmt: skip
     texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]

@@ -24,6 +24,7 @@ calibration text), for the tests (no download) and for users.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -37,6 +38,7 @@ from llmserve.model.gptq_calibration import GptqOptions
 from llmserve.model.llama import checkpoint_parts
 
 FORMATS = ("fp8", "compressed-tensors")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +53,32 @@ def _refuse(why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported quantization_config: {why}")
 
 
+def _listed(name: str, patterns: tuple[str, ...]) -> bool:
+    """compressed-tensors' (and vLLM's) reading of an ignore list: a module's full name, or `re:`
+    and a regular expression matched from the name's start (`re.match`)."""
+    return any(name == p or (p.startswith("re:") and re.match(p[3:], name) is not None) for p in patterns)
+
+
 def _kept_projections(ignored: object, num_layers: int) -> tuple[str, ...]:
     """The model's projections a checkpoint's ignore list leaves in 16 bits (entries naming
-    the LM head or nothing of this model are allowed: the LM head is never quantized here)."""
-    from llmserve.model.fp8 import is_ignored, projection_names
+    the LM head are allowed: it is never quantized here; entries naming nothing of this
+    model, an MoE router say, are logged)."""
+    from llmserve.model.fp8 import projection_names
 
     if not isinstance(ignored, list) or not all(isinstance(p, str) for p in ignored):
         raise _refuse(f"the ignore list {ignored!r} is not a list of module names")
     patterns = tuple(ignored)
+    if num_layers <= 0 and any(not _listed("lm_head", (p,)) for p in patterns):
+        raise _refuse("an ignore list in a config.json without num_hidden_layers")
     kept = []
     try:
+        names = [part for fused in projection_names(num_layers) for part in checkpoint_parts(fused)]
+        unused = [p for p in patterns if not _listed("lm_head", (p,)) and not any(_listed(n, (p,)) for n in names)]
+        if unused:
+            logger.warning("the checkpoint's ignore list names nothing in this model: %s", ", ".join(unused))
         for fused in projection_names(num_layers):
             parts = checkpoint_parts(fused)
-            left = [p for p in parts if is_ignored(p, patterns)]
+            left = [p for p in parts if _listed(p, patterns)]
             if left and len(left) < len(parts):
                 raise _refuse(f"{', '.join(left)} left unquantized without {', '.join(p for p in parts if p not in left)} "
                               f"(llmserve runs them as one projection, {fused.rsplit('.', 1)[-1]})")  # fmt: skip
@@ -265,12 +280,19 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
         raise ValueError("weights: tensor (either format) or channel (compressed-tensors)")
     if activations not in ("dynamic", "static"):
         raise ValueError("activations: dynamic or static")
+    if isinstance(ignore, str):
+        raise ValueError("ignore: a tuple of names or patterns, not one string")
     if gptq is not None and weights != "channel":
         raise ValueError("GPTQ rounds onto a scale per output channel: weights channel (compressed-tensors)")
     source, out = Path(model_dir), Path(out_dir)
     if not source.is_file() and not (source / "config.json").is_file():
         raise ValueError(f"{str(source)!r} is not a Hugging Face model folder (no config.json) nor a GGUF file: an FP8 "
                          "checkpoint is written from one")  # fmt: skip
+    if read_checkpoint_quantization(_source_config(source)) is not None:
+        raise ValueError(f"{str(source)!r} is already an FP8 checkpoint: write one from its bf16/fp16 source")
+    if source.is_file() and (activations == "static" or kv_scales):
+        raise ValueError("static input scales and KV cache scales are calibrated through transformers from a Hugging "
+                         "Face folder, not a GGUF file (dynamic activations are; the engine calibrates KV scales at start)")  # fmt: skip
     arch = read_arch(source, own_tokenizer=source.is_file())
     try:
         unmatched = unmatched_patterns(tuple(ignore), arch.num_layers)

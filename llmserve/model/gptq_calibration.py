@@ -144,7 +144,8 @@ def gptq_model(
         for i in range(len(layers)):
             started = time.perf_counter()
             names = [n for n in mods if n.startswith(f"model.layers.{i}.") and n not in skip]
-            hessians = {n: torch.zeros(mods[n].weight.shape[1], mods[n].weight.shape[1], dtype=torch.float64) for n in names}
+            hessians = {n: torch.zeros(mods[n].weight.shape[1], mods[n].weight.shape[1], dtype=torch.float64, device=device)
+                        for n in names}  # fmt: skip
             unrounded = run_layer(i, names, hessians)
             done = {}
             with torch.no_grad():

@@ -299,6 +299,9 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(q)
                 (scale.data if shard is None else self._shard_view(target, scale, shard)).copy_(row_scales)
                 loaded.add(scale_target if shard is None else f"{scale_target}#{shard}")
+            elif is_fp8(tensor):
+                raise ValueError(f"checkpoint tensor {name!r} is FP8 but its projection runs unquantized (the "
+                                 "checkpoint's ignore list names it)")  # fmt: skip
             else:
                 if part.shape != dest.shape:  # the last rank's padded vocabulary rows
                     dest.zero_()
