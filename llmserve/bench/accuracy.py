@@ -145,11 +145,9 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     candidate_args = engine_args_from_cli(args)
     baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto",
                                         calculate_kv_scales=None)  # fmt: skip
-    if getattr(args, "baseline_model", None):
+    two_models = bool(getattr(args, "baseline_model", None))
+    if two_models:
         baseline_args = dataclasses.replace(baseline_args, model=args.baseline_model, tokenizer=None)
-    elif baseline_args.create_engine_config().model_config.checkpoint_quantization is not None:
-        raise ValueError(f"{candidate_args.model!r} is an FP8 checkpoint, which runs as FP8 whatever the flags: "
-                         "compare it with its source (--baseline-model)")  # fmt: skip
     texts = list(args.text)
     contents = [Path(t).read_text(encoding="utf-8") for t in texts]
     readings: list[list[Reading]] = []  # [model][text]
@@ -157,9 +155,12 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     labels = []
     for engine_args in (baseline_args, candidate_args):
         model, tokenizer, cfg = load_for_reading(engine_args)
+        if not two_models and cfg.model_config.checkpoint_quantization is not None:
+            raise ValueError(f"{candidate_args.model!r} is an FP8 checkpoint, which runs as FP8 whatever the flags: "
+                             "compare it with its source (--baseline-model)")  # fmt: skip
         kv_dtype = kv_torch_dtype(cfg.cache_config.kv_cache_dtype, cfg.model_config.dtype)
         label = describe(cfg)
-        if getattr(args, "baseline_model", None):  # two models: say which is which
+        if two_models:  # say which is which
             label = f"{Path(cfg.model_config.model).name}, {label}"
         if kv_dtype == FP8_KV:  # the scales the engine would use: the checkpoint's, or calibrated as it does
             device = torch.device(cfg.device)

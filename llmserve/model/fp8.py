@@ -138,10 +138,13 @@ def projection_names(num_layers: int) -> list[str]:
     return [f"model.layers.{i}.{path}" for i in range(num_layers) for path in PROJECTION_PATHS]
 
 
-def is_ignored(name: str, patterns: tuple[str, ...]) -> bool:
-    """compressed-tensors' `ignore` semantics: a pattern is a module's full name, or `re:` and a
-    regular expression the whole name must match."""
-    return any(name == p or (p.startswith("re:") and re.fullmatch(p[3:], name) is not None) for p in patterns)
+def is_ignored(name: str, patterns: tuple[str, ...], whole: bool = True) -> bool:
+    """An ignore list's semantics: a pattern is a module's full name, or `re:` and a regular
+    expression the whole name must match (`--quantization-ignore`), or, with `whole` False, that
+    matches from the name's start (`re.match`: how compressed-tensors and vLLM read a
+    checkpoint's list)."""
+    match = re.fullmatch if whole else re.match
+    return any(name == p or (p.startswith("re:") and match(p[3:], name) is not None) for p in patterns)
 
 
 def unmatched_patterns(patterns: tuple[str, ...], num_layers: int) -> list[str]:

@@ -53,32 +53,29 @@ def _refuse(why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported quantization_config: {why}")
 
 
-def _listed(name: str, patterns: tuple[str, ...]) -> bool:
-    """compressed-tensors' (and vLLM's) reading of an ignore list: a module's full name, or `re:`
-    and a regular expression matched from the name's start (`re.match`)."""
-    return any(name == p or (p.startswith("re:") and re.match(p[3:], name) is not None) for p in patterns)
-
-
 def _kept_projections(ignored: object, num_layers: int) -> tuple[str, ...]:
     """The model's projections a checkpoint's ignore list leaves in 16 bits (entries naming
     the LM head are allowed: it is never quantized here; entries naming nothing of this
     model, an MoE router say, are logged)."""
-    from llmserve.model.fp8 import projection_names
+    from llmserve.model.fp8 import is_ignored, projection_names
+
+    def listed(name: str, patterns: tuple[str, ...]) -> bool:  # matched from the name's start
+        return is_ignored(name, patterns, whole=False)
 
     if not isinstance(ignored, list) or not all(isinstance(p, str) for p in ignored):
         raise _refuse(f"the ignore list {ignored!r} is not a list of module names")
     patterns = tuple(ignored)
-    if num_layers <= 0 and any(not _listed("lm_head", (p,)) for p in patterns):
+    if num_layers <= 0 and any(not listed("lm_head", (p,)) for p in patterns):
         raise _refuse("an ignore list in a config.json without num_hidden_layers")
+    groups = [(fused, checkpoint_parts(fused)) for fused in projection_names(num_layers)]
     kept = []
     try:
-        names = [part for fused in projection_names(num_layers) for part in checkpoint_parts(fused)]
-        unused = [p for p in patterns if not _listed("lm_head", (p,)) and not any(_listed(n, (p,)) for n in names)]
+        unused = [p for p in patterns if not listed("lm_head", (p,))
+                  and not any(listed(n, (p,)) for _, parts in groups for n in parts)]  # fmt: skip
         if unused:
             logger.warning("the checkpoint's ignore list names nothing in this model: %s", ", ".join(unused))
-        for fused in projection_names(num_layers):
-            parts = checkpoint_parts(fused)
-            left = [p for p in parts if _listed(p, patterns)]
+        for fused, parts in groups:
+            left = [p for p in parts if listed(p, patterns)]
             if left and len(left) < len(parts):
                 raise _refuse(f"{', '.join(left)} left unquantized without {', '.join(p for p in parts if p not in left)} "
                               f"(llmserve runs them as one projection, {fused.rsplit('.', 1)[-1]})")  # fmt: skip
@@ -288,7 +285,8 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
     if not source.is_file() and not (source / "config.json").is_file():
         raise ValueError(f"{str(source)!r} is not a Hugging Face model folder (no config.json) nor a GGUF file: an FP8 "
                          "checkpoint is written from one")  # fmt: skip
-    if read_checkpoint_quantization(_source_config(source)) is not None:
+    cfg = _source_config(source)
+    if read_checkpoint_quantization(cfg) is not None:
         raise ValueError(f"{str(source)!r} is already an FP8 checkpoint: write one from its bf16/fp16 source")
     if source.is_file() and (activations == "static" or kv_scales):
         raise ValueError("static input scales and KV cache scales are calibrated through transformers from a Hugging "
@@ -326,7 +324,6 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused setting leaves nothing behind
     save_file(tensors, str(out / "model.safetensors"))
-    cfg = _source_config(source)
     cfg["quantization_config"] = _config_entry(fmt, weights, activations, kept_parts)
     if kv_scales:
         cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
