@@ -569,8 +569,8 @@ def test_fp8_gemm_small_m_against_the_reference(m, n, k, split_k):
     """The split-K FP8 GEMM for few tokens: the reference's product (dequantize both, float32)
     up to float32 summation order, for odd sizes, several K slices, one slice, a slice ending
     mid-tile, no rows; and the same result on every run (partials added in slice order)."""
-    from llmserve.kernels import fp8_gemm
-    from llmserve.kernels.fp8_gemm import fp8_gemm_small_m
+    from llmserve.kernels import split_k_gemm as fp8_gemm
+    from llmserve.kernels.split_k_gemm import fp8_gemm_small_m
     from llmserve.model.fp8 import quantize_rows, quantize_tokens
 
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -586,6 +586,59 @@ def test_fp8_gemm_small_m_against_the_reference(m, n, k, split_k):
     if m:
         as_bf16 = fp8_gemm_small_m(xq, sx, weight, w_scale, torch.bfloat16, split_k=split_k, block_n=32, block_k=64)
         assert as_bf16.dtype == torch.bfloat16 and torch.equal(as_bf16, got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 48, 256, None), (5, 70, 300, 3), (16, 64, 128, 1),
+                                                    (8, 40, 520, None), (0, 8, 128, None)])  # fmt: skip
+def test_gemm_small_m_against_f_linear(m, n, k, split_k):
+    """The split-K GEMM's 16-bit form: `F.linear` in float32 up to summation order, rounded once
+    to bf16, for odd sizes, several K slices, one slice, a slice ending mid-tile, no rows; the
+    same result on every run, and the counters zero again."""
+    import torch.nn.functional as F
+
+    from llmserve.kernels import split_k_gemm
+    from llmserve.kernels.split_k_gemm import gemm_small_m
+
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    weight = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), weight.float())
+    got = gemm_small_m(x, weight, split_k=split_k, block_n=32, block_k=64)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(got, gemm_small_m(x, weight, split_k=split_k, block_n=32, block_k=64))
+    if m:
+        assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()  # one bf16 rounding, no more
+        assert not split_k_gemm._workspaces[got.device].any()
+    with pytest.raises(AssertionError):
+        gemm_small_m(x.float(), weight)  # operands of two dtypes: F.linear's job
+
+
+def test_bf16_config_takes_the_kernel_only_where_it_was_measured_faster():
+    """One token, and not the MLP's gate/up width (cuBLAS as fast there); K split for ~256 programs."""
+    from llmserve.kernels.split_k_gemm import bf16_config
+
+    assert bf16_config(1, 28672, 4096) is None and bf16_config(2, 4096, 4096) is None
+    assert bf16_config(1, 4096, 4096) == {"block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4, "num_stages": 4}
+    assert bf16_config(1, 4096, 14336)["split_k"] == 4 and bf16_config(1, 6144, 4096)["split_k"] == 3
+    head = bf16_config(1, 128256, 4096)
+    assert head["block_n"] == 128 and head["split_k"] == 1 and head["num_stages"] is None
+    assert bf16_config(1, 64, 32)["split_k"] == 1  # K shorter than one step: not split
+
+
+def test_dense_linear_takes_f_linear_off_the_gpu_or_with_a_bias():
+    """The 16-bit projections' product: on a CPU (and with a bias, or many rows) it is `F.linear`
+    itself; the model's plain projections call it."""
+    import torch.nn.functional as F
+
+    from llmserve.model.fp8 import DenseLinear, make_linear
+
+    x, w, b = torch.randn(3, 16), torch.randn(8, 16), torch.randn(8)
+    assert torch.equal(K.dense_linear(x, w), F.linear(x, w))
+    assert torch.equal(K.dense_linear(x, w, b), F.linear(x, w, b))
+    layer = make_linear(16, 8, False, None, None, linear=K.dense_linear)
+    assert isinstance(layer, DenseLinear) and layer.linear is K.dense_linear
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
 def test_has_triton_gpu_is_false_under_the_interpreter():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels.fp8_gemm import fp8_gemm_small_m
+from llmserve.kernels.split_k_gemm import fp8_gemm_small_m
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8
 
 SMALL_M_ROWS = 64  # = fp8_gemm.MAX_M

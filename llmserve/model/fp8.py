@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmserve.fp8_tokens import Fp8Tokens
@@ -118,8 +119,20 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class DenseLinear(nn.Linear):
+    """`nn.Linear` whose product is `linear` (`F.linear`, or the fast path of
+    llmserve/kernels/dense_linear.py: a split-K kernel for few tokens)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear=F.linear) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, self.bias)
+
+
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None, matmul,
-                tp: TPGroup | None = None, gemm=fp8_gemm_reference) -> nn.Module:  # fmt: skip
+                tp: TPGroup | None = None, gemm=fp8_gemm_reference, linear=F.linear) -> nn.Module:  # fmt: skip
     """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias, matmul, tp, gemm)
@@ -127,7 +140,7 @@ def make_linear(in_features: int, out_features: int, bias: bool, quantization: s
         from llmserve.model.tensor_parallel import RowParallelLinear
 
         return RowParallelLinear(in_features, out_features, bias, tp)
-    return nn.Linear(in_features, out_features, bias=bias)
+    return DenseLinear(in_features, out_features, bias, linear)
 
 
 PROJECTION_PATHS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

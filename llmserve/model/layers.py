@@ -89,6 +89,7 @@ class LayerOps:
     rms_norm_fp8: Callable = rms_norm_fp8
     fused_add_rms_norm_fp8: Callable = fused_add_rms_norm_fp8
     silu_and_mul_fp8: Callable = silu_and_mul_fp8
+    linear: Callable = F.linear  # the 16-bit projections' product
 
 
 REFERENCE_OPS = LayerOps()
@@ -106,7 +107,7 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                     partial(kernels.fp8_matmul_fused_quant, fast_accum_tokens=fast),
                     partial(kernels.fp8_gemm_fast, fast_accum_tokens=fast), kernels.rms_norm_fp8,
-                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8)  # fmt: skip
+                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

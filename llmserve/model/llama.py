@@ -44,9 +44,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = arch.head_dim**-0.5
         self.qkv_proj = make_linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias,
-                                    quantization, ops.fp8_matmul, gemm=ops.fp8_gemm)  # fmt: skip
+                                    quantization, ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
         self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp,
-                                  ops.fp8_gemm)  # fmt: skip
+                                  ops.fp8_gemm, ops.linear)  # fmt: skip
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -87,9 +87,9 @@ class MLP(nn.Module):
         self.act = ops.silu_and_mul
         self.act_fp8 = ops.silu_and_mul_fp8
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
-                                        ops.fp8_matmul, gemm=ops.fp8_gemm)  # fmt: skip
+                                        ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, quantization,
-                                     ops.fp8_matmul, tp, ops.fp8_gemm)  # fmt: skip
+                                     ops.fp8_matmul, tp, ops.fp8_gemm, ops.linear)  # fmt: skip
 
     def forward(self, x: torch.Tensor | Fp8Tokens) -> torch.Tensor:
         """`x`: the normalised hidden states, or with FP8 layers already quantized (Fp8Tokens)."""
@@ -231,6 +231,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         self.shard = local_arch(arch, tp.world_size)
         self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
+        self.linear = ops.linear  # the LM head's product
         self.kv_scales_source = "one"  # an FP8 KV cache's scales: "checkpoint" once a checkpoint gives them
         self._kv_scales_read: set[tuple[int, str]] = set()  # (layer, "k" | "v") a checkpoint gave
         if quantization == "fp8" and quantization_ignore:
@@ -247,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from every rank)."""
         head = None if self.arch.tie_word_embeddings else self.lm_head.weight
-        return self.model.embed_tokens.logits(hidden, head)
+        return self.model.embed_tokens.logits(hidden, head, self.linear)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]

@@ -125,9 +125,10 @@ class VocabParallelEmbedding(nn.Module):
         out = out * inside.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden @ W^T over the whole vocabulary (`weight`: an untied LM head's shard)."""
-        local = hidden @ (self.weight if weight is None else weight).t()
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, linear=F.linear) -> torch.Tensor:
+        """hidden @ W^T over the whole vocabulary (`weight`: an untied LM head's shard), by `linear`
+        (`F.linear`, or the model's fast path for few rows)."""
+        local = linear(hidden, self.weight if weight is None else weight)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from llmserve.kernels.fp8_gemm import MAX_M, fp8_gemm_small_m  # noqa: E402
+from llmserve.kernels.split_k_gemm import MAX_M, fp8_gemm_small_m  # noqa: E402
 from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from llmserve.kernels.fp8_linear import fp8_gemm_fast  # noqa: E402
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402

@@ -1,12 +1,14 @@
-"""An FP8 GEMM for few tokens (decode), in Triton: split along K, row-wise scales, one launch.
+"""A GEMM for few tokens (decode), in Triton: split along K, one launch. Two forms of one kernel:
+FP8 operands with row-wise scales (`fp8_gemm_small_m`), and 16-bit operands (`gemm_small_m`,
+the bf16 model's projections at batch 1).
 
-PyTorch reference: `llmserve.model.fp8.fp8_matmul_reference` (dequantize both, multiply in
-float32). On an H200, `torch._scaled_mm` read FP8 weights at only 1.1-3.2 TB/s at M <= 128
-(a bf16 GEMM reads at 2.6-4.1 TB/s), so the halved bytes did not show at decode
-(docs/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
+PyTorch references: `llmserve.model.fp8.fp8_matmul_reference` (dequantize both, multiply in
+float32) and `torch.nn.functional.linear`. On an H200, `torch._scaled_mm` read FP8 weights at only
+1.1-3.2 TB/s at M <= 128 (a bf16 GEMM reads at 2.6-4.1 TB/s), so the halved bytes did not show at
+decode (docs/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
 the grid covers N in tiles and K in `split_k` slices, so enough programs stream it. Each
-program accumulates `x_tile @ w_tile^T` in float32 (`tl.dot` on FP8 operands), applies the
-two scales and writes its partial sum.
+program accumulates `x_tile @ w_tile^T` in float32 (`tl.dot`), applies the two scales (FP8)
+and writes its partial sum.
 
 The partial sums are added inside the same launch (a separate sum and cast cost two more
 kernels, about 2 µs each at decode): each program counts itself in a per-tile counter after
@@ -29,9 +31,10 @@ _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not st
 
 
 @triton.jit
-def _fp8_gemm_split_k_kernel(
+def _split_k_gemm_kernel(
     x_ptr, w_ptr, sx_ptr, sw_ptr, part_ptr, out_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -45,10 +48,14 @@ def _fp8_gemm_split_k_kernel(
         in_k = ks < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
-    sx = tl.load(sx_ptr + rows, mask=rows < M, other=0.0)
-    sw = tl.load(sw_ptr + cols, mask=cols < N, other=0.0)
-    acc = acc * sx[:, None] * sw[None, :]
+        if DOT_F32:  # the interpreter (CPU): its bfloat16 dot is wrong; float32 products are exact
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+    if SCALED:  # FP8: the tokens' and the weight rows' scales
+        sx = tl.load(sx_ptr + rows, mask=rows < M, other=0.0)
+        sw = tl.load(sw_ptr + cols, mask=cols < N, other=0.0)
+        acc = acc * sx[:, None] * sw[None, :]
     tile_mask = (rows[:, None] < M) & (cols[None, :] < N)
     if SPLIT_K == 1:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
@@ -106,6 +113,22 @@ def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
     return {"block_n": block_n, "block_k": block_k, "split_k": split_k_for(m, k, block_k, triton.cdiv(n, block_n))}
 
 
+def bf16_config(m: int, n: int, k: int) -> dict | None:
+    """Tiles of the 16-bit form at one token, from the H200 sweep (docs/benchmarks.md, "batch-1
+    decode: a split-K GEMM for bf16"; 8B projections, µs against cuBLAS): N up to 8,192 in 64-wide
+    tiles, 128-deep K steps, K split for about 256 programs, 4 stages (qkv 13.0-13.2 against 14.4,
+    o 7.7-7.9 against 10.0, down 30.8 against 31.8); an LM head's N (65,536 and more) in 128-wide
+    tiles, K whole (239.6 against 247.2). None where cuBLAS is as fast: N of 16,384-65,535 (the MLP's
+    gate/up, 56.8 against 56.1) and more than one token (at 2-16 tokens the kernel's gains were
+    0-9 % and the best tiles differ by shape)."""
+    if m != 1 or 16384 <= n < 65536:
+        return None
+    block_n = 128 if n >= 65536 else 64
+    tiles = triton.cdiv(n, block_n)
+    return {"block_n": block_n, "block_k": 128, "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
+            "num_warps": 4, "num_stages": 4 if block_n == 64 else None}  # (None: Triton's 3)
+
+
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      out_dtype: torch.dtype, split_k: int | None = None, block_n: int | None = None,
                      block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
@@ -121,18 +144,49 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     if m == 0:
         return out.to(out_dtype)
     auto = default_config(m, n, k, _deep_tiles_fit(xq.device))
-    block_n, block_k = block_n or auto["block_n"], block_k or auto["block_k"]
+    _launch(xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out,
+            block_n or auto["block_n"], block_k or auto["block_k"], split_k, num_warps)  # fmt: skip
+    return out.to(out_dtype)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, sx: torch.Tensor | None, sw: torch.Tensor | None,
+            out: torch.Tensor, block_n: int, block_k: int, split_k: int | None, num_warps: int,
+            num_stages: int | None = None) -> None:  # fmt: skip
+    m, k = x.shape
+    n = weight.shape[0]
     tiles_n = triton.cdiv(n, block_n)
     assert tiles_n <= _MAX_TILES
     if split_k is None:
         split_k = split_k_for(m, k, block_k, tiles_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)
-    _fp8_gemm_split_k_kernel[(tiles_n, split_k)](
-        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), partials, out,
-        _counters(xq.device), m, n, k, k_per_split, xq.stride(0), weight.stride(0),
+    partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
+    scaled = sx is not None
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    _split_k_gemm_kernel[(tiles_n, split_k)](
+        x, weight, sx if scaled else partials, sw if scaled else partials, partials, out,
+        _counters(x.device), m, n, k, k_per_split, x.stride(0), weight.stride(0),
         SPLIT_K=split_k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps,
+        SCALED=scaled, DOT_F32=not x.is_cuda and not scaled, num_warps=num_warps, **extra,
     )  # fmt: skip
-    return out.to(out_dtype)
+
+
+def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = None, block_n: int | None = None,
+                 block_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`x @ weight^T` (`F.linear` without a bias) for 16-bit `x` [M, K] (M <= MAX_M) and `weight`
+    [N, K] of the same dtype: float32 accumulation, one rounding to x's dtype at the end."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_M and weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, weight.shape, weight.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # the interpreter (CPU) rounds float32 -> bfloat16 otherwise than torch: there torch casts
+    out = torch.empty((m, n), dtype=x.dtype if x.is_cuda else torch.float32, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    auto = bf16_config(m, n, k) or {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": 4, "num_stages": None}
+    _launch(x, weight, None, None, out, block_n or auto["block_n"], block_k or auto["block_k"],
+            split_k if split_k is not None else auto["split_k"], num_warps or auto["num_warps"],
+            num_stages if num_stages is not None else auto["num_stages"])  # fmt: skip
+    return out.to(x.dtype)
