@@ -639,6 +639,11 @@ def test_dense_linear_takes_f_linear_off_the_gpu_or_with_a_bias():
     layer = make_linear(16, 8, False, None, None, linear=K.dense_linear)
     assert isinstance(layer, DenseLinear) and layer.linear is K.dense_linear
     assert torch.equal(layer(x), F.linear(x, layer.weight))
+    from llmserve.model.tensor_parallel import SINGLE, RowParallelLinear
+
+    row = make_linear(16, 8, False, None, None, SINGLE, linear=K.dense_linear)  # o_proj and down_proj
+    assert isinstance(row, RowParallelLinear) and row.linear is K.dense_linear
+    assert torch.equal(row(x), F.linear(x, row.weight))
 
 
 def test_has_triton_gpu_is_false_under_the_interpreter():

@@ -139,7 +139,7 @@ def make_linear(in_features: int, out_features: int, bias: bool, quantization: s
     if tp is not None:
         from llmserve.model.tensor_parallel import RowParallelLinear
 
-        return RowParallelLinear(in_features, out_features, bias, tp)
+        return RowParallelLinear(in_features, out_features, bias, tp, linear)
     return DenseLinear(in_features, out_features, bias, linear)
 
 

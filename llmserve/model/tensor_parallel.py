@@ -92,16 +92,18 @@ def local_arch(arch: ModelArch, world_size: int) -> ModelArch:
 class RowParallelLinear(nn.Module):
     """y = x_rank @ W_rank^T summed over ranks (+ bias once). Weight: [out, in / world]."""
 
-    def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPGroup, linear=F.linear) -> None:
+        """`linear`: the product (`F.linear`, or the model's fast path for few rows)."""
         super().__init__()
         self.tp = tp
+        self.linear = linear
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(self.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
