@@ -9,7 +9,7 @@
 | `silu_and_mul` (and `silu_and_mul_fp8`) | `activation` | `llmserve.model.layers.silu_and_mul` (then `quantize_tokens`) |
 | `quantize_tokens_fp8` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens` |
 | `fp8_gemm_small_m`, `gemm_small_m` (split-K, few tokens, one launch; FP8 or 16-bit) | `split_k_gemm` | `llmserve.model.fp8.fp8_gemm_reference`, `F.linear` |
-| `dense_linear` (which 16-bit GEMM for how many tokens); `norm_linear`, `silu_and_mul_linear` (the op before it in the same launch at one token) | `dense_linear` | `F.linear`; `llmserve.model.layers.norm_linear`, `silu_and_mul_linear` |
+| `dense_linear` (which 16-bit GEMM for how many tokens) | `dense_linear` | `F.linear` |
 | `fp8_gemm_fast`, `fp8_matmul_fused_quant` (which GEMM for how many tokens) | `fp8_linear` | `llmserve.model.fp8.fp8_gemm_reference`, `fp8_matmul_reference` |
 | `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
 
@@ -38,7 +38,7 @@ def has_triton_gpu() -> bool:
 try:
     from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8
     from llmserve.kernels.cache_write import write_kv
-    from llmserve.kernels.dense_linear import dense_linear, norm_linear, silu_and_mul_linear
+    from llmserve.kernels.dense_linear import dense_linear
     from llmserve.kernels.fp8_linear import fp8_gemm_fast, fp8_matmul_fused_quant
     from llmserve.kernels.fp8_quant import quantize_tokens_fp8
     from llmserve.kernels.lora import lora_expand, lora_shrink
@@ -68,14 +68,12 @@ __all__ = [
     "has_triton_gpu",
     "lora_expand",
     "lora_shrink",
-    "norm_linear",
     "paged_attention_forward",
     "quantize_tokens_fp8",
     "rms_norm",
     "rms_norm_fp8",
     "silu_and_mul",
     "silu_and_mul_fp8",
-    "silu_and_mul_linear",
     "triton_paged_attention",
     "write_kv",
 ]

@@ -26,10 +26,8 @@ How the kernel is organised
   no causal mask; the rest are masked (causal and `< seq_len`).
 * Split-KV (flash-decoding): with `num_splits > 1`, program `s` of a tile covers the s-th
   share of the tile's key range, writes its normalised partial output and log-sum-exp
-  (base 2) to fp32 scratch; the tile's last share to finish (a counter per tile and KV
-  head, as llmserve/kernels/split_k_gemm.py adds its K slices) combines the shares in the
-  same launch (`_combine_shares`; `_reduce_splits_kernel` does it as a second launch when
-  REDUCE_SPLITS_IN_KERNEL is off). An empty share writes lse = -inf and weighs nothing.
+  (base 2) to fp32 scratch, and `_reduce_splits_kernel` combines the shares. An empty
+  share writes lse = -inf and weighs nothing.
 * Online softmax in fp32 (exp2 with log2(e) folded into the scale); fp32 inputs use IEEE
   dots (no TF32) so results match the reference to ~1e-5.
 
@@ -133,7 +131,7 @@ def _attend_range(
 
 @triton.jit(do_not_specialize=["seq0", "num_seqs"])
 def _paged_attn_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
     seq0, num_seqs, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -143,7 +141,6 @@ def _paged_attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr,
-    REDUCE_HERE: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -244,36 +241,7 @@ def _paged_attn_kernel(
         )  # fmt: skip
         tl.store(p_ptrs, result, mask=store_mask)
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        l_ptrs = part_lse_ptr + tok64 * stride_lt + head * stride_lh
-        tl.store(l_ptrs + split, lse, mask=row_ok)
-        if REDUCE_HERE:  # the tile's last share to finish combines them all (no second kernel)
-            tl.debug_barrier()  # every thread's stores issued before the count (released by the atomic)
-            counter = count_ptr + pid * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                o_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-                _combine_shares(p_ptrs - split * stride_ps, l_ptrs, o_ptrs, stride_ps, row_ok, store_mask,
-                                NUM_SPLITS, BLOCK_M, HEAD_DIM_PAD)  # fmt: skip
-                tl.atomic_xchg(counter, 0)  # zero again for the next launch
-
-
-@triton.jit
-def _combine_shares(p_ptrs, l_ptrs, o_ptrs, stride_ps, row_ok, store_mask,
-                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):  # fmt: skip
-    """One tile's rows from its shares' normalised partial outputs and log-sum-exps (base 2), as
-    `_reduce_splits_kernel` combines them; loads bypass L1 (`.cg`: other programs wrote them)."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(l_ptrs + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        w = tl.exp2(tl.load(l_ptrs + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
-        part = tl.load(p_ptrs + s * stride_ps, mask=store_mask, other=0.0, cache_modifier=".cg")
-        acc += tl.where(w[:, None] > 0.0, part, 0.0) * w[:, None]  # an empty share weighs nothing
-        total += w
-    total = tl.where(total == 0.0, 1.0, total)
-    tl.store(o_ptrs, (acc / total[:, None]).to(o_ptrs.dtype.element_ty), mask=store_mask)
+        tl.store(part_lse_ptr + tok64 * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["seq0", "num_seqs"])
@@ -348,17 +316,6 @@ _DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1
 _PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
 _SM_COUNT: dict[int, int] = {}
-# split-KV shares combined by the last one of each tile to finish (a counter per tile and KV head),
-# instead of by `_reduce_splits_kernel` after: one launch less a layer (batch-1 decode: 2 µs a layer)
-REDUCE_SPLITS_IN_KERNEL = True
-_MAX_TILE_COUNTERS = 1 << 16
-_counter_workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, all zeros between launches
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    if device not in _counter_workspaces:
-        _counter_workspaces[device] = torch.zeros(_MAX_TILE_COUNTERS, dtype=torch.int32, device=device)
-    return _counter_workspaces[device]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -559,9 +516,8 @@ def _launch(
         p_strides = (0, 0, 0)
         l_strides = (0, 0)
 
-    reduce_here = REDUCE_SPLITS_IN_KERNEL and num_splits > 1 and num_tiles * num_kv_heads <= _MAX_TILE_COUNTERS
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, _tile_counters(q.device),
+        q, k_cache, v_cache, out, part_out, part_lse,
         qsl, seq_lens, bt,
         seq0, num_seqs, scale * LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -572,9 +528,9 @@ def _launch(
         NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         DOT_PREC=_dot_precision(q.dtype),
         DOT_F16=FP8_KV_DOT_F16 and kv_cache.dtype == FP8_KV and q.dtype == torch.bfloat16,
-        REDUCE_HERE=reduce_here, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not reduce_here:
+    if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, qsl, seq0, num_seqs,
             *p_strides, *l_strides, out.stride(0), out.stride(1),

@@ -30,39 +30,11 @@ _MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the wide
 _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
 
-PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_MUL = 0, 1, 2  # what the kernel does to x as it loads
-
-
-@triton.jit
-def _row_rstd(x_ptr, res_ptr, new_res_ptr, M, K, stride_xm, stride_rm, eps, res_cols,
-              HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, NORM_BLOCK: tl.constexpr):  # fmt: skip
-    """RMSNorm's 1 / rms of each row of `x (+ res)` (the sum rounded to x's dtype, as
-    `x + residual`), [BLOCK_M]; the sum's first `res_cols` columns (K in one program of the grid, else 0)
-    stored in `new_res`."""
-    rows = tl.arange(0, BLOCK_M)
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for m in range(0, M):
-        ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, NORM_BLOCK):
-            ks = k0 + tl.arange(0, NORM_BLOCK)
-            x = tl.load(x_ptr + m * stride_xm + ks, mask=ks < K, other=0.0)
-            if HAS_RES:
-                r = tl.load(res_ptr + m * stride_rm + ks, mask=ks < K, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                tl.store(new_res_ptr + m * K + ks, x, mask=ks < res_cols)
-            h = x.to(tl.float32)
-            ss += h * h
-        rstd = tl.where(rows == m, tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps), rstd)
-    return rstd
-
-
 @triton.jit
 def _split_k_gemm_kernel(
     x_ptr, w_ptr, sx_ptr, sw_ptr, part_ptr, out_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
-    res_ptr, nw_ptr, new_res_ptr, stride_rm, eps,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SCALED: tl.constexpr, DOT_F32: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0, HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1024,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -71,27 +43,10 @@ def _split_k_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PROLOGUE == 1:  # x is RMSNorm(x + res) * nw: every program needs its rows' whole-K statistic
-        rstd = _row_rstd(x_ptr, res_ptr, new_res_ptr, M, K, stride_xm, stride_rm, eps,
-                         tl.where((pid_n == 0) & (pid_k == 0), K, 0),
-                         HAS_RES, BLOCK_M, NORM_BLOCK)  # fmt: skip
     for k in range(k_start, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         in_k = ks < k_end
-        x_mask = (rows[:, None] < M) & in_k[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        if PROLOGUE == 1:  # the reference's op order (llmserve/kernels/norm.py), rounded where it rounds
-            if HAS_RES:
-                r = tl.load(res_ptr + rows[:, None] * stride_rm + ks[None, :], mask=x_mask, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-            h = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-            nw = tl.load(nw_ptr + ks, mask=in_k, other=0.0).to(tl.float32)
-            x = (nw[None, :] * h).to(x_ptr.dtype.element_ty)
-        elif PROLOGUE == 2:  # x is silu(gate) * up of a [M, 2K] row (llmserve/kernels/activation.py)
-            up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
         if DOT_F32:  # the interpreter (CPU): its bfloat16 dot is wrong; float32 products are exact
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee", out_dtype=tl.float32)
@@ -196,11 +151,9 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, sx: torch.Tensor | None, sw: torch.Tensor | None,
             out: torch.Tensor, block_n: int, block_k: int, split_k: int | None, num_warps: int,
-            num_stages: int | None = None, prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, new_residual: torch.Tensor | None = None,
-            eps: float = 0.0) -> None:  # fmt: skip
-    m = x.shape[0]
-    n, k = weight.shape  # (x is [M, 2K] for the SiLU prologue)
+            num_stages: int | None = None) -> None:  # fmt: skip
+    m, k = x.shape
+    n = weight.shape[0]
     tiles_n = triton.cdiv(n, block_n)
     assert tiles_n <= _MAX_TILES
     if split_k is None:
@@ -210,36 +163,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, sx: torch.Tensor | None, sw: 
     partials = torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=torch.float32, device=x.device)
     scaled = sx is not None
     extra = {} if num_stages is None else {"num_stages": num_stages}
-    res = residual if residual is not None else x
     _split_k_gemm_kernel[(tiles_n, split_k)](
         x, weight, sx if scaled else partials, sw if scaled else partials, partials, out,
         _counters(x.device), m, n, k, k_per_split, x.stride(0), weight.stride(0),
-        res, norm_weight if norm_weight is not None else x, new_residual if new_residual is not None else x,
-        res.stride(0), eps,
         SPLIT_K=split_k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALED=scaled, DOT_F32=not x.is_cuda and not scaled, PROLOGUE=prologue, HAS_RES=residual is not None,
-        NORM_BLOCK=min(4096, triton.next_power_of_2(k)), num_warps=num_warps, **extra,
+        SCALED=scaled, DOT_F32=not x.is_cuda and not scaled, num_warps=num_warps, **extra,
     )  # fmt: skip
-
-
-_FALLBACK_TILES = {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": 4, "num_stages": None}
-
-
-def _tiles(m: int, n: int, k: int, given: dict, fused: bool = False) -> dict:
-    """The launch's tiles: those given (None: not given), else the sweep's (`bf16_config`; for a
-    fused prologue `fused_config`), else 128 x 128 with K split for about 256 programs."""
-    auto = (fused_config(m, n, k) if fused else bf16_config(m, n, k)) or _FALLBACK_TILES
-    return {key: given.get(key) if given.get(key) is not None else auto[key] for key in _FALLBACK_TILES}
-
-
-def _check_16bit(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
-    assert x.shape[0] <= MAX_M and x.shape[1] == k and weight.dtype == x.dtype, (x.shape, weight.shape, weight.dtype)
-    assert x.stride(-1) == 1, "rows of unit stride"
-
-
-def _out(x: torch.Tensor, n: int) -> torch.Tensor:
-    # the interpreter (CPU) rounds float32 -> bfloat16 otherwise than torch: there torch casts
-    return torch.empty((x.shape[0], n), dtype=x.dtype if x.is_cuda else torch.float32, device=x.device)
 
 
 def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = None, block_n: int | None = None,
@@ -247,56 +176,17 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = No
                  num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ weight^T` (`F.linear` without a bias) for 16-bit `x` [M, K] (M <= MAX_M) and `weight`
     [N, K] of the same dtype: float32 accumulation, one rounding to x's dtype at the end."""
-    n, k = weight.shape
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    _check_16bit(x, weight, k)
-    out = _out(x, n)
-    if x.shape[0]:
-        tiles = _tiles(x.shape[0], n, k, {"split_k": split_k, "block_n": block_n, "block_k": block_k,
-                                          "num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
-        _launch(x, weight, None, None, out, **tiles)
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_M and weight.shape[1] == k and weight.dtype == x.dtype, (x.shape, weight.shape, weight.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # the interpreter (CPU) rounds float32 -> bfloat16 otherwise than torch: there torch casts
+    out = torch.empty((m, n), dtype=x.dtype if x.is_cuda else torch.float32, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    auto = bf16_config(m, n, k) or {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": 4, "num_stages": None}
+    _launch(x, weight, None, None, out, block_n or auto["block_n"], block_k or auto["block_k"],
+            split_k if split_k is not None else auto["split_k"], num_warps or auto["num_warps"],
+            num_stages if num_stages is not None else auto["num_stages"])  # fmt: skip
     return out.to(x.dtype)
-
-
-def fused_config(m: int, n: int, k: int) -> dict | None:
-    """Tiles of the fused forms (a prologue on x; llmserve/kernels/dense_linear.py) at one token: the
-    sweep's `bf16_config` where it has one; the MLP's gate/up width (where the plain form leaves
-    cuBLAS its place) in 128-wide tiles, K split for about 256 programs. None past one token."""
-    if m != 1:
-        return None
-    return bf16_config(m, n, k) or {"block_n": 128, "block_k": 128, "num_warps": 4, "num_stages": None,
-                                    "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, triton.cdiv(n, 128))))}
-
-
-def rms_norm_gemm_small_m(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor, **tiles) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`(F.linear(RMSNorm(x + residual) * norm_weight, weight), x + residual)` in one launch, with
-    llmserve/kernels/norm.py's op order and roundings (no residual: RMSNorm(x), and x itself is
-    returned). Every program computes its rows' statistic over the whole K (a few KB from the L2);
-    one program writes the new residual (a new tensor: the others still read the old one)."""
-    n, k = weight.shape
-    _check_16bit(x, weight, k)
-    assert norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-    out = _out(x, n)
-    new_res = x
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-        new_res = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.shape[0]:
-        _launch(x, weight, None, None, out, **_tiles(x.shape[0], n, k, tiles, fused=True), prologue=PROLOGUE_RMS_NORM,
-                residual=residual, norm_weight=norm_weight, new_residual=None if residual is None else new_res,
-                eps=eps)  # fmt: skip
-    return out.to(x.dtype), new_res
-
-
-def silu_mul_gemm_small_m(gate_up: torch.Tensor, weight: torch.Tensor, **tiles) -> torch.Tensor:
-    """`F.linear(silu(gate) * up, weight)` for `gate_up` [M, 2K] (`gate, up = gate_up.chunk(2, -1)`)
-    in one launch, rounded as llmserve/kernels/activation.py rounds the activation."""
-    n, k = weight.shape
-    assert gate_up.shape[0] <= MAX_M and gate_up.shape[1] == 2 * k and gate_up.dtype == weight.dtype
-    assert gate_up.stride(-1) == 1, "rows of unit stride"
-    out = _out(gate_up, n)
-    if gate_up.shape[0]:
-        _launch(gate_up, weight, None, None, out, **_tiles(gate_up.shape[0], n, k, tiles, fused=True),
-                prologue=PROLOGUE_SILU_MUL)  # fmt: skip
-    return out.to(gate_up.dtype)

@@ -74,22 +74,6 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Tokens:
     return quantized(silu_and_mul(gate_up))
 
 
-def norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection of the normalised input: `(F.linear(RMSNorm(x + residual)), x + residual)`, or
-    without a residual `(F.linear(RMSNorm(x)), x)` (a fused kernel at decode: kernels/dense_linear.py)."""
-    if residual is None:
-        return F.linear(rms_norm(x, norm_weight, eps), weight), x
-    h, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return F.linear(h, weight), residual
-
-
-def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's down projection of its activation: `F.linear(silu_and_mul(gate_up), weight)`."""
-    return F.linear(silu_and_mul(gate_up), weight)
-
-
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise ops the model runs: these PyTorch references, or fused kernels
@@ -106,9 +90,6 @@ class LayerOps:
     fused_add_rms_norm_fp8: Callable = fused_add_rms_norm_fp8
     silu_and_mul_fp8: Callable = silu_and_mul_fp8
     linear: Callable = F.linear  # the 16-bit projections' product
-    # ... of a normalised input, and of the MLP's activation (one kernel each at decode)
-    norm_linear: Callable = norm_linear
-    silu_and_mul_linear: Callable = silu_and_mul_linear
 
 
 REFERENCE_OPS = LayerOps()
@@ -126,8 +107,7 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                     partial(kernels.fp8_matmul_fused_quant, fast_accum_tokens=fast),
                     partial(kernels.fp8_gemm_fast, fast_accum_tokens=fast), kernels.rms_norm_fp8,
-                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear,
-                    kernels.norm_linear, kernels.silu_and_mul_linear)  # fmt: skip
+                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

@@ -17,12 +17,11 @@ from torch import nn
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
-from llmserve.model.fp8 import DenseLinear, Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
+from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
     SINGLE,
-    RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     local_arch,
@@ -33,12 +32,6 @@ from llmserve.model.tensor_parallel import (
 def takes_fp8_tokens(layer: nn.Module) -> bool:
     """Whether `layer` is an FP8 linear layer that takes activations already quantized."""
     return isinstance(layer, Fp8Linear) and layer.takes_fp8_tokens
-
-
-def takes_norm(norm: nn.Module, proj: nn.Module) -> bool:
-    """Whether the plain 16-bit projection `proj` can take its input norm into its own product
-    (`LayerOps.norm_linear`): not with LoRA's wrapped norms and layers, FP8 layers or a bias."""
-    return type(norm) is RMSNorm and type(proj) is DenseLinear and proj.bias is None
 
 
 class Attention(nn.Module):
@@ -68,11 +61,8 @@ class Attention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor | Fp8Tokens
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hkv, D], rotated: everything before the cache."""
-        return self.heads(positions, self.qkv_proj(x))
-
-    def heads(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The projection's output as rotated q, k and v heads."""
         a = self.arch
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)
         k = k.view(-1, a.num_kv_heads, a.head_dim)
@@ -94,7 +84,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup, quantization: str | None = None) -> None:
         super().__init__()
-        self.ops = ops
         self.act = ops.silu_and_mul
         self.act_fp8 = ops.silu_and_mul_fp8
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
@@ -104,16 +93,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Tokens) -> torch.Tensor:
         """`x`: the normalised hidden states, or with FP8 layers already quantized (Fp8Tokens)."""
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, h: torch.Tensor) -> torch.Tensor:
-        """The activation of the gate/up output `h` and the down projection."""
+        h = self.gate_up_proj(x)
         if takes_fp8_tokens(self.down_proj):  # the activation quantizes for the FP8 layer in its pass
             return self.down_proj(self.act_fp8(h))
-        down = self.down_proj
-        if self.act is self.ops.silu_and_mul and type(down) is RowParallelLinear and down.bias is None:
-            return down.tp.all_reduce(self.ops.silu_and_mul_linear(h, down.weight))  # one kernel at decode
-        return down(self.act(h))
+        return self.down_proj(self.act(h))
 
 
 class DecoderLayer(nn.Module):
@@ -141,12 +124,8 @@ class DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Before attention: norm (adding the residual), project: (q, k, v, residual)."""
-        attn, norm = self.self_attn, self.input_layernorm
-        if takes_norm(norm, attn.qkv_proj):
-            qkv, residual = norm.ops.norm_linear(x, residual, norm.weight, norm.eps, attn.qkv_proj.weight)
-            return (*attn.heads(positions, qkv), residual)
         # FP8 layers without a static input scale take their input quantized by the norm's kernel
-        norm = norm.fp8 if takes_fp8_tokens(attn.qkv_proj) else norm
+        norm = self.input_layernorm.fp8 if takes_fp8_tokens(self.self_attn.qkv_proj) else self.input_layernorm
         if residual is None:
             residual = x
             x = norm(x)
@@ -156,13 +135,10 @@ class DecoderLayer(nn.Module):
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """After attention: output projection, norm (adding the residual), MLP."""
-        norm, mlp = self.post_attention_layernorm, self.mlp
-        x = self.self_attn.o_proj(attn_out)
-        if takes_norm(norm, mlp.gate_up_proj):
-            h, residual = norm.ops.norm_linear(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
-            return mlp.down(h), residual
-        x, residual = (norm.fp8 if takes_fp8_tokens(mlp.gate_up_proj) else norm)(x, residual)
-        return mlp(x), residual
+        norm = self.post_attention_layernorm
+        x, residual = (norm.fp8 if takes_fp8_tokens(self.mlp.gate_up_proj) else norm)(self.self_attn.o_proj(attn_out),
+                                                                                     residual)  # fmt: skip
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):

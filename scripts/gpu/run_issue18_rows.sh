@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
 # One device call (H200) with every row of issue 18: the batch-1 GEMMs against cuBLAS
-# (dense_gemm_micro.py, SWEEP=0 TOKENS=1) and the batch-1 fusions (decode_fusion_micro.py), then bench_rows.py on the working tree (ROWS: greedy,
+# (dense_gemm_micro.py, SWEEP=0 TOKENS=1), then bench_rows.py on the working tree (ROWS: greedy,
 # top-k/top-p, presence, repetition, shared prefix, (c), (b), 64 x 7,680, TTFT at 7,680 / 16k / 32k),
 # then BEFORE_ROWS from the tree of `ab_trees.sh prepare main=REV` (carry [".whl", ".ab"]), then the
-# GPU time of (b) by kind (step_breakdown.py). ONLY="micro fusion rows before breakdown" picks steps.
+# GPU time of (b) by kind (step_breakdown.py). ONLY="micro rows before breakdown" picks steps.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 OUT=$(realpath "$OUT")
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 SWEEP=0 TOKENS=1 run micro "${T_MICRO:-60}" python3 scripts/gpu/dense_gemm_micro.py
-run fusion "${T_FUSION:-150}" python3 scripts/gpu/decode_fusion_micro.py
 run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT/now" \
   --only "${ROWS:-b,a,topp,presence,repetition,prefix,c,long64,ttft7680,ttft16k,ttft32k}"
 if [ -d .ab/main/llmserve ]; then
