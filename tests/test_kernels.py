@@ -260,6 +260,29 @@ def test_decodes_split_off_only_from_the_threshold(monkeypatch):
     assert launches == [7, 2, 5, 7]
 
 
+def test_decodes_beside_long_prompts_take_their_own_launch(monkeypatch):
+    """However few, decodes beside prompts of LONG_PREFILL_TOKENS or more on average run apart,
+    so the prompts get the long tiles; the same result as one launch. Short prompts beside the
+    same decodes keep one launch (fewer decodes than MIN_DECODES_TO_SPLIT)."""
+    monkeypatch.setattr(paged_attention, "LONG_PREFILL_TOKENS", 12)
+    assert paged_attention.long_prefill_beside(2, 4, 2 + 24) and not paged_attention.long_prefill_beside(2, 4, 2 + 23)
+    assert not paged_attention.long_prefill_beside(0, 2, 40) and not paged_attention.long_prefill_beside(3, 3, 3)
+    q, k, v, cache, meta = make_batch([1, 1, 14, 12], [9, 30, 14, 20], num_heads=4, num_kv_heads=2, head_dim=16,
+                                      block_size=4, dtype=torch.float32, seed=8)  # fmt: skip
+    meta.num_decode_seqs = 2
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    launches = []
+    original = paged_attention._launch
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[8]) or original(*a, **kw))
+    apart = K.paged_attention_forward(q, cache, meta, 0.3)
+    assert launches == [2, 26]
+    together = K.paged_attention_forward(q, cache, meta, 0.3, split_decodes=False)
+    torch.testing.assert_close(apart, together, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(paged_attention, "LONG_PREFILL_TOKENS", 14)
+    K.paged_attention_forward(q, cache, meta, 0.3)
+    assert launches == [2, 26, 28, 28]
+
+
 def test_one_fresh_long_sequence_takes_sdpa_and_matches_the_reference(monkeypatch):
     """A prompt's first chunk alone in its step (no cached prefix) is attended by torch's SDPA
     over its own q/k/v (cuDNN on a GPU, the math backend here): same K/V written, same
@@ -612,6 +635,44 @@ def test_gemm_small_m_against_f_linear(m, n, k, split_k):
         assert not split_k_gemm._workspaces[got.device].any()
     with pytest.raises(AssertionError):
         gemm_small_m(x.float(), weight)  # operands of two dtypes: F.linear's job
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_split_k_gemm_reading_the_first_weight_tile_early_changes_no_bit(scaled):
+    """The first weight tile read before the PDL wait (PRELOAD_W, a peeled first step) and the
+    plain loop add the same products in the same order: equal results, 16-bit and FP8 forms,
+    slices of one step and of several."""
+    from llmserve.kernels.split_k_gemm import fp8_gemm_small_m, gemm_small_m
+
+    g = torch.Generator().manual_seed(7)
+    for m, n, k, split_k in ((1, 40, 320, 2), (3, 64, 128, 2), (2, 33, 200, 1)):
+        w = torch.randn(n, k, generator=g) * 0.05
+        x = torch.randn(m, k, generator=g)
+        if scaled:
+            xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            sx, sw = torch.rand(m, 1, generator=g) + 0.5, torch.rand(n, 1, generator=g) + 0.5
+
+            def run(preload):
+                return fp8_gemm_small_m(xq, sx, wq, sw, torch.float32, split_k=split_k, block_n=32, block_k=64,
+                                        preload=preload)  # fmt: skip
+        else:
+
+            def run(preload):
+                return gemm_small_m(x.to(torch.bfloat16), w.to(torch.bfloat16), split_k=split_k, block_n=32,
+                                    block_k=64, preload=preload)  # fmt: skip
+
+        assert torch.equal(run(True), run(False)), (m, n, k, split_k)
+
+
+def test_pdl_is_off_where_it_cannot_run(monkeypatch):
+    """Off a GPU (and with LLMSERVE_PDL=0's switch) the kernels launch plainly: USE_GDC False and
+    no `launch_pdl`, so the interpreter never meets griddepcontrol."""
+    from llmserve.kernels import pdl
+
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_GDC": False}
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert not pdl.pdl_supported(torch.device("cuda", 0))
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"USE_GDC": False}
 
 
 def test_bf16_config_takes_the_kernel_only_where_it_was_measured_faster():

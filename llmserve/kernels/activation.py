@@ -18,12 +18,15 @@ import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
 from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
+from llmserve.kernels.pdl import gdc_enter, launch_options
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, delta_ptr, stride_x, stride_o, stride_d, n_cols, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr
+    x_ptr, out_ptr, delta_ptr, stride_x, stride_o, stride_d, n_cols, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -55,8 +58,9 @@ def _silu_mul_row(x_row, cols, mask, n_cols):
 @triton.jit
 def _silu_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols,
-    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     if ONE_PASS:  # the whole row in registers (BLOCK >= n_cols): one load, no recompute
@@ -99,6 +103,7 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
         _silu_and_mul_fp8_kernel[(rows,)](
             x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
             MIN_SCALE=MIN_SCALE, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
+            **launch_options(x.device),
         )  # fmt: skip
     return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
 
@@ -125,6 +130,6 @@ def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Te
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
             x2, out2, d2, x2.stride(0), out2.stride(0), d2.stride(0), inter, BLOCK=block, HAS_DELTA=delta is not None,
-            num_warps=max(1, min(8, block // 128)),
+            num_warps=max(1, min(8, block // 128)), **launch_options(x.device),
         )  # fmt: skip
     return out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.pdl import gdc_enter, launch_options
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -20,8 +22,9 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cs, stride_ch, k_inv, v_inv,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -77,5 +80,5 @@ def write_kv(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         FP8_MAX=448.0 if fp8 else 0.0,
-        num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        num_warps=4 if num_heads * head_dim >= 1024 else 1, **launch_options(k.device),
     )  # fmt: skip

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.pdl import gdc_enter, launch_options
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # the reference's floor: an all-zero token keeps a finite scale
@@ -48,7 +50,9 @@ def fp8_scaled(v, inv_scale, FP8_MAX: tl.constexpr):
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, n_cols, stride_x, stride_q,
     HAS_STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -87,7 +91,7 @@ def quantize_tokens_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
         _quantize_rows_kernel[(rows,)](
             x, q, scale, static, cols, x.stride(0), q.stride(0),
             HAS_STATIC=static_scale is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            num_warps=max(1, min(8, block // 256)),
+            num_warps=max(1, min(8, block // 256)), **launch_options(x.device),
         )  # fmt: skip
     elif rows and static_scale is not None:
         scale.fill_(float(static_scale.reshape(-1)[0]))

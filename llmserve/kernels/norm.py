@@ -25,6 +25,7 @@ import triton.language as tl
 
 from llmserve.fp8_tokens import Fp8Tokens
 from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
+from llmserve.kernels.pdl import gdc_enter, launch_options
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_nr, stride_d,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -98,7 +100,7 @@ def _launch(x, residual, weight, eps, quantize: bool = False, delta: torch.Tenso
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), d2.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, HAS_DELTA=delta is not None, BLOCK=block,
-            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(16, max(1, block // 256)),
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(16, max(1, block // 256)), **launch_options(x.device),
         )  # fmt: skip
     if quantize:
         return Fp8Tokens(out.to(torch.float8_e4m3fn), scale, sum_dtype), new_res

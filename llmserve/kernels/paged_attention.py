@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from llmserve.kernels.cache_write import write_kv
+from llmserve.kernels.pdl import gdc_enter, launch_options
 from llmserve.attention_metadata import FP8_KV, AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -140,8 +141,9 @@ def _paged_attn_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -249,8 +251,9 @@ def _reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, qsl_ptr, seq0, num_seqs,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)  # scratch row; the output row is t + qsl[seq0]
     h = tl.program_id(1)
     q0 = tl.load(qsl_ptr + seq0)
@@ -405,6 +408,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
+def long_prefill_beside(num_decodes: int, num_seqs: int, num_tokens: int) -> bool:
+    """Do decodes share this step with prompts of LONG_PREFILL_TOKENS tokens or more on
+    average? Then the decodes take a launch of their own however few they are: the prompts'
+    launch then has the 256 x 64 long tiles (in one launch with the decodes it had the short
+    ones), and each decode's keys no longer cost a 128-row tile's matrix work (64 x 7,680
+    prompts: up to 62 decodes of 8k keys each beside a chunk of the next prompts)."""
+    prompts = num_seqs - num_decodes
+    return 0 < num_decodes and prompts > 0 and num_tokens - num_decodes >= LONG_PREFILL_TOKENS * prompts
+
+
 def paged_attention_forward(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -423,9 +436,10 @@ def paged_attention_forward(
 
     A batch that mixes prefill chunks with decodes whose `meta.num_decode_seqs` lead it runs
     as two launches, the decodes with the decode tiles and the rest with the prefill tiles
-    (`split_decodes`: None splits from MIN_DECODES_TO_SPLIT decodes on, when neither the
-    tiles nor the split count is forced). In one prefill launch, each decode takes a
-    128-row tile for its GROUP rows, so its keys cost 32x the matrix work.
+    (`split_decodes`: None splits from MIN_DECODES_TO_SPLIT decodes on, or beside long prompts
+    (`long_prefill_beside`), when neither the tiles nor the split count is forced). In one
+    prefill launch, each decode takes a 128-row tile for its GROUP rows, so its keys cost 32x
+    the matrix work; and the decodes' rows keep the long prompts from the long-prompt tiles.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, cache_head_dim = kv_cache.shape
@@ -441,7 +455,8 @@ def paged_attention_forward(
     qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
     nd = meta.num_decode_seqs
     if split_decodes is None:
-        split_decodes = config is None and num_splits is None and nd >= MIN_DECODES_TO_SPLIT
+        split_decodes = (config is None and num_splits is None
+                         and (nd >= MIN_DECODES_TO_SPLIT or long_prefill_beside(nd, num_seqs, num_tokens)))
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
         _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config,
@@ -528,7 +543,7 @@ def _launch(
         NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         DOT_PREC=_dot_precision(q.dtype),
         DOT_F16=FP8_KV_DOT_F16 and kv_cache.dtype == FP8_KV and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
@@ -536,7 +551,7 @@ def _launch(
             *p_strides, *l_strides, out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            num_warps=4 if head_dim >= 64 else 1,
+            num_warps=4 if head_dim >= 64 else 1, **launch_options(q.device),
         )  # fmt: skip
 
 

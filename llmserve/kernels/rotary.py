@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.pdl import gdc_enter, launch_options
+
 
 @triton.jit
 def _rotate_heads(
@@ -46,8 +48,9 @@ def _rotary_kernel(
     stride_cs0, stride_cs1,
     n_q_heads, n_k_heads,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, HALF_PAD)
@@ -105,6 +108,6 @@ def apply_rotary(
         n_q, n_k,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
-        num_warps=4 if n_q * head_dim >= 2048 else 1,
+        num_warps=4 if n_q * head_dim >= 2048 else 1, **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out

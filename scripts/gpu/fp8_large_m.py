@@ -52,7 +52,7 @@ def silu_variant(x: torch.Tensor, one_pass: bool, block: int, warps: int):
     q = torch.empty((rows, INTER), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     _silu_and_mul_fp8_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), INTER, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
-                    MIN_SCALE=MIN_SCALE, num_warps=warps)  # fmt: skip
+                    MIN_SCALE=MIN_SCALE, num_warps=warps, USE_GDC=False)  # fmt: skip
     return q, s
 
 
@@ -61,7 +61,7 @@ def quant_variant(x: torch.Tensor, block: int, warps: int):
     q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     _quantize_rows_kernel[(rows,)](x, q, s, s, cols, x.stride(0), q.stride(0), HAS_STATIC=False, BLOCK=block,
-                                   FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=warps)  # fmt: skip
+                                   FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=warps, USE_GDC=False)  # fmt: skip
     return q, s
 
 
