@@ -29,9 +29,11 @@ from llmserve.kernels.pdl import gdc_enter, launch_options
 MAX_M = 64  # rows this kernel is for; more rows: torch._scaled_mm
 SMALL_TILE_ROWS = 8  # up to this many rows: the batch-1 tiles of `default_config`
 _MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the widest projection
-# each program reads its first weight tile before it waits for the kernel before it (PDL,
-# llmserve/kernels/pdl.py): the weights are constant, so the read overlaps that kernel's tail
-PRELOAD_WEIGHTS = True
+# True: each program reads its first weight tile before it waits for the kernel before it (PDL,
+# llmserve/kernels/pdl.py), so the read of constant weights overlaps that kernel's tail. Off:
+# measured slower on an H200 (2026-12-03, pdl_chain_micro.py, 32-layer batch-1 decode step:
+# 4.434 ms with it against 4.375 without; the early loads hold registers through the wait)
+PRELOAD_WEIGHTS = False
 _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
 

@@ -50,6 +50,9 @@ def weights() -> dict:
 
 def step(model: dict, x: torch.Tensor, meta: AttentionMetadata, positions, cos_sin, split_k: set[str]) -> torch.Tensor:
     def linear(name: str, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if name == "gate_up" and {"gate_up64", "gate_up64s2"} & split_k:  # 64-wide tiles, K whole or in 2
+            return split_k_gemm.gemm_small_m(h, weight, block_n=64, block_k=128, split_k=2 if "gate_up64s2" in split_k
+                                             else 1, num_warps=4, num_stages=4)  # fmt: skip
         return split_k_gemm.gemm_small_m(h, weight) if name in split_k else F.linear(h, weight)
 
     residual = x
@@ -90,12 +93,13 @@ def main() -> None:
         "plain": (False, False, engine_set),
         "pdl": (True, False, engine_set),
         "pdl_preload": (True, True, engine_set),
-        "pdl_preload_qkv_cublas": (True, True, engine_set - {"qkv"}),
-        "pdl_preload_all_split_k": (True, True, engine_set | {"gate_up"}),
+        "pdl_gate_up": (True, False, engine_set | {"gate_up"}),
+        "pdl_gate_up64": (True, False, engine_set | {"gate_up64"}),
+        "pdl_gate_up64s2": (True, False, engine_set | {"gate_up64s2"}),
+        "pdl_qkv_cublas": (True, False, engine_set - {"qkv"}),
+        "pdl_gate_up_qkv_cublas": (True, False, (engine_set | {"gate_up"}) - {"qkv"}),
         "plain_qkv_cublas": (False, False, engine_set - {"qkv"}),
-        "plain_preload": (False, True, engine_set),
-        "pdl_all_cublas": (True, False, set()),
-        "plain_all_cublas": (False, False, set()),
+        "plain_gate_up": (False, False, engine_set | {"gate_up"}),
     }
     results, reference = {}, None
     for name, (use_pdl, preload, split_k) in variants.items():
