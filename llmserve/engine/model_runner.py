@@ -404,8 +404,10 @@ class ModelRunner:
         hidden = self._forward(step.batch)
         if not step.batch.logits_indices:
             return None
-        rows = to_device(step.batch.logits_indices, torch.long, self.device)
-        return self.model.compute_logits(hidden[rows])
+        rows = step.batch.logits_indices
+        if _is_range(rows, 0) and len(rows) == hidden.shape[0]:  # every row samples (decode): no gather
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         n = len(batch.seq_lens)
@@ -438,6 +440,14 @@ class ModelRunner:
         if not batch.fill_positions:
             return None
         source = self._last_step.device_tokens
+        count = len(batch.fill_positions)
+        if _is_range(batch.fill_positions, 0) and _is_range(batch.fill_rows, batch.fill_rows[0]):
+            first = batch.fill_rows[0]  # the usual decode step: one slice copy, no index tensors
+
+            def fill_slice(input_ids: torch.Tensor) -> None:
+                input_ids[:count].copy_(source[first : first + count])
+
+            return fill_slice
         positions = to_device(batch.fill_positions, torch.long, self.device)
         rows = to_device(batch.fill_rows, torch.long, self.device)
 
@@ -456,3 +466,8 @@ class ModelRunner:
                 cpu_cache[:, dst_ids] = dev_cache[:, src_ids.to(self.device)].to("cpu")
             else:
                 dev_cache[:, dst_ids.to(self.device)] = cpu_cache[:, src_ids].to(self.device)
+
+
+def _is_range(values: list[int], start: int) -> bool:
+    """Is `values` start, start + 1, ..., start + len - 1?"""
+    return all(v == start + i for i, v in enumerate(values))

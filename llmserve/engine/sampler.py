@@ -77,6 +77,8 @@ class Sampler:
         host is free for other work while the device computes. `requests`: `Request`s or the
         runner's `RunnerRequest`s (the same fields); `grammar`: the rows' grammar mask, filled
         on the core side (None: from the requests' own matchers, if they have any)."""
+        if _plain_greedy(requests, grammar):  # argmax of the 16-bit logits: .float() is exact, the same winner
+            return PendingSample(row_argmax(logits), None)
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
@@ -136,8 +138,11 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, r: _Random) -> torch.Tensor:
         device = logits.device
-        rows = to_device(r.rows, torch.long, device)
-        part = logits[rows] / to_device(r.temperature, torch.float32, device)[:, None]
+        part = logits
+        if len(r.rows) < logits.shape[0]:  # (every row samples: no gather)
+            part = logits[to_device(r.rows, torch.long, device)]
+        if any(t != 1.0 for t in r.temperature):  # (x / 1.0 is x: no division; a tensor, as the reference divides)
+            part = part / to_device(r.temperature, torch.float32, device)[:, None]
         if all(0 < k <= TOPK_FAST for k in r.top_k):
             return self._sample_top_k(part, r)
         part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
@@ -168,6 +173,19 @@ class Sampler:
             noise[seeded] = seeded_noise.exponential(to_device(r.keys, torch.long, device), ids[seeded])
         choice = exponential_race(values, noise)
         return ids.gather(-1, choice[:, None]).squeeze(-1)
+
+
+def _plain_greedy(requests: list[Request], grammar: GrammarMask | None) -> bool:
+    """Does every row take the plain argmax: greedy, no logprobs, penalties, logit bias,
+    min_tokens mask or grammar?"""
+    if grammar is not None:
+        return False
+    for req in requests:
+        p = req.sampling_params
+        if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or req.has_grammar
+                or req.num_output_tokens < p.min_tokens):  # fmt: skip
+            return False
+    return True
 
 
 def _random_rows(requests: list[Request]) -> _Random:
