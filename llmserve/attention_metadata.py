@@ -21,6 +21,10 @@ class AttentionMetadata:
     max_seq_len: int
     # how many sequences at the front have exactly one new token (decodes); 0: not counted
     num_decode_seqs: int = 0
+    # (sequence, its first row in the batch, its tokens) of each sequence of several new tokens
+    # and no cached prefix (a whole prompt, or its first chunk), in batch order; known on the
+    # host, so long ones can go to torch's SDPA over their own q/k/v. Empty: not listed
+    fresh_seqs: tuple[tuple[int, int, int], ...] = ()
 
 
 FP8_KV = torch.float8_e4m3fn

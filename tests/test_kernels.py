@@ -310,6 +310,51 @@ def test_one_fresh_long_sequence_takes_sdpa_and_matches_the_reference(monkeypatc
     assert len(calls) == 2
 
 
+def test_fresh_long_prompts_of_a_mixed_batch_take_sdpa_and_the_rest_the_kernel(monkeypatch):
+    """Several fresh prompts in one step (AttentionMetadata.fresh_seqs, as the input builder lists
+    them): each long one by SDPA, the sequences between them by the kernel in runs (the leading
+    decodes apart), every row as the reference; a forced launch shape keeps the kernel alone."""
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 16)
+    qlens, slens = [1, 1, 40, 20, 30, 6, 24], [9, 30, 40, 52, 30, 6, 24]
+    fresh = ((2, 2, 40), (4, 62, 30), (5, 92, 6), (6, 98, 24))  # seq 3 has a cached prefix: not fresh
+    sdpa_rows, launches = [], []
+    original_sdpa, original_launch = paged_attention.sdpa_prefill, paged_attention._launch
+    monkeypatch.setattr(paged_attention, "sdpa_prefill",
+                        lambda q, *a, **kw: sdpa_rows.append(q.shape[0]) or original_sdpa(q, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6:9]) or original_launch(*a, **kw))
+    for dtype in (torch.float32, torch.float16):  # (bf16: the interpreter's dot is wrong, see ATTN_CASES)
+        q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=dtype, seed=3)  # fmt: skip
+        meta.num_decode_seqs, meta.fresh_seqs = 2, fresh
+        check_attention(q, k, v, cache, meta, 32**-0.5)
+    # SDPA: the prompts of 40, 30 and 24 tokens; the kernel: the 2 decodes, seq 3 (20 rows), seq 5 (6)
+    assert sdpa_rows == [40, 30, 24] * 2 and launches == [(0, 2, 2), (3, 1, 20), (5, 1, 6)] * 2
+    sdpa_rows.clear()
+    launches.clear()
+    q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32, seed=3)  # fmt: skip
+    meta.num_decode_seqs, meta.fresh_seqs = 2, fresh
+    check_attention(q, k, v, cache, meta, 32**-0.5, num_splits=1)
+    assert sdpa_rows == [] and len(launches) == 1
+    # none long enough: the kernel over the whole batch, as without the list
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 41)
+    launches.clear()
+    check_attention(q, k, v, cache.clone(), meta, 32**-0.5)
+    assert sdpa_rows == [] and launches[0][:2] == (0, 7)
+
+
+def test_the_input_builder_lists_fresh_sequences():
+    """Sequences of several new tokens from position 0 are listed with their first row; decodes
+    and chunks after cached tokens are not."""
+    from llmserve.engine.input_builder import InputBuilder, RowInput
+
+    builder = InputBuilder(block_size=4, max_num_seqs=8, max_blocks=8)
+    rows = [RowInput("d", [1, 2], 5, 1, list(range(6)), True), RowInput("p", [3, 4], 0, 7, list(range(7)), True),
+            RowInput("c", [5, 6, 7], 4, 6, list(range(10)), True), RowInput("q", [0], 0, 3, [1, 2, 3], False)]
+    batch = builder.build(rows)
+    assert batch.fresh_seqs == ((1, 1, 7), (3, 14, 3)) and batch.metadata(torch.device("cpu")).fresh_seqs == batch.fresh_seqs
+
+
 def test_sdpa_buckets_share_plans_with_little_padding():
     assert [paged_attention.sdpa_bucket(n) for n in (2048, 2049, 4001, 7680, 7681, 16384, 30000)] == [
         2048, 2176, 4096, 7680, 7936, 16384, 30720]
@@ -676,10 +721,12 @@ def test_pdl_is_off_where_it_cannot_run(monkeypatch):
 
 
 def test_bf16_config_takes_the_kernel_only_where_it_was_measured_faster():
-    """One token, and not the MLP's gate/up width (cuBLAS as fast there); K split for ~256 programs."""
+    """One token only; K split for ~256 programs up to N 8,192; wide N (gate/up, LM head) in
+    128-wide tiles with K whole."""
     from llmserve.kernels.split_k_gemm import bf16_config
 
-    assert bf16_config(1, 28672, 4096) is None and bf16_config(2, 4096, 4096) is None
+    assert bf16_config(2, 4096, 4096) is None and bf16_config(2, 28672, 4096) is None
+    assert bf16_config(1, 28672, 4096) == {"block_n": 128, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": None}
     assert bf16_config(1, 4096, 4096) == {"block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4, "num_stages": 4}
     assert bf16_config(1, 4096, 14336)["split_k"] == 4 and bf16_config(1, 6144, 4096)["split_k"] == 3
     head = bf16_config(1, 128256, 4096)

@@ -60,6 +60,7 @@ class BatchInputs:
     fill_positions: list[int]
     fill_rows: list[int]
     num_decode_seqs: int = 0  # rows at the front with one new token each
+    fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
@@ -76,6 +77,7 @@ class BatchInputs:
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
             num_decode_seqs=self.num_decode_seqs,
+            fresh_seqs=self.fresh_seqs,
         )
 
 
@@ -101,6 +103,7 @@ class InputBuilder:
         fill_positions: list[int] = []
         fill_rows: list[int] = []
         decode_lead = 0
+        fresh: list[tuple[int, int, int]] = []
         for request_id, table, start, count, tokens, samples in rows:
             end = start + count
             if count == 1:
@@ -112,6 +115,8 @@ class InputBuilder:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                if start == 0:  # no cached prefix
+                    fresh.append((len(seq_lens), query_start[-1], count))
                 pos = np.arange(start, end)
                 input_ids.extend(tokens[start:end])
                 positions.extend(range(start, end))
@@ -129,7 +134,7 @@ class InputBuilder:
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
-            decode_lead,
+            decode_lead, tuple(fresh),
         )  # fmt: skip
 
     def forget_all(self) -> None:

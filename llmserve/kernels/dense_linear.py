@@ -1,13 +1,14 @@
 """The 16-bit linear layer's product on the fast path: which GEMM runs for how many tokens.
 
 PyTorch reference: `torch.nn.functional.linear`.
-- one token (batch-1 decode, no bias, on a GPU) and a weight shape where it was measured faster:
-  the split-K Triton kernel (`gemm_small_m`, llmserve/kernels/split_k_gemm.py), one launch that
-  streams the weight once (the 8B's qkv, o, down and LM head: 4.7 µs a layer and 7.6 µs a
-  token less than cuBLAS on an H200);
+- one token (batch-1 decode, no bias, on a GPU): the split-K Triton kernel (`gemm_small_m`,
+  llmserve/kernels/split_k_gemm.py), one launch that streams the weight once, for every
+  projection of the 8B (qkv, o, down and the LM head: 4.7 µs a layer and 7.6 µs a token less
+  than cuBLAS on an H200; gate/up: a 32-layer step 0.04-0.13 ms faster, as it starts early
+  under programmatic dependent launch, llmserve/kernels/pdl.py);
 - otherwise `F.linear` (cuBLAS).
-Where is decided by `split_k_gemm.bf16_config`, from the sweep of `scripts/gpu/dense_gemm_micro.py`
-(docs/benchmarks.md).
+Which tiles is decided by `split_k_gemm.bf16_config`, from the sweeps of
+`scripts/gpu/dense_gemm_micro.py` and `scripts/gpu/pdl_chain_micro.py` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from llmserve.kernels.split_k_gemm import bf16_config, gemm_small_m
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, by the split-K kernel where it was measured faster than cuBLAS
-    (`bf16_config`: one token of a 16-bit `x` on a GPU, no bias, N outside the MLP's gate/up range)."""
+    (`bf16_config`: one token of a 16-bit `x` on a GPU, no bias)."""
     if (bias is None and x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16)
             and bf16_config(x.shape[0], weight.shape[0], weight.shape[1]) is not None):  # fmt: skip

@@ -136,19 +136,22 @@ def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
 
 
 def bf16_config(m: int, n: int, k: int) -> dict | None:
-    """Tiles of the 16-bit form at one token, from the H200 sweep (docs/benchmarks.md, "batch-1
-    decode: a split-K GEMM for bf16"; 8B projections, µs against cuBLAS): N up to 8,192 in 64-wide
-    tiles, 128-deep K steps, K split for about 256 programs, 4 stages (qkv 13.0-13.2 against 14.4,
-    o 7.7-7.9 against 10.0, down 30.8 against 31.8); an LM head's N (65,536 and more) in 128-wide
-    tiles, K whole (239.6 against 247.2). None where cuBLAS is as fast: N of 16,384-65,535 (the MLP's
-    gate/up, 56.8 against 56.1) and more than one token (at 2-16 tokens the kernel's gains were
-    0-9 % and the best tiles differ by shape)."""
-    if m != 1 or 16384 <= n < 65536:
+    """Tiles of the 16-bit form at one token, from the H200 sweeps (docs/benchmarks.md, "batch-1
+    decode: a split-K GEMM for bf16", and the 32-layer step of scripts/gpu/pdl_chain_micro.py,
+    2026-12-03). N up to 8,192 in 64-wide tiles, 128-deep K steps, K split for about 256
+    programs, 4 stages (qkv 13.0-13.2 µs against 14.4 for cuBLAS, o 7.7-7.9 against 10.0, down
+    30.8 against 31.8); N of 16,384 and more (the MLP's gate/up, an LM head) in 128-wide tiles, K
+    whole, Triton's 3 stages (LM head 239.6 against 247.2; gate/up alone as fast as cuBLAS, 56.8
+    against 56.1, but the step with it 4.340 ms against 4.376 under PDL and 4.520 against 4.650
+    without: cuBLAS's kernel cannot start early). None for more than one token (at 2-16 tokens the
+    kernel's gains were 0-9 % and the best tiles differ by shape)."""
+    if m != 1:
         return None
-    block_n = 128 if n >= 65536 else 64
-    tiles = triton.cdiv(n, block_n)
-    return {"block_n": block_n, "block_k": 128, "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
-            "num_warps": 4, "num_stages": 4 if block_n == 64 else None}  # (None: Triton's 3)
+    if n >= 16384:
+        return {"block_n": 128, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": None}  # (None: Triton's 3)
+    tiles = triton.cdiv(n, 64)
+    return {"block_n": 64, "block_k": 128, "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
+            "num_warps": 4, "num_stages": 4}
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -235,6 +235,29 @@ def checks(quick: bool) -> None:
                 record_error("checks", name, exc)
     torch.cuda.empty_cache()
 
+    # fresh long prompts beside decodes and a cached chunk (meta.fresh_seqs): SDPA for the
+    # prompts of SDPA_PREFILL_TOKENS or more, the kernel in runs for the rest
+    from llmserve.kernels.paged_attention import SDPA_PREFILL_TOKENS
+
+    fresh_q, fresh_s = [1, 1, 3000, 257, 2500, 700, 1], [512, 4097, 3000, 1257, 2500, 700, 16]
+    for dt in (torch.bfloat16, torch.float16):
+        name = f"attn fresh prompts by sdpa {str(dt)[6:]}"
+        try:
+            q, k, v, cache, meta = make_batch(fresh_q, fresh_s, dtype=dt)
+            starts = [sum(fresh_q[:i]) for i in range(len(fresh_q))]
+            meta.num_decode_seqs = 2
+            meta.fresh_seqs = tuple((i, starts[i], n) for i, (n, s) in enumerate(zip(fresh_q, fresh_s)) if n == s and n > 1)
+            ref_cache = cache.clone()
+            ref = reference_paged_attention(q, k, v, ref_cache, meta, HEAD_DIM**-0.5)
+            out = triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+            torch.cuda.synchronize()
+            err = (out.float() - ref.float()).abs().max().item()
+            add(name, err, TOL[dt], sdpa_seqs=sum(n >= SDPA_PREFILL_TOKENS for _, _, n in meta.fresh_seqs))
+            del q, k, v, cache, ref_cache, ref, out
+        except Exception as exc:  # noqa: BLE001
+            record_error("checks", name, exc)
+    torch.cuda.empty_cache()
+
     # decode-only batch with random lengths (the one-tile-per-sequence launch)
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
