@@ -606,6 +606,43 @@ def long_prefill(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def fresh_prompts(quick: bool) -> None:
+    """Where SDPA should take over from the kernel for fresh prompts in a step (what
+    SDPA_PREFILL_TOKENS decides): B prompts of L tokens, no cached prefix, through
+    `triton_paged_attention` (the KV write included) with meta.fresh_seqs listed and the
+    threshold at 1 (SDPA, one call a prompt) or past L (the kernel), per length and count."""
+    from llmserve.kernels import paged_attention as pa
+
+    RESULTS.setdefault("fresh_prompts", [])
+    saved = pa.SDPA_PREFILL_TOKENS
+    for length, count in [(512, 1), (512, 32), (1024, 1), (1024, 16), (1536, 10), (2048, 1), (2048, 8)]:
+        if over_budget():
+            break
+        try:
+            q, k, v, cache, meta = make_batch([length] * count, [length] * count, randn_cache=False)
+            meta.fresh_seqs = tuple((i, i * length, length) for i in range(count))
+            flops = 4 * HQ * HEAD_DIM * visible_pairs([length] * count, [length] * count)
+            outs = {}
+            for impl, threshold in (("kernel", length + 1), ("sdpa", 1)):
+                pa.SDPA_PREFILL_TOKENS = threshold
+                outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+                # eager, as the engine runs a prefill's attention (between the piecewise graphs)
+                ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=10,
+                                    graph=False)  # fmt: skip
+                RESULTS["fresh_prompts"].append(dict(length=length, count=count, impl=impl, ms=ms, mode=mode,
+                                                     tflops=flops / ms / 1e9))  # fmt: skip
+                log(f"fresh {count} x {length} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
+            diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
+            RESULTS["checks"].append(dict(name=f"fresh {count}x{length} sdpa vs kernel", max_abs_err=diff, tol=TOL[DT],
+                                          ok=diff <= TOL[DT]))  # fmt: skip
+            del q, k, v, cache, meta, outs
+        except Exception as exc:  # noqa: BLE001
+            record_error("fresh_prompts", f"{count}x{length}", exc)
+        finally:
+            pa.SDPA_PREFILL_TOKENS = saved
+        torch.cuda.empty_cache()
+
+
 def sdpa_new_lengths(quick: bool) -> None:
     """What a prompt of a length not seen before costs on its first SDPA call (cuDNN builds
     an execution plan per shape): first and second call at five fresh lengths near 4k."""
@@ -744,7 +781,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining timings after this")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and sweeps")
-    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,elementwise")
+    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,sdpa_lengths,fresh,elementwise")
     ap.add_argument("--decode-configs", default="", help="e.g. 128x4x2,64x2x3 (block_n x warps x stages)")
     ap.add_argument("--prefill-configs", default="", help="e.g. 128x32x4x3 (block_m x block_n x warps x stages)")
     ap.add_argument("--split-points", default="", help="e.g. 1x8192,16x2048 (batch x ctx) for the split sweep")
@@ -767,7 +804,7 @@ def main() -> int:
     RESULTS["triton"] = triton.__version__
     RESULTS["torch"] = torch.__version__
     sections = [("checks", checks), ("decode", decode), ("sweeps", decode_sweeps),
-                ("prefill", prefill), ("long", long_prefill), ("sdpa_lengths", sdpa_new_lengths), ("elementwise", lambda q: elementwise())]  # fmt: skip
+                ("prefill", prefill), ("long", long_prefill), ("sdpa_lengths", sdpa_new_lengths), ("fresh", fresh_prompts), ("elementwise", lambda q: elementwise())]  # fmt: skip
     only = {s for s in args.only.split(",") if s}
     try:
         for name, fn in sections:

@@ -5,12 +5,14 @@
 # then BEFORE_ROWS from the tree of `ab_trees.sh prepare main=REV` (carry [".whl", ".ab"]), then the
 # GPU time of (b) by kind (step_breakdown.py). `chain`: one decode step's kernels in a CUDA graph
 # with and without PDL (pdl_chain_micro.py); `nopdl`: NOPDL_ROWS with LLMSERVE_PDL=0 (same tree).
-# ONLY="micro chain rows nopdl before breakdown" picks steps.
+# `checks`: the kernels against their references (bench_kernels.py --only checks --quick).
+# ONLY="checks micro chain rows nopdl before breakdown" picks steps.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 OUT=$(realpath "$OUT")
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run checks "${T_CHECKS:-90}" python3 scripts/gpu/bench_kernels.py --only checks --quick
 SWEEP=0 TOKENS=1 run micro "${T_MICRO:-60}" python3 scripts/gpu/dense_gemm_micro.py
 run chain "${T_CHAIN:-120}" python3 scripts/gpu/pdl_chain_micro.py
 run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT/now" \
