@@ -1,4 +1,4 @@
-"""Where batch-1 time to first token goes on the 8B shape (512-token prompt): generate()
+"""Where batch-1 time to first token goes on the 8B shape (PROMPT_LEN tokens, default 512): generate()
 with max_tokens=1 timed for greedy and random sampling, then one such call under the torch
 profiler (top CUDA kernels, and the host time around them). MIXED=0: the prefill step eager
 (no piecewise CUDA graphs)."""
@@ -16,15 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from llmserve import LLM, SamplingParams  # noqa: E402
 
 MODEL = os.environ.get("M", "/tmp/llama8b")
+PROMPT_LEN = int(os.environ.get("PROMPT_LEN", 512))
 
 
 def main() -> None:
     llm = LLM(MODEL, load_format="dummy", max_model_len=int(os.environ.get("MAX_LEN", 2048)), max_num_seqs=8,
+              max_num_batched_tokens=max(16384, PROMPT_LEN),
               max_mixed_graph_tokens=int(os.environ.get("MIXED", 1024)))
     rng = random.Random(0)
 
     def once(temperature: float) -> float:
-        prompt = [rng.randrange(10, llm.config.model_config.arch.vocab_size) for _ in range(512)]
+        prompt = [rng.randrange(10, llm.config.model_config.arch.vocab_size) for _ in range(PROMPT_LEN)]
         params = SamplingParams(temperature=temperature, max_tokens=1, ignore_eos=True)
         t = time.perf_counter()
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
