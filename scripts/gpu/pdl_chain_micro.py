@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from event_timer import median_ms  # noqa: E402
 from llmserve.attention_metadata import AttentionMetadata  # noqa: E402
 from llmserve.kernels import pdl, split_k_gemm  # noqa: E402
 from llmserve.kernels.activation import silu_and_mul  # noqa: E402
@@ -122,15 +124,7 @@ def main() -> None:
                 reference = logits.clone()
             same = bool(torch.equal(logits, reference))
             err = (logits.float() - reference.float()).abs().max().item()
-            times = []
-            for _ in range(5):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                graph.replay()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / STEPS)
-            ms = sorted(times)[2]
+            ms = median_ms(graph.replay, iters=5, warmup=0) / STEPS
             results[name] = {"pdl": use_pdl, "preload": preload, "split_k": sorted(split_k), "ms_per_step": round(ms, 4),
                              "equal_to_plain": same, "max_abs_diff": err}  # fmt: skip
             for layer, c in zip(model["layers"], caches):

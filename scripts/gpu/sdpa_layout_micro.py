@@ -1,7 +1,7 @@
 """Does the layout of q/k/v change cuDNN's SDPA time for one fresh prompt (what `sdpa_prefill`
 gets in the engine: q, k and v as row views of the fused qkv projection's output, row stride
 (Hq + 2 Hkv) x D) against contiguous tensors? 8B heads, bf16, causal, CUDA events, median of
-20 calls. Writes $OUT/sdpa_layout_micro.json.
+20 calls (event_timer.py). Writes $OUT/sdpa_layout_micro.json.
 
     python3 scripts/gpu/sdpa_layout_micro.py
 """
@@ -10,32 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from event_timer import median_ms  # noqa: E402
 from llmserve.kernels.paged_attention import sdpa_prefill  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
-
-
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -54,7 +40,7 @@ def main() -> None:
             "views + .contiguous() inside": lambda: sdpa_prefill(q.contiguous(), k.contiguous(), v.contiguous(), D**-0.5, out),
         }
         for name, fn in variants.items():
-            ms = timed(fn)
+            ms = median_ms(fn, iters=20, warmup=3)
             fn()
             err = (out.float() - ref.float()).abs().max().item()
             results[f"{n} {name}"] = {"ms": round(ms, 4), "tflops": round(4 * HQ * D * n * (n + 1) / 2 / ms / 1e9, 1),
