@@ -578,26 +578,24 @@ def triton_paged_attention(
     """
     write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if config is None and num_splits is None:
-        if meta.fresh_seqs:
-            done = _attend_fresh_by_sdpa(q, k, v, kv_cache, meta, scale, out, kv_scales)
-            if done is not None:
-                return done
-        elif fresh_single_prefill(meta):
-            done = sdpa_prefill(q, k, v, scale, out)
-            if done is not None:
-                return done
+        # metadata made without the list (outside the engine): one fresh sequence is known from its shapes
+        fresh = meta.fresh_seqs or (((0, 0, meta.max_query_len),) if fresh_single_prefill(meta) else ())
+        done = _attend_fresh_by_sdpa(q, k, v, kv_cache, meta, fresh, scale, out, kv_scales)
+        if done is not None:
+            return done
     return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out,
                                    kv_scales=kv_scales)  # fmt: skip
 
 
 def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
-                          kv_scales: tuple[float, float]) -> torch.Tensor | None:  # fmt: skip
-    """The fresh sequences of SDPA_PREFILL_TOKENS or more by SDPA, one call each (64 x 7,680
-    prompts run two a step: each 0.8 ms a layer in cuDNN against 1.34 in the long tiles), then
-    the sequences between them by the kernel, a launch per run of neighbours (the leading
-    decodes apart when prompts follow them). None: no such sequence, or SDPA unavailable here."""
-    long = [f for f in meta.fresh_seqs if f[2] >= SDPA_PREFILL_TOKENS]
+                          meta: AttentionMetadata, fresh: tuple[tuple[int, int, int], ...], scale: float,
+                          out: torch.Tensor | None, kv_scales: tuple[float, float]) -> torch.Tensor | None:  # fmt: skip
+    """The `fresh` sequences (as `meta.fresh_seqs`) of SDPA_PREFILL_TOKENS or more by SDPA, one
+    call each (64 x 7,680 prompts run two a step: each 0.8 ms a layer in cuDNN against 1.34 in
+    the long tiles), then the sequences between them by the kernel, a launch per run of
+    neighbours (the leading decodes apart when prompts follow them). None: no such sequence, or
+    SDPA unavailable here."""
+    long = [f for f in fresh if f[2] >= SDPA_PREFILL_TOKENS]
     if not long:
         return None
     if out is None:
