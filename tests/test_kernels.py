@@ -336,20 +336,6 @@ def test_fresh_long_prompts_of_a_mixed_batch_take_sdpa_and_the_rest_the_kernel(m
     meta.num_decode_seqs, meta.fresh_seqs = 2, fresh
     check_attention(q, k, v, cache, meta, 32**-0.5, num_splits=1)
     assert sdpa_rows == [] and len(launches) == 1
-    # decodes leading a run with a chunk: apart only where paged_attention_forward splits them too
-    q, k, v, cache, meta = make_batch([1, 1, 10, 40], [9, 30, 24, 40], num_heads=8, num_kv_heads=2, head_dim=32,
-                                      block_size=8, dtype=torch.float32, seed=4)  # fmt: skip
-    meta.num_decode_seqs, meta.fresh_seqs = 2, ((3, 12, 40),)
-    for min_decodes, want in ((2, [(0, 2, 2), (2, 1, 10)]), (64, [(0, 3, 12)])):  # (ends at the default)
-        monkeypatch.setattr(paged_attention, "MIN_DECODES_TO_SPLIT", min_decodes)
-        launches.clear()
-        check_attention(q, k, v, cache.clone(), meta, 32**-0.5)
-        assert launches == want
-    sdpa_rows.clear()
-    launches.clear()
-    q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
-                                      dtype=torch.float32, seed=3)  # fmt: skip
-    meta.num_decode_seqs, meta.fresh_seqs = 2, fresh
     # none long enough: the kernel over the whole batch, as without the list
     monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 41)
     launches.clear()

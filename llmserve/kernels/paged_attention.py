@@ -418,12 +418,6 @@ def long_prefill_beside(num_decodes: int, num_seqs: int, num_tokens: int) -> boo
     return 0 < num_decodes and prompts > 0 and num_tokens - num_decodes >= LONG_PREFILL_TOKENS * prompts
 
 
-def decodes_apart(num_decodes: int, num_seqs: int, num_tokens: int) -> bool:
-    """Do the leading decodes of a mixed launch take a launch of their own: from
-    MIN_DECODES_TO_SPLIT of them on, or beside long prompts (`long_prefill_beside`)?"""
-    return num_decodes >= MIN_DECODES_TO_SPLIT or long_prefill_beside(num_decodes, num_seqs, num_tokens)
-
-
 def paged_attention_forward(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -461,7 +455,8 @@ def paged_attention_forward(
     qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
     nd = meta.num_decode_seqs
     if split_decodes is None:
-        split_decodes = config is None and num_splits is None and decodes_apart(nd, num_seqs, num_tokens)
+        split_decodes = (config is None and num_splits is None
+                         and (nd >= MIN_DECODES_TO_SPLIT or long_prefill_beside(nd, num_seqs, num_tokens)))
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
         _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config,
@@ -598,8 +593,8 @@ def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     """The `fresh` sequences (as `meta.fresh_seqs`) of SDPA_PREFILL_TOKENS or more by SDPA, one
     call each (64 x 7,680 prompts run two a step: each 0.8 ms a layer in cuDNN against 1.34 in
     the long tiles), then the sequences between them by the kernel, a launch per run of
-    neighbours (its leading decodes apart where `decodes_apart` says). None: no such sequence,
-    or SDPA unavailable here."""
+    neighbours (the leading decodes apart when prompts follow them). None: no such sequence, or
+    SDPA unavailable here."""
     long = [f for f in fresh if f[2] >= SDPA_PREFILL_TOKENS]
     if not long:
         return None
@@ -619,14 +614,12 @@ def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
 
     seq, token = 0, 0  # the next sequence (and its first row) the kernel has not covered
     for fresh_seq, first, count in [*long, (num_seqs, q.shape[0], 0)]:
-        seqs, tokens = fresh_seq - seq, first - token  # sequences seq .. fresh_seq - 1, rows token .. first - 1
-        if seqs > 0:
+        if fresh_seq > seq:  # sequences seq .. fresh_seq - 1, rows token .. first - 1
             decodes = max(0, min(meta.num_decode_seqs, fresh_seq) - seq)
-            if 0 < decodes < seqs and decodes_apart(decodes, seqs, tokens):  # as paged_attention_forward splits
+            if decodes:
                 launch(seq, decodes, decodes, 1)
-                launch(seq + decodes, seqs - decodes, tokens - decodes, meta.max_query_len)
-            else:
-                launch(seq, seqs, tokens, 1 if decodes == seqs else meta.max_query_len)
+            if seq + decodes < fresh_seq:
+                launch(seq + decodes, fresh_seq - seq - decodes, first - token - decodes, meta.max_query_len)
         seq, token = fresh_seq + 1, first + count
     return out
 
