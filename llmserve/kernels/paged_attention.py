@@ -616,6 +616,10 @@ def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
     for fresh_seq, first, count in [*long, (num_seqs, q.shape[0], 0)]:
         if fresh_seq > seq:  # sequences seq .. fresh_seq - 1, rows token .. first - 1
             decodes = max(0, min(meta.num_decode_seqs, fresh_seq) - seq)
+            # always apart here, unlike paged_attention_forward's rule (which keeps fewer than 64
+            # beside a short chunk): beside fresh long prompts the decodes' contexts are long, and a
+            # 128-row tile per decode costs 32x its keys' matrix work. 64 x 7,680 ran at 889.7-897.6
+            # tok/s this way, 886.9 with the shared rule (H200, 2026-12-03, another lease)
             if decodes:
                 launch(seq, decodes, decodes, 1)
             if seq + decodes < fresh_seq:
