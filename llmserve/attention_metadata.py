@@ -25,6 +25,11 @@ class AttentionMetadata:
     # and no cached prefix (a whole prompt, or its first chunk), in batch order; known on the
     # host, so long ones can go to torch's SDPA over their own q/k/v. Empty: not listed
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()
+    # (sequence, its first row, its new tokens, its cached tokens) of each sequence of several new
+    # tokens after a cached prefix (a prompt's later chunk) no longer in all than the input
+    # builder's `chunk_total_limit`, in batch order: a long one can go to SDPA over its whole
+    # sequence, gathered from the cache. Empty: not listed
+    chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()
 
 
 FP8_KV = torch.float8_e4m3fn

@@ -343,9 +343,52 @@ def test_fresh_long_prompts_of_a_mixed_batch_take_sdpa_and_the_rest_the_kernel(m
     assert sdpa_rows == [] and launches[0][:2] == (0, 7)
 
 
+def test_long_chunks_after_a_cached_prefix_take_sdpa_over_their_whole_sequence(monkeypatch):
+    """A later chunk of a prompt (AttentionMetadata.chunk_seqs) where the front padding pays
+    (`pad_front_pays`: few cached tokens for its length) is attended by one causal SDPA call over
+    its whole sequence, gathered from the cache (an FP8 cache's times its scales); one with many
+    cached tokens keeps the kernel. Every row as the reference, beside decodes and a fresh prompt."""
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 16)
+    assert paged_attention.pad_front_pays(10, 40) and paged_attention.pad_front_pays(0, 16)
+    assert not paged_attention.pad_front_pays(60, 20) and not paged_attention.pad_front_pays(2, 15)
+    # decodes, a chunk after 10 cached (SDPA), a fresh prompt (SDPA), a chunk after 60 (kernel),
+    # a chunk after 13 whose page is shared with the cached tokens (SDPA)
+    qlens, slens = [1, 1, 40, 24, 20, 30], [9, 30, 50, 24, 80, 43]
+    fresh, chunks = ((3, 42, 24),), ((2, 2, 40, 10), (4, 66, 20, 60), (5, 86, 30, 13))
+    calls, launches = [], []
+    original_after, original_launch = paged_attention.sdpa_after_prefix, paged_attention._launch
+    monkeypatch.setattr(paged_attention, "sdpa_after_prefix",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or original_after(q, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6:9]) or original_launch(*a, **kw))
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=dtype, seed=5)  # fmt: skip
+        meta.num_decode_seqs, meta.fresh_seqs, meta.chunk_seqs = 2, fresh, chunks
+        check_attention(q, k, v, cache, meta, 32**-0.5)
+    assert calls == [40, 30] * 2 and launches == [(0, 2, 2), (4, 1, 20)] * 2
+    # an FP8 cache with per-layer scales: the gathered keys and values are scaled back (the fresh
+    # prompt not listed: by SDPA it would attend over its unquantized new K/V, not the cache's)
+    from llmserve.attention_metadata import to_cache_dtype
+
+    q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32, seed=6)  # fmt: skip
+    meta.num_decode_seqs, meta.chunk_seqs = 2, chunks
+    scales = (0.02, 0.01)
+    fp8 = torch.stack([to_cache_dtype(cache[i], torch.float8_e4m3fn, scales[i]) for i in (0, 1)])
+    check_attention(q, k, v, fp8, meta, 32**-0.5, kv_scales=scales)
+    # padded to a longer shared length (as on a GPU): still exact
+    q, k, v, cache, meta = make_batch([40], [50], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32, seed=7)  # fmt: skip
+    ref = reference_paged_attention(q, k, v, cache.clone(), meta, 32**-0.5)
+    paged_attention.write_kv(k, v, cache, meta.slot_mapping)
+    got = original_after(q, cache, meta.block_tables[0], 10, 32**-0.5, pad_to=67)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+
+
 def test_the_input_builder_lists_fresh_sequences():
     """Sequences of several new tokens from position 0 are listed with their first row; decodes
-    and chunks after cached tokens are not."""
+    and chunks after cached tokens are not, but the latter go to `chunk_seqs` (with their cached
+    tokens) when their whole sequence fits the builder's limit."""
     from llmserve.engine.input_builder import InputBuilder, RowInput
 
     builder = InputBuilder(block_size=4, max_num_seqs=8, max_blocks=8)
@@ -353,6 +396,10 @@ def test_the_input_builder_lists_fresh_sequences():
             RowInput("c", [5, 6, 7], 4, 6, list(range(10)), True), RowInput("q", [0], 0, 3, [1, 2, 3], False)]
     batch = builder.build(rows)
     assert batch.fresh_seqs == ((1, 1, 7), (3, 14, 3)) and batch.metadata(torch.device("cpu")).fresh_seqs == batch.fresh_seqs
+    assert batch.chunk_seqs == ()  # no limit given: later chunks are not listed
+    listed = InputBuilder(block_size=4, max_num_seqs=8, max_blocks=8, chunk_total_limit=10).build(rows)
+    assert listed.chunk_seqs == ((2, 8, 6, 4),) and listed.metadata(torch.device("cpu")).chunk_seqs == listed.chunk_seqs
+    assert InputBuilder(block_size=4, max_num_seqs=8, max_blocks=8, chunk_total_limit=9).build(rows).chunk_seqs == ()
 
 
 def test_sdpa_buckets_share_plans_with_little_padding():

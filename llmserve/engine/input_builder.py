@@ -61,6 +61,7 @@ class BatchInputs:
     fill_rows: list[int]
     num_decode_seqs: int = 0  # rows at the front with one new token each
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
+    chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()  # AttentionMetadata.chunk_seqs
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
@@ -78,14 +79,18 @@ class BatchInputs:
             max_seq_len=max(self.seq_lens),
             num_decode_seqs=self.num_decode_seqs,
             fresh_seqs=self.fresh_seqs,
+            chunk_seqs=self.chunk_seqs,
         )
 
 
 class InputBuilder:
-    """Flattens steps; keeps the running requests' block tables between steps."""
+    """Flattens steps; keeps the running requests' block tables between steps. Chunks after a
+    cached prefix are listed (`chunk_seqs`) when the whole sequence is at most `chunk_total_limit`
+    tokens (0: none listed)."""
 
-    def __init__(self, block_size: int, max_num_seqs: int, max_blocks: int) -> None:
+    def __init__(self, block_size: int, max_num_seqs: int, max_blocks: int, chunk_total_limit: int = 0) -> None:
         self.block_size = block_size
+        self.chunk_total_limit = chunk_total_limit
         self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks)
 
     def build(self, rows: list[RowInput], last_rows: dict[str, int] | None = None) -> BatchInputs:
@@ -104,6 +109,7 @@ class InputBuilder:
         fill_rows: list[int] = []
         decode_lead = 0
         fresh: list[tuple[int, int, int]] = []
+        chunks: list[tuple[int, int, int, int]] = []
         for request_id, table, start, count, tokens, samples in rows:
             end = start + count
             if count == 1:
@@ -117,6 +123,8 @@ class InputBuilder:
             else:
                 if start == 0:  # no cached prefix
                     fresh.append((len(seq_lens), query_start[-1], count))
+                elif end <= self.chunk_total_limit:
+                    chunks.append((len(seq_lens), query_start[-1], count, start))
                 pos = np.arange(start, end)
                 input_ids.extend(tokens[start:end])
                 positions.extend(range(start, end))
@@ -134,7 +142,7 @@ class InputBuilder:
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
-            decode_lead, tuple(fresh),
+            decode_lead, tuple(fresh), tuple(chunks),
         )  # fmt: skip
 
     def forget_all(self) -> None:

@@ -98,7 +98,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
-        check_request(ids, params, max_len, self.model_config.arch.vocab_size)
+        # ids given as ids were checked by `tokenize`; a tokenizer's are checked here
+        check_request(ids, params, max_len, self.model_config.arch.vocab_size, ids_checked=not isinstance(text, str))
         self._check_grammar(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)

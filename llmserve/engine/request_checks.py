@@ -20,7 +20,18 @@ class PromptTooLongError(PromptError):
 
 
 def check_token_ids(ids: object, vocab_size: int) -> list[int]:
-    """`ids` as a list of token ids inside the vocabulary, or PromptError."""
+    """`ids` as a list of token ids inside the vocabulary, or PromptError. The usual list (plain
+    ints, all inside) is checked by C-level passes (the types as a set, then min and max): a
+    request is checked three times on its way in, and 1000 x 1,024-token prompts took 0.6 s of
+    host time before the first step (2 cores) with a Python loop per token. Anything else
+    takes `check_token_ids_reference`, which finds the reason."""
+    if isinstance(ids, list) and (not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size)):
+        return ids
+    return check_token_ids_reference(ids, vocab_size)
+
+
+def check_token_ids_reference(ids: object, vocab_size: int) -> list[int]:
+    """`check_token_ids` one token at a time: ints (bool excluded, int subclasses taken), each inside."""
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise PromptError("prompt_token_ids must be a list of integers")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -29,10 +40,12 @@ def check_token_ids(ids: object, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vocab_size: int,
+                  ids_checked: bool = False) -> None:  # fmt: skip
     """PromptError (PromptTooLongError for length) unless the model can take this prompt
     with these sampling parameters: not empty, leaving room for one generated token, ids
-    and every token id in the parameters inside the vocabulary."""
+    and every token id in the parameters inside the vocabulary (`ids_checked`: the ids
+    already passed `check_token_ids` against this vocabulary)."""
     if not ids:
         raise PromptError("the prompt is empty: give at least one token")
     if len(ids) >= max_model_len:
@@ -41,7 +54,8 @@ def check_request(ids: list[int], params: SamplingParams, max_model_len: int, vo
             f"(max_model_len) is {max_model_len} and at least one token must be generated: "
             "shorten the prompt or raise --max-model-len"
         )
-    check_token_ids(ids, vocab_size)
+    if not ids_checked:
+        check_token_ids(ids, vocab_size)
     error = token_ids_outside(params, vocab_size)
     if error:
         raise PromptError(error)

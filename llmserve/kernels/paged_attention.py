@@ -315,6 +315,10 @@ LONG_PREFILL_TOKENS = 4096
 # one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
 # else flash) on the new tokens' own q/k/v, 0.78 ms for 7,680 tokens (622 TFLOP/s)
 SDPA_PREFILL_TOKENS = 2048
+# cuDNN's causal attention over the kernel's, both in query-key pairs a second, at long chunks: a
+# 16,384-token prompt 650 TFLOP/s, the second 16,384-token chunk of a 32k prompt 425 in the long
+# tiles (H200, 2026-12-01); `pad_front_pays` weighs a chunk's front padding with it
+SDPA_SPEEDUP = 1.5
 _DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 _PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
@@ -574,38 +578,54 @@ def triton_paged_attention(
     the tile shape. Both are keyword-only extras; the positional signature is the
     reference's. Long sequences with no cached context (prompts, or their first chunks:
     `meta.fresh_seqs`, or one such sequence alone) are attended by torch's SDPA over their
-    own q/k/v instead (`sdpa_prefill`), the rest of the batch by the kernel.
+    own q/k/v instead (`sdpa_prefill`), long later chunks where it pays (`meta.chunk_seqs`,
+    `pad_front_pays`) by SDPA over their whole sequence (`sdpa_after_prefix`), the rest of the
+    batch by the kernel.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if config is None and num_splits is None:
         # metadata made without the list (outside the engine): one fresh sequence is known from its shapes
         fresh = meta.fresh_seqs or (((0, 0, meta.max_query_len),) if fresh_single_prefill(meta) else ())
-        done = _attend_fresh_by_sdpa(q, k, v, kv_cache, meta, fresh, scale, out, kv_scales)
-        if done is not None:
-            return done
+        long = [(seq, first, count, 0) for seq, first, count in fresh if count >= SDPA_PREFILL_TOKENS]
+        long += [c for c in meta.chunk_seqs if pad_front_pays(c[3], c[2])]
+        if long:
+            done = _attend_long_by_sdpa(q, k, v, kv_cache, meta, sorted(long), scale, out, kv_scales)
+            if done is not None:
+                return done
     return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out,
                                    kv_scales=kv_scales)  # fmt: skip
 
 
-def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                          meta: AttentionMetadata, fresh: tuple[tuple[int, int, int], ...], scale: float,
-                          out: torch.Tensor | None, kv_scales: tuple[float, float]) -> torch.Tensor | None:  # fmt: skip
-    """The `fresh` sequences (as `meta.fresh_seqs`) of SDPA_PREFILL_TOKENS or more by SDPA, one
-    call each (64 x 7,680 prompts run two a step: each 0.8 ms a layer in cuDNN against 1.34 in
-    the long tiles), then the sequences between them by the kernel, a launch per run of
-    neighbours (the leading decodes apart when prompts follow them). None: no such sequence, or
-    SDPA unavailable here."""
-    long = [f for f in fresh if f[2] >= SDPA_PREFILL_TOKENS]
-    if not long:
-        return None
+def pad_front_pays(cached: int, count: int) -> bool:
+    """Is one causal SDPA call over a chunk's whole sequence (its queries padded in front over
+    the `cached` tokens, whose rows are computed and dropped) cheaper than the kernel over the
+    chunk alone? The padded call does (cached + count)^2 / 2 query-key pairs at SDPA_SPEEDUP
+    times the kernel's speed, the kernel count * cached + count^2 / 2."""
+    total = cached + count
+    return count >= SDPA_PREFILL_TOKENS and total * total < SDPA_SPEEDUP * (2 * cached * count + count * count)
+
+
+def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: AttentionMetadata, long: list[tuple[int, int, int, int]], scale: float,
+                         out: torch.Tensor | None, kv_scales: tuple[float, float]) -> torch.Tensor | None:  # fmt: skip
+    """The `long` sequences (sequence, first row, new tokens, cached tokens; in batch order) by
+    SDPA, one call each: a fresh one (0 cached) over its own q/k/v (64 x 7,680 prompts run two
+    a step: each 0.8 ms a layer in cuDNN against 1.34 in the long tiles), a later chunk over its
+    whole sequence from the cache. Then the sequences between them by the kernel, a launch per
+    run of neighbours (the leading decodes apart when prompts follow them). None: SDPA
+    unavailable here."""
     if out is None:
         out = torch.empty_like(q)
-    for _, first, count in long:
+    scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
+    for seq, first, count, cached in long:
         rows = slice(first, first + count)
-        if sdpa_prefill(q[rows], k[rows], v[rows], scale, out[rows]) is None:
+        if cached:
+            done = sdpa_after_prefix(q[rows], kv_cache, meta.block_tables[seq], cached, scale, out[rows], scales)
+        else:
+            done = sdpa_prefill(q[rows], k[rows], v[rows], scale, out[rows])
+        if done is None:
             return None  # (the first call: SDPA is refused per device)
     num_seqs = meta.seq_lens.shape[0]
-    scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
 
     def launch(seq0: int, seqs: int, tokens: int, max_query_len: int) -> None:
@@ -613,18 +633,18 @@ def _attend_fresh_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_
                 None, None, scales)  # fmt: skip
 
     seq, token = 0, 0  # the next sequence (and its first row) the kernel has not covered
-    for fresh_seq, first, count in [*long, (num_seqs, q.shape[0], 0)]:
-        if fresh_seq > seq:  # sequences seq .. fresh_seq - 1, rows token .. first - 1
-            decodes = max(0, min(meta.num_decode_seqs, fresh_seq) - seq)
+    for long_seq, first, count, _ in [*long, (num_seqs, q.shape[0], 0, 0)]:
+        if long_seq > seq:  # sequences seq .. long_seq - 1, rows token .. first - 1
+            decodes = max(0, min(meta.num_decode_seqs, long_seq) - seq)
             # always apart here, unlike paged_attention_forward's rule (which keeps fewer than 64
             # beside a short chunk): beside fresh long prompts the decodes' contexts are long, and a
             # 128-row tile per decode costs 32x its keys' matrix work. 64 x 7,680 ran at 889.7-897.6
             # tok/s this way, 886.9 with the shared rule (H200, 2026-12-03, another lease)
             if decodes:
                 launch(seq, decodes, decodes, 1)
-            if seq + decodes < fresh_seq:
-                launch(seq + decodes, fresh_seq - seq - decodes, first - token - decodes, meta.max_query_len)
-        seq, token = fresh_seq + 1, first + count
+            if seq + decodes < long_seq:
+                launch(seq + decodes, long_seq - seq - decodes, first - token - decodes, meta.max_query_len)
+        seq, token = long_seq + 1, first + count
     return out
 
 
@@ -657,11 +677,6 @@ def sdpa_prefill(
     On a GPU the sequence is padded with zeros to `sdpa_bucket(T)` (`pad_to` forces a length):
     the padding sits after every real token, so causality hides it from the real queries and
     their outputs are exact."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    device = str(q.device)
-    if device in _SDPA_UNAVAILABLE:
-        return None
     n = q.shape[0]
     padded = pad_to if pad_to is not None else (sdpa_bucket(n) if q.is_cuda else n)
 
@@ -672,21 +687,75 @@ def sdpa_prefill(
         buf[:n] = x
         return buf
 
+    attn = _sdpa_causal(pad(q), pad(k), pad(v), scale)
+    if attn is None:
+        return None
+    attn = attn[:n]
+    if out is None:
+        return attn
+    out.copy_(attn)
+    return out
+
+
+def sdpa_after_prefix(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cached: int, scale: float,
+    out: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0), pad_to: int | None = None,
+) -> torch.Tensor | None:
+    """Causal attention of a chunk (q `[T, Hq, D]`, its K/V already written) after `cached`
+    tokens of its sequence, by one SDPA call over the whole sequence: the keys and values of
+    all `cached + T` positions gathered from the cache by the sequence's `block_table` row (an
+    FP8 cache's times `kv_scales`), and the chunk's queries placed after `cached` zero rows, so
+    the plain causal mask is the chunk's. The padded rows' outputs are dropped. Padded on a GPU
+    to `sdpa_bucket(cached + T)` (`pad_to` forces a length) as `sdpa_prefill`. None when SDPA's
+    backends refuse."""
+    n = q.shape[0]
+    total = cached + n
+    padded = pad_to if pad_to is not None else (sdpa_bucket(total) if q.is_cuda else total)
+    page = kv_cache.shape[2]
+    blocks = -(-total // page)
+    qp = q.new_zeros((padded, *q.shape[1:]))
+    qp[cached:total] = q
+    kv = []
+    for i, kv_scale in enumerate(kv_scales):
+        # whole pages, then the rows past the sequence zeroed (the last page's tail, the padding)
+        buf = torch.empty((max(padded, blocks * page), *kv_cache.shape[3:]), dtype=kv_cache.dtype, device=q.device)
+        torch.index_select(kv_cache[i], 0, block_table[:blocks], out=buf[: blocks * page].view(blocks, *kv_cache.shape[2:]))
+        buf = buf[:padded]
+        if kv_cache.dtype != q.dtype:
+            buf = buf.to(q.dtype)
+            if kv_scale != 1.0:
+                buf.mul_(kv_scale)
+        buf[total:] = 0
+        kv.append(buf)
+    attn = _sdpa_causal(qp, kv[0], kv[1], scale)
+    if attn is None:
+        return None
+    attn = attn[cached:total]
+    if out is None:
+        return attn
+    out.copy_(attn)
+    return out
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`[T, H, D]` causal SDPA of one sequence (GQA: k/v with fewer heads) by cuDNN, else flash
+    (the math backend on a CPU); its `[T, Hq, D]` output (a view), or None if none takes it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = str(q.device)
+    if device in _SDPA_UNAVAILABLE:
+        return None
     backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
     try:
         with sdpa_kernel(backends):
             attn = torch.nn.functional.scaled_dot_product_attention(
-                pad(q).transpose(0, 1)[None], pad(k).transpose(0, 1)[None], pad(v).transpose(0, 1)[None],
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, scale=scale, enable_gqa=True,
             )  # fmt: skip
     except RuntimeError:  # no backend for this device, dtype or head size
         _SDPA_UNAVAILABLE.add(device)
         return None
-    attn = attn[0, :, :n].transpose(0, 1)
-    if out is None:
-        return attn
-    out.copy_(attn)
-    return out
+    return attn[0].transpose(0, 1)
 
 
 def warmup_sdpa_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -707,7 +776,9 @@ __all__ = [
     "AttnLaunchConfig",
     "fresh_single_prefill",
     "sdpa_bucket",
+    "sdpa_after_prefix",
     "sdpa_prefill",
+    "pad_front_pays",
     "warmup_sdpa_prefill",
     "choose_num_splits",
     "paged_attention_forward",

@@ -258,6 +258,32 @@ def checks(quick: bool) -> None:
             record_error("checks", name, exc)
     torch.cuda.empty_cache()
 
+    # later chunks after a cached prefix (meta.chunk_seqs): SDPA over the whole sequence where
+    # the front padding pays (seq 2: 3,000 after 500), the kernel where it does not (seq 3: 2,100
+    # after 6,000), beside decodes and a fresh prompt
+    chunk_q, chunk_s = [1, 1, 3000, 2100, 2500, 300], [512, 4097, 3500, 8100, 2500, 800]
+    for dt in (torch.bfloat16, torch.float16):
+        name = f"attn later chunks by sdpa {str(dt)[6:]}"
+        try:
+            q, k, v, cache, meta = make_batch(chunk_q, chunk_s, dtype=dt, seed=4)
+            starts = [sum(chunk_q[:i]) for i in range(len(chunk_q))]
+            meta.num_decode_seqs = 2
+            meta.fresh_seqs = ((4, starts[4], 2500),)
+            meta.chunk_seqs = tuple((i, starts[i], n, s - n) for i, (n, s) in enumerate(zip(chunk_q, chunk_s))
+                                    if 1 < n < s)  # fmt: skip
+            ref_cache = cache.clone()
+            ref = reference_paged_attention(q, k, v, ref_cache, meta, HEAD_DIM**-0.5)
+            out = triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+            torch.cuda.synchronize()
+            err = (out.float() - ref.float()).abs().max().item()
+            from llmserve.kernels.paged_attention import pad_front_pays
+
+            add(name, err, TOL[dt], sdpa_chunks=sum(pad_front_pays(c, n) for _, _, n, c in meta.chunk_seqs))
+            del q, k, v, cache, ref_cache, ref, out
+        except Exception as exc:  # noqa: BLE001
+            record_error("checks", name, exc)
+    torch.cuda.empty_cache()
+
     # decode-only batch with random lengths (the one-tile-per-sequence launch)
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
@@ -643,6 +669,46 @@ def fresh_prompts(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def later_chunks(quick: bool) -> None:
+    """Where a prompt's later chunk (`count` new tokens after `cached`) should go to SDPA over its
+    whole sequence, queries padded in front (what `pad_front_pays` and SDPA_SPEEDUP decide):
+    `triton_paged_attention` with meta.chunk_seqs listed and SDPA_SPEEDUP forced to 0 (the
+    kernel) or 1e9 (SDPA), eager; TFLOP/s count the chunk's own query-key pairs only."""
+    from llmserve.kernels import paged_attention as pa
+
+    RESULTS.setdefault("later_chunks", [])
+    saved = pa.SDPA_SPEEDUP
+    cases = [(16384, 16384), (1024, 6656), (2048, 5632), (3072, 4608), (4096, 3584), (5120, 2560), (6144, 2048),
+             (512, 7168), (8192, 8192), (4096, 12288), (12288, 4096), (2048, 2048)]  # fmt: skip
+    for cached, count in cases:
+        if over_budget():
+            break
+        try:
+            q, k, v, cache, meta = make_batch([count], [cached + count], randn_cache=False)
+            meta.chunk_seqs = ((0, 0, count, cached),)
+            flops = 4 * HQ * HEAD_DIM * visible_pairs([count], [cached + count])
+            outs = {}
+            for impl, speedup in (("kernel", 0.0), ("sdpa", 1e9)):
+                pa.SDPA_SPEEDUP = speedup
+                outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+                ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=5,
+                                    graph=False)  # fmt: skip
+                RESULTS["later_chunks"].append(dict(cached=cached, count=count, impl=impl, ms=ms, mode=mode,
+                                                    tflops=flops / ms / 1e9))  # fmt: skip
+                log(f"chunk {count} after {cached} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
+            pa.SDPA_SPEEDUP = saved
+            RESULTS["later_chunks"][-1]["rule_pays"] = pa.pad_front_pays(cached, count)
+            diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
+            RESULTS["checks"].append(dict(name=f"chunk {count} after {cached} sdpa vs kernel", max_abs_err=diff,
+                                          tol=TOL[DT], ok=diff <= TOL[DT]))  # fmt: skip
+            del q, k, v, cache, meta, outs
+        except Exception as exc:  # noqa: BLE001
+            record_error("later_chunks", f"{count}@{cached}", exc)
+        finally:
+            pa.SDPA_SPEEDUP = saved
+        torch.cuda.empty_cache()
+
+
 def sdpa_new_lengths(quick: bool) -> None:
     """What a prompt of a length not seen before costs on its first SDPA call (cuDNN builds
     an execution plan per shape): first and second call at five fresh lengths near 4k."""
@@ -781,7 +847,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining timings after this")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and sweeps")
-    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,sdpa_lengths,fresh,elementwise")
+    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,sdpa_lengths,fresh,chunks,elementwise")
     ap.add_argument("--decode-configs", default="", help="e.g. 128x4x2,64x2x3 (block_n x warps x stages)")
     ap.add_argument("--prefill-configs", default="", help="e.g. 128x32x4x3 (block_m x block_n x warps x stages)")
     ap.add_argument("--split-points", default="", help="e.g. 1x8192,16x2048 (batch x ctx) for the split sweep")
@@ -804,7 +870,7 @@ def main() -> int:
     RESULTS["triton"] = triton.__version__
     RESULTS["torch"] = torch.__version__
     sections = [("checks", checks), ("decode", decode), ("sweeps", decode_sweeps),
-                ("prefill", prefill), ("long", long_prefill), ("sdpa_lengths", sdpa_new_lengths), ("fresh", fresh_prompts), ("elementwise", lambda q: elementwise())]  # fmt: skip
+                ("prefill", prefill), ("long", long_prefill), ("sdpa_lengths", sdpa_new_lengths), ("fresh", fresh_prompts), ("chunks", later_chunks), ("elementwise", lambda q: elementwise())]  # fmt: skip
     only = {s for s in args.only.split(",") if s}
     try:
         for name, fn in sections:

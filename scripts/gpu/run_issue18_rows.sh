@@ -6,13 +6,17 @@
 # GPU time of (b) by kind (step_breakdown.py). `chain`: one decode step's kernels in a CUDA graph
 # with and without PDL (pdl_chain_micro.py); `nopdl`: NOPDL_ROWS with LLMSERVE_PDL=0 (same tree).
 # `checks`: the kernels against their references (bench_kernels.py --only checks --quick).
-# ONLY="checks micro chain rows nopdl before breakdown" picks steps.
+# `chunks`: a prompt's later chunk by the kernel and by SDPA over its whole sequence (bench_kernels.py
+# --only chunks); `probe`: one batch-1 TTFT at PROBE_LEN tokens (default 7,680) under the profiler,
+# with the host's share (probe_ttft.py).
+# ONLY="checks chunks micro chain rows nopdl before breakdown probe" picks steps.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 OUT=$(realpath "$OUT")
 setup_env
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 run checks "${T_CHECKS:-90}" python3 scripts/gpu/bench_kernels.py --only checks --quick
+mkdir -p "$OUT/chunks"; OUT=$OUT/chunks run chunks "${T_CHUNKS:-90}" python3 scripts/gpu/bench_kernels.py --only chunks --budget-s 80
 SWEEP=0 TOKENS=1 run micro "${T_MICRO:-60}" python3 scripts/gpu/dense_gemm_micro.py
 run chain "${T_CHAIN:-120}" python3 scripts/gpu/pdl_chain_micro.py
 run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT/now" \
@@ -24,3 +28,4 @@ if [ -d .ab/main/llmserve ]; then
     --only "${BEFORE_ROWS:-b}" --no-sampler-check
 fi
 run breakdown "${T_BD:-60}" python3 scripts/gpu/step_breakdown.py --out "$OUT" --only "${BD_ONLY:-b}" --no-sampler
+PROMPT_LEN=${PROBE_LEN:-7680} MAX_LEN=$(( ${PROBE_LEN:-7680} + 512 )) run probe "${T_PROBE:-120}" python3 scripts/gpu/probe_ttft.py
