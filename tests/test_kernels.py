@@ -349,8 +349,10 @@ def test_long_chunks_after_a_cached_prefix_take_sdpa_over_their_whole_sequence(m
     its whole sequence, gathered from the cache (an FP8 cache's times its scales); one with many
     cached tokens keeps the kernel. Every row as the reference, beside decodes and a fresh prompt."""
     monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 16)
-    assert paged_attention.pad_front_pays(10, 40) and paged_attention.pad_front_pays(0, 16)
-    assert not paged_attention.pad_front_pays(60, 20) and not paged_attention.pad_front_pays(2, 15)
+    monkeypatch.setattr(paged_attention, "SDPA_CHUNK_MIN_TOKENS", 40)
+    assert paged_attention.pad_front_pays(10, 40) and paged_attention.pad_front_pays(0, 40)
+    assert not paged_attention.pad_front_pays(60, 20) and not paged_attention.pad_front_pays(30, 15)
+    assert not paged_attention.pad_front_pays(5, 30)  # the ratio would pay, but too short in all
     # decodes, a chunk after 10 cached (SDPA), a fresh prompt (SDPA), a chunk after 60 (kernel),
     # a chunk after 13 whose page is shared with the cached tokens (SDPA)
     qlens, slens = [1, 1, 40, 24, 20, 30], [9, 30, 50, 24, 80, 43]

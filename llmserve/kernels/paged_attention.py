@@ -319,6 +319,9 @@ SDPA_PREFILL_TOKENS = 2048
 # 16,384-token prompt 650 TFLOP/s, the second 16,384-token chunk of a 32k prompt 425 in the long
 # tiles (H200, 2026-12-01); `pad_front_pays` weighs a chunk's front padding with it
 SDPA_SPEEDUP = 1.5
+# and a later chunk's whole sequence at least this long: 2,048 after 2,048 took 0.70 ms by SDPA,
+# 0.42 by the kernel; from 7,680 on the rule above held (bench_kernels.py --only chunks, H200, 2026-12-04)
+SDPA_CHUNK_MIN_TOKENS = 6144
 _DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 _PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
@@ -600,9 +603,11 @@ def pad_front_pays(cached: int, count: int) -> bool:
     """Is one causal SDPA call over a chunk's whole sequence (its queries padded in front over
     the `cached` tokens, whose rows are computed and dropped) cheaper than the kernel over the
     chunk alone? The padded call does (cached + count)^2 / 2 query-key pairs at SDPA_SPEEDUP
-    times the kernel's speed, the kernel count * cached + count^2 / 2."""
+    times the kernel's speed, the kernel count * cached + count^2 / 2; below
+    SDPA_CHUNK_MIN_TOKENS in all the call's fixed costs lose."""
     total = cached + count
-    return count >= SDPA_PREFILL_TOKENS and total * total < SDPA_SPEEDUP * (2 * cached * count + count * count)
+    return (count >= SDPA_PREFILL_TOKENS and total >= SDPA_CHUNK_MIN_TOKENS
+            and total * total < SDPA_SPEEDUP * (2 * cached * count + count * count))  # fmt: skip
 
 
 def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

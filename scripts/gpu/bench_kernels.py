@@ -61,6 +61,7 @@ BUDGET_S = 170.0
 DECODE_CONFIGS: list[tuple[int, ...]] = []  # --decode-configs: (block_n, num_warps, num_stages)
 PREFILL_CONFIGS: list[tuple[int, ...]] = []  # --prefill-configs: (block_m, block_n, warps, stages)
 SPLIT_POINTS: list[tuple[int, int]] = []  # --split-points: (batch, ctx)
+CONFIG_POINTS: list[tuple[int, ...]] = []  # --config-points
 
 
 def log(msg: str) -> None:
@@ -451,7 +452,8 @@ def decode_sweeps(quick: bool) -> None:
 
     configs = DECODE_CONFIGS or [(64, 4, 3), (32, 4, 3), (64, 4, 2), (64, 2, 3), (128, 4, 2),
                                  (128, 4, 3), (128, 2, 3), (128, 8, 3), (256, 4, 2)]  # fmt: skip
-    points = [(32, 4096, None), (256, 1024, None), (256, 4096, None), (1, 8192, None)]
+    points = [(b, ctx, None) for b, ctx in CONFIG_POINTS] or [(32, 4096, None), (256, 1024, None), (256, 4096, None),
+                                                              (1, 8192, None)]  # fmt: skip
     if quick:
         configs, points = configs[:3], points[:1]
     for b, ctx, splits in points:
@@ -673,13 +675,15 @@ def later_chunks(quick: bool) -> None:
     """Where a prompt's later chunk (`count` new tokens after `cached`) should go to SDPA over its
     whole sequence, queries padded in front (what `pad_front_pays` and SDPA_SPEEDUP decide):
     `triton_paged_attention` with meta.chunk_seqs listed and SDPA_SPEEDUP forced to 0 (the
-    kernel) or 1e9 (SDPA), eager; TFLOP/s count the chunk's own query-key pairs only."""
+    kernel) or 1e9 (SDPA_CHUNK_MIN_TOKENS lowered to 0), eager; TFLOP/s count the chunk's own
+    query-key pairs only."""
     from llmserve.kernels import paged_attention as pa
 
     RESULTS.setdefault("later_chunks", [])
-    saved = pa.SDPA_SPEEDUP
+    saved, saved_min = pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS
     cases = [(16384, 16384), (1024, 6656), (2048, 5632), (3072, 4608), (4096, 3584), (5120, 2560), (6144, 2048),
-             (512, 7168), (8192, 8192), (4096, 12288), (12288, 4096), (2048, 2048)]  # fmt: skip
+             (512, 7168), (8192, 8192), (4096, 12288), (12288, 4096), (2048, 2048), (1024, 4096), (2048, 4096),
+             (3072, 3072), (1024, 5120), (512, 2048), (1536, 4608)]  # fmt: skip
     for cached, count in cases:
         if over_budget():
             break
@@ -689,14 +693,14 @@ def later_chunks(quick: bool) -> None:
             flops = 4 * HQ * HEAD_DIM * visible_pairs([count], [cached + count])
             outs = {}
             for impl, speedup in (("kernel", 0.0), ("sdpa", 1e9)):
-                pa.SDPA_SPEEDUP = speedup
+                pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = speedup, 0
                 outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
                 ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=5,
                                     graph=False)  # fmt: skip
                 RESULTS["later_chunks"].append(dict(cached=cached, count=count, impl=impl, ms=ms, mode=mode,
                                                     tflops=flops / ms / 1e9))  # fmt: skip
                 log(f"chunk {count} after {cached} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
-            pa.SDPA_SPEEDUP = saved
+            pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = saved, saved_min
             RESULTS["later_chunks"][-1]["rule_pays"] = pa.pad_front_pays(cached, count)
             diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
             RESULTS["checks"].append(dict(name=f"chunk {count} after {cached} sdpa vs kernel", max_abs_err=diff,
@@ -705,7 +709,7 @@ def later_chunks(quick: bool) -> None:
         except Exception as exc:  # noqa: BLE001
             record_error("later_chunks", f"{count}@{cached}", exc)
         finally:
-            pa.SDPA_SPEEDUP = saved
+            pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = saved, saved_min
         torch.cuda.empty_cache()
 
 
@@ -851,6 +855,7 @@ def main() -> int:
     ap.add_argument("--decode-configs", default="", help="e.g. 128x4x2,64x2x3 (block_n x warps x stages)")
     ap.add_argument("--prefill-configs", default="", help="e.g. 128x32x4x3 (block_m x block_n x warps x stages)")
     ap.add_argument("--split-points", default="", help="e.g. 1x8192,16x2048 (batch x ctx) for the split sweep")
+    ap.add_argument("--config-points", default="", help="e.g. 1000x1100 (batch x ctx) for the decode tile sweep")
     args = ap.parse_args()
     BUDGET_S = args.budget_s
 
@@ -860,6 +865,7 @@ def main() -> int:
     DECODE_CONFIGS[:] = parse(args.decode_configs)
     PREFILL_CONFIGS[:] = parse(args.prefill_configs)
     SPLIT_POINTS[:] = parse(args.split_points)
+    CONFIG_POINTS[:] = parse(args.config_points)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to do", file=sys.stderr)
         return 2
