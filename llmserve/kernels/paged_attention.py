@@ -320,8 +320,9 @@ SDPA_PREFILL_TOKENS = 2048
 # tiles (H200, 2026-12-01); `pad_front_pays` weighs a chunk's front padding with it
 SDPA_SPEEDUP = 1.5
 # and a later chunk's whole sequence at least this long: 2,048 after 2,048 took 0.70 ms by SDPA,
-# 0.42 by the kernel; from 7,680 on the rule above held (bench_kernels.py --only chunks, H200, 2026-12-04)
-SDPA_CHUNK_MIN_TOKENS = 6144
+# 0.42 by the kernel, 4,096 after 1,024 0.46 against 0.65; from there on the rule above held
+# (bench_kernels.py --only chunks, H200, 2026-12-04)
+SDPA_CHUNK_MIN_TOKENS = 5120
 _DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 _PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
