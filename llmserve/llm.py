@@ -23,6 +23,7 @@ from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.lora_request import LoRARequest
 from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
+from llmserve.engine.request_feed import RequestFeed
 from llmserve.engine.request import SchedulerStats
 from llmserve.engine.step_log import step_timing_log
 from llmserve.outputs import RequestOutput
@@ -79,14 +80,15 @@ class LLM:
         ]
         self.core.wake_up()  # asleep: the weights and the KV cache come back first
         order = {p.request_id: i for i, p in enumerate(processed)}
+        # queued a few steps ahead while the device runs (first come first served order only)
+        in_order = len(set(priorities)) <= 1 and all(lora is None for lora in loras)
+        feed = RequestFeed(processed, self.core.add_request, self.config.scheduler_config.max_num_batched_tokens,
+                           in_order)  # fmt: skip
         try:
             for p in processed:
                 self.output_processor.add_request(p)
-                for core_req in p.core_requests:
-                    error = self.core.add_request(core_req)
-                    if error is not None:
-                        raise RequestFailedError(error.error)
-            return self._run(order, use_tqdm)
+            feed.start()
+            return self._run(order, use_tqdm, feed)
         except BaseException:  # a failed or interrupted call leaves no request (and no KV block) behind
             for p in processed:
                 self.core.abort_requests(self.output_processor.abort(p.request_id))
@@ -116,9 +118,10 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until done. The outputs of step N are detokenized while the device runs
-        the next step(s); a stop string found there aborts its request a step or two later."""
+    def _run(self, order: dict[str, int], use_tqdm: bool, feed: RequestFeed) -> list[RequestOutput]:
+        """Step until done. The outputs of step N are detokenized, and the feed's next requests
+        queued, while the device runs the next step(s); a stop string found there aborts its
+        request a step or two later."""
         results: list[RequestOutput | None] = [None] * len(order)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
 
@@ -136,8 +139,9 @@ class LLM:
         previous = None
         with step_timing_log(self.core.config.step_timing_log) as step_log:
             pipeline = StepPipeline(self.core, step_log)
-            while self.core.has_unfinished() or pipeline.busy:
+            while self.core.has_unfinished() or pipeline.busy or not feed.done:
                 pipeline.launch()
+                feed.more()
                 if previous is not None:
                     collect(previous)  # while the device runs the launched step(s)
                     previous = None

@@ -313,3 +313,49 @@ def test_the_core_checks_requests_with_the_fronts_own_check(llm):
     assert core.add_request(EngineCoreRequest("twice", [1, 2], params, 2, (2,))) is None
     assert "already in use" in core.add_request(EngineCoreRequest("twice", [1, 2], params, 2, (2,))).error
     core.abort_requests(["twice"])
+
+
+def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkeypatch):
+    """`generate` queues a few steps' worth of prompt tokens, launches, and queues the rest a
+    step's worth at a time while the device runs: the steps (requests, tokens, prompt tokens of
+    each, from the step timing log) and the tokens are those of queueing everything first. A
+    request the core refuses mid-feed fails the call and leaves nothing behind."""
+    from llmserve.engine import request_feed
+    from llmserve.llm import StepPipeline
+
+    import random
+
+    rng = random.Random(3)
+    prompts = [ids(*(rng.randrange(1, 200) for _ in range(rng.randrange(5, 40)))) for _ in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs, launch = {}, StepPipeline.launch
+    for name, lead in (("fed", request_feed.LEAD_STEPS), ("all first", 10**9)):
+        log = tmp_path / f"{name}.jsonl"
+        llm = LLM(llama_dir, max_model_len=256, block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
+                  step_timing_log=str(log))  # fmt: skip
+        events, add = [], llm.core.add_request
+        monkeypatch.setattr(llm.core, "add_request", lambda req, add=add, events=events: events.append("add") or add(req))
+        monkeypatch.setattr(StepPipeline, "launch", lambda self, events=events: events.append("launch") or launch(self))
+        monkeypatch.setattr(request_feed, "LEAD_STEPS", lead)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        steps = [(s["reqs"], s["tokens"], s["prefill"]) for s in map(json.loads, log.read_text().splitlines())]
+        runs[name] = ([o.outputs[0].token_ids for o in out], steps, events)
+        assert_no_leak(llm)
+    fed, first = runs["fed"], runs["all first"]
+    assert fed[0] == first[0] and fed[1] == first[1]
+    assert first[2].index("launch") == 40  # everything queued before the first step
+    assert 0 < fed[2].index("launch") < 40 and fed[2][-1] == "launch"  # the rest queued between steps
+    # a refusal in the middle of the feed: RequestFailedError, no request or block left
+    from llmserve.engine.output_processor import RequestFailedError
+    from llmserve.engine.request import EngineCoreOutput
+
+    monkeypatch.setattr(request_feed, "LEAD_STEPS", 1)
+    calls = []
+    monkeypatch.setattr(llm.core, "add_request", lambda req: (
+        EngineCoreOutput(req.request_id, [], finish_reason="abort", error="refused")
+        if len(calls) == 30 else calls.append(1) or add(req)))  # fmt: skip
+    with pytest.raises(RequestFailedError, match="refused"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert_no_leak(llm)
+    monkeypatch.setattr(llm.core, "add_request", add)
+    assert llm.generate(prompts[:2], params, use_tqdm=False)[0].outputs[0].token_ids == first[0][0]

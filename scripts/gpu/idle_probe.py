@@ -77,10 +77,10 @@ def main() -> None:
         lines_before = log_path.read_text().count("\n") if log_path.exists() else 0
         gc_time[0] = 0.0
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, start_wall = time.perf_counter(), time.time()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        wall, end_wall = time.perf_counter() - start, time.time()
         steps = [json.loads(line) for line in log_path.read_text().splitlines()[lines_before:]]
         steps = [s for s in steps if not s.get("empty")]
         host_ms = [1000 * (s["launched"] - s["launch"]) for s in steps]
@@ -92,9 +92,24 @@ def main() -> None:
         if steps and "done" in steps[0]:
             gaps = [1000 * (b["launch"] - a["done"]) for a, b in zip(steps, steps[1:]) if "done" in a]
             row["launch_after_previous_done_ms_mean"] = round(statistics.mean(gaps), 2) if gaps else None
+            row.update(idle_estimate(steps, start_wall, end_wall))
         print("RESULT", json.dumps(row), flush=True)
         results.append(row)
         Path(opts.out, f"idle_probe_{opts.engine}.json").write_text(json.dumps(results, indent=1))
+
+
+def idle_estimate(steps: list[dict], start_wall: float, end_wall: float) -> dict:
+    """The GPU's idle time the step log shows for certain: before the first step was on the device
+    (the front: checks, queueing, the first schedule), and wherever a step was launched only after
+    the step before it was back on the host (split by whether the later step had prompt tokens),
+    with the largest such gaps."""
+    gaps = [(b["launched"] - a["done"], b) for a, b in zip(steps, steps[1:]) if b["launched"] > a["done"]]
+    with_prefill = sum(g for g, b in gaps if b["prefill"])
+    top = sorted(gaps, key=lambda x: -x[0])[:5]
+    return {"front_ms": round(1000 * (steps[0]["launched"] - start_wall), 1),
+            "idle_between_steps_s": round(sum(g for g, _ in gaps), 3), "idle_before_prefill_steps_s": round(with_prefill, 3),
+            "idle_gaps": len(gaps), "largest_idle_gaps": [(round(1000 * g, 2), b["reqs"], b["tokens"], b["prefill"]) for g, b in top],
+            "tail_ms": round(1000 * (end_wall - steps[-1]["done"]), 1)}  # fmt: skip
 
 
 if __name__ == "__main__":
