@@ -825,6 +825,37 @@ def test_engine_with_triton_kernels_matches_transformers(llama_dir):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_engine_gives_long_chunks_to_sdpa_and_keeps_the_tokens(llama_dir, monkeypatch):
+    """The engine with the SDPA thresholds lowered to this model's sizes: fresh chunks and a
+    prompt's later chunk (listed by the input builder within the runner's limit) go to SDPA, and
+    the greedy tokens stay transformers'."""
+    import random
+
+    from conftest import hf_greedy
+    from llmserve import LLM, SamplingParams
+
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 8)
+    monkeypatch.setattr(paged_attention, "SDPA_CHUNK_MIN_TOKENS", 16)
+    calls = {"fresh": 0, "chunk": 0}
+    fresh, after = paged_attention.sdpa_prefill, paged_attention.sdpa_after_prefix
+
+    def count(kind, fn):
+        return lambda *a, **kw: calls.__setitem__(kind, calls[kind] + 1) or fn(*a, **kw)
+
+    monkeypatch.setattr(paged_attention, "sdpa_prefill", count("fresh", fresh))
+    monkeypatch.setattr(paged_attention, "sdpa_after_prefix", count("chunk", after))
+    rng = random.Random(6)
+    prompts = [[1] + [rng.randrange(3, 500) for _ in range(n)] for n in (31, 13)]
+    want = hf_greedy(llama_dir, prompts, 5)
+    llm = LLM(llama_dir, attention_backend="triton", max_model_len=64, block_size=8, max_num_batched_tokens=16,
+              enable_prefix_caching=False)  # fmt: skip
+    assert llm.core.runner.sdpa_chunk_limit == 32
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    layers = llm.config.model_config.arch.num_layers
+    assert calls["chunk"] == layers and calls["fresh"] >= layers  # 16 after 16 of the 32-token prompt
+
+
 def test_fp8_engine_on_the_fused_kernels_gives_the_reference_tokens(llama_dir):
     """`--quantization fp8` on the Triton path under the interpreter (norms and SiLU-and-
     multiply that quantize in their pass, `_scaled_mm` for prefill, the split-K kernel for the
