@@ -722,11 +722,13 @@ def sdpa_after_prefix(
     qp = q.new_zeros((padded, *q.shape[1:]))
     qp[cached:total] = q
     kv = []
+    # an FP8 cache is gathered as bytes (index_select need not have FP8 kernels), then read as FP8
+    raw = kv_cache.view(torch.uint8) if kv_cache.dtype == FP8_KV else kv_cache
     for i, kv_scale in enumerate(kv_scales):
         # whole pages, then the rows past the sequence zeroed (the last page's tail, the padding)
-        buf = torch.empty((max(padded, blocks * page), *kv_cache.shape[3:]), dtype=kv_cache.dtype, device=q.device)
-        torch.index_select(kv_cache[i], 0, block_table[:blocks], out=buf[: blocks * page].view(blocks, *kv_cache.shape[2:]))
-        buf = buf[:padded]
+        buf = torch.empty((max(padded, blocks * page), *kv_cache.shape[3:]), dtype=raw.dtype, device=q.device)
+        torch.index_select(raw[i], 0, block_table[:blocks], out=buf[: blocks * page].view(blocks, *kv_cache.shape[2:]))
+        buf = buf[:padded].view(kv_cache.dtype)
         if kv_cache.dtype != q.dtype:
             buf = buf.to(q.dtype)
             if kv_scale != 1.0:
