@@ -143,7 +143,8 @@ class ModelRunner:
         # block table columns: enough for max_model_len, in the kernel-friendly width (`table_width`)
         self.max_blocks = table_width(-(-mc.max_model_len // self.block_size))
         # later chunks of up to twice a step's tokens in all may go to SDPA over the whole sequence
-        # (`paged_attention.sdpa_after_prefix`): its transient q/k/v stay within the profile run's
+        # (`paged_attention.sdpa_after_prefix`): its transient q/k/v/output (about 20 KiB a token on
+        # the 8B shape) stay below the profile run's MLP transients (86 KiB a step's token)
         self.sdpa_chunk_limit = min(mc.max_model_len, 2 * sc.max_num_batched_tokens)
         self.inputs = InputBuilder(self.block_size, sc.max_num_seqs, self.max_blocks, self.sdpa_chunk_limit)
         self.graphs: DecodeGraphs | None = None
@@ -292,10 +293,10 @@ class ModelRunner:
             n = warmup_paged_attention(
                 a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs, self.dtype
             )
-            # SDPA's plans for the padded lengths of a fresh prompt's chunk, and of a later chunk's
-            # whole sequence (one per shape)
+            # SDPA's plans for the padded lengths of a fresh prompt's chunk and of a later chunk's
+            # whole sequence, one per shape (the limit is at least the longest fresh chunk)
             plans = warmup_sdpa_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
-                                        max(min(sc.max_num_batched_tokens, sc.max_model_len), self.sdpa_chunk_limit))  # fmt: skip
+                                        self.sdpa_chunk_limit)  # fmt: skip
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):

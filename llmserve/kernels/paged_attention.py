@@ -704,11 +704,7 @@ def sdpa_prefill(
     attn = _sdpa_causal(pad(q), pad(k), pad(v), scale)
     if attn is None:
         return None
-    attn = attn[:n]
-    if out is None:
-        return attn
-    out.copy_(attn)
-    return out
+    return attn[:n] if out is None else out.copy_(attn[:n])
 
 
 def sdpa_after_prefix(
@@ -746,11 +742,7 @@ def sdpa_after_prefix(
     attn = _sdpa_causal(qp, kv[0], kv[1], scale)
     if attn is None:
         return None
-    attn = attn[cached:total]
-    if out is None:
-        return attn
-    out.copy_(attn)
-    return out
+    return attn[cached:total] if out is None else out.copy_(attn[cached:total])
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
