@@ -33,6 +33,7 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -634,6 +635,27 @@ def long_prefill(quick: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def kernel_against_sdpa(section: str, label: str, fields: dict, batch: tuple, flops: float,
+                        use: Callable[[str], None], iters: int) -> None:  # fmt: skip
+    """`triton_paged_attention` on `batch` (q, k, v, cache, meta) with `use("kernel")`, then
+    `use("sdpa")`, switching its path: each timed eager, as the engine runs a prefill's attention
+    (between the piecewise graphs), recorded in RESULTS[section] with `fields`, and the two
+    outputs checked against each other."""
+    from llmserve.kernels import paged_attention as pa
+
+    q, k, v, cache, meta = batch
+    outs = {}
+    for impl in ("kernel", "sdpa"):
+        use(impl)
+        outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
+        ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=iters,
+                            graph=False)  # fmt: skip
+        RESULTS[section].append(dict(**fields, impl=impl, ms=ms, mode=mode, tflops=flops / ms / 1e9))
+        log(f"{label} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
+    diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
+    RESULTS["checks"].append(dict(name=f"{label} sdpa vs kernel", max_abs_err=diff, tol=TOL[DT], ok=diff <= TOL[DT]))
+
+
 def fresh_prompts(quick: bool) -> None:
     """Where SDPA should take over from the kernel for fresh prompts in a step (what
     SDPA_PREFILL_TOKENS decides): B prompts of L tokens, no cached prefix, through
@@ -650,20 +672,13 @@ def fresh_prompts(quick: bool) -> None:
             q, k, v, cache, meta = make_batch([length] * count, [length] * count, randn_cache=False)
             meta.fresh_seqs = tuple((i, i * length, length) for i in range(count))
             flops = 4 * HQ * HEAD_DIM * visible_pairs([length] * count, [length] * count)
-            outs = {}
-            for impl, threshold in (("kernel", length + 1), ("sdpa", 1)):
-                pa.SDPA_PREFILL_TOKENS = threshold
-                outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
-                # eager, as the engine runs a prefill's attention (between the piecewise graphs)
-                ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=10,
-                                    graph=False)  # fmt: skip
-                RESULTS["fresh_prompts"].append(dict(length=length, count=count, impl=impl, ms=ms, mode=mode,
-                                                     tflops=flops / ms / 1e9))  # fmt: skip
-                log(f"fresh {count} x {length} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
-            diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
-            RESULTS["checks"].append(dict(name=f"fresh {count}x{length} sdpa vs kernel", max_abs_err=diff, tol=TOL[DT],
-                                          ok=diff <= TOL[DT]))  # fmt: skip
-            del q, k, v, cache, meta, outs
+
+            def use(impl: str) -> None:
+                pa.SDPA_PREFILL_TOKENS = length + 1 if impl == "kernel" else 1
+
+            kernel_against_sdpa("fresh_prompts", f"fresh {count}x{length}", dict(length=length, count=count),
+                                (q, k, v, cache, meta), flops, use, iters=10)  # fmt: skip
+            del q, k, v, cache, meta
         except Exception as exc:  # noqa: BLE001
             record_error("fresh_prompts", f"{count}x{length}", exc)
         finally:
@@ -691,21 +706,15 @@ def later_chunks(quick: bool) -> None:
             q, k, v, cache, meta = make_batch([count], [cached + count], randn_cache=False)
             meta.chunk_seqs = ((0, 0, count, cached),)
             flops = 4 * HQ * HEAD_DIM * visible_pairs([count], [cached + count])
-            outs = {}
-            for impl, speedup in (("kernel", 0.0), ("sdpa", 1e9)):
-                pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = speedup, 0
-                outs[impl] = pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
-                ms, mode = bench_ms(lambda: pa.triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5), iters=5,
-                                    graph=False)  # fmt: skip
-                RESULTS["later_chunks"].append(dict(cached=cached, count=count, impl=impl, ms=ms, mode=mode,
-                                                    tflops=flops / ms / 1e9))  # fmt: skip
-                log(f"chunk {count} after {cached} {impl}: {ms:.4f} ms {flops / ms / 1e9:.1f} TFLOP/s ({mode})")
+
+            def use(impl: str) -> None:
+                pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = (0.0 if impl == "kernel" else 1e9), 0
+
+            kernel_against_sdpa("later_chunks", f"chunk {count} after {cached}", dict(cached=cached, count=count),
+                                (q, k, v, cache, meta), flops, use, iters=5)  # fmt: skip
             pa.SDPA_SPEEDUP, pa.SDPA_CHUNK_MIN_TOKENS = saved, saved_min
             RESULTS["later_chunks"][-1]["rule_pays"] = pa.pad_front_pays(cached, count)
-            diff = (outs["kernel"].float() - outs["sdpa"].float()).abs().max().item()
-            RESULTS["checks"].append(dict(name=f"chunk {count} after {cached} sdpa vs kernel", max_abs_err=diff,
-                                          tol=TOL[DT], ok=diff <= TOL[DT]))  # fmt: skip
-            del q, k, v, cache, meta, outs
+            del q, k, v, cache, meta
         except Exception as exc:  # noqa: BLE001
             record_error("later_chunks", f"{count}@{cached}", exc)
         finally:
