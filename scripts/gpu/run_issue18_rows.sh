@@ -9,7 +9,8 @@
 # `chunks`: a prompt's later chunk by the kernel and by SDPA over its whole sequence (bench_kernels.py
 # --only chunks); `probe`: one batch-1 TTFT at PROBE_LEN tokens (default 7,680) under the profiler,
 # with the host's share (probe_ttft.py).
-# ONLY="checks chunks micro chain rows nopdl before breakdown probe" picks steps.
+# `overlap`: one decode step of (a) with two half batches on two streams (overlap_micro.py).
+# ONLY="checks chunks micro chain overlap rows nopdl before breakdown probe" picks steps.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 OUT=$(realpath "$OUT")
@@ -19,6 +20,7 @@ run checks "${T_CHECKS:-90}" python3 scripts/gpu/bench_kernels.py --only checks 
 mkdir -p "$OUT/chunks"; OUT=$OUT/chunks run chunks "${T_CHUNKS:-90}" python3 scripts/gpu/bench_kernels.py --only chunks --budget-s 80
 SWEEP=0 TOKENS=1 run micro "${T_MICRO:-60}" python3 scripts/gpu/dense_gemm_micro.py
 run chain "${T_CHAIN:-120}" python3 scripts/gpu/pdl_chain_micro.py
+run overlap "${T_OVERLAP:-120}" python3 scripts/gpu/overlap_micro.py
 run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT/now" \
   --only "${ROWS:-b,a,topp,presence,repetition,prefix,c,long64,ttft7680,ttft16k,ttft32k}"
 LLMSERVE_PDL=0 run nopdl "${T_NOPDL:-90}" python3 scripts/gpu/bench_rows.py --out "$OUT/nopdl" \
