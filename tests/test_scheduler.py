@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve.config import SchedulerConfig
+from llmserve.engine.block_pool import BlockKey
 from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import EngineCoreRequest, Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
@@ -254,3 +255,39 @@ def test_siblings_wait_for_shared_prompt_blocks():
     assert shared == sched.kv.block_table("0_g")[:3] == sched.kv.block_table("2_g")[:3]
     run_to_end(sched)
     assert sched.kv.pool.num_used == 0
+
+
+def reference_keys(tokens, num_full):
+    keys, parent = [], None
+    for i in range(num_full):
+        keys.append(BlockKey(parent, tuple(tokens[i * BS:(i + 1) * BS]), None))
+        parent = hash(keys[-1])
+    return keys
+
+
+def reference_computed_blocks(kv, req):
+    """The prefix lookup as it was: every full block's key first, then the hits up to the first miss."""
+    keys = reference_keys(req.all_token_ids, (req.num_tokens - 1) // BS)
+    hits = []
+    for key in keys:
+        if kv.pool.lookup(key) is None:
+            break
+        hits.append(kv.pool.lookup(key))
+    return hits
+
+
+def test_prefix_lookup_makes_keys_up_to_the_first_miss_and_matches_the_reference():
+    sched = make_scheduler(num_blocks=256, budget=256)
+    shared = list(range(20, 52))  # 8 full blocks of 4
+    sched.add_request(make_request("first", tokens=shared + [60, 61], max_tokens=1))
+    run_to_end(sched)
+    kv = sched.kv
+    for rid, tokens, hits in (("fresh", [70 + i for i in range(41)], 0), ("half", shared[:16] + [99] * 25, 4),
+                              ("all", shared + [80, 81, 82], 8), ("one_less", shared[:-1] + [5], 7)):  # fmt: skip
+        req = make_request(rid, tokens=tokens)
+        got = kv.get_computed_blocks(req)
+        assert got == reference_computed_blocks(kv, req) and len(got) == hits, rid
+        # keys made: the hits and the first miss (none past it), unless every full block hit
+        assert len(req.block_hashes) == min(hits + 1, (len(tokens) - 1) // BS), rid
+        num_full = (len(tokens) - 1) // BS  # the rest, made when the blocks are offered, chain on
+        assert kv._block_keys(req, num_full) == reference_keys(tokens, num_full), rid

@@ -60,12 +60,14 @@ class BlockPool:
         if count > len(self.free_queue):
             raise RuntimeError(f"asked for {count} blocks, {len(self.free_queue)} free")
         taken = []
+        pop, blocks, cached = self.free_queue.popitem, self.blocks, self.cached  # one lookup each, not one a block
         for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.key is not None:
-                if self.cached.get(block.key) == block_id:
-                    del self.cached[block.key]
+            block_id = pop(False)[0]
+            block = blocks[block_id]
+            key = block.key
+            if key is not None:
+                if cached.get(key) == block_id:
+                    del cached[key]
                 block.key = None
             block.ref_cnt = 1
             taken.append(block_id)

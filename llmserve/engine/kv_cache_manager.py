@@ -39,24 +39,37 @@ class KVCacheManager:
         return False
 
     def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
-        salt = self._salt(req)
+        """The keys of the request's first `num_full_blocks` blocks (kept on the request:
+        each block's key is made once)."""
+        keys = req.block_hashes
+        if len(keys) < num_full_blocks:
+            self._extend_keys(req, num_full_blocks, self._salt(req))
+        return keys[:num_full_blocks]
+
+    def _extend_keys(self, req: Request, num_full_blocks: int, salt: str | None) -> None:
         keys = req.block_hashes
         bs = self.block_size
-        while len(keys) < num_full_blocks:
-            i = len(keys)
+        tokens = req.all_token_ids
+        for i in range(len(keys), num_full_blocks):
             parent = hash(keys[-1]) if keys else None
-            keys.append(BlockKey(parent, tuple(req.all_token_ids[i * bs : (i + 1) * bs]), salt))
-        return keys[:num_full_blocks]
+            keys.append(BlockKey(parent, tuple(tokens[i * bs : (i + 1) * bs]), salt))
 
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks holding the longest prefix of `req` (the last token is never
-        served from cache: its logits are needed)."""
-        if self._salt(req) is False:
+        served from cache: its logits are needed). Keys are made only up to the first
+        miss (a fresh 7,680-token prompt makes one, not 480): the rest when its blocks
+        are offered to the cache, after the step is launched."""
+        salt = self._salt(req)
+        if salt is False:
             return []
         num_full = (req.num_tokens - 1) // self.block_size
+        keys = req.block_hashes
+        lookup = self.pool.lookup
         hits = []
-        for key in self._block_keys(req, num_full):
-            block_id = self.pool.lookup(key)
+        for i in range(num_full):
+            if i == len(keys):
+                self._extend_keys(req, i + 1, salt)
+            block_id = lookup(keys[i])
             if block_id is None:
                 break
             hits.append(block_id)
