@@ -13,7 +13,10 @@ shows here. Writes $OUT/front_probe.json.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
+import pstats
 import gc
 import json
 import os
@@ -32,6 +35,8 @@ from idle_probe import WORKLOADS  # noqa: E402
 OUT = Path(os.environ.get("OUT", "."))
 RUNS = int(os.environ.get("RUNS", "2"))
 LAUNCHES = int(os.environ.get("LAUNCHES", "3"))
+# launches whose forward launch and sampler call run under cProfile (its tables go to $OUT/prof_*.txt)
+PROFILED = {int(x) for x in os.environ.get("PROFILE_LAUNCHES", "").split(",") if x}
 
 
 def main() -> None:
@@ -51,17 +56,27 @@ def main() -> None:
     def recording() -> bool:
         return state["armed"] and state["launch"] <= LAUNCHES
 
-    def timed(owner, name: str, label: str) -> None:
+    def timed(owner, name: str, label: str, profiled: bool = False) -> None:
         fn = getattr(owner, name)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             if not recording():
                 return fn(*args, **kwargs)
+            prof = cProfile.Profile() if profiled and state["launch"] in PROFILED else None
             t = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                if prof is None:
+                    return fn(*args, **kwargs)
+                return prof.runcall(fn, *args, **kwargs)
             finally:
+                if prof is not None:
+                    text = io.StringIO()
+                    stats = pstats.Stats(prof, stream=text)
+                    stats.sort_stats("tottime").print_stats(25)
+                    stats.sort_stats("cumulative").print_stats(40)
+                    tag = f"{state['workload']}_{state['run']}_{state['launch']}_{name}"
+                    (OUT / f"prof_{tag}.txt").write_text(text.getvalue())
                 log.append({"launch": state["launch"], "part": label, "ms": round(1000 * (time.perf_counter() - t), 2),
                             "at_ms": round(1000 * (t - state["t0"]), 1)})  # fmt: skip
 
@@ -82,8 +97,8 @@ def main() -> None:
     timed(step_plan.RunnerRequests, "rows_for", "rows_for")
     timed(input_builder.InputBuilder, "build", "inputs build")
     timed(input_builder.BatchInputs, "to_device", "inputs to_device")
-    timed(model_runner.ModelRunner, "run_step", "run_step (forward launch)")
-    timed(sampler.Sampler, "sample_async", "sample_async")
+    timed(model_runner.ModelRunner, "run_step", "run_step (forward launch)", profiled=True)
+    timed(sampler.Sampler, "sample_async", "sample_async", profiled=True)
     timed(request_feed.RequestFeed, "start", "feed start")
     gc_time = [0.0]
 
@@ -108,7 +123,9 @@ def main() -> None:
     jobs = [(w, run) for w in opts.workload.split(",") for run in range(RUNS)]
     for workload, run in jobs:
         n, inp, out, temperature = WORKLOADS[workload]
-        prompts, outs = make_prompts(n, inp, out, 0.0, llm.config.model_config.arch.vocab_size, 1)
+        # each run its own prompts (seed): a run never hits the prefix cache of the one before
+        prompts, outs = make_prompts(n, inp, out, 0.0, llm.config.model_config.arch.vocab_size, 1 + len(results["runs"]))
+        state.update(workload=workload, run=run)
         params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
         log.clear()
         before_kernels, before_mallocs = compiled(), mallocs()
