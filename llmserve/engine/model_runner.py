@@ -25,6 +25,8 @@ from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_s
 from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
+from llmserve.engine.argmax import row_argmax
+from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
@@ -301,11 +303,28 @@ class ModelRunner:
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
                 self._dummy_forward(num_seqs, seq_len)
+            heads = self._warm_lm_head()
             torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
             logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
-        logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans", n, plans)
+        logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans; "
+                    "LM head at %d row counts", n, plans, heads)  # fmt: skip
+
+    def _warm_lm_head(self) -> int:
+        """The LM head at every row count a step can take (engine/logits_rows.py), and greedy
+        sampling's argmax on few rows and on many: a kernel's first launch in the process
+        loads its module and blocks the host until the device is idle. On the H200 a run's
+        first steps lost 325-680 ms of host time to the LM head so, the device then waiting for
+        their next launch (front_probe.py, 2026-12-04). Returns the number of row counts."""
+        counts = warm_counts(self.config.scheduler_config.max_num_seqs)
+        with torch.inference_mode():
+            hidden = torch.zeros(counts[-1], self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            for count in counts:
+                logits = self.model.compute_logits(hidden[:count])
+            row_argmax(logits[:1])  # two stages
+            row_argmax(logits)  # one (at more than TWO_STAGE_MAX_ROWS rows)
+        return len(counts)
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:
@@ -409,10 +428,8 @@ class ModelRunner:
         hidden = self._forward(step.batch)
         if not step.batch.logits_indices:
             return None
-        rows = step.batch.logits_indices
-        if _is_range(rows, 0) and len(rows) == hidden.shape[0]:  # every row samples (decode): no gather
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[to_device(rows, torch.long, self.device)])
+        # on a GPU the LM head runs on few distinct row counts, each warmed up (engine/logits_rows.py)
+        return step_logits(self.model.compute_logits, hidden, step.batch.logits_indices, self.device.type == "cuda")
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         n = len(batch.seq_lens)
@@ -446,7 +463,7 @@ class ModelRunner:
             return None
         source = self._last_step.device_tokens
         count = len(batch.fill_positions)
-        if _is_range(batch.fill_positions, 0) and _is_range(batch.fill_rows, batch.fill_rows[0]):
+        if is_range(batch.fill_positions, 0) and is_range(batch.fill_rows, batch.fill_rows[0]):
             first = batch.fill_rows[0]  # the usual decode step: one slice copy, no index tensors
 
             def fill_slice(input_ids: torch.Tensor) -> None:
@@ -471,8 +488,3 @@ class ModelRunner:
                 cpu_cache[:, dst_ids] = dev_cache[:, src_ids.to(self.device)].to("cpu")
             else:
                 dev_cache[:, dst_ids.to(self.device)] = cpu_cache[:, src_ids].to(self.device)
-
-
-def _is_range(values: list[int], start: int) -> bool:
-    """Is `values` start, start + 1, ..., start + len - 1?"""
-    return all(v == start + i for i, v in enumerate(values))
