@@ -12,6 +12,7 @@ from conftest import assert_no_leak, hf_greedy
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError
 from llmserve.engine.input_processor import PromptError, PromptTooLongError
+from llmserve.engine.logits_rows import warm_counts
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.sampling_params import SamplingParamsError
 
@@ -359,3 +360,14 @@ def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkey
     assert_no_leak(llm)
     monkeypatch.setattr(llm.core, "add_request", add)
     assert llm.generate(prompts[:2], params, use_tqdm=False)[0].outputs[0].token_ids == first[0][0]
+
+
+def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
+    """The warm-up of the LM head's row counts and of each sampling path (run on a GPU at start)
+    runs here too, forgets its dummy requests, and the engine then gives the same tokens."""
+    before = llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    runner = llm.core.runner
+    assert runner._warm_lm_head() == len(warm_counts(llm.config.scheduler_config.max_num_seqs))
+    assert not runner.sampler.bias
+    assert runner.sampler.penalties is not None and not runner.sampler.penalties.slot_of  # the penalty paths ran
+    assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before

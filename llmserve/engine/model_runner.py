@@ -30,9 +30,10 @@ from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
-from llmserve.engine.step_plan import RunnerRequests, StepPlan
+from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
+from llmserve.sampling_params import SamplingParams
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
 from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
@@ -324,7 +325,20 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[:count])
             row_argmax(logits[:1])  # two stages
             row_argmax(logits)  # one (at more than TWO_STAGE_MAX_ROWS rows)
+            self._warm_sampling(logits[:1])
         return len(counts)
+
+    def _warm_sampling(self, logits: torch.Tensor) -> None:
+        """The sampler once on each of its paths (the random race, top-k/top-p, penalties), on
+        one row of `logits` each (a first run with temperature 1 blocked 334 ms in the sampler
+        on the H200 otherwise); every trace of the dummy requests is then forgotten."""
+        paths = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
+                 SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),
+                 SamplingParams(temperature=0.0, repetition_penalty=1.1))  # fmt: skip
+        for i, params in enumerate(paths):
+            request = RunnerRequest(f"warmup-{i}", [0], params, (), [0, 0], [])
+            self.sampler.sample_async(logits, [request]).result()
+            self.sampler.forget([request.request_id])
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:
