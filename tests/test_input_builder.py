@@ -17,10 +17,10 @@ def test_a_mixed_step_is_flattened_row_by_row():
     chunk = RowInput("b", [5, 6], 0, 5, list(range(200, 210)), False)  # a prompt's first chunk: no sample
     decode = RowInput("c", [3], 3, 1, [300, 301, 302, PLACEHOLDER], True)  # its token: the running step's
     batch = builder.build([prefill, chunk, decode], last_rows={"c": 5})
-    assert batch.input_ids == [*range(102, 109), *range(200, 205), PLACEHOLDER]
-    assert batch.positions == [*range(2, 9), *range(5), 3]
+    assert list(batch.input_ids) == [*range(102, 109), *range(200, 205), PLACEHOLDER]
+    assert list(batch.positions) == [*range(2, 9), *range(5), 3]
     # slot = block id * block size + offset in the block
-    assert batch.slot_mapping == [7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4,
+    assert list(batch.slot_mapping) == [7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 9 * 4,
                                   5 * 4, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4, 3 * 4 + 3]  # fmt: skip
     assert batch.query_start_loc == [0, 7, 12, 13] and batch.seq_lens == [9, 5, 4]
     assert batch.logits_indices == [6, 12] and batch.max_query_len == 7
@@ -28,6 +28,50 @@ def test_a_mixed_step_is_flattened_row_by_row():
     # 16 columns at most (a multiple of 16 keeps the kernel's stride specialisation): here all 8
     assert batch.block_tables.tolist() == [[7, 2, 9, 0, 0, 0, 0, 0], [5, 6, 0, 0, 0, 0, 0, 0], [3, 0, 0, 0, 0, 0, 0, 0]]
     assert batch.num_decode_seqs == 0  # the decode is not at the front
+
+
+
+def reference_flat(rows: list[RowInput], block_size: int, last_rows: dict[str, int]) -> tuple[list, list, list, list]:
+    """Token by token: each new token's id, position, KV slot; and the fill positions."""
+    ids, positions, slots, fills = [], [], [], []
+    for row in rows:
+        for p in range(row.start, row.start + row.count):
+            if row.token_ids[p] == PLACEHOLDER:
+                fills.append((len(ids), last_rows[row.request_id]))
+            ids.append(row.token_ids[p])
+            positions.append(p)
+            slots.append(row.block_ids[p // block_size] * block_size + p % block_size)
+    return ids, positions, slots, fills
+
+
+def test_decode_rows_as_lists_chunks_as_arrays_match_the_token_by_token_reference():
+    import random
+
+    rng = random.Random(3)
+    for trial in range(60):
+        builder = InputBuilder(block_size=4, max_num_seqs=8, max_blocks=16)
+        rows, last_rows = [], {}
+        for i in range(rng.randrange(1, 7)):
+            blocks = rng.sample(range(1, 40), 12)
+            if rng.random() < 0.5:  # a decode, its token known or still on the device
+                start = rng.randrange(0, 40)
+                tokens = [rng.randrange(500) for _ in range(start)] + [rng.choice([7, PLACEHOLDER])]
+                rows.append(RowInput(f"r{i}", blocks, start, 1, tokens, True))
+                last_rows[f"r{i}"] = rng.randrange(8)
+            else:  # a chunk, maybe after a cached prefix
+                start, count = rng.randrange(0, 20), rng.randrange(2, 25)
+                rows.append(RowInput(f"r{i}", blocks, start, count, [rng.randrange(500) for _ in range(start + count)],
+                                     rng.random() < 0.5))  # fmt: skip
+        batch = builder.build(rows, last_rows)
+        ids, positions, slots, fills = reference_flat(rows, 4, last_rows)
+        assert list(batch.input_ids) == ids and list(batch.positions) == positions
+        assert list(batch.slot_mapping) == slots
+        assert list(zip(batch.fill_positions, batch.fill_rows)) == fills
+        chunked = any(r.count > 1 for r in rows)
+        for values in (batch.input_ids, batch.positions, batch.slot_mapping):  # the form the copies take
+            assert isinstance(values, np.ndarray) if chunked else isinstance(values, list)
+            if chunked:
+                assert values.dtype == np.int64
 
 
 def test_the_table_width_is_a_multiple_of_16_up_to_the_table():

@@ -291,3 +291,27 @@ def test_prefix_lookup_makes_keys_up_to_the_first_miss_and_matches_the_reference
         assert len(req.block_hashes) == min(hits + 1, (len(tokens) - 1) // BS), rid
         num_full = (len(tokens) - 1) // BS  # the rest, made when the blocks are offered, chain on
         assert kv._block_keys(req, num_full) == reference_keys(tokens, num_full), rid
+
+
+def test_a_chunks_block_keys_are_made_at_launch_and_registered_after_it():
+    sched = make_scheduler(num_blocks=256, budget=24)  # a 41-token prompt in chunks of 24 and 17
+    tokens = [70 + i for i in range(41)]
+    sched.add_request(make_request("p", tokens=tokens, max_tokens=2))
+    kv = sched.kv
+    out = sched.schedule()
+    req = out.scheduled[0].request
+    sched.after_launch(out)
+    # the chunk's 6 full blocks keyed while the device computes, none registered yet
+    assert req.block_hashes == reference_keys(tokens, 6) and kv.num_cached_blocks(req) == 0
+    sched.update_from_output(out, {}, {})
+    assert kv.num_cached_blocks(req) == 6
+    out = sched.schedule()
+    sched.after_launch(out)  # the last chunk: 10 full blocks of known tokens (the sampled one is pending)
+    assert req.block_hashes == reference_keys(tokens, 10) and kv.num_cached_blocks(req) == 6
+    sched.update_from_output(out, {"p": 9}, {})
+    assert kv.num_cached_blocks(req) == 10
+    assert [kv.pool.lookup(k) for k in reference_keys(tokens, 10)] == kv.block_table("p")[:10]
+    # a decode makes no keys at launch (its block's last token is not known until it is sampled)
+    out = sched.schedule()
+    sched.after_launch(out)
+    assert len(req.block_hashes) == 10

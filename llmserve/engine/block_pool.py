@@ -98,8 +98,7 @@ class BlockPool:
 
     def register(self, block_id: int, key: BlockKey) -> None:
         """Record that a full, computed block holds `key` (first writer wins)."""
-        if key not in self.cached:
-            self.cached[key] = block_id
+        if self.cached.setdefault(key, block_id) == block_id:  # (one hash of the key, not two)
             self.blocks[block_id].key = key
 
     def reset_cache(self) -> bool:

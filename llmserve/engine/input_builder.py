@@ -47,9 +47,10 @@ class RowInput(NamedTuple):
 class BatchInputs:
     """One flattened batch, on the host; `to_device` makes the model's inputs."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
+    # lists for a batch of decode rows, int64 numpy arrays when a chunk of several tokens is in it
+    input_ids: list[int] | np.ndarray
+    positions: list[int] | np.ndarray
+    slot_mapping: list[int] | np.ndarray
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: np.ndarray  # [B, max_blocks] int32
@@ -98,9 +99,14 @@ class InputBuilder:
         the still-running previous step's tokens, for decode rows whose input token is a
         PLACEHOLDER."""
         bs = self.block_size
+        # decode rows go to plain lists; a chunk of several tokens comes as numpy arrays (its
+        # positions a range, its slots computed from its table: no list of 7,680 ints made and
+        # then converted again to be copied), and a batch with any chunk is joined into arrays
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        parts: list[tuple] = []  # (ids, positions, slots) per run of decode rows or per chunk, in row order
+        num_tokens = 0
         query_start = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
@@ -115,7 +121,7 @@ class InputBuilder:
             if count == 1:
                 token = tokens[start]
                 if token == PLACEHOLDER:
-                    fill_positions.append(len(input_ids))
+                    fill_positions.append(num_tokens)
                     fill_rows.append(last_rows[request_id])
                 input_ids.append(token)
                 positions.append(start)
@@ -125,10 +131,12 @@ class InputBuilder:
                     fresh.append((len(seq_lens), query_start[-1], count))
                 elif end <= self.chunk_total_limit:
                     chunks.append((len(seq_lens), query_start[-1], count, start))
-                pos = np.arange(start, end)
-                input_ids.extend(tokens[start:end])
-                positions.extend(range(start, end))
-                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
+                if input_ids:
+                    parts.append((input_ids, positions, slots))
+                    input_ids, positions, slots = [], [], []
+                pos = np.arange(start, end, dtype=np.int64)
+                parts.append((tokens[start:end], pos, np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs))
+            num_tokens += count
             if count == 1 and decode_lead == len(seq_lens):
                 decode_lead += 1
             query_start.append(query_start[-1] + count)
@@ -136,6 +144,11 @@ class InputBuilder:
             max_query = max(max_query, count)
             if samples:
                 logits_indices.append(query_start[-1] - 1)
+        if parts:
+            if input_ids:
+                parts.append((input_ids, positions, slots))
+            input_ids, positions, slots = (np.concatenate([np.asarray(p[i], dtype=np.int64) for p in parts])
+                                           for i in range(3))  # fmt: skip
         table_rows = self.block_tables.rows_for([(row.request_id, row.block_ids) for row in rows])
         # copy only the columns this batch uses (`table_width`)
         width = table_width(max(len(row.block_ids) for row in rows), self.block_tables.max_blocks)

@@ -99,6 +99,16 @@ class KVCacheManager:
             self.pool.register(blocks[i], keys[i])
         self._num_registered[req.request_id] = num_full
 
+    def make_block_keys(self, req: Request) -> None:
+        """Make the keys of the request's computed full blocks whose tokens are all known, ahead
+        of `cache_full_blocks` (the same keys it would make)."""
+        salt = self._salt(req)
+        if salt is False:
+            return
+        num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
+        if len(req.block_hashes) < num_full:
+            self._extend_keys(req, num_full, salt)
+
     def num_cached_blocks(self, req: Request) -> int:
         """How many of the request's blocks are registered in the prefix cache."""
         return self._num_registered.get(req.request_id, 0)

@@ -2,7 +2,7 @@
 profiler (whose own overhead made "6.6 ms of host before the first kernel" on 2026-12-04): the
 "long" engine of bench_rows.py, `generate()` with max_tokens=1, RUNS times. Timing wrappers give
 each part's host start and length (add_request, schedule, plan, rows, inputs build, copies to the
-device, the forward's launch, the sampler, the step's result); CUDA events at the forward's start
+device, the forward's launch, the sampler, the step's result); CUDA events at the model's first kernel
 and after the sampler give the device's span of the step. Host before the device starts = the
 forward event's time since generate() began (the device is idle until then); after = the wall time
 left after the sampler's event. Writes $OUT/ttft_host_probe.json.
@@ -37,6 +37,7 @@ def main() -> None:
     from llmserve import LLM, SamplingParams
     from llmserve.cli_args import engine_args_from_cli
     from llmserve.engine import engine_core, input_builder, model_runner, sampler, scheduler, step_plan
+    from llmserve.model import llama
 
     make_model_folder()
     llm = LLM(**vars(engine_args_from_cli(bench_args("latency", ENGINES["long"]))))
@@ -75,7 +76,8 @@ def main() -> None:
     timed(step_plan.RunnerRequests, "rows_for")
     timed(input_builder.InputBuilder, "build")
     timed(input_builder.BatchInputs, "to_device")
-    timed(model_runner.ModelRunner, "_forward", event_before=True, event_after=True)
+    timed(model_runner.ModelRunner, "_forward", event_before=True)
+    timed(llama.LlamaForCausalLM, "forward", event_before=True)  # after the inputs' copies: the first kernel
     timed(sampler.Sampler, "sample_async", event_after=True)
     timed(engine_core.EngineCore, "finish")
     timed(scheduler.Scheduler, "update_from_output")
@@ -94,12 +96,12 @@ def main() -> None:
         state["on"] = False
         torch.cuda.synchronize()
         events = state["events"]
-        first = next(e for e in events if e[0] == "_forward start")
+        first = next(e for e in events if e[0] == "forward start")
         last = [e for e in events if e[0] == "sample_async end"][-1]
         device_ms = first[1].elapsed_time(last[1])
         wall = 1000 * (end - state["t0"])
-        # the device's start: the host time the forward's first event was recorded, since the
-        # device idles until then (the queue was empty at synchronize())
+        # the device's start: the host time the model's first event was recorded (after the
+        # inputs' copies), since the device idles until then (the queue was empty at synchronize())
         before = 1000 * (first[2] - state["t0"])
         row = {"run": run, "wall_ms": round(wall, 3), "device_ms": round(device_ms, 3),
                "host_before_device_ms": round(before, 3), "after_device_ms": round(wall - before - device_ms, 3),
