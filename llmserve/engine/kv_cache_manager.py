@@ -86,7 +86,7 @@ class KVCacheManager:
         tokens are all known: a token still on the device cannot be hashed yet)."""
         if self._salt(req) is False:
             return
-        num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
+        num_full = self._known_full_blocks(req)
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return  # no block filled up since the last call: the common case, kept cheap
@@ -100,14 +100,13 @@ class KVCacheManager:
         self._num_registered[req.request_id] = num_full
 
     def make_block_keys(self, req: Request) -> None:
-        """Make the keys of the request's computed full blocks whose tokens are all known, ahead
-        of `cache_full_blocks` (the same keys it would make)."""
-        salt = self._salt(req)
-        if salt is False:
-            return
-        num_full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
-        if len(req.block_hashes) < num_full:
-            self._extend_keys(req, num_full, salt)
+        """Make the keys `cache_full_blocks` will register, ahead of it (while a step computes)."""
+        if self._salt(req) is not False:
+            self._block_keys(req, self._known_full_blocks(req))
+
+    def _known_full_blocks(self, req: Request) -> int:
+        """The request's computed full blocks whose tokens are all known on the host."""
+        return min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
 
     def num_cached_blocks(self, req: Request) -> int:
         """How many of the request's blocks are registered in the prefix cache."""

@@ -277,7 +277,7 @@ class Scheduler:
             if samples:
                 req.all_token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
-            if sched.num_new_tokens > 1:  # (a decode fills a block with a token not known yet)
+            if sched.num_new_tokens > 1:  # (a decode's keys wait: its input may still be on the device)
                 self.kv.make_block_keys(req)
 
     def update_from_output(
