@@ -16,6 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imp
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -342,6 +343,69 @@ def test_fresh_long_prompts_of_a_mixed_batch_take_sdpa_and_the_rest_the_kernel(m
     launches.clear()
     check_attention(q, k, v, cache.clone(), meta, 32**-0.5)
     assert sdpa_rows == [] and launches[0][:2] == (0, 7)
+
+
+def test_the_fresh_prefill_kernel_matches_causal_sdpa_per_prompt():
+    """`fresh_prefill_attention` against each prompt's causal SDPA (the math backend) over its own
+    rows: strided q/k/v views of one fused projection, lengths on and off the tiles (the last
+    tile partly past the end; the first tile alone), GQA of 4 heads a group; rows of the other
+    sequences left as they were."""
+    from llmserve.kernels.fresh_prefill import fresh_prefill_attention, launch_config
+
+    assert launch_config(512) != launch_config(1024) != launch_config(2048)
+    hq, hkv, d = 8, 2, 32
+    lens = [70, 5, 64, 129, 1]  # the third sequence (64) is not listed: a decode or a cached chunk there
+    rows = sum(lens)
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(4)
+        qkv = torch.randn(rows, (hq + 2 * hkv) * d, dtype=dtype)
+        q, k, v = (t.view(rows, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], -1))
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        seqs = tuple((starts[i], lens[i]) for i in (0, 1, 3, 4))
+        out = torch.full_like(q, 7.0)
+        fresh_prefill_attention(q, k, v, seqs, d**-0.5, out)
+        for first, n in seqs:
+            qs, ks, vs = (t[first:first + n].transpose(0, 1)[None].float() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=d**-0.5, enable_gqa=True)
+            torch.testing.assert_close(out[first:first + n].float(), ref[0].transpose(0, 1), **TOL[dtype])
+        assert (out[starts[2]:starts[2] + 64] == 7.0).all()
+
+
+def test_fresh_prompts_below_the_sdpa_length_take_the_fresh_kernel(monkeypatch):
+    """A mixed step: fresh prompts from FRESH_KERNEL_TOKENS up by one launch of the fresh kernel,
+    from SDPA_PREFILL_TOKENS up by SDPA, shorter ones, decodes and a cached chunk by the paged
+    kernel in runs; every row and the written K/V as the reference."""
+    from llmserve.kernels import fresh_prefill
+
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 32)
+    monkeypatch.setattr(paged_attention, "FRESH_KERNEL_TOKENS", 8)
+    qlens, slens = [1, 1, 40, 20, 30, 6, 24], [9, 30, 40, 52, 30, 6, 24]
+    fresh = ((2, 2, 40), (4, 62, 30), (5, 92, 6), (6, 98, 24))  # seq 3 has a cached prefix: not fresh
+    kernel_seqs, sdpa_rows, launches = [], [], []
+    original_fresh, original_sdpa, original_launch = (paged_attention.fresh_prefill_attention,
+                                                      paged_attention.sdpa_prefill, paged_attention._launch)  # fmt: skip
+    monkeypatch.setattr(paged_attention, "fresh_prefill_attention",
+                        lambda q, k, v, seqs, *a: kernel_seqs.append(seqs) or original_fresh(q, k, v, seqs, *a))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "sdpa_prefill",
+                        lambda q, *a, **kw: sdpa_rows.append(q.shape[0]) or original_sdpa(q, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6:9]) or original_launch(*a, **kw))
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=dtype, seed=3, strided_qkv=True)  # fmt: skip
+        meta.num_decode_seqs, meta.fresh_seqs = 2, fresh
+        check_attention(q, k, v, cache, meta, 32**-0.5)
+    # fresh kernel: the prompts of 30 and 24 tokens; SDPA: 40; the paged kernel: 2 decodes, seq 3, seq 5 (6 < 8)
+    assert kernel_seqs == [((62, 30), (98, 24))] * 2 and sdpa_rows == [40] * 2
+    assert launches == [(0, 2, 2), (3, 1, 20), (5, 1, 6)] * 2
+    # alone in its step, a fresh prompt of the fresh kernel's lengths
+    q, k, v, cache, meta = make_batch([24], [24], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32, seed=1)  # fmt: skip
+    meta.fresh_seqs = ((0, 0, 24),)
+    check_attention(q, k, v, cache, meta, 32**-0.5)
+    assert kernel_seqs[-1] == ((0, 24),)
+    # a head size the kernel does not take (not a power of two): the paged kernel, same rows
+    assert not paged_attention.fresh_kernel_takes(*(torch.empty(4, 2, 24),) * 3)
+    assert fresh_prefill._seqs_on_device.cache_info().currsize >= 1
 
 
 def test_long_chunks_after_a_cached_prefix_take_sdpa_over_their_whole_sequence(monkeypatch):

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from llmserve.kernels.cache_write import write_kv
+from llmserve.kernels.fresh_prefill import fresh_prefill_attention
 from llmserve.kernels.pdl import gdc_enter, launch_options
 from llmserve.attention_metadata import FP8_KV, AttentionMetadata
 
@@ -315,6 +316,9 @@ LONG_PREFILL_TOKENS = 4096
 # one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
 # else flash) on the new tokens' own q/k/v, 0.78 ms for 7,680 tokens (622 TFLOP/s)
 SDPA_PREFILL_TOKENS = 2048
+# fresh prompts from this many tokens up to SDPA_PREFILL_TOKENS: `fresh_prefill_attention` over their
+# own q/k/v, 1.4-1.6x the paged kernel at 512-2,048 tokens (kernels/fresh_prefill.py)
+FRESH_KERNEL_TOKENS = 512
 # cuDNN's causal attention over the kernel's, both in query-key pairs a second, at long chunks: a
 # 16,384-token prompt 650 TFLOP/s, the second 16,384-token chunk of a 32k prompt 425 in the long
 # tiles (H200, 2026-12-01); `pad_front_pays` weighs a chunk's front padding with it
@@ -592,8 +596,10 @@ def triton_paged_attention(
         fresh = meta.fresh_seqs or (((0, 0, meta.max_query_len),) if fresh_single_prefill(meta) else ())
         long = [(seq, first, count, 0) for seq, first, count in fresh if count >= SDPA_PREFILL_TOKENS]
         long += [c for c in meta.chunk_seqs if pad_front_pays(c[3], c[2])]
-        if long:
-            done = _attend_long_by_sdpa(q, k, v, kv_cache, meta, sorted(long), scale, out, kv_scales)
+        own = [(seq, first, count, 0) for seq, first, count in fresh
+               if FRESH_KERNEL_TOKENS <= count < SDPA_PREFILL_TOKENS] if fresh_kernel_takes(q, k, v) else []  # fmt: skip
+        if long or own:
+            done = _attend_long_by_sdpa(q, k, v, kv_cache, meta, sorted(long), scale, out, kv_scales, own)
             if done is not None:
                 return done
     return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out,
@@ -611,18 +617,27 @@ def pad_front_pays(cached: int, count: int) -> bool:
             and total * total < SDPA_SPEEDUP * (2 * cached * count + count * count))  # fmt: skip
 
 
+def fresh_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Can `fresh_prefill_attention` read these q/k/v (a head size that is a power of two, rows of
+    contiguous heads)?"""
+    d = q.shape[-1]
+    return d == triton.next_power_of_2(d) and all(t.stride(-1) == 1 for t in (q, k, v))
+
+
 def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, long: list[tuple[int, int, int, int]], scale: float,
-                         out: torch.Tensor | None, kv_scales: tuple[float, float]) -> torch.Tensor | None:  # fmt: skip
+                         out: torch.Tensor | None, kv_scales: tuple[float, float],
+                         own: list[tuple[int, int, int, int]] = ()) -> torch.Tensor | None:  # fmt: skip
     """The `long` sequences (sequence, first row, new tokens, cached tokens; in batch order) by
     SDPA, one call each: a fresh one (0 cached) over its own q/k/v (64 x 7,680 prompts run two
     a step: each 0.8 ms a layer in cuDNN against 1.34 in the long tiles), a later chunk over its
-    whole sequence from the cache. Then the sequences between them by the kernel, a launch per
-    run of neighbours (the leading decodes apart when prompts follow them). None: SDPA
-    unavailable here."""
+    whole sequence from the cache. The `own` ones (fresh prompts, same form) by one launch of
+    `fresh_prefill_attention` over their own q/k/v. Then the sequences between them all by the
+    kernel, a launch per run of neighbours (the leading decodes apart when prompts follow them).
+    None: SDPA unavailable here."""
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     num_seqs = meta.seq_lens.shape[0]
-    if out is None and num_seqs == 1 and long[0][2] == q.shape[0]:
+    if out is None and num_seqs == 1 and long and long[0][2] == q.shape[0]:
         # one sequence, every row: SDPA's own output, not a copy of it (the copy took 0.96 ms of a
         # 7,680-token TTFT on an H200, as a device-to-device memcpy: cuDNN's output is laid out as
         # [T, H, D] already, so the model's reshape is a view; another layout would be copied there)
@@ -632,6 +647,7 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
         return sdpa_prefill(q, k, v, scale)
     if out is None:
         out = torch.empty_like(q)
+    fresh_prefill_attention(q, k, v, tuple((first, count) for _, first, count, _ in own), scale, out)
     for seq, first, count, cached in long:
         rows = slice(first, first + count)
         if cached:
@@ -647,7 +663,7 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
                 None, None, scales)  # fmt: skip
 
     seq, token = 0, 0  # the next sequence (and its first row) the kernel has not covered
-    for long_seq, first, count, _ in [*long, (num_seqs, q.shape[0], 0, 0)]:
+    for long_seq, first, count, _ in [*sorted([*long, *own]), (num_seqs, q.shape[0], 0, 0)]:
         if long_seq > seq:  # sequences seq .. long_seq - 1, rows token .. first - 1
             decodes = max(0, min(meta.num_decode_seqs, long_seq) - seq)
             # always apart here, unlike paged_attention_forward's rule (which keeps fewer than 64
