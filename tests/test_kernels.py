@@ -350,9 +350,10 @@ def test_the_fresh_prefill_kernel_matches_causal_sdpa_per_prompt():
     rows: strided q/k/v views of one fused projection, lengths on and off the tiles (the last
     tile partly past the end; the first tile alone), GQA of 4 heads a group; rows of the other
     sequences left as they were."""
-    from llmserve.kernels.fresh_prefill import fresh_prefill_attention, launch_config
+    from llmserve.kernels.fresh_prefill import fresh_prefill_attention, launch_config, warmup_fresh_prefill
 
     assert launch_config(512) != launch_config(1024) != launch_config(2048)
+    assert warmup_fresh_prefill(1, 1, 16, torch.float32, torch.device("cpu")) == 3  # each tile shape once
     hq, hkv, d = 8, 2, 32
     lens = [70, 5, 64, 129, 1]  # the third sequence (64) is not listed: a decode or a cached chunk there
     rows = sum(lens)

@@ -40,7 +40,7 @@ def launch_config(longest: int) -> tuple[int, int, int, int]:
     return _SHORT if longest < 768 else _MEDIUM if longest < 1536 else _LONG
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # (one compiled variant per tile shape, whatever the count)
 def _fresh_prefill_kernel(
     Q, K, V, O, SEQS,  # SEQS: int32 [num_prompts, 2]: first row in the batch, tokens
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, qk_scale,
@@ -123,4 +123,18 @@ def fresh_prefill_attention(
     return out
 
 
-__all__ = ["fresh_prefill_attention", "launch_config"]
+def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device) -> int:  # fmt: skip
+    """Compile the kernel for each tile shape `launch_config` picks, on q/k/v laid out as the model
+    has them (views of one fused projection). Returns how many."""
+    lengths = (600, 1100, 1600)  # one of each config's range
+    assert len({launch_config(n) for n in lengths}) == len(lengths)
+    for n in lengths:
+        qkv = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
+                                                                num_kv_heads * head_dim], -1))  # fmt: skip
+        fresh_prefill_attention(q, k, v, ((0, n),), head_dim**-0.5, torch.empty_like(q))
+    return len(lengths)
+
+
+__all__ = ["fresh_prefill_attention", "launch_config", "warmup_fresh_prefill"]
