@@ -13,7 +13,8 @@ projection are fine), one query head per program, FlashAttention-2 style, and ra
 prompts still go to the cache, written by the caller as before.
 
 Grid `(tiles of the longest prompt, prompts, query heads)`. Program (t, s, h) takes BLOCK_M queries
-of prompt s, counting the tiles from the prompt's end, so the tiles with the most keys start first.
+of prompt s, counting the tiles from the prompt's end, so each prompt's tiles with the most keys
+start first.
 A program whose tile lies past its prompt's end exits at once. The keys below the tile's first
 query need no mask, and the tile's own diagonal blocks are masked. The softmax is online, in
 fp32, with exp2.
@@ -101,17 +102,18 @@ def _seqs_on_device(seqs: tuple[tuple[int, int], ...], device: torch.device) -> 
 
 def fresh_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: tuple[tuple[int, int], ...], scale: float,
-    out: torch.Tensor,
+    out: torch.Tensor, config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Write into `out` the causal attention of each fresh prompt (first row, tokens) in `seqs` over
     its own rows of q `[T, Hq, D]`, k and v `[T, Hkv, D]` (last dimension contiguous). The other
-    rows of `out` are left untouched."""
+    rows of `out` are left untouched. `config` (BLOCK_M, BLOCK_N, warps, stages) forces the tiles
+    (sweeps); None: `launch_config`."""
     if not seqs:
         return out
     num_heads, head_dim = q.shape[1], q.shape[2]
     assert head_dim == triton.next_power_of_2(head_dim) and q.shape[1] % k.shape[1] == 0
     longest = max(n for _, n in seqs)
-    block_m, block_n, warps, stages = launch_config(longest)
+    block_m, block_n, warps, stages = config or launch_config(longest)
     num_tiles = triton.cdiv(longest, block_m)
     _fresh_prefill_kernel[(num_tiles, len(seqs), num_heads)](
         q, k, v, out, _seqs_on_device(tuple(seqs), q.device),

@@ -1,13 +1,13 @@
 """Could a kernel made for fresh prompts (no cached prefix: keys and values read from the step's own
 contiguous k/v, not through the paged cache's block table) beat the paged kernel at (c)'s prefill
 (16 prompts x 1,024 tokens a step: 0.558 ms a layer, 247 TFLOP/s, against cuDNN's 0.288 for the
-same prompts as one batched call)? A FlashAttention-2-style Triton kernel (one program per
-(BLOCK_M queries of one prompt, one query head); the blocks below the tile's first query without
-a mask, the diagonal with it; tiles with the most keys first), swept over tiles, warps and stages,
-against the engine's paths for the same step (`triton_paged_attention` with the prompts listed as
-fresh and the SDPA threshold past them, the KV write included) and cuDNN batched. Each variant's
-output is checked against the engine's. Eager timing (prefill attention runs between the
-piecewise graphs). Writes $OUT/fresh_prefill_micro.json.
+same prompts as one batched call)? The FlashAttention-2-style kernel of
+llmserve/kernels/fresh_prefill.py (`config=` forcing its tiles), swept over tiles, warps and
+stages, against the engine's paths for the same step (`triton_paged_attention` with the prompts
+listed as fresh and the SDPA threshold past them, the KV write included) and cuDNN batched. Each
+variant's output is checked against the engine's. Eager timing (prefill attention runs between the
+piecewise graphs). Writes $OUT/fresh_prefill_micro.json. (The sweep of 2026-12-04 ran a copy of
+the kernel inside this script whose tiles were ordered most keys first over all prompts.)
 
     python3 scripts/gpu/fresh_prefill_micro.py
 """
@@ -20,80 +20,21 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import event_timer  # noqa: E402
 
+from llmserve.kernels.fresh_prefill import fresh_prefill_attention  # noqa: E402
+
 OUT = Path(os.environ.get("OUT", "."))
 HQ, HKV, D = 32, 8, 128
-LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _fresh_kernel(Q, K, V, O, TILES, sqt, sqh, skt, skh, svt, svh, sot, soh, qk_scale,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
-    first = tl.load(TILES + tile * 3)
-    m0 = tl.load(TILES + tile * 3 + 1)
-    n = tl.load(TILES + tile * 3 + 2)
-    kvh = head // GROUP
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (first + offs_m)[:, None] * sqt + head * sqh + offs_d[None, :], mask=offs_m[:, None] < n, other=0.0)
-    k_base = K + first * skt + kvh * skh
-    v_base = V + first * svt + kvh * svh
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, m0, BLOCK_N):  # keys below the tile's first query: all visible
-        k = tl.load(k_base + (start + offs_n)[None, :] * skt + offs_d[:, None])
-        s = tl.dot(q, k) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (start + offs_n)[:, None] * svt + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for start in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the diagonal: causal
-        cols = start + offs_n
-        k = tl.load(k_base + cols[None, :] * skt + offs_d[:, None], mask=cols[None, :] < n, other=0.0)
-        s = tl.dot(q, k) * qk_scale
-        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=cols[:, None] < n, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(O + (first + offs_m)[:, None] * sot + head * soh + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=offs_m[:, None] < n)  # fmt: skip
-
-
-def tiles_for(seqs: list[tuple[int, int]], block_m: int, device) -> torch.Tensor:
-    """(first row, query start, length) per tile of each (first row, length) prompt, most keys first."""
-    rows = [(first, m0, n) for first, n in seqs for m0 in range(0, n, block_m)]
-    rows.sort(key=lambda r: -r[1])
-    return torch.tensor(rows, dtype=torch.int32, device=device)
-
-
-def fresh_attention(q, k, v, tiles, cfg, out=None):
-    bm, bn, warps, stages = cfg
+def fresh_attention(q, k, v, seqs, cfg, out=None):
     out = torch.empty_like(q) if out is None else out
-    _fresh_kernel[(tiles.shape[0], q.shape[1])](
-        q, k, v, out, tiles, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), D**-0.5 * LOG2E, GROUP=q.shape[1] // k.shape[1], BLOCK_M=bm, BLOCK_N=bn,
-        HEAD_DIM=D, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    return fresh_prefill_attention(q, k, v, tuple(seqs), D**-0.5, out, config=cfg)
 
 
 def main() -> None:
@@ -136,10 +77,9 @@ def main() -> None:
         seqs = [(i * length, length) for i in range(count)]
         for cfg in configs:
             try:
-                tiles = tiles_for(seqs, cfg[0], q.device)
-                out = fresh_attention(q, k, v, tiles, cfg)
+                out = fresh_attention(q, k, v, seqs, cfg)
                 err = float((out.float() - ref.float()).abs().max())
-                ms = event_timer.median_ms(lambda: fresh_attention(q, k, v, tiles, cfg, out))
+                ms = event_timer.median_ms(lambda: fresh_attention(q, k, v, seqs, cfg, out))
                 case["variants"].append({"cfg": cfg, "ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
                                          "max_abs_err": err})  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - a config the compiler refuses (shared memory)
