@@ -288,8 +288,6 @@ class ModelRunner:
         """Compile the Triton attention variants before serving (no JIT stall mid-traffic)."""
         if self.config.attention_backend != "triton" or self.device.type != "cuda":
             return
-        import triton
-
         from llmserve.kernels.fresh_prefill import warmup_fresh_prefill
         from llmserve.kernels.paged_attention import warmup_paged_attention, warmup_sdpa_prefill
 
@@ -303,8 +301,8 @@ class ModelRunner:
             # whole sequence, one per shape (the limit is at least the longest fresh chunk)
             plans = warmup_sdpa_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
                                         self.sdpa_chunk_limit)  # fmt: skip
-            if a.head_dim == triton.next_power_of_2(a.head_dim):  # the fresh prompts' own kernel's tile shapes
-                n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            # the fresh prompts' own kernel, each tile shape
+            n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):

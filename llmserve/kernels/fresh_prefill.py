@@ -41,6 +41,36 @@ def launch_config(longest: int) -> tuple[int, int, int, int]:
     return _SHORT if longest < 768 else _MEDIUM if longest < 1536 else _LONG
 
 
+@triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, k_base, v_base, lo, hi, n, offs_m, offs_n, offs_d, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax accumulation over the prompt's keys [lo, hi) (as `paged_attention._attend_range`,
+    with the keys read from the prompt's own rows). MASKED=False: every key in range is visible to
+    every row; True: the causal mask, and no key at or past the prompt's `n` tokens."""
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        if MASKED:
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < n, other=0.0)
+        else:
+            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None])
+        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        if MASKED:
+            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < n, other=0.0)
+        else:
+            v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["num_tiles"])  # (one compiled variant per tile shape, whatever the count)
 def _fresh_prefill_kernel(
     Q, K, V, O, SEQS,  # SEQS: int32 [num_prompts, 2]: first row in the batch, tokens
@@ -66,28 +96,11 @@ def _fresh_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(0, m0, BLOCK_N):  # keys below the tile's first query: all visible
-        k = tl.load(k_base + (start + offs_n)[None, :] * stride_kt + offs_d[:, None])
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (start + offs_n)[:, None] * stride_vt + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    for start in range(m0, tl.minimum(m0 + BLOCK_M, n), BLOCK_N):  # the tile's diagonal: causal
-        cols = start + offs_n
-        k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None], mask=cols[None, :] < n, other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
-        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < n, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    # keys below the tile's first query are all visible; the tile's own diagonal is causal
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, 0, m0, n, offs_m, offs_n, offs_d, stride_kt,
+                                 stride_vt, qk_scale, BLOCK_N, False, DOT_PREC)  # fmt: skip
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, m0, tl.minimum(m0 + BLOCK_M, n), n, offs_m,
+                                 offs_n, offs_d, stride_kt, stride_vt, qk_scale, BLOCK_N, True, DOT_PREC)  # fmt: skip
     acc = acc / l_i[:, None]
     tl.store(O + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=offs_m[:, None] < n)  # fmt: skip
@@ -128,7 +141,9 @@ def fresh_prefill_attention(
 def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                          device: torch.device) -> int:  # fmt: skip
     """Compile the kernel for each tile shape `launch_config` picks, on q/k/v laid out as the model
-    has them (views of one fused projection). Returns how many."""
+    has them (views of one fused projection). Returns how many (0: a head size it does not take)."""
+    if head_dim != triton.next_power_of_2(head_dim):
+        return 0
     lengths = (600, 1100, 1600)  # one of each config's range
     assert len({launch_config(n) for n in lengths}) == len(lengths)
     for n in lengths:
