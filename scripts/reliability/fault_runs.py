@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,12 +36,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "llmserve" / "assets" / "tiny_model")
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT))
+from llmserve.net import free_port  # noqa: E402 - after the checkout is on the path
 
 
 def wait_http(url: str, timeout: float = 120.0) -> float:
@@ -237,7 +232,6 @@ def run_redis(workdir: Path) -> dict:
     replica = subprocess.Popen(serve_cmd(replica_port), stdout=open(workdir / "redis_replica.log", "w"),  # noqa: SIM115
                                stderr=subprocess.STDOUT)  # fmt: skip
     wait_http(f"http://127.0.0.1:{replica_port}/health")
-    sys.path.insert(0, str(ROOT))
     from llmserve.gateway.config import hash_key
 
     rpm = 120
