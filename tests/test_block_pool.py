@@ -60,6 +60,24 @@ def test_first_writer_wins_and_reset():
     assert pool.reset_cache() and pool.lookup(key(1)) is None
 
 
+def test_evicting_a_block_drops_only_its_own_entry():
+    """A block that a later writer lost to (first writer wins) holds no key, so its eviction
+    leaves the winner's entry; the winner's eviction drops it. A block whose key maps to
+    another block (never made by the pool itself) leaves that entry too."""
+    pool = BlockPool(3)
+    b1, b2, b3 = pool.allocate(3)
+    pool.register(b1, key(1))
+    pool.register(b2, key(1))  # lost: b2 keeps no key
+    pool.free([b2])
+    assert pool.allocate(1) == [b2] and pool.lookup(key(1)) == b1
+    pool.blocks[b3].key = key(1)  # an inconsistent key: b1 is the entry
+    pool.free([b3])
+    assert pool.allocate(1) == [b3] and pool.lookup(key(1)) == b1
+    assert pool.blocks[b3].key is None
+    pool.free([b1])
+    assert pool.allocate(1) == [b1] and pool.lookup(key(1)) is None
+
+
 def test_over_allocation_raises():
     with pytest.raises(RuntimeError):
         BlockPool(2).allocate(3)

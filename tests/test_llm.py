@@ -316,6 +316,31 @@ def test_the_core_checks_requests_with_the_fronts_own_check(llm):
     core.abort_requests(["twice"])
 
 
+def test_the_core_checks_the_ids_again_only_when_the_front_did_not(llm, monkeypatch):
+    """The front's requests say which vocabulary their ids were checked against; the core
+    skips its own pass over them only for its own vocabulary size (a direct driver, or a
+    front that says nothing or checked another vocabulary, is checked)."""
+    from llmserve.engine import request_checks
+    from llmserve.engine.request import EngineCoreRequest
+
+    vocab = llm.config.model_config.arch.vocab_size
+    params = SamplingParams(max_tokens=2)
+    (sent,) = llm.input_processor.process("front", {"prompt_token_ids": [1, 2, 3]}, params).core_requests
+    assert sent.ids_checked_vocab == vocab
+    (from_text,) = llm.input_processor.process("text", "hello there", params).core_requests
+    assert from_text.ids_checked_vocab == vocab  # the tokenizer's ids are checked by `process` too
+    passes = []
+    real = request_checks.check_token_ids
+    monkeypatch.setattr(request_checks, "check_token_ids", lambda ids, v: passes.append(len(ids)) or real(ids, v))
+    assert llm.core.add_request(sent) is None
+    assert passes == []
+    for claimed in (None, vocab + 1):
+        out = llm.core.add_request(EngineCoreRequest(f"bad-{claimed}", [1, vocab], params, 2, (2,), ids_checked_vocab=claimed))
+        assert out.finish_reason == "abort" and "outside the vocabulary" in out.error
+    assert passes == [2, 2]
+    llm.core.abort_requests(["front"])
+
+
 def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkeypatch):
     """`generate` queues a few steps' worth of prompt tokens, launches, and queues the rest a
     step's worth at a time while the device runs: the steps (requests, tokens, prompt tokens of

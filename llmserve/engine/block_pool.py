@@ -65,9 +65,10 @@ class BlockPool:
             block_id = pop(False)[0]
             block = blocks[block_id]
             key = block.key
-            if key is not None:
-                if cached.get(key) == block_id:
-                    del cached[key]
+            if key is not None:  # a block keeps a key only while it is the key's entry: one hash, not two
+                owner = cached.pop(key, block_id)
+                if owner != block_id:  # (defensive: never the case) someone else's entry stays
+                    cached[key] = owner
                 block.key = None
             block.ref_cnt = 1
             taken.append(block_id)

@@ -99,7 +99,8 @@ class InputProcessor:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
         # ids given as ids were checked by `tokenize`; a tokenizer's are checked here
-        check_request(ids, params, max_len, self.model_config.arch.vocab_size, ids_checked=not isinstance(text, str))
+        vocab_size = self.model_config.arch.vocab_size
+        check_request(ids, params, max_len, vocab_size, ids_checked=not isinstance(text, str))
         self._check_grammar(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -123,6 +124,7 @@ class InputProcessor:
                     arrival_time=arrival,
                     share_group=group,
                     lora_request=lora_request,
+                    ids_checked_vocab=vocab_size,
                 )
             )
         return ProcessedRequest(request_id, text, ids, params, core)

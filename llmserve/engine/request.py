@@ -52,6 +52,10 @@ class EngineCoreRequest:
     share_group: str | None = None  # siblings of an n > 1 request share prompt blocks
     received_time: float | None = None  # wall clock: the core process read it (its input thread sets it)
     lora_request: LoRARequest | None = None  # the adapter this request runs with (None: the base model)
+    # the vocabulary size the front checked prompt_token_ids against (None: not checked); the
+    # core checks again only when it differs from its own (0.4 ms at 7,680 tokens, before the
+    # first step of a request)
+    ids_checked_vocab: int | None = None
 
 
 @dataclass(slots=True)
