@@ -8,6 +8,10 @@ with an error output instead of raising inside the step loop.
 
 from __future__ import annotations
 
+from array import array
+
+import numpy as np
+
 from llmserve.sampling_params import SamplingParams, token_ids_outside
 
 
@@ -24,10 +28,26 @@ def check_token_ids(ids: object, vocab_size: int) -> list[int]:
     ints, all inside) is checked by C-level passes (the types as a set, then min and max): a
     request is checked three times on its way in, and 1000 x 1,024-token prompts took 0.6 s of
     host time before the first step (2 cores) with a Python loop per token. Anything else
-    takes `check_token_ids_reference`, which finds the reason."""
-    if isinstance(ids, list) and (not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size)):
+    takes `check_token_ids_reference`, which finds the reason. From `_ARRAY_CHECK_TOKENS` on, the
+    bounds come from one copy into a C array (0.25 against 0.39 ms at 7,680 tokens; no faster at
+    1,024)."""
+    if isinstance(ids, list) and (not ids or (set(map(type, ids)) == {int} and _inside(ids, vocab_size))):
         return ids
     return check_token_ids_reference(ids, vocab_size)
+
+
+_ARRAY_CHECK_TOKENS = 2048
+
+
+def _inside(ids: list[int], vocab_size: int) -> bool:
+    """Every id (a plain int) in [0, vocab_size)."""
+    if len(ids) < _ARRAY_CHECK_TOKENS:
+        return min(ids) >= 0 and max(ids) < vocab_size
+    try:
+        values = np.frombuffer(array("q", ids), dtype=np.int64)
+    except OverflowError:  # past int64: certainly outside
+        return False
+    return bool(values.min() >= 0 and values.max() < vocab_size)
 
 
 def check_token_ids_reference(ids: object, vocab_size: int) -> list[int]:
