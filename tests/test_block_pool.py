@@ -60,22 +60,118 @@ def test_first_writer_wins_and_reset():
     assert pool.reset_cache() and pool.lookup(key(1)) is None
 
 
-def test_evicting_a_block_drops_only_its_own_entry():
-    """A block that a later writer lost to (first writer wins) holds no key, so its eviction
-    leaves the winner's entry; the winner's eviction drops it. A block whose key maps to
-    another block (never made by the pool itself) leaves that entry too."""
-    pool = BlockPool(3)
-    b1, b2, b3 = pool.allocate(3)
+def test_an_evicted_blocks_entry_is_stale_at_once_and_dropped_later():
+    """Handing a cached block out again makes its entry stale without touching the map
+    (lookup misses, a new writer takes the key); `drop_evicted` deletes only stale entries:
+    one made again since (by the same block or another) stays. A block that lost the key to
+    a first writer holds none, so its eviction leaves the winner's entry."""
+    pool = BlockPool(4)
+    b1, b2, b3, b4 = pool.allocate(4)
     pool.register(b1, key(1))
     pool.register(b2, key(1))  # lost: b2 keeps no key
+    pool.register(b3, key(3))
+    pool.register(b4, key(4))
     pool.free([b2])
     assert pool.allocate(1) == [b2] and pool.lookup(key(1)) == b1
-    pool.blocks[b3].key = key(1)  # an inconsistent key: b1 is the entry
-    pool.free([b3])
-    assert pool.allocate(1) == [b3] and pool.lookup(key(1)) == b1
-    assert pool.blocks[b3].key is None
-    pool.free([b1])
-    assert pool.allocate(1) == [b1] and pool.lookup(key(1)) is None
+    pool.free([b3, b4, b1])
+    assert pool.allocate(3) == [b3, b4, b1]  # all three entries stale now
+    assert [pool.lookup(key(n)) for n in (1, 3, 4)] == [None, None, None]
+    pool.register(b3, key(3))  # the same block holds it again
+    pool.register(b2, key(4))  # another block does
+    assert len(pool.cached) == 3
+    pool.drop_evicted()
+    assert pool.cached == {key(3): (b3, 2), key(4): (b2, 2)}  # (each block handed out twice)
+    assert pool.lookup(key(3)) == b3 and pool.lookup(key(4)) == b2 and pool.lookup(key(1)) is None
+
+
+def test_stale_entries_stay_bounded_without_drop_evicted():
+    pool = BlockPool(8)
+    for n in range(100):
+        (b,) = pool.allocate(1)
+        pool.register(b, key(n))
+        pool.free([b])
+        pool.allocate(8)  # evicts it
+        pool.free(list(range(8)))
+    assert len(pool.cached) <= 2 * pool.num_blocks + 1 and len(pool._evicted) <= pool.num_blocks + 8
+
+
+class ReferencePool:
+    """The prefix map kept exact at every step: an eviction deletes the evicted block's entry."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.ref = [0] * num_blocks
+        self.key: list[BlockKey | None] = [None] * num_blocks
+        self.queue = list(range(num_blocks))  # front: reclaimed first
+        self.cached: dict[BlockKey, int] = {}
+
+    def allocate(self, count: int) -> list[int]:
+        taken, self.queue = self.queue[:count], self.queue[count:]
+        for b in taken:
+            if self.key[b] is not None:
+                del self.cached[self.key[b]]
+                self.key[b] = None
+            self.ref[b] = 1
+        return taken
+
+    def touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.queue.remove(b)
+            self.ref[b] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.queue.insert(0, b) if self.key[b] is None else self.queue.append(b)
+
+    def register(self, b: int, k: BlockKey) -> None:
+        if k not in self.cached:
+            self.cached[k] = b
+            self.key[b] = k
+
+    def lookup(self, k: BlockKey) -> int | None:
+        return self.cached.get(k)
+
+
+def test_the_pool_matches_the_reference_over_random_operations():
+    """Allocations, frees, hits (touch), registrations over few distinct keys, and
+    `drop_evicted` at random moments: every lookup, the free queue and every block's key
+    and count equal the eagerly evicting reference's."""
+    import random
+
+    for seed in range(20):
+        rng = random.Random(seed)
+        pool, ref = BlockPool(12), ReferencePool(12)
+        held: list[int] = []
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.3 and pool.num_free:
+                count = rng.randint(1, min(4, pool.num_free))
+                got = pool.allocate(count)
+                assert got == ref.allocate(count)
+                held += got
+            elif op < 0.5 and held:
+                b = held.pop(rng.randrange(len(held)))
+                pool.free([b]), ref.free([b])
+            elif op < 0.7 and held:
+                b, k = rng.choice(held), key(rng.randrange(10))
+                if pool.blocks[b].key is None:  # a block is registered once, when it fills
+                    pool.register(b, k), ref.register(b, k)
+            elif op < 0.85:
+                k = key(rng.randrange(10))
+                hit = pool.lookup(k)
+                assert hit == ref.lookup(k)
+                if hit is not None:
+                    pool.touch([hit]), ref.touch([hit])
+                    held.append(hit)
+            else:
+                pool.drop_evicted()
+            assert list(pool.free_queue) == ref.queue
+            assert [(b.ref_cnt, b.key) for b in pool.blocks] == list(zip(ref.ref, ref.key))
+        assert {k: pool.lookup(k) for k in map(key, range(10))} == {k: ref.lookup(k) for k in map(key, range(10))}
+        pool.drop_evicted()
+        assert {k: e[0] for k, e in pool.cached.items()} == ref.cached
 
 
 def test_over_allocation_raises():

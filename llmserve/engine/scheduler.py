@@ -269,7 +269,8 @@ class Scheduler:
         before this one's tokens are known (`update_from_output` fills them in). The prefix
         cache keys of the blocks a chunk fills are made here, while the device computes:
         `update_from_output` then only registers them (a 7,680-token prompt's 480 keys had
-        taken 1.8 ms of its TTFT after the device was done, H200, 2026-12-04)."""
+        taken 1.8 ms of its TTFT after the device was done, H200, 2026-12-04). The stale entries
+        of blocks evicted by this step's allocations are deleted here too."""
         for sched in out.scheduled:
             req = sched.request
             samples = sched.samples  # read before the count moves
@@ -279,6 +280,7 @@ class Scheduler:
                 req.num_pending += 1
             if sched.num_new_tokens > 1:  # (a decode's keys wait: its input may still be on the device)
                 self.kv.make_block_keys(req)
+        self.kv.pool.drop_evicted()  # the prefix-cache entries this step's allocations left stale
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict
