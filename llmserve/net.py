@@ -8,14 +8,33 @@ import random
 import socket
 import threading
 
-# Ports are handed out below Linux's ephemeral range (32768-60999 by default), from which
-# the kernel draws the source port of every outgoing connection and every bind to port 0.
+# Ports are handed out below the kernel's ephemeral range (Linux: 32768-60999 by default),
+# from which it draws the source port of every outgoing connection and every bind to port 0.
 # A port from bind(0) is free only until the socket closes: a client connecting anywhere
 # (or a later bind(0)) may take it before the caller's server binds it, which is how a
 # test platform's server once failed with "address already in use". Below that range no
-# connection lands by chance, and one process never hands the same port out twice
-# within a pass, so servers started together cannot take each other's ports.
-PORT_RANGE = (20000, 32000)
+# connection lands by chance, and one process hands its ports out in turn, never the same
+# one twice within a pass, so servers started together cannot take each other's ports.
+# (Two processes walk from different random starts: they meet only if they reach the same
+# port within the moments before its server binds it.)
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def port_range(ephemeral_file: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """[low, high): up to 12,000 ports just below the ephemeral range, ending at 32,000 at most
+    (20000-32000 with Linux's default); every unprivileged port when the ephemeral range
+    leaves fewer than 1,000 below it."""
+    try:
+        with open(ephemeral_file) as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    high = min(32000, ephemeral_low)
+    low = max(1024, high - 12000)
+    return (low, high) if high - low >= 1000 else (1024, 65536)
+
+
+PORT_RANGE = port_range()
 
 
 def _port_sequence(low: int, high: int) -> itertools.cycle:
@@ -38,14 +57,16 @@ def _restart_after_fork() -> None:
 os.register_at_fork(after_in_child=_restart_after_fork)
 
 
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could bind `port` on `host` now."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+def port_is_free(port: int, hosts: tuple[str, ...] = ("127.0.0.1", "")) -> bool:
+    """Whether a server could bind `port` on each of `hosts` now ("": every IPv4 address, as
+    the tensor-parallel workers' store binds)."""
+    for host in hosts:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
 
 
 def free_port() -> int:

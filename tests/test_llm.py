@@ -320,7 +320,7 @@ def test_the_core_checks_the_ids_again_only_when_the_front_did_not(llm, monkeypa
     """The front's requests say which vocabulary their ids were checked against; the core
     skips its own pass over them only for its own vocabulary size (a direct driver, or a
     front that says nothing or checked another vocabulary, is checked)."""
-    from llmserve.engine import request_checks
+    from llmserve.engine import input_processor, request_checks
     from llmserve.engine.request import EngineCoreRequest
 
     vocab = llm.config.model_config.arch.vocab_size
@@ -332,6 +332,10 @@ def test_the_core_checks_the_ids_again_only_when_the_front_did_not(llm, monkeypa
     passes = []
     real = request_checks.check_token_ids
     monkeypatch.setattr(request_checks, "check_token_ids", lambda ids, v: passes.append(len(ids)) or real(ids, v))
+    monkeypatch.setattr(input_processor, "check_token_ids", request_checks.check_token_ids)
+    llm.input_processor.process("both", {"prompt_token_ids": [1, 2, 3, 4], "prompt": "abcd"}, params)
+    assert passes == [4]  # ids given beside their text: one pass in the front
+    passes.clear()
     assert llm.core.add_request(sent) is None
     assert passes == []
     for claimed in (None, vocab + 1):

@@ -98,9 +98,11 @@ class InputProcessor:
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
-        # ids given as ids were checked by `tokenize`; a tokenizer's are checked here
+        # ids given as ids were checked by `tokenize` (a dict may carry the text beside them);
+        # a tokenizer's are checked here
+        given_ids = isinstance(prompt, list) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
         vocab_size = self.model_config.arch.vocab_size
-        check_request(ids, params, max_len, vocab_size, ids_checked=not isinstance(text, str))
+        check_request(ids, params, max_len, vocab_size, ids_checked=given_ids)
         self._check_grammar(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
