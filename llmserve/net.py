@@ -40,7 +40,7 @@ PORT_RANGE = port_range()
 def _port_sequence(low: int, high: int) -> itertools.cycle:
     """Every port of [low, high) once per cycle, from a start that differs by process."""
     span = high - low
-    start = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little")).randrange(span)
+    start = random.SystemRandom().randrange(span)
     return itertools.cycle([low + (start + i) % span for i in range(span)])
 
 

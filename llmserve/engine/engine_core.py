@@ -101,8 +101,8 @@ class EngineCore:
         """Queue a request; a request the core cannot take comes back as an error output."""
         mc = self.config.model_config
         try:
-            check_request(req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size,
-                          ids_checked=req.ids_checked_vocab == mc.arch.vocab_size)  # the front's check stands  # fmt: skip
+            front_checked = req.ids_checked_vocab == mc.arch.vocab_size  # the front's pass over the ids stands
+            check_request(req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size, front_checked)
             if req.request_id in self.scheduler.requests:
                 raise PromptError(f"request id {req.request_id!r} is already in use")
             if req.lora_request is not None:

@@ -26,7 +26,7 @@ class PromptTooLongError(PromptError):
 def check_token_ids(ids: object, vocab_size: int) -> list[int]:
     """`ids` as a list of token ids inside the vocabulary, or PromptError. The usual list (plain
     ints, all inside) is checked by C-level passes (the types as a set, then min and max): a
-    request is checked three times on its way in, and 1000 x 1,024-token prompts took 0.6 s of
+    request was checked three times on its way in, and 1000 x 1,024-token prompts took 0.6 s of
     host time before the first step (2 cores) with a Python loop per token. Anything else
     takes `check_token_ids_reference`, which finds the reason. From `_ARRAY_CHECK_TOKENS` on, the
     bounds come from one copy into a C array (0.25 against 0.39 ms at 7,680 tokens; no faster at
