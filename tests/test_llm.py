@@ -345,6 +345,14 @@ def test_the_core_checks_the_ids_again_only_when_the_front_did_not(llm, monkeypa
     llm.core.abort_requests(["front"])
 
 
+def test_a_tokenizers_ids_outside_the_models_vocabulary_are_refused(llm, monkeypatch):
+    """A tokenizer with more tokens than the model's embedding: its ids are checked like given ones."""
+    vocab = llm.config.model_config.arch.vocab_size
+    monkeypatch.setattr(llm.input_processor.tokenizer, "encode", lambda text, **kw: [1, vocab + 3])
+    with pytest.raises(PromptError, match=f"prompt token id {vocab + 3} is outside the vocabulary"):
+        llm.input_processor.process("big", "hello", SamplingParams(max_tokens=2))
+
+
 def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkeypatch):
     """`generate` queues a few steps' worth of prompt tokens, launches, and queues the rest a
     step's worth at a time while the device runs: the steps (requests, tokens, prompt tokens of

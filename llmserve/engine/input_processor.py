@@ -60,8 +60,10 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids(model_config.model, tokenizer, model_config.arch.eos_token_ids)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """The prompt's text (None: ids only) and its ids, checked against the vocabulary
+        (a tokenizer's too: its vocabulary may be larger than the model's)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
@@ -98,11 +100,8 @@ class InputProcessor:
     ) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.model_config.max_model_len
-        # ids given as ids were checked by `tokenize` (a dict may carry the text beside them);
-        # a tokenizer's are checked here
-        given_ids = isinstance(prompt, list) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
         vocab_size = self.model_config.arch.vocab_size
-        check_request(ids, params, max_len, vocab_size, ids_checked=given_ids)
+        check_request(ids, params, max_len, vocab_size, ids_checked=True)  # by `tokenize`
         self._check_grammar(params)
         room = max_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
