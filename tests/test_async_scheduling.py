@@ -73,6 +73,46 @@ def test_async_scheduling_under_preemption(llama_dir):
         assert_no_leak(overlapped)
 
 
+def test_a_prompt_reads_blocks_that_the_step_in_flight_is_still_writing(llama_dir):
+    """A chunk's full blocks go to the prefix cache when its step is launched. A prompt with the
+    same prefix, added while that step is still on the device, is scheduled into the next step,
+    reads those blocks from the cache, and gives the tokens of an engine without prefix caching."""
+    from llmserve.engine.engine_core import StepPipeline
+    from llmserve.engine.request import EngineCoreRequest
+
+    rng = random.Random(5)
+    shared = [1] + [rng.randrange(3, 500) for _ in range(71)]
+    prompts = {"first": shared + [7, 8, 9], "second": shared + [11, 12]}
+
+    def core_request(llm, rid):
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=prompts[rid], sampling_params=params,
+                                 max_tokens=8, eos_token_ids=(2,))  # fmt: skip
+
+    expected = {}
+    plain = LLM(llama_dir, block_size=16, enable_prefix_caching=False)
+    for rid, ids in prompts.items():
+        expected[rid] = plain.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8,
+                                       ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+    llm = LLM(llama_dir, block_size=16, max_num_batched_tokens=48)  # the first prompt in two chunks
+    core = llm.core
+    pipeline = StepPipeline(core)
+    assert core.add_request(core_request(llm, "first")) is None
+    pipeline.launch()  # the first chunk (48 tokens, 3 full blocks) on the device
+    assert core.kv.num_cached_blocks(core.scheduler.requests["first"]) == 3
+    assert core.add_request(core_request(llm, "second")) is None
+    got, cached = {"first": [], "second": []}, {}
+    while core.has_unfinished() or pipeline.busy:
+        pipeline.launch()  # the next step: launched before the one in flight is finished
+        done = pipeline.finish()
+        for out in done.outputs if done is not None else ():
+            got[out.request_id] += out.new_token_ids
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+    assert cached["second"] >= 48  # the blocks of the step that was in flight when it arrived
+    assert got == expected
+    assert_no_leak(llm)
+
+
 def test_scheduler_overlap_stop_while_next_step_runs():
     sched = make_scheduler()
     sched.add_request(make_request("a", tokens=[1, 5, 6], max_tokens=10))

@@ -293,7 +293,7 @@ def test_prefix_lookup_makes_keys_up_to_the_first_miss_and_matches_the_reference
         assert kv._block_keys(req, num_full) == reference_keys(tokens, num_full), rid
 
 
-def test_a_chunks_block_keys_are_made_at_launch_and_registered_after_it():
+def test_a_chunks_full_blocks_are_registered_at_launch_and_found_by_the_next_step():
     sched = make_scheduler(num_blocks=256, budget=24)  # a 41-token prompt in chunks of 24 and 17
     tokens = [70 + i for i in range(41)]
     sched.add_request(make_request("p", tokens=tokens, max_tokens=2))
@@ -301,17 +301,24 @@ def test_a_chunks_block_keys_are_made_at_launch_and_registered_after_it():
     out = sched.schedule()
     req = out.scheduled[0].request
     sched.after_launch(out)
-    # the chunk's 6 full blocks keyed while the device computes, none registered yet
-    assert req.block_hashes == reference_keys(tokens, 6) and kv.num_cached_blocks(req) == 0
-    sched.update_from_output(out, {}, {})
+    # the chunk's 6 full blocks are in the cache while the device computes them
+    assert req.block_hashes == reference_keys(tokens, 6) and kv.num_cached_blocks(req) == 6
+    assert [kv.pool.lookup(k) for k in reference_keys(tokens, 6)] == kv.block_table("p")[:6]
+    # a request arriving now is scheduled into the next step (after this one on the device) and
+    # reads those 6 blocks from the cache; its own first miss is the 7th
+    sched.add_request(make_request("q", tokens=tokens[:24] + [5] * 9, max_tokens=1))
+    out2 = sched.schedule()
+    q = next(s.request for s in out2.scheduled if s.request.request_id == "q")
+    assert q.num_cached_tokens == 24 and kv.block_table("q")[:6] == kv.block_table("p")[:6]
+    assert [s.samples for s in out2.scheduled] == [True, False]  # (q's 9 new tokens: 7 fit the budget)
+    sched.update_from_output(out, {}, {})  # the first step's result: nothing more to register
     assert kv.num_cached_blocks(req) == 6
-    out = sched.schedule()
-    sched.after_launch(out)  # the last chunk: 10 full blocks of known tokens (the sampled one is pending)
-    assert req.block_hashes == reference_keys(tokens, 10) and kv.num_cached_blocks(req) == 6
-    sched.update_from_output(out, {"p": 9}, {})
+    sched.after_launch(out2)  # p's last chunk: 10 full blocks of known tokens (the sampled one is pending)
+    assert req.block_hashes == reference_keys(tokens, 10) and kv.num_cached_blocks(req) == 10
+    sched.update_from_output(out2, {"p": 9}, {})
     assert kv.num_cached_blocks(req) == 10
     assert [kv.pool.lookup(k) for k in reference_keys(tokens, 10)] == kv.block_table("p")[:10]
-    # a decode makes no keys at launch (its block's last token is not known until it is sampled)
+    # a decode registers nothing at launch (its block's last token is not known until it is sampled)
     out = sched.schedule()
     sched.after_launch(out)
-    assert len(req.block_hashes) == 10
+    assert len(req.block_hashes) == 10 and kv.num_cached_blocks(req) == 10

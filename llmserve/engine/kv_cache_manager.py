@@ -99,11 +99,6 @@ class KVCacheManager:
             self.pool.register(blocks[i], keys[i])
         self._num_registered[req.request_id] = num_full
 
-    def make_block_keys(self, req: Request) -> None:
-        """Make the keys `cache_full_blocks` will register, ahead of it (while a step computes)."""
-        if self._salt(req) is not False:
-            self._block_keys(req, self._known_full_blocks(req))
-
     def _known_full_blocks(self, req: Request) -> int:
         """The request's computed full blocks whose tokens are all known on the host."""
         return min(req.num_computed_tokens, req.num_known_tokens) // self.block_size

@@ -266,11 +266,14 @@ class Scheduler:
     def after_launch(self, out: SchedulerOutput) -> None:
         """The step is on the device: its tokens count as computed, and each sampling
         request holds a PLACEHOLDER for its token, so the next step can be scheduled
-        before this one's tokens are known (`update_from_output` fills them in). The prefix
-        cache keys of the blocks a chunk fills are made here, while the device computes:
-        `update_from_output` then only registers them (a 7,680-token prompt's 480 keys had
-        taken 1.8 ms of its TTFT after the device was done, H200, 2026-12-04). The stale entries
-        of blocks evicted by this step's allocations are deleted here too."""
+        before this one's tokens are known (`update_from_output` fills them in). The full
+        blocks a chunk fills go to the prefix cache here, while the device computes (as vLLM
+        caches blocks when it allocates them): a request that finds them in a later step reads
+        them after this step has written them, since steps run in order on the device. They
+        used to be registered once the step was done, on the TTFT's path: a 7,680-token
+        prompt's 480 blocks took 1.0-1.8 ms there (H200, 2026-12-04). A decode's block waits
+        for its last token, which is still on the device. The stale entries of blocks evicted
+        by this step's allocations are deleted here too."""
         for sched in out.scheduled:
             req = sched.request
             samples = sched.samples  # read before the count moves
@@ -278,8 +281,8 @@ class Scheduler:
             if samples:
                 req.all_token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
-            if sched.num_new_tokens > 1:  # (a decode's keys wait: its input may still be on the device)
-                self.kv.make_block_keys(req)
+            if sched.num_new_tokens > 1:  # (a decode's block waits: its input may still be on the device)
+                self.kv.cache_full_blocks(req)
         self.kv.pool.drop_evicted()  # the prefix-cache entries this step's allocations left stale
 
     def update_from_output(
