@@ -32,6 +32,19 @@ class AttentionMetadata:
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()
 
 
+@dataclass(slots=True)
+class SampledRows:
+    """The rows of a batch that sample (each its sequence's last new token), for a last layer run
+    on them alone. Every layer writes the keys and values of all rows, but only these rows'
+    hidden states reach the LM head, so the last layer's attention, output projection and MLP
+    need no other row (a 7,680-token prompt: 1 of 7,680 rows)."""
+
+    rows: torch.Tensor  # [k] int64: their rows in the batch, in order
+    # the attention of k one-token queries over the cache, one a sampling sequence; its
+    # slot_mapping is the whole batch's (every row's keys and values are written)
+    meta: AttentionMetadata
+
+
 FP8_KV = torch.float8_e4m3fn
 FP8_KV_MAX = 448.0
 

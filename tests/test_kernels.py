@@ -162,6 +162,38 @@ def test_paged_attention_mixed_batch(
     check_attention(*batch, head_dim**-0.5, num_splits=num_splits)
 
 
+def test_sampled_rows_attend_alone_after_every_row_is_written():
+    """The last layer's attention of the sampling rows alone (`SampledRows`): every row's K/V
+    written by the batch's slot mapping, then one one-token query a sampling sequence over the
+    cache (q/k/v strided, as the model's). Equal to those rows of the whole batch's attention,
+    and the same cache."""
+    from llmserve.attention_metadata import SampledRows  # noqa: F401 - the form checked here
+
+    qlens, seqlens = [1, 11, 1, 9, 6, 1], [7, 11, 30, 22, 22, 41]
+    q, k, v, kv_cache, meta = make_batch(qlens, seqlens, num_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
+                                         dtype=torch.float32, strided_qkv=True, seed=21)  # fmt: skip
+    ref_cache = kv_cache.clone()
+    ref = reference_paged_attention(q, k, v, ref_cache, meta, 0.3)
+    samples = [0, 1, 2, 4, 5]  # the chunk after 13 cached tokens (sequence 3) does not sample
+    ends = meta.query_start_loc[1:].tolist()
+    rows = torch.tensor([ends[i] - 1 for i in samples])
+    keep = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=torch.arange(len(samples) + 1, dtype=torch.int32),
+        seq_lens=meta.seq_lens[samples], block_tables=meta.block_tables[samples], max_query_len=1,
+        max_seq_len=max(seqlens[i] for i in samples), num_decode_seqs=len(samples),
+    )  # fmt: skip
+    out = K.triton_paged_attention(q[rows], k, v, kv_cache, keep, 0.3)
+    torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref[rows], **TOL[torch.float32])
+    none = AttentionMetadata(meta.slot_mapping, torch.zeros(1, dtype=torch.int32), meta.seq_lens[:0],
+                             meta.block_tables[:0], 1, 0, 0)  # fmt: skip
+    kv_cache.zero_()
+    assert K.triton_paged_attention(q[:0], k, v, kv_cache, none, 0.3).shape[0] == 0
+    written = meta.slot_mapping
+    flat = kv_cache.view(2, -1, 1, 16)
+    torch.testing.assert_close(flat[0, written], k.contiguous(), atol=0, rtol=0)  # no row samples: still written
+
+
 def test_paged_attention_multi_tile_prefill_strided_qkv():
     """Chunks longer than one tile (binary search over tiles), q/k/v as strided views."""
     cfg = K.AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)  # 4 tokens

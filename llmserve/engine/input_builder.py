@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from llmserve.attention_metadata import AttentionMetadata
+from llmserve.attention_metadata import AttentionMetadata, SampledRows
 from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.host_copy import to_device
 from llmserve.engine.request import PLACEHOLDER
@@ -63,6 +63,7 @@ class BatchInputs:
     num_decode_seqs: int = 0  # rows at the front with one new token each
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()  # AttentionMetadata.chunk_seqs
+    sample_seqs: list[int] | None = None  # the sequence of each row in logits_indices (None: [])
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
@@ -81,6 +82,25 @@ class BatchInputs:
             num_decode_seqs=self.num_decode_seqs,
             fresh_seqs=self.fresh_seqs,
             chunk_seqs=self.chunk_seqs,
+        )
+
+    def sampled_rows(self, meta: AttentionMetadata, device: torch.device) -> SampledRows:
+        """The rows of `logits_indices`, and the attention of their queries alone over the cache
+        (each a one-token query at its sequence's end); `meta` is the whole batch's, whose slot
+        mapping stays (every row's keys and values are still written)."""
+        seqs = self.sample_seqs or []
+        seq_lens = [self.seq_lens[i] for i in seqs]
+        return SampledRows(
+            rows=to_device(self.logits_indices, torch.long, device),
+            meta=AttentionMetadata(
+                slot_mapping=meta.slot_mapping,
+                query_start_loc=to_device(list(range(len(seqs) + 1)), torch.int32, device),
+                seq_lens=to_device(seq_lens, torch.int32, device),
+                block_tables=to_device(self.block_tables[seqs], torch.int32, device),
+                max_query_len=1,
+                max_seq_len=max(seq_lens, default=0),
+                num_decode_seqs=len(seqs),
+            ),
         )
 
 
@@ -110,6 +130,7 @@ class InputBuilder:
         query_start = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        sample_seqs: list[int] = []
         max_query = 0
         fill_positions: list[int] = []
         fill_rows: list[int] = []
@@ -144,6 +165,7 @@ class InputBuilder:
             max_query = max(max_query, count)
             if samples:
                 logits_indices.append(query_start[-1] - 1)
+                sample_seqs.append(len(seq_lens) - 1)
         if parts:
             if input_ids:
                 parts.append((input_ids, positions, slots))
@@ -155,7 +177,7 @@ class InputBuilder:
         return BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
-            decode_lead, tuple(fresh), tuple(chunks),
+            decode_lead, tuple(fresh), tuple(chunks), sample_seqs,
         )  # fmt: skip
 
     def forget_all(self) -> None:

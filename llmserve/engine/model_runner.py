@@ -442,16 +442,31 @@ class ModelRunner:
             return None
         if step.lora_slots is not None:
             self.lora.context.set_token_slots(step.lora_slots)
-        hidden = self._forward(step.batch)
-        if not step.batch.logits_indices:
+        hidden, rows = self._forward(step.batch)
+        if not rows:
             return None
         # on a GPU the LM head runs on few distinct row counts, each warmed up (engine/logits_rows.py)
-        return step_logits(self.model.compute_logits, hidden, step.batch.logits_indices, self.device.type == "cuda")
+        return step_logits(self.model.compute_logits, hidden, rows, self.device.type == "cuda")
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+    def _forward(self, batch: BatchInputs) -> tuple[torch.Tensor, list[int]]:
+        """The final hidden states and the rows of them that sample, in order: in steps that run
+        eagerly with rows that do not sample, the last layer runs on the sampling rows alone."""
+        fill = self._fill_from_last_step(batch)
+        return self._forward_graphs(batch, fill) or self._forward_eager(batch, fill, self.samples_only(batch))
+
+    def samples_only(self, batch: BatchInputs) -> bool:
+        """Does this step's last layer run on its sampling rows alone (`LlamaModel.forward`'s
+        `sampled`)? Where some rows do not sample (prompt chunks) and no LoRA adapter's deltas
+        follow the batch's rows. A fresh 7,680-token prompt then spends 1/32 less of its
+        prefill's GEMMs and attention on rows whose hidden states nobody reads."""
+        return self.lora is None and len(batch.logits_indices) < len(batch.input_ids)
+
+    def _forward_graphs(self, batch: BatchInputs, fill: Callable[[torch.Tensor], None] | None,
+                        ) -> tuple[torch.Tensor, list[int]] | None:  # fmt: skip
+        """A decode step by its CUDA graph, or a small mixed one by the piecewise graphs (None:
+        the step runs eagerly). `fill`: the input tokens still on the device (`_fill_from_last_step`)."""
         n = len(batch.seq_lens)
         decode_only = batch.max_query_len == 1
-        fill = self._fill_from_last_step(batch)
         if self.graphs is not None and decode_only and self.graphs.padded_size(n) is not None:
             return self.graphs.run(  # staged: the copies into the graph's buffers do not wait
                 staged(batch.input_ids, torch.long, self.device),
@@ -460,18 +475,27 @@ class ModelRunner:
                 staged(batch.seq_lens, torch.int32, self.device),
                 staged(batch.block_tables, torch.int32, self.device),
                 fill,
-            )
+            ), batch.logits_indices
         if self.mixed_graphs is not None and self.mixed_graphs.padded_size(len(batch.input_ids)) is not None:
             return self.mixed_graphs.run(
                 staged(batch.input_ids, torch.long, self.device),
                 staged(batch.positions, torch.long, self.device),
                 batch.metadata(self.device),
                 fill,
-            )
+            ), batch.logits_indices
+        return None
+
+    def _forward_eager(self, batch: BatchInputs, fill: Callable[[torch.Tensor], None] | None,
+                       samples_only: bool) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """The plain forward; with `samples_only`, the hidden states of the sampling rows alone
+        (their rows are then 0 .. k-1)."""
         input_ids, positions, meta = batch.to_device(self.device)
         if fill is not None:
             fill(input_ids)
-        return self.model(input_ids, positions, meta)
+        if not samples_only:
+            return self.model(input_ids, positions, meta), batch.logits_indices
+        hidden = self.model(input_ids, positions, meta, batch.sampled_rows(meta, self.device))
+        return hidden, list(range(len(batch.logits_indices)))
 
     def _fill_from_last_step(self, batch: BatchInputs) -> Callable[[torch.Tensor], None] | None:
         """Tokens the previous step sampled and the host has not seen yet: copied on the

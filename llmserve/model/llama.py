@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from llmserve.attention_metadata import SampledRows
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
@@ -120,6 +121,18 @@ class DecoderLayer(nn.Module):
         q, k, v, residual = self.begin(positions, x, residual)
         return self.finish(self.self_attn.attend(q, k, v, meta), residual)
 
+    def forward_sampled(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, sampled: SampledRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`forward`'s output for `sampled.rows` alone: every row's keys and values go to the
+        cache; only those rows attend, and only they pass the output projection and the MLP."""
+        q, k, v, residual = self.begin(positions, x, residual)
+        rows = sampled.rows
+        attn_out = self.self_attn.attend(q[rows], k, v, sampled.meta)
+        if rows.shape[0] == 0:  # no row samples (a prompt's middle chunk): the cache was all it needed
+            return attn_out, residual[:0]
+        return self.finish(attn_out, residual[rows])
+
     def begin(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -156,12 +169,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        sampled: SampledRows | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The final hidden states of every row, or with `sampled` of its rows alone (in order):
+        the last layer then runs past its cache write on those rows only."""
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        layers = self.layers if sampled is None else self.layers[:-1]
+        for layer in layers:
             x, residual = layer(positions, x, residual, meta)
+        if sampled is not None:
+            x, residual = self.layers[-1].forward_sampled(positions, x, residual, sampled)
+            if x.shape[0] == 0:
+                return x
         x, _ = self.norm(x, residual)
         return x
 
@@ -240,10 +261,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Returns the final hidden states [T, hidden]; `compute_logits` picks rows."""
-        return self.model(input_ids, positions, meta)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        sampled: SampledRows | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Returns the final hidden states [T, hidden] (`compute_logits` picks rows), or with
+        `sampled` those of its rows alone [k, hidden]: the rows that reach the LM head."""
+        return self.model(input_ids, positions, meta, sampled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from every rank)."""
