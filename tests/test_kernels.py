@@ -951,7 +951,9 @@ def test_engine_gives_long_chunks_to_sdpa_and_keeps_the_tokens(llama_dir, monkey
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     layers = llm.config.model_config.arch.num_layers
-    assert calls["chunk"] == layers and calls["fresh"] >= layers  # 16 after 16 of the 32-token prompt
+    # 16 after 16 of the 32-token prompt in every layer but the last, which attends the sampling rows
+    # alone (`SampledRows`); likewise each fresh chunk
+    assert calls["chunk"] == layers - 1 and calls["fresh"] == 2 * (layers - 1)
 
 
 def test_fp8_engine_on_the_fused_kernels_gives_the_reference_tokens(llama_dir):
