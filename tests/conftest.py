@@ -81,3 +81,19 @@ def assert_no_leak(llm) -> None:
     assert stats.num_blocks_used == 0, f"{stats.num_blocks_used} KV blocks still held"
     assert stats.num_swapped_blocks == 0
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def mixed_batch(runner, rng, spans, samples=None):
+    """A step's `BatchInputs` from `spans` (first new position, new tokens) of random tokens, each
+    sequence on blocks of its own; `samples`: whether each samples (default: all)."""
+    from llmserve.engine.input_builder import RowInput
+
+    bs = runner.block_size
+    items, next_block = [], 1
+    for i, (start, count) in enumerate(spans):
+        end = start + count
+        table = list(range(next_block, next_block + -(-end // bs)))
+        next_block += len(table)
+        tokens = [rng.randrange(3, 500) for _ in range(end)]
+        items.append(RowInput(f"r{i}", table, start, count, tokens, True if samples is None else samples[i]))
+    return runner.inputs.build(items)

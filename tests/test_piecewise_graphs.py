@@ -14,11 +14,10 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, mixed_batch
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.cuda_graphs import PiecewiseGraphs, mixed_capture_sizes
-from llmserve.engine.input_builder import RowInput
 from llmserve.engine.kv_sizing import graph_memory_reserve
 
 
@@ -32,15 +31,7 @@ def test_capture_sizes_cover_every_count_up_to_the_top():
 
 def _mixed_batch(runner, rng: random.Random):
     """A cached prefix + chunk, a whole prompt, and two decodes: 3 + 21 + 1 + 1 tokens."""
-    bs = runner.block_size
-    items, next_block = [], 1
-    for start, count in ((8, 3), (0, 21), (13, 1), (30, 1)):
-        end = start + count
-        table = list(range(next_block, next_block + -(-end // bs)))
-        next_block += len(table)
-        tokens = [rng.randrange(3, 500) for _ in range(end)]
-        items.append(RowInput(f"r{len(items)}", table, start, count, tokens, True))
-    return runner.inputs.build(items)
+    return mixed_batch(runner, rng, ((8, 3), (0, 21), (13, 1), (30, 1)))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

@@ -10,23 +10,14 @@ import random
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, mixed_batch
 from llmserve import LLM, SamplingParams
-from llmserve.engine.input_builder import RowInput
 
 
 def _batch(runner, rng: random.Random, samples: tuple[bool, ...]):
     """Decodes, a fresh prompt, chunks after cached tokens (one of which stops short of its end),
     each row sampling or not as `samples` says."""
-    bs = runner.block_size
-    items, next_block = [], 1
-    for (start, count), sample in zip(((13, 1), (0, 21), (8, 3), (30, 1), (16, 9), (0, 5)), samples):
-        end = start + count
-        table = list(range(next_block, next_block + -(-end // bs)))
-        next_block += len(table)
-        tokens = [rng.randrange(3, 500) for _ in range(end)]
-        items.append(RowInput(f"r{len(items)}", table, start, count, tokens, sample))
-    return runner.inputs.build(items)
+    return mixed_batch(runner, rng, ((13, 1), (0, 21), (8, 3), (30, 1), (16, 9), (0, 5)), samples)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
