@@ -52,7 +52,8 @@ def release() -> None:
 
 
 def forward_pair(path: str, dtype: str) -> dict:
-    llm = LLM(path, device=DEVICE, dtype=dtype, max_model_len=8192, block_size=16, gpu_memory_utilization=0.5,
+    # a cache of a set size (1,024 blocks): the check holds three copies of it
+    llm = LLM(path, device=DEVICE, dtype=dtype, max_model_len=8192, block_size=16, num_gpu_blocks_override=1024,
               load_format="dummy", enforce_eager=True)  # fmt: skip
     runner = llm.core.runner
     rng = random.Random(7)
@@ -87,7 +88,7 @@ def engine_tokens(path: str) -> dict:
     rng = random.Random(11)
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(n)] for n in (600, 1800, 3000, 2400, 64, 1100)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(path, device=DEVICE, dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.5,
+    llm = LLM(path, device=DEVICE, dtype="bfloat16", max_model_len=8192, num_gpu_blocks_override=4096,
               load_format="dummy", max_num_batched_tokens=1536, seed=3)  # fmt: skip
     runner, taken = llm.core.runner, []
     samples_only = runner.samples_only
