@@ -167,8 +167,6 @@ def test_sampled_rows_attend_alone_after_every_row_is_written():
     written by the batch's slot mapping, then one one-token query a sampling sequence over the
     cache (q/k/v strided, as the model's). Equal to those rows of the whole batch's attention,
     and the same cache."""
-    from llmserve.attention_metadata import SampledRows  # noqa: F401 - the form checked here
-
     qlens, seqlens = [1, 11, 1, 9, 6, 1], [7, 11, 30, 22, 22, 41]
     q, k, v, kv_cache, meta = make_batch(qlens, seqlens, num_heads=4, num_kv_heads=1, head_dim=16, block_size=8,
                                          dtype=torch.float32, strided_qkv=True, seed=21)  # fmt: skip

@@ -9,7 +9,7 @@ into a CUDA graph's buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -63,7 +63,7 @@ class BatchInputs:
     num_decode_seqs: int = 0  # rows at the front with one new token each
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()  # AttentionMetadata.chunk_seqs
-    sample_seqs: list[int] | None = None  # the sequence of each row in logits_indices (None: [])
+    sample_seqs: list[int] = field(default_factory=list)  # the sequence of each row in logits_indices
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
@@ -88,7 +88,7 @@ class BatchInputs:
         """The rows of `logits_indices`, and the attention of their queries alone over the cache
         (each a one-token query at its sequence's end); `meta` is the whole batch's, whose slot
         mapping stays (every row's keys and values are still written)."""
-        seqs = self.sample_seqs or []
+        seqs = self.sample_seqs
         seq_lens = [self.seq_lens[i] for i in seqs]
         return SampledRows(
             rows=to_device(self.logits_indices, torch.long, device),
