@@ -980,3 +980,102 @@ def test_split_counts_are_powers_of_two_and_warmup_compiles_each():
     assert seen <= set(PA.split_counts()) and len(seen) > 2
     kv_cache = torch.randn(2, 6, 4, 2, 16)
     assert PA.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32) == 3 * len(PA.split_counts())
+
+
+# -- the sampler's kernels (llmserve/kernels/sampling.py) -----------------------------------
+def _penalised_requests(vocab: int):
+    from llmserve.engine.request import EngineCoreRequest, Request
+    from llmserve.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(8)
+    kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(frequency_penalty=0.4, presence_penalty=-0.2),
+             dict(repetition_penalty=0.8, frequency_penalty=0.1), dict()]  # fmt: skip
+    reqs = []
+    for i, kind in enumerate(kinds):
+        prompt = torch.randint(0, vocab, (5 + 40 * i,), generator=gen).tolist()
+        req = Request(EngineCoreRequest(f"p{i}", prompt, SamplingParams(temperature=0, max_tokens=99, **kind), 99, (2,)))
+        req.all_token_ids.extend(torch.randint(0, vocab, (30,), generator=gen).tolist() + prompt[:3])
+        reqs.append(req)
+    return reqs
+
+
+@pytest.mark.parametrize("which", ["all", "repetition", "presence"])
+def test_penalty_kernel_equals_the_tensor_ops_bit_for_bit(which):
+    """Penalties in one pass against `PenaltyState.apply_tensors`: repetition over prompt and
+    output, presence and frequency over the output, rows without a penalty untouched, a vocabulary
+    that does not divide into blocks, -inf logits, both signs."""
+    from llmserve.engine.penalty_state import PenaltyState
+
+    vocab = 5003
+    reqs = _penalised_requests(vocab)
+    keep = {"all": range(5), "repetition": (0, 4), "presence": (1, 2, 4)}[which]
+    reqs = [reqs[i] for i in keep]
+    state = PenaltyState(vocab, torch.device("cpu"), use_kernel=True)
+    pen = state.rows_for(reqs)
+    state.count(torch.tensor([7] * len(reqs)), pen)  # a counted token on top of the filled rows
+    logits = torch.randn(len(reqs) + 2, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    logits[:, 11] = float("-inf")
+    want = state.apply_tensors(logits.clone(), pen)
+    got = state.apply(logits.clone(), pen)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[pen.rows], logits[pen.rows])  # (the penalties changed something)
+    assert torch.equal(got[len(reqs):], logits[len(reqs):])
+
+
+def test_the_sampler_on_its_kernels_equals_the_reference_step_after_step():
+    """The batched sampler with its kernels (penalties; the race for rows that only have a
+    temperature) against the one-request-at-a-time reference: the greedy and seeded rows give the
+    reference's tokens, the unseeded ones valid tokens."""
+    from test_sampler import MIXED, _run_steps
+
+    from llmserve.engine.sampler import Sampler
+    from llmserve.engine.sampler_reference import ReferenceSampler
+
+    cpu = torch.device("cpu")
+    got = _run_steps(Sampler(cpu, use_kernels=True), MIXED, 12)
+    want = _run_steps(ReferenceSampler(cpu), MIXED, 12)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    plain = [dict(temperature=0.7, presence_penalty=0.5), dict(temperature=1.0, frequency_penalty=0.3), dict(temperature=0)]
+    tokens = [step[0] for step in _run_steps(Sampler(cpu, use_kernels=True), plain, 6)]
+    assert all(0 <= t < 64 for step in tokens for t in step)
+    assert [step[2] for step in tokens] == [step[0][2] for step in _run_steps(ReferenceSampler(cpu), plain, 6)]
+
+
+def test_race_kernel_with_the_references_noise_picks_its_tokens():
+    """Given the same Exp(1) noise, the kernel's winners are `exponential_race(logits / T, E)`'s:
+    rows picked out of the batch, temperatures, masked tokens, and a tie (the first column wins)."""
+    from llmserve.engine.sampler_reference import exponential_race
+    from llmserve.kernels.sampling import RACE_BLOCK, race
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = RACE_BLOCK + 904  # two blocks, the second partial
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    logits[1, :3000] = float("-inf")
+    rows, temperature = torch.tensor([0, 2, 5, 1]), torch.tensor([0.7, 1.0, 1.3, 0.5])
+    noise = torch.empty(4, vocab).exponential_(generator=gen)
+    want = exponential_race(logits[rows] / temperature[:, None], noise)
+    assert torch.equal(race(logits, rows, temperature, noise=noise), want)
+    assert torch.equal(race(logits, None, None, noise=noise.repeat(2, 1)[:6]), exponential_race(logits, noise.repeat(2, 1)[:6]))
+    tie = torch.zeros(2, vocab)
+    tie[:, [40, 1500, RACE_BLOCK + 7]] = 5.0  # in two quarters of the first block and in the second block
+    assert race(tie, None, None, noise=torch.ones(2, vocab)).tolist() == [40, 40]
+    tie[:, 40] = 0.0
+    assert race(tie, None, None, noise=torch.ones(2, vocab)).tolist() == [1500, 1500]
+
+
+def test_race_kernel_draws_from_the_softmax():
+    """With its own Philox noise: each token about as often as softmax(logits / T) says, a masked
+    token never, the same tokens from the same generator seed and others from the next draw."""
+    from llmserve.kernels.sampling import race
+
+    row = torch.tensor([1.0, 2.0, 0.5, float("-inf"), 0.0, 1.5])
+    x = row.repeat(300, 1)
+    temperature = torch.full((300,), 0.8)
+    tokens = race(x, None, temperature, generator=torch.Generator().manual_seed(1))
+    freq = torch.bincount(tokens, minlength=6) / 300
+    assert freq[3] == 0 and (freq - torch.softmax(row / 0.8, dim=-1)).abs().max() < 0.09
+    few = (x[:40], None, temperature[:40])  # a row's noise depends on its seed and place alone
+    assert torch.equal(tokens[:40], race(*few, generator=torch.Generator().manual_seed(1)))
+    gen = torch.Generator().manual_seed(1)
+    race(*few, generator=gen)
+    assert not torch.equal(tokens[:40], race(*few, generator=gen))

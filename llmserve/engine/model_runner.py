@@ -139,7 +139,8 @@ class ModelRunner:
             self.lora = RunnerLoRA(config.lora, self.model, config.scheduler_config.max_num_batched_tokens,
                                    self.dtype, self.device, use_kernels=config.attention_backend == "triton",
                                    always_apply=not config.enforce_eager, write_slot=self.write_lora_slot)  # fmt: skip
-        self.sampler = Sampler(self.device) if config.sampler == "batched" else ReferenceSampler(self.device)
+        self.sampler = (Sampler(self.device, use_kernels=config.attention_backend == "triton")
+                        if config.sampler == "batched" else ReferenceSampler(self.device))  # fmt: skip
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
         sc = config.scheduler_config

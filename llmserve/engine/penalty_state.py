@@ -5,7 +5,9 @@ in its output (int32 counts), and, with a repetition penalty, which tokens its p
 The counts grow on the device from the sampled tokens themselves, so a step can be
 scheduled before the host has read the previous step's tokens (async scheduling), and no
 per-request tensor is built per step. The reference that recomputes all of this from the
-token lists is `sampler_reference.apply_penalties`.
+token lists is `sampler_reference.apply_penalties`. On a GPU the penalties go on in one pass
+of a Triton kernel (`llmserve.kernels.sampling.apply_penalties_`); `apply_tensors` is the same
+in tensor ops, the CPU's path and the kernel's reference.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ class PenaltyRows:
 
 
 class PenaltyState:
-    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 16) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 16, use_kernel: bool = False) -> None:
         self.vocab = vocab_size
         self.device = device
+        self.use_kernel = use_kernel  # the Triton kernel (a GPU, or the interpreter in tests)
         self.capacity = capacity
         self.counts: torch.Tensor | None = None  # int32 [capacity, vocab], made on first use
         self.prompt_seen: torch.Tensor | None = None  # bool [capacity, vocab], with the first repetition penalty
@@ -101,6 +104,21 @@ class PenaltyState:
     def apply(self, logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
         """The penalties on their rows of `logits` [B, V] (float32), as the reference applies
         them: repetition over prompt and output tokens, presence and frequency over the output."""
+        if not self.use_kernel or logits.stride(-1) != 1:
+            return self.apply_tensors(logits, pen)
+        from llmserve.kernels.sampling import apply_penalties_
+
+        rows = to_device(pen.rows, torch.long, self.device)
+        slots = to_device(pen.slots, torch.long, self.device)
+        rep = to_device(pen.repetition, torch.float32, self.device) if any(r != 1.0 for r in pen.repetition) else None
+        add = any(pen.presence) or any(pen.frequency)
+        presence = to_device(pen.presence, torch.float32, self.device) if add else None
+        frequency = to_device(pen.frequency, torch.float32, self.device) if add else None
+        return apply_penalties_(logits, self.counts, self.prompt_seen, rows, slots, rep, presence, frequency)
+
+    def apply_tensors(self, logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
+        """`apply` in batched tensor ops (about a dozen passes over the rows): the CPU's path
+        and the kernel's reference."""
         rows = to_device(pen.rows, torch.long, self.device)
         slots = to_device(pen.slots, torch.long, self.device)
         part = logits[rows]

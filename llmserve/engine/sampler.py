@@ -51,9 +51,12 @@ class _Random:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, vocab_size: int | None = None) -> None:
+    def __init__(self, device: torch.device, vocab_size: int | None = None, use_kernels: bool = False) -> None:
+        """`use_kernels`: the penalties and the plain race as Triton kernels (one pass each over
+        the vocabulary, llmserve/kernels/sampling.py), as on a GPU; off: tensor ops."""
         self.device = device
         self.vocab_size = vocab_size
+        self.use_kernels = use_kernels
         self.penalties: PenaltyState | None = None
         self.bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, biases) on the device
 
@@ -104,7 +107,7 @@ class Sampler:
         if not any(r.sampling_params.has_penalties for r in requests):
             return None
         if self.penalties is None:
-            self.penalties = PenaltyState(self.vocab_size or logits.shape[-1], logits.device)
+            self.penalties = PenaltyState(self.vocab_size or logits.shape[-1], logits.device, use_kernel=self.use_kernels)
         return self.penalties.rows_for(requests)
 
     def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
@@ -138,6 +141,12 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, r: _Random) -> torch.Tensor:
         device = logits.device
+        if self.use_kernels and _plain_race(r):  # temperature alone, no seed: one kernel over the vocabulary
+            from llmserve.kernels.sampling import race
+
+            rows = to_device(r.rows, torch.long, device) if len(r.rows) < logits.shape[0] else None
+            temperature = to_device(r.temperature, torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
+            return race(logits, rows, temperature)
         part = logits
         if len(r.rows) < logits.shape[0]:  # (every row samples: no gather)
             part = logits[to_device(r.rows, torch.long, device)]
@@ -186,6 +195,11 @@ def _plain_greedy(requests: list[Request], grammar: GrammarMask | None) -> bool:
                 or req.num_output_tokens < p.min_tokens):  # fmt: skip
             return False
     return True
+
+
+def _plain_race(r: _Random) -> bool:
+    """No row with a seed (its noise is a hash, seeded_noise.py), a top-k, top-p or min-p."""
+    return not r.seeded and all(k <= 0 for k in r.top_k) and all(p >= 1.0 for p in r.top_p) and not any(r.min_p)
 
 
 def _random_rows(requests: list[Request]) -> _Random:

@@ -147,7 +147,7 @@ def check_sampler_on_gpu() -> dict:
         reqs = [Request(EngineCoreRequest(f"r{i}", list(range(10 + i, 200 + i)), SamplingParams(
             max_tokens=50, seed=i if kinds[i % 6].get("temperature") else None, **kinds[i % 6]), 50, (2,)))
             for i in range(64)]  # fmt: skip
-        sampler, out = sampler_cls(device), []
+        sampler, out = (sampler_cls(device, use_kernels=True) if sampler_cls is Sampler else sampler_cls(device)), []
         for _ in range(12):
             logits = torch.randn(64, 128256, device=device, generator=gen) * 3
             tokens = sampler(logits, reqs).token_ids
