@@ -547,6 +547,12 @@ def test_an_fp8_cache_with_per_layer_scales(num_splits):
     torch.testing.assert_close(plain, exact, **TOL[torch.float32])
 
 
+def test_long_prefill_tiles_only_for_16_bit_queries():
+    # float32's 256 x 64 tiles need more shared memory than an H100 has (263,680 of 232,448 bytes)
+    assert paged_attention.long_tiles_fit(torch.bfloat16) and paged_attention.long_tiles_fit(torch.float16)
+    assert not paged_attention.long_tiles_fit(torch.float32)
+
+
 def test_choose_num_splits_policy():
     sms = 132
     # enough programs already: no split

@@ -404,7 +404,16 @@ def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
     runs here too, forgets its dummy requests, and the engine then gives the same tokens."""
     before = llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.core.runner
-    assert runner._warm_lm_head() == len(warm_counts(llm.config.scheduler_config.max_num_seqs))
+    batches, sample = [], runner.sampler.sample_async
+    runner.sampler.sample_async = lambda logits, reqs, *a: batches.append([r.sampling_params for r in reqs]) or sample(logits, reqs, *a)
+    try:
+        assert runner._warm_lm_head() == len(warm_counts(llm.config.scheduler_config.max_num_seqs))
+    finally:
+        del runner.sampler.sample_async
+    # each path alone and beside another kind of row (the sampling kernels' variants: rows picked
+    # out of the batch for the race, repetition and presence penalties in one launch)
+    assert any(len(b) == 2 and b[0].greedy and not b[1].greedy for b in batches)
+    assert any(len(b) == 2 and b[0].repetition_penalty != 1.0 and b[1].presence_penalty for b in batches)
     assert not runner.sampler.bias
     assert runner.sampler.penalties is not None and not runner.sampler.penalties.slot_of  # the penalty paths ran
     assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before

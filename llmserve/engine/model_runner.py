@@ -329,20 +329,25 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[:count])
             row_argmax(logits[:1])  # two stages
             row_argmax(logits)  # one (at more than TWO_STAGE_MAX_ROWS rows)
-            self._warm_sampling(logits[:1])
+            self._warm_sampling(logits[:2])
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor) -> None:
-        """The sampler once on each of its paths (the random race, top-k/top-p, penalties), on
-        one row of `logits` each (a first run with temperature 1 blocked 334 ms in the sampler
-        on the H200 otherwise); every trace of the dummy requests is then forgotten."""
-        paths = (SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
-                 SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),
-                 SamplingParams(temperature=0.0, repetition_penalty=1.1))  # fmt: skip
-        for i, params in enumerate(paths):
-            request = RunnerRequest(f"warmup-{i}", [0], params, (), [0, 0], [])
-            self.sampler.sample_async(logits, [request]).result()
-            self.sampler.forget([request.request_id])
+        """The sampler once on each of its paths (the random race, top-k/top-p, penalties), alone
+        and beside another kind of row (the sampling kernels specialize on both), on rows of
+        `logits` (a first run with temperature 1 blocked 334 ms in the sampler on the H200
+        otherwise); every trace of the dummy requests is then forgotten."""
+        paths = ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
+                 (SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),),
+                 (SamplingParams(temperature=0.0, repetition_penalty=1.1),),
+                 (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)),
+                 (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)),
+                 (SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                  SamplingParams(temperature=0.0, presence_penalty=0.5)))  # fmt: skip
+        for i, batch in enumerate(b for b in paths if len(b) <= len(logits)):
+            requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
+            self.sampler.sample_async(logits[: len(requests)], requests).result()
+            self.sampler.forget([request.request_id for request in requests])
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:
