@@ -12,6 +12,7 @@
 | `dense_linear` (which 16-bit GEMM for how many tokens) | `dense_linear` | `F.linear` |
 | `fp8_gemm_fast`, `fp8_matmul_fused_quant` (which GEMM for how many tokens) | `fp8_linear` | `llmserve.model.fp8.fp8_gemm_reference`, `fp8_matmul_reference` |
 | `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
+| `apply_penalties_`, `race` (the sampler's penalties and plain exponential race, one pass over the vocabulary each) | `sampling` | `PenaltyState.apply_tensors`, `sampler_reference.exponential_race` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
