@@ -41,6 +41,17 @@ def timed(obj, name: str, sink: list) -> None:
     setattr(obj, name, wrapper)
 
 
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's retries (a free of cached blocks, then cudaMalloc again) and
+    device allocations and frees so far (zeros off a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"num_alloc_retries": 0, "num_device_alloc": 0, "num_device_free": 0}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
 def med(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 3) if values else 0.0
 
@@ -60,6 +71,7 @@ def main() -> None:
     for name, kw in RUNS:
         for sink in calls.values():
             sink.clear()
+        mem = allocator_counts()
         start = time.time()
         llm.generate(prompts, SamplingParams(max_tokens=OUTPUT, ignore_eos=True, **kw), use_tqdm=False)
         end = time.time()
@@ -75,6 +87,7 @@ def main() -> None:
             "execute_async_ms": med([d for _, d in calls["execute_async"]]),
             "sample_async_host_ms": med([d for _, d in calls["sample_async"]]),
             "prefill_steps_s": round(sum(s["done"] - s["launch"] for s in steps if s["prefill"] > 0), 3),
+            "allocator": {k: v - mem[k] for k, v in allocator_counts().items()},
         }  # fmt: skip
         print("RESULT", name, json.dumps(result[name]), flush=True)
     (OUT / "penalty_steps.json").write_text(json.dumps(result, indent=1))
