@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.engine.host_copy import staged, to_device
+from llmserve.engine.host_copy import kept_on_device, staged, to_device
 
 CPU = torch.device("cpu")
 CASES = [
@@ -27,3 +27,14 @@ def test_arrays_and_tensors_are_converted_to_the_dtype():
     table = np.arange(12, dtype=np.int64).reshape(3, 4)
     assert torch.equal(staged(table, torch.int32, CPU), torch.tensor(table, dtype=torch.int32))
     assert staged(torch.ones(3, dtype=torch.int64), torch.float32, CPU).dtype == torch.float32
+
+
+def test_a_kept_list_crosses_once_and_each_list_apart():
+    from llmserve.engine.penalty_state import PenaltyRows
+
+    pen = PenaltyRows([0, 2], [5, 6], [1.1, 1.0], [0.5, 0.0], [0.0, 0.2])
+    rows = kept_on_device(pen, "rows", torch.long, CPU)
+    assert torch.equal(rows, torch.tensor([0, 2])) and kept_on_device(pen, "rows", torch.long, CPU) is rows
+    assert torch.equal(kept_on_device(pen, "presence", torch.float32, CPU), torch.tensor([0.5, 0.0]))
+    assert sorted(pen.copies) == ["presence", "rows"]
+    assert PenaltyRows([1], [1], [1.0], [0.0], [0.0]).copies == {}  # each its own cache

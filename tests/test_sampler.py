@@ -217,3 +217,54 @@ def test_fast_paths_of_uniform_batches_equal_the_reference():
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 3.0, 3.0, 3.0]], dtype=torch.bfloat16)
     greedy = [Request(EngineCoreRequest(f"g{i}", [1, 2], SamplingParams(temperature=0), 8, (2,))) for i in range(2)]
     assert Sampler(cpu)(logits, greedy).token_ids == ReferenceSampler(cpu)(logits, greedy).token_ids == [1, 0]
+
+
+def test_the_batch_plan_follows_requests_joining_leaving_and_moving():
+    """The sampler keeps a batch's plan while the batch holds the same requests in the same order:
+    batches that gain, lose and reorder requests (a finished one forgotten) still give the
+    reference's tokens, seeded rows' noise following their output counts and min_tokens masks
+    lifting on time; a steady batch is planned once."""
+    import llmserve.engine.sampler as sampler_module
+
+    cpu = torch.device("cpu")
+    orders = [[0, 1, 2, 3], [0, 1, 2, 3], [3, 2, 1, 0], [3, 2, 1, 0, 4, 5], [4, 5, 6, 7, 0], [4, 5, 6, 7, 0],
+              [7, 6, 5, 4], [1, 7, 6, 5, 4, 2], [1, 7, 6, 5, 4, 2], [2, 1]]  # fmt: skip
+    finished = {4: [3]}  # after step 4, request 3 is gone for good
+
+    def run(sampler) -> list[list[int]]:
+        reqs = _requests(MIXED)
+        gen = torch.Generator().manual_seed(5)
+        out = []
+        for step, order in enumerate(orders):
+            batch = [reqs[i] for i in order]
+            tokens = sampler(torch.randn(len(batch), 64, generator=gen) * 2, batch).token_ids
+            out.append(tokens)
+            for req, token in zip(batch, tokens):
+                req.all_token_ids.append(token)
+            sampler.forget([f"r{i}" for i in finished.get(step, [])])
+        return out
+
+    planned = []
+    real = sampler_module._random_rows
+    try:
+        sampler_module._random_rows = lambda *a, **k: planned.append(1) or real(*a, **k)
+        got = run(Sampler(cpu))
+    finally:
+        sampler_module._random_rows = real
+    assert got == run(ReferenceSampler(cpu))
+    assert len(planned) == 8  # 10 steps; steps 1 and 8 keep the batch before them (step 5's was forgotten from)
+
+
+def test_a_greedy_batch_keeps_its_min_tokens_mask_until_the_count_is_reached():
+    """A batch of plain greedy rows, one with min_tokens 3, logits that favour EOS: the plan
+    (made once) still masks EOS for that row's first three tokens, and only then lets it win."""
+    reqs = _requests([dict(temperature=0, min_tokens=3), dict(temperature=0)])
+    sampler, logits = Sampler(torch.device("cpu")), torch.zeros(2, 8)
+    logits[:, 2], logits[:, 5] = 9.0, 4.0  # EOS (2) first, then 5
+    got = []
+    for _ in range(5):
+        tokens = sampler(logits.clone(), reqs).token_ids
+        got.append(tokens)
+        for req, token in zip(reqs, tokens):
+            req.all_token_ids.append(token)
+    assert got == [[5, 2], [5, 2], [5, 2], [2, 2], [2, 2]]

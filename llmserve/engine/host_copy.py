@@ -40,3 +40,12 @@ def staged(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` on `device`, without a stream sync."""
     return staged(values, dtype, device).to(device, non_blocking=True)
+
+
+def kept_on_device(owner, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`owner.<name>` (a list that does not change) on `device`: copied on first use, then kept in
+    `owner.copies` (a dict), so a batch's settings cross once while the batch lasts."""
+    tensor = owner.copies.get(name)
+    if tensor is None:
+        tensor = owner.copies[name] = to_device(getattr(owner, name), dtype, device)
+    return tensor

@@ -12,11 +12,11 @@ in tensor ops, the CPU's path and the kernel's reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from llmserve.engine.host_copy import to_device
+from llmserve.engine.host_copy import kept_on_device, to_device
 from llmserve.engine.request import PLACEHOLDER
 
 
@@ -30,6 +30,7 @@ class PenaltyRows:
     repetition: list[float]
     presence: list[float]
     frequency: list[float]
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # the lists on the device (`kept_on_device`)
 
 
 class PenaltyState:
@@ -108,12 +109,12 @@ class PenaltyState:
             return self.apply_tensors(logits, pen)
         from llmserve.kernels.sampling import apply_penalties_
 
-        rows = to_device(pen.rows, torch.long, self.device)
-        slots = to_device(pen.slots, torch.long, self.device)
-        rep = to_device(pen.repetition, torch.float32, self.device) if any(r != 1.0 for r in pen.repetition) else None
+        rows = kept_on_device(pen, "rows", torch.long, self.device)
+        slots = kept_on_device(pen, "slots", torch.long, self.device)
+        rep = kept_on_device(pen, "repetition", torch.float32, self.device) if any(r != 1.0 for r in pen.repetition) else None
         add = any(pen.presence) or any(pen.frequency)
-        presence = to_device(pen.presence, torch.float32, self.device) if add else None
-        frequency = to_device(pen.frequency, torch.float32, self.device) if add else None
+        presence = kept_on_device(pen, "presence", torch.float32, self.device) if add else None
+        frequency = kept_on_device(pen, "frequency", torch.float32, self.device) if add else None
         return apply_penalties_(logits, self.counts, self.prompt_seen, rows, slots, rep, presence, frequency)
 
     def apply_tensors(self, logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
@@ -137,8 +138,8 @@ class PenaltyState:
 
     def count(self, tokens: torch.Tensor, pen: PenaltyRows) -> None:
         """The tokens just sampled (on the device) join their rows' counts."""
-        rows = to_device(pen.rows, torch.long, self.device)
-        slots = to_device(pen.slots, torch.long, self.device)
+        rows = kept_on_device(pen, "rows", torch.long, self.device)
+        slots = kept_on_device(pen, "slots", torch.long, self.device)
         ones = torch.ones(len(pen.rows), dtype=torch.int32, device=self.device)
         self.counts.index_put_((slots, tokens[rows]), ones, accumulate=True)
 

@@ -19,12 +19,13 @@ log-softmax, as vLLM reports them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import torch
 
 from llmserve.engine import seeded_noise
-from llmserve.engine.host_copy import to_device
+from llmserve.engine.host_copy import kept_on_device, to_device
 from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
 from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
@@ -48,6 +49,26 @@ class _Random:
     min_p: list[float]
     seeded: list[int]  # positions within `rows`
     keys: list[tuple[int, int]]  # seeded_noise.row_key of each seeded row
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # the lists but `keys` on the device (`kept_on_device`)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a batch's sampling settings say, made once and kept while the batch holds the same
+    requests in the same order (decode steps mostly do): no loop over the batch's requests on
+    such a step. What changes from step to step is read then, for the rows it concerns: the
+    output counts of rows with a min_tokens or a seed."""
+
+    key: tuple[str, ...]  # the requests' ids, in batch order
+    greedy: bool  # every row greedy, without logprobs, penalties, logit bias or grammar
+    min_tokens_rows: list[int]  # rows with a min_tokens
+    bias_rows: list[int]  # rows with a logit bias
+    logprobs: bool
+    penalties: PenaltyRows | None
+    random: _Random  # without keys (a seeded row's key follows its output count)
+
+
+_request_id = attrgetter("request_id")
 
 
 class Sampler:
@@ -59,8 +80,11 @@ class Sampler:
         self.use_kernels = use_kernels
         self.penalties: PenaltyState | None = None
         self.bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, biases) on the device
+        self._plan: _Plan | None = None  # the last batch's
 
     def forget(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._plan = None
         for request_id in request_ids:
             self.bias.pop(request_id, None)
         if self.penalties is not None:
@@ -80,15 +104,18 @@ class Sampler:
         host is free for other work while the device computes. `requests`: `Request`s or the
         runner's `RunnerRequest`s (the same fields); `grammar`: the rows' grammar mask, filled
         on the core side (None: from the requests' own matchers, if they have any)."""
-        if _plain_greedy(requests, grammar):  # argmax of the 16-bit logits: .float() is exact, the same winner
-            return PendingSample(row_argmax(logits), None)
+        plan = self._plan_for(logits, requests)
+        if grammar is None and plan.greedy and not _short_of_min_tokens(requests, plan.min_tokens_rows):
+            return PendingSample(row_argmax(logits), None)  # argmax of the 16-bit logits: .float() is exact, the same winner
         logits = logits.float()
         raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
+        if plan.logprobs:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        pen = self._penalty_rows(logits, requests)
-        logits = self.penalties_and_masks(logits, requests, pen, grammar)
-        random = _random_rows(requests)
+        pen = plan.penalties
+        logits = self.penalties_and_masks(logits, requests, pen, grammar, plan)
+        random = plan.random
+        if random.seeded:
+            random = replace(random, keys=_seeded_keys(requests, random))
         if not random.rows:
             tokens = row_argmax(logits)
         else:
@@ -97,11 +124,26 @@ class Sampler:
             if tokens is None:
                 tokens = picked
             else:
-                tokens[to_device(random.rows, torch.long, logits.device)] = picked
+                tokens[kept_on_device(random, "rows", torch.long, logits.device)] = picked
         if pen is not None:
             self.penalties.count(tokens, pen)
         logprobs = _logprobs(raw_logprobs, tokens, requests) if raw_logprobs is not None else None
         return PendingSample(tokens, logprobs)
+
+    def _plan_for(self, logits: torch.Tensor, requests: list[Request]) -> _Plan:
+        """The batch's plan: the last one while the requests and their order are the same."""
+        key = tuple(map(_request_id, requests))
+        plan = self._plan
+        if plan is not None and plan.key == key:
+            return plan
+        rows = list(enumerate(requests))
+        self._plan = plan = _Plan(
+            key, _plain_greedy(requests, None, check_min_tokens=False),
+            [i for i, r in rows if r.sampling_params.min_tokens > 0], [i for i, r in rows if r.sampling_params.logit_bias],
+            any(r.sampling_params.logprobs is not None for r in requests), self._penalty_rows(logits, requests),
+            _random_rows(requests, keys=False),
+        )  # fmt: skip
+        return plan
 
     def _penalty_rows(self, logits: torch.Tensor, requests: list[Request]) -> PenaltyRows | None:
         if not any(r.sampling_params.has_penalties for r in requests):
@@ -111,17 +153,19 @@ class Sampler:
         return self.penalties.rows_for(requests)
 
     def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
-                            grammar: GrammarMask | None = None) -> torch.Tensor:  # fmt: skip
-        self._logit_bias(logits, requests)
+                            grammar: GrammarMask | None = None, plan: _Plan | None = None) -> torch.Tensor:  # fmt: skip
+        """`plan`: the batch's (`_plan_for`), naming the rows with a logit bias or min_tokens (None: every row looked at)."""
+        self._logit_bias(logits, requests, None if plan is None else plan.bias_rows)
         if pen is not None:
             logits = self.penalties.apply(logits, pen)
-        _min_tokens(logits, requests)
+        _min_tokens(logits, requests, None if plan is None else plan.min_tokens_rows)
         apply_grammar_masks(logits, requests, grammar)  # last: what the grammar allows is all there is
         return logits
 
-    def _logit_bias(self, logits: torch.Tensor, requests: list[Request]) -> None:
+    def _logit_bias(self, logits: torch.Tensor, requests: list[Request], among: list[int] | None = None) -> None:
         rows, parts = [], []
-        for i, req in enumerate(requests):
+        for i in range(len(requests)) if among is None else among:
+            req = requests[i]
             bias = req.sampling_params.logit_bias
             if not bias:
                 continue
@@ -144,20 +188,20 @@ class Sampler:
         if self.use_kernels and _plain_race(r):  # temperature alone, no seed: one kernel over the vocabulary
             from llmserve.kernels.sampling import race
 
-            rows = to_device(r.rows, torch.long, device) if len(r.rows) < logits.shape[0] else None
-            temperature = to_device(r.temperature, torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
+            rows = kept_on_device(r, "rows", torch.long, device) if len(r.rows) < logits.shape[0] else None
+            temperature = kept_on_device(r, "temperature", torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
             return race(logits, rows, temperature)
         part = logits
         if len(r.rows) < logits.shape[0]:  # (every row samples: no gather)
-            part = logits[to_device(r.rows, torch.long, device)]
+            part = logits[kept_on_device(r, "rows", torch.long, device)]
         if any(t != 1.0 for t in r.temperature):  # (x / 1.0 is x: no division; a tensor, as the reference divides)
-            part = part / to_device(r.temperature, torch.float32, device)[:, None]
+            part = part / kept_on_device(r, "temperature", torch.float32, device)[:, None]
         if all(0 < k <= TOPK_FAST for k in r.top_k):
             return self._sample_top_k(part, r)
         part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
         noise = torch.empty_like(part).exponential_()
         if r.seeded:
-            seeded = to_device(r.seeded, torch.long, device)
+            seeded = kept_on_device(r, "seeded", torch.long, device)
             keys = to_device(r.keys, torch.long, device)
             noise[seeded] = seeded_noise.exponential(keys, torch.arange(part.shape[-1], device=device))
         return exponential_race(part, noise)
@@ -167,34 +211,47 @@ class Sampler:
         device = part.device
         values, ids = part.topk(max(r.top_k), dim=-1)  # sorted, best first
         ranks = torch.arange(values.shape[-1], device=device)[None, :]
-        values = values.masked_fill(ranks >= to_device(r.top_k, torch.long, device)[:, None], float("-inf"))
+        values = values.masked_fill(ranks >= kept_on_device(r, "top_k", torch.long, device)[:, None], float("-inf"))
         if any(p < 1.0 for p in r.top_p):
             probs = torch.softmax(values, dim=-1)
             before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
-            values = values.masked_fill(before > to_device(r.top_p, torch.float32, device)[:, None], float("-inf"))
+            values = values.masked_fill(before > kept_on_device(r, "top_p", torch.float32, device)[:, None], float("-inf"))
         if any(m > 0.0 for m in r.min_p):
             probs = torch.softmax(values, dim=-1)
-            threshold = to_device(r.min_p, torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = kept_on_device(r, "min_p", torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
             values = values.masked_fill(probs < threshold, float("-inf"))
         noise = torch.empty_like(values).exponential_()
         if r.seeded:
-            seeded = to_device(r.seeded, torch.long, device)
+            seeded = kept_on_device(r, "seeded", torch.long, device)
             noise[seeded] = seeded_noise.exponential(to_device(r.keys, torch.long, device), ids[seeded])
         choice = exponential_race(values, noise)
         return ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
-def _plain_greedy(requests: list[Request], grammar: GrammarMask | None) -> bool:
+def _plain_greedy(requests: list[Request], grammar: GrammarMask | None, check_min_tokens: bool = True) -> bool:
     """Does every row take the plain argmax: greedy, no logprobs, penalties, logit bias,
-    min_tokens mask or grammar?"""
+    min_tokens mask or grammar? (`check_min_tokens` False: the min_tokens masks left out.)"""
     if grammar is not None:
         return False
     for req in requests:
         p = req.sampling_params
         if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or req.has_grammar
-                or req.num_output_tokens < p.min_tokens):  # fmt: skip
+                or (check_min_tokens and req.num_output_tokens < p.min_tokens)):  # fmt: skip
             return False
     return True
+
+
+def _short_of_min_tokens(requests: list[Request], rows: list[int]) -> bool:
+    return any(requests[i].num_output_tokens < requests[i].sampling_params.min_tokens for i in rows)
+
+
+def _seeded_keys(requests: list[Request], r: _Random) -> list[tuple[int, int]]:
+    """This step's noise keys of the seeded rows (seeded_noise.row_key: seed and output count)."""
+    out = []
+    for j in r.seeded:
+        req = requests[r.rows[j]]
+        out.append(seeded_noise.row_key(req.sampling_params.seed, req.num_output_tokens))
+    return out
 
 
 def _plain_race(r: _Random) -> bool:
@@ -202,7 +259,9 @@ def _plain_race(r: _Random) -> bool:
     return not r.seeded and all(k <= 0 for k in r.top_k) and all(p >= 1.0 for p in r.top_p) and not any(r.min_p)
 
 
-def _random_rows(requests: list[Request]) -> _Random:
+def _random_rows(requests: list[Request], keys: bool = True) -> _Random:
+    """The rows that sample at random and their settings (`keys` False: the seeded rows' noise
+    keys left out, `_seeded_keys` makes them)."""
     r = _Random([], [], [], [], [], [], [])
     for i, req in enumerate(requests):
         p = req.sampling_params
@@ -210,7 +269,8 @@ def _random_rows(requests: list[Request]) -> _Random:
             continue
         if p.seed is not None:
             r.seeded.append(len(r.rows))
-            r.keys.append(seeded_noise.row_key(p.seed, req.num_output_tokens))
+            if keys:
+                r.keys.append(seeded_noise.row_key(p.seed, req.num_output_tokens))
         r.rows.append(i)
         r.temperature.append(p.temperature)
         r.top_k.append(p.top_k)
@@ -219,11 +279,13 @@ def _random_rows(requests: list[Request]) -> _Random:
     return r
 
 
-def _min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Requests short of min_tokens may not end yet: their stop and EOS tokens masked."""
+def _min_tokens(logits: torch.Tensor, requests: list[Request], among: list[int] | None = None) -> None:
+    """Requests short of min_tokens may not end yet: their stop and EOS tokens masked (`among`:
+    the rows that may be, None: every row)."""
     rows: list[int] = []
     ids: list[int] = []
-    for i, req in enumerate(requests):
+    for i in range(len(requests)) if among is None else among:
+        req = requests[i]
         p = req.sampling_params
         if req.num_output_tokens < p.min_tokens and not req.has_grammar:  # a grammar decides its own end
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
