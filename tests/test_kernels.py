@@ -548,9 +548,10 @@ def test_an_fp8_cache_with_per_layer_scales(num_splits):
 
 
 def test_long_prefill_tiles_only_for_16_bit_queries():
-    # float32's 256 x 64 tiles need more shared memory than an H100 has (263,680 of 232,448 bytes)
-    assert paged_attention.long_tiles_fit(torch.bfloat16) and paged_attention.long_tiles_fit(torch.float16)
-    assert not paged_attention.long_tiles_fit(torch.float32)
+    # float32's 256 x 64 tiles at head dim 128 need more shared memory than an H100 has (263,680 of 232,448 bytes)
+    fit = paged_attention.long_tiles_fit
+    assert fit(torch.bfloat16, 128) and fit(torch.float16, 128) and fit(torch.bfloat16, 64)
+    assert not fit(torch.float32, 128) and not fit(torch.bfloat16, 256)  # as much shared memory as float32 at 128
 
 
 def test_choose_num_splits_policy():
@@ -1067,6 +1068,9 @@ def test_race_kernel_with_the_references_noise_picks_its_tokens():
     assert race(tie, None, None, noise=torch.ones(2, vocab)).tolist() == [40, 40]
     tie[:, 40] = 0.0
     assert race(tie, None, None, noise=torch.ones(2, vocab)).tolist() == [1500, 1500]
+    broken = torch.full((2, vocab), float("nan"))  # an overflowed row: a token of the vocabulary all the same
+    broken[1, 7] = 1.0  # a NaN beside a real score loses to it
+    assert race(broken, None, None, noise=torch.ones(2, vocab)).tolist() == [0, 7]
 
 
 def test_race_kernel_draws_from_the_softmax():

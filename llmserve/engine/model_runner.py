@@ -346,8 +346,10 @@ class ModelRunner:
                   SamplingParams(temperature=0.0, presence_penalty=0.5)))  # fmt: skip
         for i, batch in enumerate(b for b in paths if len(b) <= len(logits)):
             requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
-            self.sampler.sample_async(logits[: len(requests)], requests).result()
-            self.sampler.forget([request.request_id for request in requests])
+            try:
+                self.sampler.sample_async(logits[: len(requests)], requests).result()
+            finally:  # a failed path still leaves no penalty slot or plan behind
+                self.sampler.forget([request.request_id for request in requests])
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:

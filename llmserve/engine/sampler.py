@@ -49,7 +49,9 @@ class _Random:
     min_p: list[float]
     seeded: list[int]  # positions within `rows`
     keys: list[tuple[int, int]]  # seeded_noise.row_key of each seeded row
-    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # the lists but `keys` on the device (`kept_on_device`)
+    # the lists but `keys` on the device (`kept_on_device`); shared by the copies `replace` makes with
+    # each step's keys, so `keys` must never be kept there
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -315,11 +315,11 @@ _PREFILL_GPU_LONG = AttnLaunchConfig(block_m=256, block_n=64, num_warps=8, num_s
 LONG_PREFILL_TOKENS = 4096
 
 
-def long_tiles_fit(dtype: torch.dtype) -> bool:
-    """The long tiles are for 16-bit queries: in float32 they asked for 263,680 bytes of shared
-    memory where an H100 has 232,448 (the warm-up failed there, 2026-12-06); float32 long
-    prompts take the 128 x 32 tiles."""
-    return dtype.itemsize <= 2
+def long_tiles_fit(dtype: torch.dtype, head_dim_pad: int) -> bool:
+    """The long tiles were sized for 16-bit queries of head dim 128: their shared memory grows with
+    both. In float32 at 128 they asked for 263,680 bytes where an H100 has 232,448 (the warm-up
+    failed there, 2026-12-06); 16-bit at 256 would ask as much. Those take the 128 x 32 tiles."""
+    return dtype.itemsize * head_dim_pad <= 2 * 128
 
 # one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
 # else flash) on the new tokens' own q/k/v, 0.78 ms for 7,680 tokens (622 TFLOP/s)
@@ -521,7 +521,7 @@ def _launch(
         # tile computes 64 query slots for its one token (64 x 7,680 prompts with decodes
         # mixed in ran at 808 output tok/s with them on every long step, 861 without)
         long = max_query_len >= LONG_PREFILL_TOKENS and num_tokens // num_seqs >= LONG_PREFILL_TOKENS
-        cfg = _PREFILL_GPU_LONG if long and long_tiles_fit(q.dtype) else _PREFILL_GPU
+        cfg = _PREFILL_GPU_LONG if long and long_tiles_fit(q.dtype, head_dim_pad) else _PREFILL_GPU
     block_m = max(cfg.block_m, group_pad, 16)
     block_q = block_m // group_pad
     one_tile = max_query_len <= block_q

@@ -16,8 +16,10 @@ an H200 against 0.3 ms for greedy (docs/benchmarks.md). Here each is one pass:
   (Philox, keyed by a seed drawn from torch's generator on the device: no host sync, and the
   engine's `seed` still fixes the stream); each program writes its block's best score and
   position, and a small argmax over the blocks picks the row's winner (the first position on
-  ties, as `torch.argmax`). Reference: `sampler_reference.exponential_race(logits / T, E)`;
-  given the same E (`noise=`), the kernel picks the same tokens.
+  ties, as `torch.argmax`; NaN scores count as -inf, so a broken row still gives a token of the
+  vocabulary). Reference: `sampler_reference.exponential_race(logits / T, E)`; given the same E
+  (`noise=`) the kernel picks the same tokens under the interpreter. On a GPU `tl.log` is an
+  approximation, so a near-tie may go the other way (512 of 512 rows equal on an H100, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ def _race_part(row_ptr, cols, vocab, temperature, u, noise_row, HAS_TEMP: tl.con
         e = tl.load(noise_row + cols, mask=mask, other=1.0)
     else:
         e = -tl.log(u)
-    score = tl.where(mask, x - tl.log(e), float("-inf"))
+    score = x - tl.log(e)
+    score = tl.where(mask & (score == score), score, float("-inf"))  # NaN (a broken row) never wins: a valid column
     best = tl.max(score, axis=0)
     where = tl.min(tl.where(score == best, cols, 2147483647), axis=0)  # the first column holding it
     return best, where
