@@ -79,7 +79,7 @@ def test_the_runner_state_mirrors_the_scheduler_through_preemptions():
         sched.after_launch(out)
         sampled = {s.request.request_id: token + i for i, s in enumerate(out.scheduled) if s.samples}
         token += 10
-        runner.fill(sampled)
+        runner.fill(sampling, [sampled[x.request_id] for x in sampling])
         sched.update_from_output(out, sampled, {})
         for s in out.scheduled:
             state = runner.requests.get(s.request.request_id)
@@ -102,9 +102,27 @@ def test_tokens_still_on_the_device_are_placeholders_until_filled():
     state = runner.requests["r"]
     assert sampling2 == [state] and rows2[0].token_ids == [1, 2, 3, PLACEHOLDER] and rows2[0].block_ids == [5, 6]
     runner.hold_places(sampling2)
-    runner.fill({"r": 40})
+    runner.fill(sampling, [40])
     assert state.token_ids == [1, 2, 3, 40, PLACEHOLDER] and state.output_token_ids == [40, PLACEHOLDER]
-    runner.fill({"r": 41, "gone": 9})  # a request that finished meanwhile is skipped
+    runner.fill(sampling2, [41])
     assert state.token_ids == [1, 2, 3, 40, 41] and state.pending == []
     runner.rows_for(StepPlan(finished_request_ids=["r"]))
     assert runner.requests == {}
+
+
+def test_a_late_token_goes_to_the_request_that_sampled_it_not_to_a_new_one_with_its_id():
+    """Steps overlap: "r" finishes while a step that holds it is still on the device, and a new
+    request takes the id "r" and is launched before that step's tokens arrive. The old step's
+    token must not land in the new request's place."""
+    runner = RunnerRequests()
+    old = NewRequest("r", [1, 2], [], SamplingParams(), (2,), [5])
+    _, sampling = runner.rows_for(StepPlan([PlannedRow("r", 0, 2, True, [], old)]))
+    runner.hold_places(sampling)  # the old request's step, in flight
+    fresh = NewRequest("r", [7, 8, 9], [], SamplingParams(), (2,), [6])
+    _, sampling2 = runner.rows_for(StepPlan([PlannedRow("r", 0, 3, True, [], fresh)], finished_request_ids=["r"]))
+    runner.hold_places(sampling2)
+    new_state = runner.requests["r"]
+    runner.fill(sampling, [50])  # the old step's token arrives
+    assert new_state.token_ids == [7, 8, 9, PLACEHOLDER] and sampling[0].token_ids == [1, 2, 50]
+    runner.fill(sampling2, [60])
+    assert new_state.token_ids == [7, 8, 9, 60]

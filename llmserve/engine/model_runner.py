@@ -53,7 +53,7 @@ class PendingStep:
     step can read them on the device (`device_tokens`, row i = `sampling[i]`)."""
 
     def __init__(self, sampling: list, pending: PendingSample | None,
-                 on_result: Callable[[dict[str, int]], None] | None = None) -> None:  # fmt: skip
+                 on_result: Callable[[list, list[int]], None] | None = None) -> None:  # fmt: skip
         self.sampling = sampling
         self.pending = pending
         self.on_result = on_result  # the runner's own token state takes the sampled tokens
@@ -68,7 +68,7 @@ class PendingStep:
         sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
         logprobs = {r.request_id: [lp] for r, lp in zip(self.sampling, out.logprobs) if lp is not None}
         if self.on_result is not None:
-            self.on_result(sampled)
+            self.on_result(self.sampling, out.token_ids)
             self.on_result = None  # once
         return ModelRunnerOutput(sampled, logprobs)
 

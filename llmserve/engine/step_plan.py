@@ -169,11 +169,13 @@ class RunnerRequests:
             state.pending.append(len(state.token_ids))
             state.token_ids.append(PLACEHOLDER)
 
-    def fill(self, sampled: dict[str, int]) -> None:
-        """A step's sampled tokens, now on the host, in place of their PLACEHOLDERs."""
-        for rid, token in sampled.items():
-            state = self.requests.get(rid)
-            if state is not None and state.pending:  # (a finished request is gone)
+    @staticmethod
+    def fill(sampling: list[RunnerRequest], tokens: list[int]) -> None:
+        """A step's sampled tokens, now on the host, in place of their PLACEHOLDERs: into the very
+        states that sampled them, not by id. A request finished meanwhile writes into its own
+        forgotten state, never into a new request that took its id since."""
+        for state, token in zip(sampling, tokens):
+            if state.pending:
                 state.token_ids[state.pending.pop(0)] = token
 
     def forget(self, request_ids: list[str]) -> None:
