@@ -140,10 +140,10 @@ class Sampler:
             return plan
         rows = list(enumerate(requests))
         self._plan = plan = _Plan(
-            key, _plain_greedy(requests, None, check_min_tokens=False),
+            key, _plain_greedy(requests),
             [i for i, r in rows if r.sampling_params.min_tokens > 0], [i for i, r in rows if r.sampling_params.logit_bias],
             any(r.sampling_params.logprobs is not None for r in requests), self._penalty_rows(logits, requests),
-            _random_rows(requests, keys=False),
+            _random_rows(requests),
         )  # fmt: skip
         return plan
 
@@ -230,15 +230,12 @@ class Sampler:
         return ids.gather(-1, choice[:, None]).squeeze(-1)
 
 
-def _plain_greedy(requests: list[Request], grammar: GrammarMask | None, check_min_tokens: bool = True) -> bool:
-    """Does every row take the plain argmax: greedy, no logprobs, penalties, logit bias,
-    min_tokens mask or grammar? (`check_min_tokens` False: the min_tokens masks left out.)"""
-    if grammar is not None:
-        return False
+def _plain_greedy(requests: list[Request]) -> bool:
+    """Is every row greedy, without logprobs, penalties, logit bias or grammar? (Whether a
+    min_tokens mask or a step's grammar mask applies is read per step, `sample_async`.)"""
     for req in requests:
         p = req.sampling_params
-        if (not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or req.has_grammar
-                or (check_min_tokens and req.num_output_tokens < p.min_tokens)):  # fmt: skip
+        if not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or req.has_grammar:
             return False
     return True
 
@@ -261,9 +258,9 @@ def _plain_race(r: _Random) -> bool:
     return not r.seeded and all(k <= 0 for k in r.top_k) and all(p >= 1.0 for p in r.top_p) and not any(r.min_p)
 
 
-def _random_rows(requests: list[Request], keys: bool = True) -> _Random:
-    """The rows that sample at random and their settings (`keys` False: the seeded rows' noise
-    keys left out, `_seeded_keys` makes them)."""
+def _random_rows(requests: list[Request]) -> _Random:
+    """The rows that sample at random and their settings; the seeded rows' noise keys are left
+    empty (they follow the output count: `_seeded_keys` makes them each step)."""
     r = _Random([], [], [], [], [], [], [])
     for i, req in enumerate(requests):
         p = req.sampling_params
@@ -271,8 +268,6 @@ def _random_rows(requests: list[Request], keys: bool = True) -> _Random:
             continue
         if p.seed is not None:
             r.seeded.append(len(r.rows))
-            if keys:
-                r.keys.append(seeded_noise.row_key(p.seed, req.num_output_tokens))
         r.rows.append(i)
         r.temperature.append(p.temperature)
         r.top_k.append(p.top_k)

@@ -157,11 +157,11 @@ def race(
     assert logits.dtype == torch.float32 and logits.stride(-1) == 1
     n = logits.shape[0] if rows is None else rows.numel()
     vocab = logits.shape[-1]
+    if n == 0:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
     blocks = triton.cdiv(vocab, RACE_BLOCK)
     best = torch.empty(n, blocks, dtype=torch.float32, device=logits.device)
     where = torch.empty(n, blocks, dtype=torch.int32, device=logits.device)
-    if n == 0:
-        return torch.empty(0, dtype=torch.long, device=logits.device)
     seed = None
     if noise is None:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=logits.device, generator=generator)
