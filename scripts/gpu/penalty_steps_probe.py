@@ -7,6 +7,7 @@ calls): the launch period, the host time to schedule and launch, the runner's ex
 the sampler's host time, the wait for the tokens. Writes $OUT/penalty_steps.json.
 
     python3 scripts/gpu/penalty_steps_probe.py
+    PROBE_ROOT=.ab/main python3 scripts/gpu/penalty_steps_probe.py   # another tree's llmserve
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, os.environ.get("PROBE_ROOT") or str(Path(__file__).resolve().parents[2]))
 
 from llmserve import LLM, SamplingParams  # noqa: E402
 
