@@ -91,7 +91,30 @@ def main() -> None:
             "allocator": {k: v - mem[k] for k, v in allocator_counts().items()},
         }  # fmt: skip
         print("RESULT", name, json.dumps(result[name]), flush=True)
+    result["syncs"] = {name: host_syncs(llm, prompts[:64], kw) for name, kw in RUNS[:3]}
+    print("RESULT syncs", json.dumps(result["syncs"]), flush=True)
     (OUT / "penalty_steps.json").write_text(json.dumps(result, indent=1))
+
+
+def host_syncs(llm, prompts: list, kw: dict) -> dict[str, int]:
+    """Where the host waits for the device (torch's sync debug mode, every warning kept): call
+    site -> count, over a short run of 64 requests x 16 tokens (after the timed runs)."""
+    import collections
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, **kw), use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return dict(sites.most_common(12))
 
 
 if __name__ == "__main__":
