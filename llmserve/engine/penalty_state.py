@@ -100,7 +100,9 @@ class PenaltyState:
             self.prompt_seen.index_fill_(0, index, False)
             rows, ids = _flat(slots, [r.prompt_token_ids for r in requests])
             if ids:
-                self.prompt_seen[to_device(rows, torch.long, self.device), to_device(ids, torch.long, self.device)] = True
+                # (a device tensor as the value: a Python True is a host scalar, and its copy waits for the device)
+                true = torch.ones((), dtype=torch.bool, device=self.device)
+                self.prompt_seen.index_put_((to_device(rows, torch.long, self.device), to_device(ids, torch.long, self.device)), true)
 
     def apply(self, logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
         """The penalties on their rows of `logits` [B, V] (float32), as the reference applies

@@ -66,15 +66,18 @@ def main() -> None:
     timed(runner, "execute_async", calls["execute_async"])
     timed(runner.sampler, "sample_async", calls["sample_async"])
     rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(PROMPT)]} for _ in range(N)]
-    llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    def fresh_prompts(n: int) -> list[dict]:  # (each run its own: no prefix-cache hits across runs)
+        return [{"prompt_token_ids": [rng.randrange(3, VOCAB) for _ in range(PROMPT)]} for _ in range(n)]
+
+    llm.generate(fresh_prompts(4), SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     result = {}
     for name, kw in RUNS:
         for sink in calls.values():
             sink.clear()
         mem = allocator_counts()
         start = time.time()
-        llm.generate(prompts, SamplingParams(max_tokens=OUTPUT, ignore_eos=True, **kw), use_tqdm=False)
+        llm.generate(fresh_prompts(N), SamplingParams(max_tokens=OUTPUT, ignore_eos=True, **kw), use_tqdm=False)
         end = time.time()
         steps = [json.loads(line) for line in log.read_text().splitlines()]
         steps = [s for s in steps if start <= s["launch"] <= end]
@@ -91,7 +94,7 @@ def main() -> None:
             "allocator": {k: v - mem[k] for k, v in allocator_counts().items()},
         }  # fmt: skip
         print("RESULT", name, json.dumps(result[name]), flush=True)
-    result["syncs"] = {name: host_syncs(llm, prompts[:64], kw) for name, kw in RUNS[:3]}
+    result["syncs"] = {name: host_syncs(llm, fresh_prompts(64), kw) for name, kw in RUNS[:3]}
     print("RESULT syncs", json.dumps(result["syncs"]), flush=True)
     (OUT / "penalty_steps.json").write_text(json.dumps(result, indent=1))
 
@@ -110,7 +113,7 @@ def host_syncs(llm, prompts: list, kw: dict) -> dict[str, int]:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, **kw), use_tqdm=False)
+            llm.generate(fresh_prompts(N), SamplingParams(max_tokens=16, ignore_eos=True, **kw), use_tqdm=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
