@@ -113,7 +113,7 @@ def host_syncs(llm, prompts: list, kw: dict) -> dict[str, int]:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            llm.generate(fresh_prompts(N), SamplingParams(max_tokens=16, ignore_eos=True, **kw), use_tqdm=False)
+            llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, **kw), use_tqdm=False)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
