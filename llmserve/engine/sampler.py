@@ -68,6 +68,7 @@ class _Plan:
     logprobs: bool
     penalties: PenaltyRows | None
     random: _Random  # without keys (a seeded row's key follows its output count)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the logit bias's (rows, token ids, values) on the device, made on first use
 
 
 _request_id = attrgetter("request_id")
@@ -81,14 +82,11 @@ class Sampler:
         self.vocab_size = vocab_size
         self.use_kernels = use_kernels
         self.penalties: PenaltyState | None = None
-        self.bias: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, biases) on the device
         self._plan: _Plan | None = None  # the last batch's
 
     def forget(self, request_ids: list[str]) -> None:
         if request_ids:
             self._plan = None
-        for request_id in request_ids:
-            self.bias.pop(request_id, None)
         if self.penalties is not None:
             self.penalties.release(request_ids)
 
@@ -157,33 +155,26 @@ class Sampler:
     def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
                             grammar: GrammarMask | None = None, plan: _Plan | None = None) -> torch.Tensor:  # fmt: skip
         """`plan`: the batch's (`_plan_for`), naming the rows with a logit bias or min_tokens (None: every row looked at)."""
-        self._logit_bias(logits, requests, None if plan is None else plan.bias_rows)
+        self._logit_bias(logits, requests, plan)
         if pen is not None:
             logits = self.penalties.apply(logits, pen)
         _min_tokens(logits, requests, None if plan is None else plan.min_tokens_rows)
         apply_grammar_masks(logits, requests, grammar)  # last: what the grammar allows is all there is
         return logits
 
-    def _logit_bias(self, logits: torch.Tensor, requests: list[Request], among: list[int] | None = None) -> None:
-        rows, parts = [], []
-        for i in range(len(requests)) if among is None else among:
-            req = requests[i]
-            bias = req.sampling_params.logit_bias
-            if not bias:
-                continue
-            cached = self.bias.get(req.request_id)
-            if cached is None:  # made once a request, kept on the device
-                cached = self.bias[req.request_id] = (to_device(list(bias), torch.long, logits.device),
-                                                      to_device(list(bias.values()), torch.float32, logits.device))  # fmt: skip
-            rows.append(i)
-            parts.append(cached)
-        if not rows:
+    def _logit_bias(self, logits: torch.Tensor, requests: list[Request], plan: _Plan | None = None) -> None:
+        """Each row's logit bias added to its tokens; with a plan, its tensors are made once while the batch lasts."""
+        if plan is None:
+            bias = _bias_tensors(requests, range(len(requests)), logits.device)
+        elif not plan.bias_rows:
             return
-        lengths = to_device([len(p[0]) for p in parts], torch.long, logits.device)
-        row_index = torch.repeat_interleave(to_device(rows, torch.long, logits.device), lengths)
-        ids = torch.cat([p[0] for p in parts])
-        values = torch.cat([p[1] for p in parts])
-        logits.index_put_((row_index, ids), values, accumulate=True)
+        else:
+            if plan.bias is None:
+                plan.bias = _bias_tensors(requests, plan.bias_rows, logits.device)
+            bias = plan.bias
+        if bias is not None:
+            rows, ids, values = bias
+            logits.index_put_((rows, ids), values, accumulate=True)
 
     def _sample(self, logits: torch.Tensor, r: _Random) -> torch.Tensor:
         device = logits.device
@@ -274,6 +265,22 @@ def _random_rows(requests: list[Request]) -> _Random:
         r.top_p.append(p.top_p)
         r.min_p.append(p.min_p)
     return r
+
+
+def _bias_tensors(requests: list[Request], among, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The logit biases of the rows `among` as (row index, token id, value), one entry per biased token."""
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i in among:
+        bias = requests[i].sampling_params.logit_bias
+        if bias:
+            rows.extend([i] * len(bias))
+            ids.extend(bias)
+            values.extend(bias.values())
+    if not rows:
+        return None
+    return to_device(rows, torch.long, device), to_device(ids, torch.long, device), to_device(values, torch.float32, device)
 
 
 def _min_tokens(logits: torch.Tensor, requests: list[Request], among: list[int] | None = None) -> None:
