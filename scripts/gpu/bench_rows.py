@@ -229,7 +229,6 @@ def main() -> None:
     from llmserve import LLM
     from llmserve.bench import latency, throughput
     from llmserve.cli_args import engine_args_from_cli
-    from llmserve.engine.sampler import Sampler
     from llmserve.engine.sampler_reference import ReferenceSampler
 
     for engine in dict.fromkeys(ROWS[n][0] for n in names):
@@ -241,9 +240,10 @@ def main() -> None:
         startup = time.perf_counter() - started
         print(f"RESULT engine {engine} ready in {startup:.1f} s", flush=True)
         runner = llm.core.runner
+        own = runner.sampler  # the engine's own, as `llmserve bench` runs it (on a GPU: its Triton kernels)
         for name in rows:
             _, command, flags = ROWS[name]
-            runner.sampler = ReferenceSampler(runner.device) if name.endswith("@reference") else Sampler(runner.device)
+            runner.sampler = ReferenceSampler(runner.device) if name.endswith("@reference") else own
             args = bench_args(command, flags)  # every row's result goes to rows.json
             line = f"llmserve bench {command} {' '.join(ENGINES[engine])} {' '.join(flags)}"
             if name.endswith("@reference"):
