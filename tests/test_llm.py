@@ -414,6 +414,6 @@ def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
     # out of the batch for the race, repetition and presence penalties in one launch)
     assert any(len(b) == 2 and b[0].greedy and not b[1].greedy for b in batches)
     assert any(len(b) == 2 and b[0].repetition_penalty != 1.0 and b[1].presence_penalty for b in batches)
-    assert not runner.sampler.bias
+    assert runner.sampler._plan is None  # forgotten: no plan (nor its logit-bias tensors) kept
     assert runner.sampler.penalties is not None and not runner.sampler.penalties.slot_of  # the penalty paths ran
     assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
