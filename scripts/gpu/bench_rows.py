@@ -238,9 +238,11 @@ def main() -> None:
         started = time.perf_counter()
         llm = LLM(**vars(engine_args_from_cli(bench_args("throughput", ENGINES[engine]))))
         startup = time.perf_counter() - started
-        print(f"RESULT engine {engine} ready in {startup:.1f} s", flush=True)
         runner = llm.core.runner
         own = runner.sampler  # the engine's own, as `llmserve bench` runs it (on a GPU: its Triton kernels)
+        kernels = getattr(own, "use_kernels", False)
+        print(f"RESULT engine {engine} ready in {startup:.1f} s; sampler {type(own).__name__}, kernels {'on' if kernels else 'off'}",
+              flush=True)  # fmt: skip
         for name in rows:
             _, command, flags = ROWS[name]
             runner.sampler = ReferenceSampler(runner.device) if name.endswith("@reference") else own
