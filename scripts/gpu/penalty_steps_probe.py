@@ -4,7 +4,8 @@ One engine (the 8B shape from setup_env, dummy weights, vLLM's offline budgets),
 (512 x 512/256) four times: greedy, presence 0.5 at T 0.8, repetition 1.1, greedy again. Per run:
 the elapsed time, and per decode step (from `--step-timing-log` and timers around the runner's
 calls): the launch period, the host time to schedule and launch, the runner's execute_async and
-the sampler's host time, the wait for the tokens. Writes $OUT/penalty_steps.json.
+the sampler's host time, launch to done, the allocator's retries. Then where the host waits for the
+device in each kind (`host_syncs`). Each run has fresh prompts. Writes $OUT/penalty_steps.json.
 
     python3 scripts/gpu/penalty_steps_probe.py
     PROBE_ROOT=.ab/main python3 scripts/gpu/penalty_steps_probe.py   # another tree's llmserve
@@ -62,7 +63,7 @@ def main() -> None:
     llm = LLM(os.environ.get("PROBE_MODEL", "/tmp/llama8b"), load_format="dummy", max_model_len=2048, max_num_seqs=1024, max_num_batched_tokens=16384,
               step_timing_log=str(log))  # fmt: skip
     runner = llm.core.runner
-    calls: dict[str, list] = {"execute_async": [], "sample_async": [], "result": []}
+    calls: dict[str, list] = {"execute_async": [], "sample_async": []}
     timed(runner, "execute_async", calls["execute_async"])
     timed(runner.sampler, "sample_async", calls["sample_async"])
     rng = random.Random(0)
