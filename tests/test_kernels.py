@@ -1089,3 +1089,93 @@ def test_race_kernel_draws_from_the_softmax():
     gen = torch.Generator().manual_seed(1)
     race(*few, generator=gen)
     assert not torch.equal(tokens[:40], race(*few, generator=gen))
+
+
+def _filtered_reference(logits, rows, temperature, top_p, min_p, noise):
+    """The reference's race over each row's top-p and min-p set (a sort of the vocabulary)."""
+    from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race
+
+    part = logits[rows] / temperature[:, None]
+    return exponential_race(apply_top_k_top_p_min_p(part, [0] * len(rows), top_p.tolist(), min_p.tolist()), noise)
+
+
+def test_filtered_race_with_the_references_noise_picks_its_tokens():
+    """Given the same noise, the race over each row's top-p / min-p set without a sort is the
+    reference's: small top-p (the unrestricted winner mostly falls outside, so later passes
+    decide), min-p alone and with top-p, neither, masked tokens, a vocabulary that does not divide
+    into blocks, rows picked out of the batch and every row."""
+    from llmserve.kernels.filtered_race import FILTER_BLOCK, filtered_race
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = FILTER_BLOCK + 611
+    logits = torch.randn(9, vocab, generator=gen) * 2.5
+    logits[3, 100:2000] = float("-inf")
+    rows = torch.tensor([0, 2, 5, 1, 3, 8, 7, 6])
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.5, 0.9, 1.0, 0.6, 1.1])
+    top_p = torch.tensor([0.9, 0.05, 1.0, 0.3, 0.5, 1.0, 0.01, 0.7])
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.1, 0.0, 0.0, 0.0, 0.02])
+    outside = 0
+    for trial in range(3):
+        noise = torch.empty(len(rows), vocab).exponential_(generator=gen)
+        want = _filtered_reference(logits, rows, temperature, top_p, min_p, noise)
+        assert torch.equal(filtered_race(logits, rows, temperature, top_p, min_p, noise=noise), want)
+        free = _filtered_reference(logits, rows, temperature, torch.ones(8), torch.zeros(8), noise)
+        outside += int((free != want).sum())  # rows whose unrestricted winner was not kept
+    assert outside >= 6
+    every = torch.arange(9)
+    ones, p = torch.ones(9), torch.full((9,), 0.4)
+    noise = torch.empty(9, vocab).exponential_(generator=gen)
+    got = filtered_race(logits, None, None, p, torch.zeros(9), noise=noise)
+    assert torch.equal(got, _filtered_reference(logits, every, ones, p, torch.zeros(9), noise))
+
+
+def test_filtered_race_keeps_a_tie_whole_and_survives_broken_rows():
+    """Tokens of equal logit at the edge of the nucleus are kept together (the reference's
+    `mass_above`); a NaN row and an all -inf row still give a token of the vocabulary."""
+    from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p
+    from llmserve.kernels.filtered_race import filtered_race
+
+    vocab = 300
+    row = torch.full((vocab,), -4.0)
+    row[[10, 20, 30]] = 2.0  # three tied tokens with most of the mass, then one above them
+    row[5] = 3.0
+    logits = row.repeat(2, 1)
+    masked = apply_top_k_top_p_min_p(logits[:1], [0], [0.5], [0.0])
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [5, 10, 20, 30]
+    noise = torch.ones(2, vocab)
+    noise[:, 30] = 1e-6  # the last of the tie wins the race
+    noise[:, 77] = 1e-30  # an untied token outside the nucleus would win without top-p
+    got = filtered_race(logits, None, None, torch.tensor([0.5, 0.5]), torch.zeros(2), noise=noise)
+    assert got.tolist() == [30, 30]
+    broken = torch.full((2, vocab), float("nan"))
+    broken[1] = float("-inf")
+    got = filtered_race(broken, None, None, torch.tensor([0.9, 0.9]), torch.tensor([0.1, 0.0]), noise=torch.ones(2, vocab))
+    assert got.tolist() == [0, 0]
+
+
+def test_filtered_race_hashes_seeded_rows_as_seeded_noise_does():
+    """Seeded rows draw `seeded_noise.exponential` at their keys inside the kernel (the reference's
+    tokens); unseeded rows beside them draw from the nucleus, renormalised."""
+    from llmserve.engine import seeded_noise
+    from llmserve.kernels.filtered_race import filtered_race
+
+    gen = torch.Generator().manual_seed(4)
+    vocab = 3000
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.8, 1.0, 1.2, 0.7, 1.0])
+    top_p, min_p = torch.tensor([0.6, 1.0, 0.2, 0.9, 0.5]), torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0])
+    keys = torch.tensor([seeded_noise.row_key(7, 0), seeded_noise.row_key(2**64 - 1, 41), seeded_noise.row_key(3, 2)])
+    slots = torch.tensor([2, -1, 0, 1, -1], dtype=torch.int32)
+    got = filtered_race(logits, None, temperature, top_p, min_p, slots, keys, generator=torch.Generator().manual_seed(1))
+    for j, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            noise = seeded_noise.exponential(keys[slot : slot + 1], torch.arange(vocab))
+            want = _filtered_reference(logits, torch.tensor([j]), temperature[j : j + 1], top_p[j : j + 1], min_p[j : j + 1], noise)
+            assert got[j] == want[0], j
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    x = row.repeat(400, 1)
+    tokens = filtered_race(x, None, None, torch.full((400,), 0.8), torch.zeros(400), generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(row, dim=-1)  # nucleus at 0.8: tokens 0-2 (the mass above token 3 is 0.90)
+    nucleus = probs[:3] / probs[:3].sum()
+    freq = torch.bincount(tokens, minlength=6).float() / 400
+    assert freq[3:].sum() == 0 and (freq[:3] - nucleus).abs().max() < 0.08

@@ -101,6 +101,10 @@ def test_max_tokens_min_tokens_and_logprobs(llm):
         assert token in entry and len(entry) >= 3
     assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
     assert out.prompt == "hello world" and out.prompt_token_ids
+    again = llm.generate(["hello world"], SamplingParams(max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    for sample in (comp, again):  # (a token's text is decoded once, then cached: the second run reads the cache)
+        texts = {tid: e.decoded_token for entry in sample.logprobs for tid, e in entry.items()}
+        assert texts == {tid: llm.tokenizer.decode([tid]) for tid in texts}
 
 
 def test_generation_stops_at_max_model_len(llama_dir):

@@ -120,6 +120,9 @@ MIXED = [
     dict(temperature=0.7, seed=14, min_p=0.05, logit_bias={5: 2.0, 9: -3.0}),
     dict(temperature=0, logit_bias={7: 1.5}, min_tokens=4),
     dict(temperature=1.2, seed=2**64 - 1, top_k=3, repetition_penalty=0.8),
+    dict(temperature=0.9, seed=15, top_p=0.3),  # top-p alone (with kernels: filtered_race.py)
+    dict(temperature=1.1, seed=16, top_p=0.6, min_p=0.1, frequency_penalty=0.3),
+    dict(temperature=0.9, seed=17, top_k=2000, top_p=0.7),  # a top-k past TOPK_FAST: the sort
 ]
 
 
@@ -183,6 +186,23 @@ def test_top_k_path_races_only_the_candidates_yet_picks_the_full_races_token(mon
     monkeypatch.setattr(sampler_module, "TOPK_FAST", 0)  # every row through the full sort
     full = _run_steps(Sampler(torch.device("cpu")), specs, 25)
     assert [f[0] for f in fast] == [f[0] for f in full]
+
+
+def test_random_rows_are_grouped_by_the_path_that_samples_them():
+    """With kernels: temperature-only batches take the race, rows without a top-k the filtered race,
+    small top-k's the top-k race, the rest the sort; without kernels the filtered rows sort. Each
+    group names its own seeded rows."""
+    from llmserve.engine.sampler import _groups, _random_rows
+
+    reqs = _requests([dict(temperature=0.8, seed=1), dict(temperature=0), dict(temperature=0.7, top_k=40, seed=2),
+                      dict(temperature=1.0, top_p=0.9), dict(temperature=0.9, top_k=5000, seed=3), dict(temperature=1.0, min_p=0.1, seed=4)])  # fmt: skip
+    random = _random_rows(reqs)
+    got = {path: (g.rows, g.seeded) for path, g in _groups(random, use_kernels=True)}
+    assert got == {"filtered": ([0, 3, 5], [0, 2]), "top_k": ([2], [0]), "sort": ([4], [0])}
+    assert sorted(path for path, _ in _groups(random, use_kernels=False)) == ["sort", "top_k"]
+    assert [path for path, _ in _groups(_random_rows(_requests([dict(temperature=0.5)] * 3)), use_kernels=True)] == ["race"]
+    plain = _random_rows(_requests([dict(temperature=0.5), dict(temperature=0.5, top_p=0.9)]))
+    assert [(path, g is plain) for path, g in _groups(plain, use_kernels=True)] == [("filtered", True)]
 
 
 def test_penalty_slots_are_reused_and_grow():

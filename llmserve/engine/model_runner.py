@@ -333,11 +333,13 @@ class ModelRunner:
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor) -> None:
-        """The sampler once on each of its paths (the random race, top-k/top-p, penalties), alone
+        """The sampler once on each of its paths (the random race, top-k/top-p, top-p alone, seeds, penalties), alone
         and beside another kind of row (the sampling kernels specialize on both), on rows of
         `logits` (a first run with temperature 1 blocked 334 ms in the sampler on the H200
         otherwise); every trace of the dummy requests is then forgotten."""
         paths = ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
+                 (SamplingParams(temperature=0.8, top_p=0.95),), (SamplingParams(temperature=0.0),
+                                                                  SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
                  (SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),),
                  (SamplingParams(temperature=0.0, repetition_penalty=1.1),),
                  (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)),

@@ -30,7 +30,7 @@ from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
 from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
 from llmserve.engine.argmax import row_argmax
-from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race
+from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race, mass_above
 from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
@@ -52,6 +52,15 @@ class _Random:
     # the lists but `keys` on the device (`kept_on_device`); shared by the copies `replace` makes with
     # each step's keys, so `keys` must never be kept there
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    groups: list[tuple[str, _Random]] | None = None  # `_groups`, made on first use
+
+    @property
+    def slots(self) -> list[int]:
+        """Each row's index among the seeded rows (their keys), -1 for an unseeded row."""
+        out = [-1] * len(self.rows)
+        for n, j in enumerate(self.seeded):
+            out[j] = n
+        return out
 
 
 @dataclass(slots=True)
@@ -114,17 +123,25 @@ class Sampler:
         pen = plan.penalties
         logits = self.penalties_and_masks(logits, requests, pen, grammar, plan)
         random = plan.random
-        if random.seeded:
-            random = replace(random, keys=_seeded_keys(requests, random))
         if not random.rows:
             tokens = row_argmax(logits)
         else:
-            tokens = row_argmax(logits) if len(random.rows) < len(requests) else None
-            picked = self._sample(logits, random)
-            if tokens is None:
-                tokens = picked
-            else:
-                tokens[kept_on_device(random, "rows", torch.long, logits.device)] = picked
+            groups = random.groups
+            if groups is None:
+                groups = random.groups = _groups(random, self.use_kernels)
+            tokens = None
+            if len(random.rows) < len(requests):
+                tokens = row_argmax(logits)
+            elif len(groups) > 1:
+                tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+            for path, group in groups:
+                if group.seeded:
+                    group = replace(group, keys=_seeded_keys(requests, group))
+                picked = self._sample(logits, group, path)
+                if tokens is None:
+                    tokens = picked
+                else:
+                    tokens[kept_on_device(group, "rows", torch.long, logits.device)] = picked
         if pen is not None:
             self.penalties.count(tokens, pen)
         logprobs = _logprobs(raw_logprobs, tokens, requests) if raw_logprobs is not None else None
@@ -176,20 +193,31 @@ class Sampler:
             rows, ids, values = bias
             logits.index_put_((rows, ids), values, accumulate=True)
 
-    def _sample(self, logits: torch.Tensor, r: _Random) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, r: _Random, path: str) -> torch.Tensor:
+        """The tokens of the rows `r` (a group of `_groups`) by `path`."""
         device = logits.device
-        if self.use_kernels and _plain_race(r):  # temperature alone, no seed: one kernel over the vocabulary
+        rows = kept_on_device(r, "rows", torch.long, device) if len(r.rows) < logits.shape[0] else None
+        temperature = kept_on_device(r, "temperature", torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
+        if path == "race":  # temperature alone, no seed: one kernel over the vocabulary
             from llmserve.kernels.sampling import race
 
-            rows = kept_on_device(r, "rows", torch.long, device) if len(r.rows) < logits.shape[0] else None
-            temperature = kept_on_device(r, "temperature", torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
             return race(logits, rows, temperature)
+        if path == "filtered":  # top-p, min-p, seeds, no top-k: a few passes, no sort
+            from llmserve.kernels.filtered_race import filtered_race
+
+            slots = keys = None
+            if r.seeded:
+                slots = kept_on_device(r, "slots", torch.int32, device)
+                keys = to_device(r.keys, torch.long, device)
+            top_p = kept_on_device(r, "top_p", torch.float32, device)
+            return filtered_race(logits, rows, temperature, top_p, kept_on_device(r, "min_p", torch.float32, device),
+                                 slots, keys)  # fmt: skip
         part = logits
         if len(r.rows) < logits.shape[0]:  # (every row samples: no gather)
             part = logits[kept_on_device(r, "rows", torch.long, device)]
         if any(t != 1.0 for t in r.temperature):  # (x / 1.0 is x: no division; a tensor, as the reference divides)
             part = part / kept_on_device(r, "temperature", torch.float32, device)[:, None]
-        if all(0 < k <= TOPK_FAST for k in r.top_k):
+        if path == "top_k":
             return self._sample_top_k(part, r)
         part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
         noise = torch.empty_like(part).exponential_()
@@ -206,8 +234,7 @@ class Sampler:
         ranks = torch.arange(values.shape[-1], device=device)[None, :]
         values = values.masked_fill(ranks >= kept_on_device(r, "top_k", torch.long, device)[:, None], float("-inf"))
         if any(p < 1.0 for p in r.top_p):
-            probs = torch.softmax(values, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+            before = mass_above(values, torch.softmax(values, dim=-1))
             values = values.masked_fill(before > kept_on_device(r, "top_p", torch.float32, device)[:, None], float("-inf"))
         if any(m > 0.0 for m in r.min_p):
             probs = torch.softmax(values, dim=-1)
@@ -247,6 +274,30 @@ def _seeded_keys(requests: list[Request], r: _Random) -> list[tuple[int, int]]:
 def _plain_race(r: _Random) -> bool:
     """No row with a seed (its noise is a hash, seeded_noise.py), a top-k, top-p or min-p."""
     return not r.seeded and all(k <= 0 for k in r.top_k) and all(p >= 1.0 for p in r.top_p) and not any(r.min_p)
+
+
+def _groups(r: _Random, use_kernels: bool) -> list[tuple[str, _Random]]:
+    """The random rows by the path that samples them, each group a `_Random` over its rows:
+    "race" (every row has a temperature alone: one kernel), "top_k" (a top-k of at most
+    TOPK_FAST: the race over the k best), "filtered" (no top-k: the kernel that races over the
+    top-p and min-p set, `filtered_race.py`), "sort" (the rest, and the rows without a top-k
+    when there are no kernels: a sort of the vocabulary, as the reference)."""
+    if use_kernels and _plain_race(r):
+        return [("race", r)]
+    paths: dict[str, list[int]] = {}
+    for j, k in enumerate(r.top_k):
+        path = "top_k" if 0 < k <= TOPK_FAST else "sort" if k > 0 or not use_kernels else "filtered"
+        paths.setdefault(path, []).append(j)
+    if len(paths) == 1:
+        return [(next(iter(paths)), r)]
+    return [(path, _subset(r, js)) for path, js in paths.items()]
+
+
+def _subset(r: _Random, js: list[int]) -> _Random:
+    """The rows at positions `js` of `r`, as a `_Random` of their own (its keys left empty)."""
+    where = {j: n for n, j in enumerate(js)}
+    return _Random([r.rows[j] for j in js], [r.temperature[j] for j in js], [r.top_k[j] for j in js],
+                   [r.top_p[j] for j in js], [r.min_p[j] for j in js], [where[j] for j in r.seeded if j in where], [])  # fmt: skip
 
 
 def _random_rows(requests: list[Request]) -> _Random:
@@ -303,9 +354,12 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) 
     """The sampled token's logprob and rank and the top k of every row that asked, in a few ops."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     ks = [requests[i].sampling_params.logprobs for i in rows]
-    index = to_device(rows, torch.long, raw.device)
-    part = raw[index]
-    token_lp = part.gather(-1, tokens[index][:, None])
+    if len(rows) == raw.shape[0]:  # every row asked: no copy of the rows
+        part, picked = raw, tokens
+    else:
+        index = to_device(rows, torch.long, raw.device)
+        part, picked = raw[index], tokens[index]
+    token_lp = part.gather(-1, picked[:, None])
     rank = (part > token_lp).sum(dim=-1) + 1
     values, ids = part.topk(max(max(ks), 1), dim=-1)
     return SampledLogprobs(rows, ks, token_lp.squeeze(-1), rank, values, ids)

@@ -112,11 +112,21 @@ def apply_penalties(
     return logits
 
 
+def mass_above(sorted_logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Each token's mass strictly above it, of rows sorted best first (`probs`: their
+    probabilities): top-p keeps a token when this is at most top_p. Tokens of equal logit share
+    their first one's, so a tie is kept or dropped whole, whatever order the sort gave it."""
+    before = probs.cumsum(dim=-1) - probs
+    first = torch.ones_like(sorted_logits, dtype=torch.bool)
+    first[..., 1:] = sorted_logits[..., 1:] != sorted_logits[..., :-1]
+    return torch.where(first, before, 0.0).cummax(dim=-1).values  # (`before` grows along a row)
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
 ) -> torch.Tensor:
-    """Mask logits outside each row's top-k, nucleus top-p and min-p sets with -inf (a sort
-    of the whole vocabulary)."""
+    """Mask logits outside each row's top-k, nucleus top-p (`mass_above`) and min-p sets with
+    -inf (a sort of the whole vocabulary)."""
     use_k = any(k > 0 for k in top_k)
     use_p = any(p < 1.0 for p in top_p)
     if use_k or use_p:
@@ -128,8 +138,7 @@ def apply_top_k_top_p_min_p(
             sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
         if use_p:
             p = to_device(top_p, logits.dtype, logits.device)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+            before = mass_above(sorted_logits, torch.softmax(sorted_logits, dim=-1))
             sorted_logits = sorted_logits.masked_fill(before > p[:, None], float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     if any(m > 0.0 for m in min_p):

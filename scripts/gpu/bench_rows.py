@@ -52,6 +52,7 @@ ROWS = {
     "presence": ("short", "throughput", A + ["--temperature", "0.8", "--presence-penalty", "0.5"]),
     "repetition": ("short", "throughput", A + ["--temperature", "0", "--repetition-penalty", "1.1"]),
     # more of the same kinds, not in the table: each against (a) by the same 5 % rule
+    "topp_only": ("short", "throughput", A + ["--temperature", "0.8", "--top-p", "0.95"]),
     "frequency": ("short", "throughput", A + ["--temperature", "0.8", "--frequency-penalty", "0.5"]),
     "minp": ("short", "throughput", A + ["--temperature", "0.8", "--min-p", "0.05"]),
     "seeded": ("short", "throughput", A + ["--temperature", "0.8", "--top-p", "0.95", "--sampling-seed", "7"]),
