@@ -69,12 +69,10 @@ def _scores(row_ptr, noise_row, cols, vocab, temperature, seed, offset0, k0, k1,
         high = _h32(k0 ^ ids).to(tl.uint64)
         low = _h32(k1 ^ _h32(ids ^ _SALT)).to(tl.uint64)
         bits = (high << 21) | (low >> 11)
-        u = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-        e = (-_log(u, LIBDEVICE)).to(tl.float32)
-        score = x - _log(e, LIBDEVICE)
+        uniform = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+        score = x - _log((-_log(uniform, LIBDEVICE)).to(tl.float32), LIBDEVICE)
     else:
-        u = tl.rand(seed, offset0 + cols)
-        score = x - tl.log(-tl.log(u))
+        score = x - tl.log(-tl.log(tl.rand(seed, offset0 + cols)))
     score = tl.where(mask & (score == score), score, float("-inf"))  # NaN never wins
     return x, score
 
