@@ -421,3 +421,34 @@ def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
     assert runner.sampler._plan is None  # forgotten: no plan (nor its logit-bias tensors) kept
     assert runner.sampler.penalties is not None and not runner.sampler.penalties.slot_of  # the penalty paths ran
     assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_flat_logprobs_read_as_the_dicts_they_replace():
+    """A `LogprobStore` read through `FlatLogprobs` gives, token by token, the {id: Logprob} dict the
+    output processor used to build (top-k ranked 1..k, then the sampled token with its own rank,
+    replacing its top-k entry); a view keeps its length while the store grows; slices, negative
+    indices, equality with a list and pickling work as on a list."""
+    import pickle
+
+    from llmserve.outputs import FlatLogprobs, Logprob, LogprobStore
+
+    text = {3: "c", 5: "e", 9: "i", 11: "k"}.__getitem__
+    steps = [(5, -0.1, 1, [(5, -0.1), (3, -2.5)]), (11, -4.0, 7, [(9, -0.3), (3, -1.9)]), (3, -0.7, 1, [])]
+    store = LogprobStore()
+    for token, value, rank, top in steps[:2]:
+        store.add(token, value, rank, top, text)
+    view = store.view()
+    store.add(*steps[2], text)
+    want = []
+    for token, value, rank, top in steps:
+        entry = {tid: Logprob(v, r + 1, text(tid)) for r, (tid, v) in enumerate(top)}
+        entry[token] = Logprob(value, rank, text(token))
+        want.append(entry)
+    assert len(view) == 2 and list(view) == want[:2] and view == want[:2]
+    full = store.view()
+    assert full == want and full[-1] == want[2] and full[1:] == want[1:] and list(full[5:]) == []
+    assert list(full[0]) == [5, 3] and full[0][5] == Logprob(-0.1, 1, "e")
+    assert pickle.loads(pickle.dumps(full)) == want
+    with pytest.raises(IndexError):
+        full[3]
+    assert isinstance(full, FlatLogprobs) and full != want[:2]

@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.input_processor import ProcessedRequest
-from llmserve.engine.request import EngineCoreOutput, TokenLogprobs
-from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmserve.engine.request import EngineCoreOutput
+from llmserve.outputs import CompletionOutput, LogprobStore, RequestMetrics, RequestOutput
 
 
 class RequestFailedError(RuntimeError):
@@ -55,7 +55,7 @@ class _Sample:
     core_id: str
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: LogprobStore | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -105,7 +105,7 @@ class OutputProcessor:
             )
             sample = _Sample(i, core_req.request_id, detok)
             if params.logprobs is not None:
-                sample.logprobs, sample.cumulative_logprob = [], 0.0
+                sample.logprobs, sample.cumulative_logprob = LogprobStore(), 0.0
             samples.append(sample)
             self.core_to_request[core_req.request_id] = (processed.request_id, i)
         arrival = processed.core_requests[0].arrival_time
@@ -212,7 +212,7 @@ class OutputProcessor:
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and sample.logprobs is not None:
             for token, lp in zip(out.new_token_ids, out.new_logprobs):
-                sample.logprobs.append(self._logprob_dict(token, lp))
+                sample.logprobs.add(token, lp.token_logprob, lp.token_rank, lp.top, self._text_of)
                 sample.cumulative_logprob += lp.token_logprob
         stop = sample.detok.add_tokens(out.new_token_ids)
         if stop is not None:
@@ -221,12 +221,6 @@ class OutputProcessor:
                 to_abort.append(sample.core_id)
         elif out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
-
-    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
-        text = self._text_of
-        entries = {tid: Logprob(value, rank + 1, text(tid)) for rank, (tid, value) in enumerate(lp.top)}
-        entries[token] = Logprob(lp.token_logprob, lp.token_rank, text(token))
-        return entries
 
     def _text_of(self, token: int) -> str:
         """`tokenizer.decode([token])`, from the cache after the first time."""
@@ -243,7 +237,7 @@ class OutputProcessor:
                 text=s.detok.visible_text(s.finish_reason is not None),
                 token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                logprobs=s.logprobs.view() if s.logprobs is not None else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )

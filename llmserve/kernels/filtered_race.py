@@ -1,20 +1,23 @@
 """The exponential race over each row's top-p and min-p set, without sorting the vocabulary.
 
 The reference (`sampler_reference.apply_top_k_top_p_min_p` then `exponential_race`) sorts every
-row to find its nucleus: 512 rows of 128,256 logits took about 4 ms a decode step on an H100,
-16 % of (a)'s step (docs/benchmarks.md). The race needs less than the nucleus: only its best
+row to find its nucleus: for 512 rows of 128,256 logits the sort and race took 12.4 ms on an H100
+(scripts/gpu/sampling_kernels_check.py), and (a) with top-p and penalties ran at 84 % of greedy
+(docs/benchmarks.md). The race needs less than the nucleus: only its best
 score. A row's kept set is every token at or above a threshold logit (top-p keeps a token when
 the tokens strictly more likely hold at most top_p of the mass, ties kept together; min-p when
 its probability is at least min_p times the largest), so:
 
-1. one pass: the row's largest logit and its race winner c over every token;
-2. a pass: the mass above c (and the row's softmax sum); if c is kept, it wins (no kept token
-   scores higher, since none scores higher at all); if not, the threshold is above c, and the
-   same pass has found the winner among the tokens above c that min-p keeps, the next c.
+1. a pass: the row's largest logit m and its race winner c over every token;
+2. c is kept by min-p if exp(c - m) >= min_p, and by top-p if a pass finds the mass above it
+   at most top_p (a pass of exp alone, no noise); a kept c wins (no kept token scores higher,
+   since none scores higher at all);
+3. if not, the threshold is above c: a pass races the tokens above c that min-p keeps, and
+   its winner is the next c.
 
-Each rejected c raises the floor, and a candidate is kept with probability at least top_p,
-so a row takes about two passes, more only for a small top_p on a flat distribution; the
-largest logit is always kept, so the loop ends. One program a row, every pass streaming it.
+A candidate is kept with probability at least top_p, so a row mostly takes two passes (one
+with noise), more only for a small top_p on a flat distribution; the largest logit is always
+kept, so the loop ends. One program a row, every pass streaming it.
 
 The noise is the one the sampler would draw: Philox inside the kernel for unseeded rows (keyed
 by a seed drawn on the device: no host sync), and for a seeded row the hash of
@@ -55,13 +58,17 @@ def _log(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _scores(row_ptr, noise_row, cols, vocab, temperature, seed, offset0, k0, k1, seeded,
-            HAS_TEMP: tl.constexpr, HAS_NOISE: tl.constexpr, LIBDEVICE: tl.constexpr):  # fmt: skip
-    """The columns' logits / T and race scores (logits / T - log E)."""
-    mask = cols < vocab
-    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf"))
+def _logits(row_ptr, cols, vocab, temperature, HAS_TEMP: tl.constexpr):
+    x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf"))
     if HAS_TEMP:
         x = tl.div_rn(x, temperature)
+    return x
+
+
+@triton.jit
+def _score(x, cols, vocab, noise_row, u, k0, k1, seeded, HAS_NOISE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """The columns' race scores: logits / T - log E."""
+    mask = cols < vocab
     if HAS_NOISE:
         score = x - _log(tl.load(noise_row + cols, mask=mask, other=1.0), LIBDEVICE)
     elif seeded:
@@ -72,9 +79,76 @@ def _scores(row_ptr, noise_row, cols, vocab, temperature, seed, offset0, k0, k1,
         uniform = (bits.to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
         score = x - _log((-_log(uniform, LIBDEVICE)).to(tl.float32), LIBDEVICE)
     else:
-        score = x - tl.log(-tl.log(tl.rand(seed, offset0 + cols)))
-    score = tl.where(mask & (score == score), score, float("-inf"))  # NaN never wins
-    return x, score
+        score = x - tl.log(-tl.log(u))
+    return tl.where(mask & (score == score), score, float("-inf"))  # NaN never wins
+
+
+@triton.jit
+def _race_part(row_ptr, noise_row, cols, vocab, temperature, u, k0, k1, seeded, floor, m, min_p,
+               top, best, best_x, where,
+               HAS_TEMP: tl.constexpr, HAS_NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, FILTER: tl.constexpr):  # fmt: skip
+    """A quarter of a step's columns into the running maximum and the running winner (with
+    FILTER: among the tokens above `floor` that min-p keeps)."""
+    x = _logits(row_ptr, cols, vocab, temperature, HAS_TEMP)
+    score = _score(x, cols, vocab, noise_row, u, k0, k1, seeded, HAS_NOISE, LIBDEVICE)
+    top = tl.maximum(top, tl.where(x == x, x, float("-inf")))
+    better = score > best  # strictly: a lane keeps its first column on ties
+    if FILTER:
+        better = better & (x > floor) & (tl.exp(x - m) >= min_p)
+    return top, tl.where(better, score, best), tl.where(better, x, best_x), tl.where(better, cols, where)
+
+
+@triton.jit
+def _race_pass(row_ptr, noise_row, vocab, temperature, seed, offset0, k0, k1, seeded, floor, m, min_p,
+               BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_NOISE: tl.constexpr, LIBDEVICE: tl.constexpr,
+               FILTER: tl.constexpr):  # fmt: skip
+    """One pass over the row: its largest logit, and the race winner (column, logit / T) over
+    every token, or with FILTER over the tokens above `floor` that min-p keeps. Unseeded rows
+    draw four uniforms a Philox call (offsets unique to row, step and lane)."""
+    quarter: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, quarter)
+    top = tl.full([quarter], float("-inf"), tl.float32)
+    best = tl.full([quarter], float("-inf"), tl.float32)
+    best_x = tl.full([quarter], float("-inf"), tl.float32)
+    where = tl.full([quarter], _NONE, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        u0 = tl.zeros([quarter], dtype=tl.float32)
+        u1 = u0
+        u2 = u0
+        u3 = u0
+        if not HAS_NOISE:
+            if not seeded:
+                u0, u1, u2, u3 = tl.rand4x(seed, offset0 + start // 4 + lanes)
+        cols = start + lanes
+        top, best, best_x, where = _race_part(row_ptr, noise_row, cols, vocab, temperature, u0, k0, k1, seeded, floor,
+                                              m, min_p, top, best, best_x, where, HAS_TEMP, HAS_NOISE, LIBDEVICE, FILTER)  # fmt: skip
+        top, best, best_x, where = _race_part(row_ptr, noise_row, cols + quarter, vocab, temperature, u1, k0, k1, seeded,
+                                              floor, m, min_p, top, best, best_x, where, HAS_TEMP, HAS_NOISE, LIBDEVICE,
+                                              FILTER)  # fmt: skip
+        top, best, best_x, where = _race_part(row_ptr, noise_row, cols + 2 * quarter, vocab, temperature, u2, k0, k1,
+                                              seeded, floor, m, min_p, top, best, best_x, where, HAS_TEMP, HAS_NOISE,
+                                              LIBDEVICE, FILTER)  # fmt: skip
+        top, best, best_x, where = _race_part(row_ptr, noise_row, cols + 3 * quarter, vocab, temperature, u3, k0, k1,
+                                              seeded, floor, m, min_p, top, best, best_x, where, HAS_TEMP, HAS_NOISE,
+                                              LIBDEVICE, FILTER)  # fmt: skip
+    win = tl.max(best, axis=0)
+    pick = tl.min(tl.where(best == win, where, _NONE), axis=0)  # the first column with the best score
+    return tl.max(top, axis=0), pick, tl.max(tl.where(where == pick, best_x, float("-inf")), axis=0)
+
+
+@triton.jit
+def _mass_pass(row_ptr, vocab, temperature, m, floor, BLOCK: tl.constexpr, HAS_TEMP: tl.constexpr):
+    """The softmax mass (unnormalised: exp(x - m)) above `floor`, and the row's whole."""
+    lanes = tl.arange(0, BLOCK)
+    above = tl.zeros([BLOCK], dtype=tl.float32)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        x = _logits(row_ptr, start + lanes, vocab, temperature, HAS_TEMP)
+        e = tl.exp(x - m)
+        e = tl.where(x == x, e, 0.0)
+        total += e
+        above += tl.where(x > floor, e, 0.0)
+    return tl.sum(above, axis=0), tl.sum(total, axis=0)
 
 
 @triton.jit
@@ -107,60 +181,27 @@ def _filtered_race_kernel(
     seed = 0
     if not HAS_NOISE:
         seed = tl.load(seed_ptr)
-    offset0 = i.to(tl.int64) * vocab
-    lanes = tl.arange(0, BLOCK)
+    offset0 = i.to(tl.int64) * tl.cdiv(vocab, BLOCK) * (BLOCK // 4)
 
-    # pass 1: the largest logit, and the race winner over every token
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_x = tl.full([BLOCK], float("-inf"), tl.float32)
-    where = tl.full([BLOCK], _NONE, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        cols = start + lanes
-        x, score = _scores(row_ptr, noise_row, cols, vocab, temperature, seed, offset0, k0, k1, seeded,
-                           HAS_TEMP, HAS_NOISE, LIBDEVICE)  # fmt: skip
-        top = tl.maximum(top, tl.where(x == x, x, float("-inf")))
-        better = score > best  # strictly: a lane keeps its first column on ties
-        best = tl.where(better, score, best)
-        best_x = tl.where(better, x, best_x)
-        where = tl.where(better, cols, where)
-    m = tl.max(top, axis=0)
-    win = tl.max(best, axis=0)
-    pick = tl.min(tl.where(best == win, where, _NONE), axis=0)  # the first column with the best score
-    cand = pick
-    cand_x = tl.max(tl.where(where == pick, best_x, float("-inf")), axis=0)
+    # the largest logit, and the race winner over every token
+    m, cand, cand_x = _race_pass(row_ptr, noise_row, vocab, temperature, seed, offset0, k0, k1, seeded,
+                                 float("-inf"), 0.0, 0.0, BLOCK, HAS_TEMP, HAS_NOISE, LIBDEVICE, False)  # fmt: skip
     done = ((cand == _NONE) | ((top_p >= 1.0) & (min_p <= 0.0))).to(tl.int32)  # no filter: the winner stands
-
-    # then a pass a candidate: the mass above it decides; the winner above it is the next one
     while done == 0:
-        above_mass = tl.zeros([BLOCK], dtype=tl.float32)
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_x = tl.full([BLOCK], float("-inf"), tl.float32)
-        where = tl.full([BLOCK], _NONE, tl.int32)
-        for start in range(0, vocab, BLOCK):
-            cols = start + lanes
-            x, score = _scores(row_ptr, noise_row, cols, vocab, temperature, seed, offset0, k0, k1, seeded,
-                               HAS_TEMP, HAS_NOISE, LIBDEVICE)  # fmt: skip
-            e = tl.exp(x - m)
-            e = tl.where(x == x, e, 0.0)
-            total += e
-            above = x > cand_x
-            above_mass += tl.where(above, e, 0.0)
-            better = above & (e >= min_p) & (score > best)
-            best = tl.where(better, score, best)
-            best_x = tl.where(better, x, best_x)
-            where = tl.where(better, cols, where)
-        mass = tl.sum(above_mass, axis=0)
-        z = tl.sum(total, axis=0)
-        kept_p = (mass == 0.0) | (top_p >= 1.0) | (mass / z <= top_p)
-        kept_min = (cand_x >= m) | (tl.exp(cand_x - m) >= min_p)
-        win = tl.max(best, axis=0)
-        pick = tl.min(tl.where(best == win, where, _NONE), axis=0)
-        done = ((kept_p & kept_min) | (pick == _NONE)).to(tl.int32)  # (nothing above a rejected one: a broken row)
-        if done == 0:
-            cand = pick
-            cand_x = tl.max(tl.where(where == pick, best_x, float("-inf")), axis=0)
+        # kept by min-p (its logit alone decides), then by top-p (a pass: the mass above it)
+        kept = ((cand_x >= m) | (tl.exp(cand_x - m) >= min_p)).to(tl.int32)
+        if (kept != 0) & (top_p < 1.0):
+            mass, z = _mass_pass(row_ptr, vocab, temperature, m, cand_x, BLOCK, HAS_TEMP)
+            kept = ((mass == 0.0) | (mass / z <= top_p)).to(tl.int32)
+        none_above = tl.zeros((), dtype=tl.int32)
+        if kept == 0:  # the threshold is above it: the next candidate is the winner above it
+            _, after, after_x = _race_pass(row_ptr, noise_row, vocab, temperature, seed, offset0, k0, k1, seeded,
+                                           cand_x, m, min_p, BLOCK, HAS_TEMP, HAS_NOISE, LIBDEVICE, True)  # fmt: skip
+            none_above = (after == _NONE).to(tl.int32)  # (only in a broken row)
+            if none_above == 0:
+                cand = after
+                cand_x = after_x
+        done = kept | none_above
     tl.store(out_ptr + i, tl.where(cand == _NONE, 0, cand).to(tl.int64))
 
 
