@@ -1,4 +1,4 @@
-"""The sampling kernels compile for a Hopper GPU (sm_90), on this CPU machine.
+"""The sampling kernels (penalties, races, logprob statistics) compile for a Hopper GPU (sm_90), on this CPU machine.
 
 The interpreter (tests/test_kernels.py) runs the kernels' Python, not Triton's compiler, so an
 error only the compiler finds (a variable of two types across a runtime `if`, a missing
@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from llmserve.kernels.filtered_race import FILTER_BLOCK, _filtered_race_kernel
+    from llmserve.kernels.logprob_stats import STATS_BLOCK, _stats_kernel
     from llmserve.kernels.sampling import PENALTY_BLOCK, RACE_BLOCK, _penalties_kernel, _race_kernel
 
     target = GPUTarget("cuda", 90, 32)
@@ -45,6 +46,9 @@ SCRIPT = textwrap.dedent(
                      rep_ptr="*fp32", presence_ptr="*fp32", frequency_ptr="*fp32", stride_l="i32", stride_c="i32",
                      stride_s="i32", vocab="i32")
     build(_penalties_kernel, penalties, dict(BLOCK=PENALTY_BLOCK, HAS_REP=True, HAS_SEEN=True, HAS_ADD=True))
+    stats = dict(lp_ptr="*fp32", tok_ptr="*i64", count_ptr="*i32", top_v_ptr="*fp32", top_i_ptr="*i32", stride="i32",
+                 vocab="i32")
+    build(_stats_kernel, stats, dict(BLOCK=STATS_BLOCK, K=8))
     """
 )
 
@@ -54,5 +58,5 @@ def test_sampling_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: every kernel really compiles
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 6
+    assert done.stdout.count("compiled") == 7
     assert list(tmp_path.rglob("*.cubin"))

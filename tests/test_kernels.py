@@ -1039,9 +1039,12 @@ def test_the_sampler_on_its_kernels_equals_the_reference_step_after_step():
     from llmserve.engine.sampler_reference import ReferenceSampler
 
     cpu = torch.device("cpu")
-    got = _run_steps(Sampler(cpu, use_kernels=True), MIXED, 12)
-    want = _run_steps(ReferenceSampler(cpu), MIXED, 12)
+    got = _run_steps(Sampler(cpu, use_kernels=True), MIXED, 12, logprobs=True)
+    want = _run_steps(ReferenceSampler(cpu), MIXED, 12, logprobs=True)
     assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, lps_got), (_, lps_want) in zip(got, want):  # (logprobs: rank and top k by logprob_stats.py)
+        for a, b in zip(lps_got, lps_want):
+            assert a.token_rank == b.token_rank and a.top == b.top and a.token_logprob == b.token_logprob
     plain = [dict(temperature=0.7, presence_penalty=0.5), dict(temperature=1.0, frequency_penalty=0.3), dict(temperature=0)]
     tokens = [step[0] for step in _run_steps(Sampler(cpu, use_kernels=True), plain, 6)]
     assert all(0 <= t < 64 for step in tokens for t in step)
@@ -1179,3 +1182,23 @@ def test_filtered_race_hashes_seeded_rows_as_seeded_noise_does():
     nucleus = probs[:3] / probs[:3].sum()
     freq = torch.bincount(tokens, minlength=6).float() / 400
     assert freq[3:].sum() == 0 and (freq[:3] - nucleus).abs().max() < 0.08
+
+
+def test_logprob_stats_kernel_equals_the_tensor_ops():
+    """Rank of the sampled token and the top k in one pass: the same ranks, values and ids as
+    `(lp > token's).sum() + 1` and `topk`, over rows that span blocks (the best of a row in
+    several blocks, a vocabulary that does not divide), k from 1 to 20, a masked token."""
+    from llmserve.kernels.logprob_stats import STATS_BLOCK, logprob_stats
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 2 * STATS_BLOCK + 333
+    lp = torch.log_softmax(torch.randn(4, vocab, generator=gen) * 3, dim=-1)
+    lp[2, 17] = float("-inf")
+    lp[1, [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300]] = lp[1].max() + torch.tensor([0.3, 0.2, 0.1])  # the best, spread
+    tokens = torch.tensor([0, STATS_BLOCK + 9, 17, vocab - 1])
+    for k in (1, 5, 20):
+        rank, values, ids = logprob_stats(lp, tokens, k)
+        want_v, want_i = lp.topk(k, dim=-1)
+        assert torch.equal(rank, (lp > lp.gather(-1, tokens[:, None])).sum(dim=-1) + 1)
+        assert torch.equal(values, want_v) and torch.equal(ids, want_i)
+    assert ids[1, :3].tolist() == [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300]

@@ -144,7 +144,7 @@ class Sampler:
                     tokens[kept_on_device(group, "rows", torch.long, logits.device)] = picked
         if pen is not None:
             self.penalties.count(tokens, pen)
-        logprobs = _logprobs(raw_logprobs, tokens, requests) if raw_logprobs is not None else None
+        logprobs = _logprobs(raw_logprobs, tokens, requests, self.use_kernels) if raw_logprobs is not None else None
         return PendingSample(tokens, logprobs)
 
     def _plan_for(self, logits: torch.Tensor, requests: list[Request]) -> _Plan:
@@ -350,8 +350,9 @@ def _min_tokens(logits: torch.Tensor, requests: list[Request], among: list[int] 
         logits[to_device(rows, torch.long, logits.device), to_device(ids, torch.long, logits.device)] = float("-inf")
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) -> SampledLogprobs:
-    """The sampled token's logprob and rank and the top k of every row that asked, in a few ops."""
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request], use_kernels: bool = False) -> SampledLogprobs:
+    """The sampled token's logprob and rank and the top k of every row that asked, in a few ops
+    (with kernels: the rank and top k in one pass, llmserve/kernels/logprob_stats.py)."""
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
     ks = [requests[i].sampling_params.logprobs for i in rows]
     if len(rows) == raw.shape[0]:  # every row asked: no copy of the rows
@@ -360,6 +361,11 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]) 
         index = to_device(rows, torch.long, raw.device)
         part, picked = raw[index], tokens[index]
     token_lp = part.gather(-1, picked[:, None])
-    rank = (part > token_lp).sum(dim=-1) + 1
-    values, ids = part.topk(max(max(ks), 1), dim=-1)
+    if use_kernels:
+        from llmserve.kernels.logprob_stats import logprob_stats
+
+        rank, values, ids = logprob_stats(part, picked, max(max(ks), 1))
+    else:
+        rank = (part > token_lp).sum(dim=-1) + 1
+        values, ids = part.topk(max(max(ks), 1), dim=-1)
     return SampledLogprobs(rows, ks, token_lp.squeeze(-1), rank, values, ids)
