@@ -6,7 +6,9 @@ logprobs ran 6 % below greedy. Here a program takes a block of a row: it counts 
 above the sampled token's and picks its block's k best (k rounds of max; the first column on
 ties); a `topk` over the blocks' candidates (k of each block) then gives the row's k best,
 since they are among them. The values are the logprobs themselves, so ranks and values equal
-the tensor ops'; `torch.topk` orders tied values its own way, as the reference's does.
+the tensor ops'; `torch.topk` orders tied values its own way, as the reference's does. Each of
+a block's k rounds is a reduction: 0.40 ms at k = 5 (8 rounds), 1.97 at k = 20 (32), so the
+sampler takes this path up to k = 8 (`sampler.STATS_MAX_K`) and the tensor ops beyond.
 """
 
 from __future__ import annotations
