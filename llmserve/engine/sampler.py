@@ -10,10 +10,12 @@ from the sampled tokens there, a seeded request's noise is a hash of (seed, posi
 token) (seeded_noise.py). Nothing waits for the device, so a step with penalties can be
 scheduled before the previous step's tokens are read.
 
-When every sampling row has a top-k of at most TOPK_FAST, the race runs over the k best
-candidates only (torch.topk instead of a sort of the whole vocabulary); it picks the
-token the full race would (every other token has probability 0, and a seeded row's noise
-at a token does not depend on which tokens are raced). Logprobs are the model's raw
+A batch's random rows go by groups (`_groups`). Rows with a top-k of at most TOPK_FAST race
+over their k best candidates only (torch.topk instead of a sort of the whole vocabulary); it
+picks the token the full race would (every other token has probability 0, and a seeded row's
+noise at a token does not depend on which tokens are raced). On a GPU, rows with a temperature
+alone take one kernel pass (kernels/sampling.py), and rows without a top-k race over their
+top-p / min-p set in a kernel of about two passes, seeded rows included (kernels/filtered_race.py). Logprobs are the model's raw
 log-softmax, as vLLM reports them.
 """
 
@@ -215,11 +217,9 @@ class Sampler:
             top_p = kept_on_device(r, "top_p", torch.float32, device)
             return filtered_race(logits, rows, temperature, top_p, kept_on_device(r, "min_p", torch.float32, device),
                                  slots, keys)  # fmt: skip
-        part = logits
-        if len(r.rows) < logits.shape[0]:  # (every row samples: no gather)
-            part = logits[kept_on_device(r, "rows", torch.long, device)]
-        if any(t != 1.0 for t in r.temperature):  # (x / 1.0 is x: no division; a tensor, as the reference divides)
-            part = part / kept_on_device(r, "temperature", torch.float32, device)[:, None]
+        part = logits if rows is None else logits[rows]  # (every row samples: no gather)
+        if temperature is not None:  # (x / 1.0 is x: no division; a tensor, as the reference divides)
+            part = part / temperature[:, None]
         if path == "top_k":
             return self._sample_top_k(part, r)
         part = apply_top_k_top_p_min_p(part, r.top_k, r.top_p, r.min_p)
