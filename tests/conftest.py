@@ -8,6 +8,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tiny test models: one thread per process beats two threads fighting over two cores
 # (set before torch is imported, and inherited by the engine-core processes tests start)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton kernels run under its interpreter here (no GPU). Set before anything imports triton:
+# tests/test_kernels.py and test_lora_kernels.py skip when triton was imported without it (a
+# test module that imported triton first once made 123 kernel tests skip in the full run)
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
