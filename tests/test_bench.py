@@ -561,3 +561,59 @@ def test_bench_aborts_fails_when_the_server_keeps_requests(tmp_path):
         assert exc.value.code == 1
         r = json.loads((tmp_path / "a.json").read_text())
         assert not r["passed"] and r["left_behind"]["vllm:num_requests_running"] == 3
+
+
+MIX = json.dumps([
+    {"temperature": 0},
+    {"temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.3, "frequency_penalty": 0.3, "sampling_seed": 5},
+    {"temperature": 0, "repetition_penalty": 1.1, "logprobs": 2},
+])  # fmt: skip
+
+
+def test_a_sampling_mix_gives_each_request_its_kind_and_each_its_own_tokens_in_a_batch(llama_dir, tmp_path):
+    """--sampling-mix: request i takes entry i % 3 over the flags; in one batch each request gets
+    the tokens (and logprobs) it gets alone; the command reports the mix."""
+    import argparse
+
+    from llmserve import LLM
+    from llmserve.bench.sampling_args import add_sampling_args, sampling_params
+
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser)
+    args = parser.parse_args(["--top-k", "20", "--sampling-mix", MIX])
+    params = [sampling_params(args, 6, i) for i in range(6)]
+    assert [p.temperature for p in params] == [0, 0.7, 0] * 2 and all(p.top_k == 20 for p in params)
+    assert [p.seed for p in params] == [None, 6, None, None, 9, None]  # the entry's seed + the request's index
+    assert params[1].presence_penalty == params[4].frequency_penalty == 0.3 and params[2].repetition_penalty == 1.1
+    assert [p.logprobs for p in params] == [None, None, 2] * 2
+
+    llm = LLM(llama_dir, max_model_len=128, block_size=16)
+    prompts, _ = make_prompts(6, 12, 6, 0.0, 512, 11)
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, together in zip(prompts, params, batch):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        assert together.outputs[0].token_ids == alone.token_ids
+        if p.logprobs:
+            for a, b in zip(together.outputs[0].logprobs, alone.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+    out = tmp_path / "mix.json"
+    main(["bench", "throughput", "--model", llama_dir, "--max-model-len", "128", "--num-prompts", "6",
+          "--input-len", "8", "--output-len", "4", "--sampling-mix", MIX, "--output-json", str(out)])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["sampling"] == {"mix": json.loads(MIX)} and r["num_requests"] == 6 and r["output_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("mix, words", [
+    ("[{", "not JSON"),
+    ("[]", "non-empty JSON list"),
+    ('{"temperature": 0}', "non-empty JSON list"),
+    ('[{"temprature": 0}]', "unknown setting 'temprature'"),
+    ('[{"top_k": 1.5}]', "top_k: 1.5 is not an integer"),
+    ('[{"top_p": "0.9"}]', "top_p: '0.9' is not a number"),
+    ('[{"top_p": 2}]', "top_p"),
+])  # fmt: skip
+def test_a_bad_sampling_mix_is_a_clear_usage_error(mix, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--model", "unused", "--sampling-mix", mix])
+    assert e.value.code == 2 and words in capsys.readouterr().err

@@ -49,9 +49,10 @@ SCRIPT = textwrap.dedent(
                      rep_ptr="*fp32", presence_ptr="*fp32", frequency_ptr="*fp32", stride_l="i32", stride_c="i32",
                      stride_s="i32", vocab="i32")
     build(_penalties_kernel, penalties, dict(BLOCK=PENALTY_BLOCK, HAS_REP=True, HAS_SEEN=True, HAS_ADD=True))
-    stats = dict(lp_ptr="*fp32", tok_ptr="*i64", count_ptr="*i32", top_v_ptr="*fp32", top_i_ptr="*i32", stride="i32",
-                 vocab="i32")
-    build(_stats_kernel, stats, dict(BLOCK=STATS_BLOCK, K=8))
+    for logits, has_rows in (("*bf16", False), ("*fp32", True)):
+        stats = dict(x_ptr=logits, rows_ptr="*i64", tok_ptr="*i64", count_ptr="*i32", max_ptr="*fp32", sum_ptr="*fp32",
+                     top_v_ptr="*fp32", top_i_ptr="*i32", stride="i32", vocab="i32")
+        build(_stats_kernel, stats, dict(BLOCK=STATS_BLOCK, K=8, HAS_ROWS=has_rows))
     """
 )
 
@@ -61,5 +62,5 @@ def test_sampling_kernels_compile_for_sm90(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: every kernel really compiles
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 7
+    assert done.stdout.count("compiled") == 8
     assert list(tmp_path.rglob("*.cubin"))

@@ -10,6 +10,7 @@ the elementwise kernels.
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
@@ -1044,7 +1045,16 @@ def test_the_sampler_on_its_kernels_equals_the_reference_step_after_step():
     assert [g[0] for g in got] == [w[0] for w in want]
     for (_, lps_got), (_, lps_want) in zip(got, want):  # (logprobs: rank and top k by logprob_stats.py)
         for a, b in zip(lps_got, lps_want):
-            assert a.token_rank == b.token_rank and a.top == b.top and a.token_logprob == b.token_logprob
+            assert a.token_rank == b.token_rank and [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert a.token_logprob == pytest.approx(b.token_logprob, abs=1e-5)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    half = [dict(s, logprobs=2) if i % 2 else s for i, s in enumerate(MIXED)]  # the kernel reads the asked rows only
+    got, want = _run_steps(Sampler(cpu, use_kernels=True), half, 4), _run_steps(ReferenceSampler(cpu), half, 4)
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for (_, lps_got), (_, lps_want) in zip(got, want):
+        assert [a is None for a in lps_got] == [i % 2 == 0 for i in range(len(MIXED))]
+        for a, b in zip(lps_got, lps_want):
+            assert a == b or (a.token_rank == b.token_rank and a.token_logprob == pytest.approx(b.token_logprob, abs=1e-5))
     plain = [dict(temperature=0.7, presence_penalty=0.5), dict(temperature=1.0, frequency_penalty=0.3), dict(temperature=0)]
     tokens = [step[0] for step in _run_steps(Sampler(cpu, use_kernels=True), plain, 6)]
     assert all(0 <= t < 64 for step in tokens for t in step)
@@ -1184,21 +1194,35 @@ def test_filtered_race_hashes_seeded_rows_as_seeded_noise_does():
     assert freq[3:].sum() == 0 and (freq[:3] - nucleus).abs().max() < 0.08
 
 
-def test_logprob_stats_kernel_equals_the_tensor_ops():
-    """Rank of the sampled token and the top k in one pass: the same ranks, values and ids as
-    `(lp > token's).sum() + 1` and `topk`, over rows that span blocks (the best of a row in
-    several blocks, a vocabulary that does not divide), k from 1 to 20, a masked token."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprob_stats_kernel_equals_the_tensor_ops(dtype):
+    """A sampled token's logprob and rank and the top k in one pass over the raw logits: the
+    values of `log_softmax` (to float32 rounding), the ranks of `(lp > token's).sum() + 1` and the
+    ids of `topk`, over rows that span blocks (the best of a row in several blocks, a vocabulary
+    that does not divide), k from 1 to 20, a masked token, 16-bit logits, and rows picked out of
+    the batch (the others never read: NaN there)."""
     from llmserve.kernels.logprob_stats import STATS_BLOCK, logprob_stats
 
     gen = torch.Generator().manual_seed(5)
     vocab = 2 * STATS_BLOCK + 333
-    lp = torch.log_softmax(torch.randn(4, vocab, generator=gen) * 3, dim=-1)
-    lp[2, 17] = float("-inf")
-    lp[1, [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300]] = lp[1].max() + torch.tensor([0.3, 0.2, 0.1])  # the best, spread
+    logits = (torch.randn(5, vocab, generator=gen) * 3).to(dtype)
+    logits[2, 17] = float("-inf")
+    logits[1, [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300]] = logits[1].max() + torch.tensor([3.0, 2.0, 1.0]).to(dtype)
+    logits[3] = float("nan")  # not asked
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    rows = torch.tensor([0, 1, 2, 4])
     tokens = torch.tensor([0, STATS_BLOCK + 9, 17, vocab - 1])
+    want_lp = lp[rows, tokens]
     for k in (1, 5, 20):
-        rank, values, ids = logprob_stats(lp, tokens, k)
-        want_v, want_i = lp.topk(k, dim=-1)
-        assert torch.equal(rank, (lp > lp.gather(-1, tokens[:, None])).sum(dim=-1) + 1)
-        assert torch.equal(values, want_v) and torch.equal(ids, want_i)
-    assert ids[1, :3].tolist() == [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300]
+        token_lp, rank, values, ids = logprob_stats(logits, tokens, k, rows)
+        want_v, want_i = lp[rows].topk(k, dim=-1)
+        assert torch.allclose(token_lp[[0, 1, 3]], want_lp[[0, 1, 3]], rtol=1e-6, atol=1e-5) and token_lp[2] == -math.inf
+        assert torch.equal(rank, (lp[rows] > want_lp[:, None]).sum(dim=-1) + 1)
+        assert torch.allclose(values, want_v, rtol=1e-6, atol=1e-5)
+        if dtype == torch.float32:
+            assert torch.equal(ids, want_i)
+        else:  # 16-bit logits tie: any of the tied ids, each once
+            assert torch.equal(lp[rows].gather(-1, ids), want_v) and all(len(set(r)) == k for r in ids.tolist())
+    assert ids[1, :3].tolist() == [5, STATS_BLOCK + 9, 2 * STATS_BLOCK + 300] and rank[1] == 2
+    whole = logprob_stats(logits[rows], tokens, 5)  # every row of its batch
+    assert all(torch.equal(a, b) for a, b in zip(whole, logprob_stats(logits, tokens, 5, rows)))

@@ -333,7 +333,7 @@ class ModelRunner:
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor) -> None:
-        """The sampler once on each of its paths (the random race, top-k/top-p, top-p alone, seeds, penalties), alone
+        """The sampler once on each of its paths (the random race, top-k/top-p, top-p alone, seeds, penalties, logprobs), alone
         and beside another kind of row (the sampling kernels specialize on both), on rows of
         `logits` (a first run with temperature 1 blocked 334 ms in the sampler on the H200
         otherwise); every trace of the dummy requests is then forgotten."""
@@ -345,7 +345,9 @@ class ModelRunner:
                  (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)),
                  (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)),
                  (SamplingParams(temperature=0.0, repetition_penalty=1.1),
-                  SamplingParams(temperature=0.0, presence_penalty=0.5)))  # fmt: skip
+                  SamplingParams(temperature=0.0, presence_penalty=0.5)),
+                 (SamplingParams(temperature=0.0, logprobs=5),),  # the logprob kernel's two widths
+                 (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)))  # fmt: skip
         for i, batch in enumerate(b for b in paths if len(b) <= len(logits)):
             requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
             try:

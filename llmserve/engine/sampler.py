@@ -16,7 +16,8 @@ picks the token the full race would (every other token has probability 0, and a 
 noise at a token does not depend on which tokens are raced). On a GPU, rows with a temperature
 alone take one kernel pass (kernels/sampling.py), and rows without a top-k race over their
 top-p / min-p set in a kernel of about two passes, seeded rows included (kernels/filtered_race.py). Logprobs are the model's raw
-log-softmax, as vLLM reports them.
+log-softmax, as vLLM reports them; on a GPU one kernel pass over the asked rows' logits gives them
+with no log-softmax of the batch written (kernels/logprob_stats.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponenti
 from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
-# logprobs of at most this many top tokens take the one-pass kernel (its k rounds a block: at
-# 20 it took 1.97 ms for 512 rows on an H100, more than rank and topk by tensor ops, at 5 0.40)
+# logprobs of at most this many top tokens take the one-pass kernel over the raw logits (its k
+# rounds a block: at 20 it took 1.97 ms for 512 rows on an H100, more than rank and topk by tensor
+# ops, at 5 0.40); it runs 1 round (k = 1) or this many
 STATS_MAX_K = 8
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "TOPK_FAST"]
@@ -69,6 +71,19 @@ class _Random:
 
 
 @dataclass(slots=True)
+class _LogprobRows:
+    """The rows that ask for logprobs, and how many top tokens each shows."""
+
+    rows: list[int]
+    ks: list[int]
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # `rows` on the device (`kept_on_device`)
+
+    @property
+    def k(self) -> int:
+        return max(max(self.ks), 1)
+
+
+@dataclass(slots=True)
 class _Plan:
     """What a batch's sampling settings say, made once and kept while the batch holds the same
     requests in the same order (decode steps mostly do): no loop over the batch's requests on
@@ -79,7 +94,7 @@ class _Plan:
     greedy: bool  # every row greedy, without logprobs, penalties, logit bias or grammar
     min_tokens_rows: list[int]  # rows with a min_tokens
     bias_rows: list[int]  # rows with a logit bias
-    logprobs: bool
+    logprobs: _LogprobRows | None  # the rows that ask for logprobs
     penalties: PenaltyRows | None
     random: _Random  # without keys (a seeded row's key follows its output count)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the logit bias's (rows, token ids, values) on the device, made on first use
@@ -121,10 +136,13 @@ class Sampler:
         plan = self._plan_for(logits, requests)
         if grammar is None and plan.greedy and not _short_of_min_tokens(requests, plan.min_tokens_rows):
             return PendingSample(row_argmax(logits), None)  # argmax of the 16-bit logits: .float() is exact, the same winner
+        asked, raw = plan.logprobs, None
+        fused = asked is not None and self.use_kernels and asked.k <= STATS_MAX_K
+        if fused:  # the kernel reads the model's logits after sampling: kept as they are
+            raw = logits.clone() if logits.dtype == torch.float32 else logits
         logits = logits.float()
-        raw_logprobs = None
-        if plan.logprobs:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if asked is not None and not fused:
+            raw = torch.log_softmax(logits, dim=-1)
         pen = plan.penalties
         logits = self.penalties_and_masks(logits, requests, pen, grammar, plan)
         random = plan.random
@@ -149,7 +167,9 @@ class Sampler:
                     tokens[kept_on_device(group, "rows", torch.long, logits.device)] = picked
         if pen is not None:
             self.penalties.count(tokens, pen)
-        logprobs = _logprobs(raw_logprobs, tokens, requests, self.use_kernels) if raw_logprobs is not None else None
+        logprobs = None
+        if asked is not None:
+            logprobs = _fused_logprobs(raw, tokens, asked) if fused else _logprobs(raw, tokens, asked)
         return PendingSample(tokens, logprobs)
 
     def _plan_for(self, logits: torch.Tensor, requests: list[Request]) -> _Plan:
@@ -162,7 +182,7 @@ class Sampler:
         self._plan = plan = _Plan(
             key, _plain_greedy(requests),
             [i for i, r in rows if r.sampling_params.min_tokens > 0], [i for i, r in rows if r.sampling_params.logit_bias],
-            any(r.sampling_params.logprobs is not None for r in requests), self._penalty_rows(logits, requests),
+            _logprob_rows(requests), self._penalty_rows(logits, requests),
             _random_rows(requests),
         )  # fmt: skip
         return plan
@@ -353,23 +373,37 @@ def _min_tokens(logits: torch.Tensor, requests: list[Request], among: list[int] 
         logits[to_device(rows, torch.long, logits.device), to_device(ids, torch.long, logits.device)] = float("-inf")
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request], use_kernels: bool = False) -> SampledLogprobs:
-    """The sampled token's logprob and rank and the top k of every row that asked, in a few ops
-    (with kernels: the rank and top k in one pass, llmserve/kernels/logprob_stats.py)."""
+def _logprob_rows(requests: list[Request]) -> _LogprobRows | None:
     rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    ks = [requests[i].sampling_params.logprobs for i in rows]
-    if len(rows) == raw.shape[0]:  # every row asked: no copy of the rows
+    return _LogprobRows(rows, [requests[i].sampling_params.logprobs for i in rows]) if rows else None
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asked: _LogprobRows) -> SampledLogprobs:
+    """From the batch's log-softmax `raw`: the sampled token's logprob and rank (1 + how many
+    logprobs are larger) and the top k of every row that asked, by tensor ops."""
+    if len(asked.rows) == raw.shape[0]:  # every row asked: no copy of the rows
         part, picked = raw, tokens
     else:
-        index = to_device(rows, torch.long, raw.device)
+        index = kept_on_device(asked, "rows", torch.long, raw.device)
         part, picked = raw[index], tokens[index]
     token_lp = part.gather(-1, picked[:, None])
-    k = max(max(ks), 1)
-    if use_kernels and k <= STATS_MAX_K:
-        from llmserve.kernels.logprob_stats import logprob_stats
+    rank = (part > token_lp).sum(dim=-1) + 1
+    values, ids = part.topk(asked.k, dim=-1)
+    return SampledLogprobs(asked.rows, asked.ks, token_lp.squeeze(-1), rank, values, ids)
 
-        rank, values, ids = logprob_stats(part, picked, k)
-    else:
-        rank = (part > token_lp).sum(dim=-1) + 1
-        values, ids = part.topk(k, dim=-1)
-    return SampledLogprobs(rows, ks, token_lp.squeeze(-1), rank, values, ids)
+
+def _fused_logprobs(logits: torch.Tensor, tokens: torch.Tensor, asked: _LogprobRows) -> SampledLogprobs:
+    """The same from the model's logits, the asked rows only, in one kernel pass with no
+    log-softmax written (llmserve/kernels/logprob_stats.py; ranks by the logits' order)."""
+    from llmserve.kernels.logprob_stats import logprob_stats
+
+    index = kept_on_device(asked, "rows", torch.long, logits.device)  # (always: one kernel variant to compile)
+    if len(asked.rows) < logits.shape[0]:
+        tokens = tokens[index]
+    token_lp, rank, values, ids = logprob_stats(logits, tokens, _stats_width(asked.k), index)
+    return SampledLogprobs(asked.rows, asked.ks, token_lp, rank, values[:, : asked.k], ids[:, : asked.k])
+
+
+def _stats_width(k: int) -> int:
+    """The kernel's k: 1 or STATS_MAX_K, two variants to compile (the warm-up's) rather than one per k."""
+    return 1 if k == 1 else STATS_MAX_K

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,12 @@ ROWS = {
     "openai": ("short", "throughput", A + ["--temperature", "0.7", "--top-p", "0.9", "--presence-penalty", "0.3",
                                            "--frequency-penalty", "0.3"]),
     "logprobs": ("short", "throughput", A + ["--temperature", "0", "--logprobs", "5"]),
+    # a server's traffic: five kinds of request in turn in one batch (greedy, the OpenAI client's
+    # mix, a chat front-end's top-k/top-p with repetition penalty, seeded top-p, greedy with logprobs)
+    "mixed": ("short", "throughput", A + ["--sampling-mix", json.dumps([
+        {"temperature": 0}, {"temperature": 0.7, "top_p": 0.9, "presence_penalty": 0.3, "frequency_penalty": 0.3},
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "repetition_penalty": 1.1},
+        {"temperature": 1.0, "top_p": 0.95, "sampling_seed": 7}, {"temperature": 0, "logprobs": 5}])]),
     "n4": ("short", "throughput", ["--num-prompts", "128", "--input-len", "512", "--output-len", "256",
                                    "--temperature", "0.8", "--n", "4"]),
     "presence@reference": ("short", "throughput", A + ["--temperature", "0.8", "--presence-penalty", "0.5"]),
@@ -152,25 +159,32 @@ def check_sampler_on_gpu() -> dict:
              dict(temperature=1.0, top_k=5), dict(temperature=0.6, top_k=1000, min_p=0.02, repetition_penalty=1.1),
              dict(temperature=0.9, top_k=40, logprobs=2), dict(temperature=0, frequency_penalty=0.3)]  # fmt: skip
 
-    def run(sampler_cls, kinds) -> list[list[int]]:
+    def run(sampler_cls, kinds) -> tuple[list[list[int]], list]:
         gen = torch.Generator(device=device).manual_seed(0)
         reqs = [Request(EngineCoreRequest(f"r{i}", list(range(10 + i, 200 + i)), SamplingParams(
             max_tokens=50, seed=i if kinds[i % 6].get("temperature") else None, **kinds[i % 6]), 50, (2,)))
             for i in range(64)]  # fmt: skip
-        sampler, out = (sampler_cls(device, use_kernels=True) if sampler_cls is Sampler else sampler_cls(device)), []
+        sampler, out, lps = (sampler_cls(device, use_kernels=True) if sampler_cls is Sampler else sampler_cls(device)), [], []
         for _ in range(12):
             logits = torch.randn(64, 128256, device=device, generator=gen) * 3
-            tokens = sampler(logits, reqs).token_ids
-            out.append(tokens)
-            for r, t in zip(reqs, tokens):
+            step = sampler(logits, reqs)
+            out.append(step.token_ids)
+            lps.extend(lp for lp in step.logprobs or [] if lp is not None)
+            for r, t in zip(reqs, step.token_ids):
                 r.all_token_ids.append(t)
-        return out
+        return out, lps
+
+    def same_logprobs(a, b) -> bool:  # rank and top ids equal, values to float32 rounding (another sum order)
+        return (a.token_rank == b.token_rank and [i for i, _ in a.top] == [i for i, _ in b.top]
+                and all(abs(x - y) <= 1e-4 for x, y in zip([a.token_logprob] + [v for _, v in a.top],
+                                                           [b.token_logprob] + [v for _, v in b.top])))  # fmt: skip
 
     result = {}
     for name, kinds in (("mixed", mixed), ("top_k", top_k)):
-        batched, reference = run(Sampler, kinds), run(ReferenceSampler, kinds)
+        (batched, lp_b), (reference, lp_r) = run(Sampler, kinds), run(ReferenceSampler, kinds)
         same = sum(a == b for step_a, step_b in zip(batched, reference) for a, b in zip(step_a, step_b))
         result[name] = f"{same} of {64 * 12} equal"
+        result[name + "_logprobs"] = f"{sum(map(same_logprobs, lp_b, lp_r))} of {len(lp_r)} equal" if len(lp_b) == len(lp_r) else "rows differ"
     return result
 
 
@@ -257,7 +271,7 @@ def main() -> None:
             _, command, flags = ROWS[name]
             runner.sampler = ReferenceSampler(runner.device) if name.endswith("@reference") else own
             args = bench_args(command, flags)  # every row's result goes to rows.json
-            line = f"llmserve bench {command} {' '.join(ENGINES[engine])} {' '.join(flags)}"
+            line = f"llmserve bench {command} {shlex.join(ENGINES[engine])} {shlex.join(flags)}"
             if name.endswith("@reference"):
                 line += " --sampler reference"
             print(f"=== {name}: {line}", flush=True)

@@ -4,8 +4,8 @@
 # top-k/top-p, presence, repetition, shared prefix, (c), (b), 64 x 7,680, TTFT at 7,680 / 16k / 32k),
 # then BEFORE_ROWS from the tree of `ab_trees.sh prepare main=REV` (carry [".whl", ".ab"]), then the
 # GPU time of (b) by kind (step_breakdown.py). The rows include sampling beyond the table:
-# top-p alone, seeded top-p, the OpenAI mix, top-5 logprobs. `chain`: one decode step's kernels in a CUDA graph
-# with and without PDL (pdl_chain_micro.py); `nopdl`: NOPDL_ROWS with LLMSERVE_PDL=0 (same tree).
+# top-p alone, seeded top-p, the OpenAI mix, top-5 logprobs, a batch of five kinds of request (mixed).
+# `chain`: one decode step's kernels in a CUDA graph with and without PDL (pdl_chain_micro.py); `nopdl`: NOPDL_ROWS with LLMSERVE_PDL=0 (same tree).
 # `checks`: the kernels against their references (bench_kernels.py --only checks --quick).
 # `chunks`: a prompt's later chunk by the kernel and by SDPA over its whole sequence (bench_kernels.py
 # --only chunks); `probe`: one batch-1 TTFT at PROBE_LEN tokens (default 7,680) under the profiler,
@@ -23,7 +23,7 @@ SWEEP=0 TOKENS=1 run micro "${T_MICRO:-60}" python3 scripts/gpu/dense_gemm_micro
 run chain "${T_CHAIN:-120}" python3 scripts/gpu/pdl_chain_micro.py
 run overlap "${T_OVERLAP:-120}" python3 scripts/gpu/overlap_micro.py
 run rows "${T_ROWS:-330}" python3 scripts/gpu/bench_rows.py --out "$OUT/now" \
-  --only "${ROWS:-b,a,topp,presence,repetition,topp_only,seeded,openai,logprobs,prefix,c,long64,ttft7680,ttft16k,ttft32k}"
+  --only "${ROWS:-b,a,topp,presence,repetition,topp_only,seeded,openai,logprobs,mixed,prefix,c,long64,ttft7680,ttft16k,ttft32k}"
 LLMSERVE_PDL=0 run nopdl "${T_NOPDL:-90}" python3 scripts/gpu/bench_rows.py --out "$OUT/nopdl" \
   --only "${NOPDL_ROWS:-b}" --no-sampler-check
 if [ -d .ab/main/llmserve ]; then
