@@ -42,6 +42,21 @@ from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_dev
 
 logger = logging.getLogger(__name__)
 
+
+def warm_sampling_batches() -> tuple[tuple[SamplingParams, ...], ...]:
+    """The batches the warm-up samples once each: every path of the sampler (the random race,
+    top-k/top-p, top-p alone, seeds, penalties, logprobs: the kernel's two widths, every row asking
+    and some), alone and beside another kind of row (the sampling kernels specialize on both)."""
+    greedy = SamplingParams(temperature=0.0)
+    return ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
+            (SamplingParams(temperature=0.8, top_p=0.95),), (greedy, SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
+            (SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),),
+            (SamplingParams(temperature=0.0, repetition_penalty=1.1),),
+            (greedy, SamplingParams(temperature=1.0)), (greedy, SamplingParams(temperature=0.8)),
+            (SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, presence_penalty=0.5)),
+            (SamplingParams(temperature=0.0, logprobs=5),), (greedy, SamplingParams(temperature=0.0, logprobs=0)))  # fmt: skip
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
@@ -333,22 +348,10 @@ class ModelRunner:
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor) -> None:
-        """The sampler once on each of its paths (the random race, top-k/top-p, top-p alone, seeds, penalties, logprobs), alone
-        and beside another kind of row (the sampling kernels specialize on both), on rows of
-        `logits` (a first run with temperature 1 blocked 334 ms in the sampler on the H200
-        otherwise); every trace of the dummy requests is then forgotten."""
-        paths = ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
-                 (SamplingParams(temperature=0.8, top_p=0.95),), (SamplingParams(temperature=0.0),
-                                                                  SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
-                 (SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),),
-                 (SamplingParams(temperature=0.0, repetition_penalty=1.1),),
-                 (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)),
-                 (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)),
-                 (SamplingParams(temperature=0.0, repetition_penalty=1.1),
-                  SamplingParams(temperature=0.0, presence_penalty=0.5)),
-                 (SamplingParams(temperature=0.0, logprobs=5),),  # the logprob kernel's two widths
-                 (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)))  # fmt: skip
-        for i, batch in enumerate(b for b in paths if len(b) <= len(logits)):
+        """The sampler once on each batch of `warm_sampling_batches`, on rows of `logits` (a first
+        run with temperature 1 blocked 334 ms in the sampler on the H200 otherwise); every trace of
+        the dummy requests is then forgotten."""
+        for i, batch in enumerate(b for b in warm_sampling_batches() if len(b) <= len(logits)):
             requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
             try:
                 self.sampler.sample_async(logits[: len(requests)], requests).result()
