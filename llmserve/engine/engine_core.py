@@ -53,13 +53,22 @@ class EngineCore:
         )  # fmt: skip
 
     def _start(self, config: EngineConfig, progress: bool, exit_on_worker_death: bool) -> None:
+        phases, mark = {}, time.perf_counter()
+
+        def phase(name: str) -> None:  # the start-up's time by phase, logged when it is ready
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name], mark = now - mark, now
+
         if config.tensor_parallel_size > 1:
             self.tp_driver = TPDriver(config, exit_on_worker_death)
             self.runner = ModelRunner(config, progress, self.tp_driver.group, self.tp_driver.send)
             self.tp_driver.wait_ready()
         else:
             self.runner = ModelRunner(config, progress=progress)
+        phase("model")
         num_blocks = self.runner.num_blocks_for_memory()
+        phase("memory profile")
         num_cpu_blocks = self.runner.num_swap_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len
@@ -73,8 +82,12 @@ class EngineCore:
         kv_scales = self.runner.set_kv_scales()
         if kv_scales.scales:
             logger.info("FP8 KV cache scales, %s", kv_scales.summary())
+        phase("KV cache")
         self.runner.warmup()
+        phase("kernel warm-up")
         self.runner.capture_cuda_graphs()
+        phase("CUDA graphs")
+        logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
         self.kv = KVCacheManager(
             num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
         )

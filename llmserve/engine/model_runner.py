@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -309,29 +310,41 @@ class ModelRunner:
 
         a = self.arch
         sc = self.config.scheduler_config
+        times, mark = [], time.perf_counter()
+
+        def done(name: str) -> None:
+            nonlocal mark
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            times.append(f"{name} {now - mark:.1f} s")
+            mark = now
+
         try:
             n = warmup_paged_attention(
                 a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs, self.dtype
             )
+            done("paged attention")
             # SDPA's plans for the padded lengths of a fresh prompt's chunk and of a later chunk's
             # whole sequence, one per shape (the limit is at least the longest fresh chunk)
             plans = warmup_sdpa_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
                                         self.sdpa_chunk_limit)  # fmt: skip
+            done("SDPA plans")
             # the fresh prompts' own kernel, each tile shape
             n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+            done("fresh prefill")
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
                 self._dummy_forward(num_seqs, seq_len)
-            heads = self._warm_lm_head()
-            torch.cuda.synchronize()
+            done("small forwards")
+            heads = self._warm_lm_head(done)
         except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
             logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
         logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans; "
-                    "LM head at %d row counts", n, plans, heads)  # fmt: skip
+                    "LM head at %d row counts (%s)", n, plans, heads, ", ".join(times))  # fmt: skip
 
-    def _warm_lm_head(self) -> int:
+    def _warm_lm_head(self, done=lambda name: None) -> int:
         """The LM head at every row count a step can take (engine/logits_rows.py), and greedy
         sampling's argmax on few rows and on many: a kernel's first launch in the process
         loads its module and blocks the host until the device is idle. On the H200 a run's
@@ -344,7 +357,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[:count])
             row_argmax(logits[:1])  # two stages
             row_argmax(logits)  # one (at more than TWO_STAGE_MAX_ROWS rows)
+            done("LM head")
             self._warm_sampling(logits[:2])
+            done("sampling")
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor) -> None:
