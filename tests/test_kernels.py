@@ -385,6 +385,8 @@ def test_the_fresh_prefill_kernel_matches_causal_sdpa_per_prompt():
 
     assert launch_config(512) != launch_config(1024) != launch_config(2048)
     assert warmup_fresh_prefill(1, 1, 16, torch.float32, torch.device("cpu")) == 3  # each tile shape once
+    units = []
+    assert warmup_fresh_prefill(1, 1, 16, torch.float32, torch.device("cpu"), units.append) == len(units) == 3
     hq, hkv, d = 8, 2, 32
     lens = [70, 5, 64, 129, 1]  # the third sequence (64) is not listed: a decode or a cached chunk there
     rows = sum(lens)
@@ -987,7 +989,12 @@ def test_split_counts_are_powers_of_two_and_warmup_compiles_each():
     }  # fmt: skip
     assert seen <= set(PA.split_counts()) and len(seen) > 2
     kv_cache = torch.randn(2, 6, 4, 2, 16)
+    before = kv_cache.clone()
     assert PA.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32) == 3 * len(PA.split_counts())
+    units = []  # handed to a pool (engine/warmup_pool.py): every launch is a unit of its own
+    assert PA.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32, submit=units.append) == len(units)
+    outs = [unit() for unit in reversed(units)]  # any order
+    assert all(o.shape[-1] == 16 and torch.isfinite(o).all() for o in outs) and torch.equal(kv_cache, before)
 
 
 # -- the sampler's kernels (llmserve/kernels/sampling.py) -----------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError
 from llmserve.engine.input_processor import PromptError, PromptTooLongError
 from llmserve.engine.logits_rows import warm_counts
+from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.sampling_params import SamplingParamsError
 
@@ -421,6 +424,45 @@ def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
     assert runner.sampler._plan is None  # forgotten: no plan (nor its logit-bias tensors) kept
     assert runner.sampler.penalties is not None and not runner.sampler.penalties.slot_of  # the penalty paths ran
     assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+    # on a pool's threads (as on a GPU) each batch has a sampler of its own: the runner's is left alone
+    plan, penalties, slots = runner.sampler._plan, runner.sampler.penalties, dict(runner.sampler.penalties.slot_of)
+    runner.sampler.sample_async = lambda *a: pytest.fail("the runner's own sampler ran on a thread")
+    try:
+        with WarmupPool(runner.device, workers=3) as pool:
+            assert runner._warm_lm_head(pool) == len(warm_counts(llm.config.scheduler_config.max_num_seqs))
+    finally:
+        del runner.sampler.sample_async
+    assert pool.busy_s > 0 and runner.sampler._plan is plan and runner.sampler.penalties is penalties
+    assert runner.sampler.penalties.slot_of == slots
+    assert llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_a_warmup_pool_runs_units_on_its_threads_and_reports_the_first_failure():
+    """Units run on the pool's threads in inference mode and are all done when the `with` block
+    ends; a failing unit does not stop the others, and its error is raised at the end. One worker
+    runs each unit at once in the caller's thread (the reference)."""
+    import threading
+
+    seen, done = [], []
+
+    def unit(i):
+        seen.append((threading.current_thread().name, torch.is_inference_mode_enabled()))
+        if i == 2:
+            raise ValueError("unit 2 failed")
+        time.sleep(0.05)
+        done.append(i)
+        return i * i
+
+    with pytest.raises(ValueError, match="unit 2 failed"):
+        with WarmupPool(torch.device("cpu"), workers=3) as pool:
+            futures = [pool.submit(functools.partial(unit, i)) for i in range(6)]
+    assert sorted(done) == [0, 1, 3, 4, 5] and all(name.startswith("warmup") and inf for name, inf in seen)
+    assert [f.result() for f in futures if f.exception() is None] == [0, 1, 9, 16, 25]
+    seen.clear()
+    with WarmupPool(torch.device("cpu"), workers=1) as pool:
+        assert pool.submit(functools.partial(unit, 3)).result() == 9
+    assert seen == [(threading.current_thread().name, True)]
+    assert WarmupPool(torch.device("cpu")).workers == 1  # the interpreter is not thread-safe: CPU runs inline
 
 
 def test_flat_logprobs_read_as_the_dicts_they_replace():

@@ -32,6 +32,7 @@ from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
+from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.sampling_params import SamplingParams
@@ -42,6 +43,13 @@ from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
 
 logger = logging.getLogger(__name__)
+
+
+def _sample_once(sampler, logits: torch.Tensor, requests: list[RunnerRequest]) -> None:
+    try:
+        sampler.sample_async(logits, requests).result()
+    finally:  # a failed path still leaves no penalty slot or plan behind
+        sampler.forget([request.request_id for request in requests])
 
 
 def warm_sampling_batches() -> tuple[tuple[SamplingParams, ...], ...]:
@@ -302,7 +310,10 @@ class ModelRunner:
 
     @on_every_rank
     def warmup(self) -> None:
-        """Compile the Triton attention variants before serving (no JIT stall mid-traffic)."""
+        """Compile the Triton attention variants, the LM head's and the sampler's kernels before
+        serving (no JIT stall mid-traffic). The independent launches (attention variants, SDPA
+        plans, the fresh-prompt tiles, the sampling batches) run on a few threads
+        (engine/warmup_pool.py), so their compiles overlap; the model's own forwards stay on this one."""
         if self.config.attention_backend != "triton" or self.device.type != "cuda":
             return
         from llmserve.kernels.fresh_prefill import warmup_fresh_prefill
@@ -310,46 +321,39 @@ class ModelRunner:
 
         a = self.arch
         sc = self.config.scheduler_config
-        times, mark = [], time.perf_counter()
-
-        def done(name: str) -> None:
-            nonlocal mark
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            times.append(f"{name} {now - mark:.1f} s")
-            mark = now
-
+        start = time.perf_counter()
         try:
-            n = warmup_paged_attention(
-                a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs, self.dtype
-            )
-            done("paged attention")
-            # SDPA's plans for the padded lengths of a fresh prompt's chunk and of a later chunk's
-            # whole sequence, one per shape (the limit is at least the longest fresh chunk)
-            plans = warmup_sdpa_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
-                                        self.sdpa_chunk_limit)  # fmt: skip
-            done("SDPA plans")
-            # the fresh prompts' own kernel, each tile shape
-            n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device)
-            done("fresh prefill")
+            with WarmupPool(self.device) as pool:
+                n = warmup_paged_attention(a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs,
+                                           self.dtype, pool.submit)  # fmt: skip
+                # SDPA's plans for the padded lengths of a fresh prompt's chunk and of a later chunk's
+                # whole sequence, one per shape (the limit is at least the longest fresh chunk)
+                plans = pool.submit(functools.partial(warmup_sdpa_prefill, a.num_heads, a.num_kv_heads, a.head_dim,
+                                                      self.dtype, self.device, self.sdpa_chunk_limit))  # fmt: skip
+                # the fresh prompts' own kernel, each tile shape
+                n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, pool.submit)
+                heads = self._warm_lm_head(pool)
+            threads = time.perf_counter() - start
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
                 self._dummy_forward(num_seqs, seq_len)
-            done("small forwards")
-            heads = self._warm_lm_head(done)
+            torch.cuda.synchronize()
         except Exception:  # noqa: BLE001 - a missed warm-up only costs a later compile
             logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
-        logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans; "
-                    "LM head at %d row counts (%s)", n, plans, heads, ", ".join(times))  # fmt: skip
+        logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans; LM head "
+                    "at %d row counts; the sampler's paths (%.1f s on %d threads, %.1f s of work; small forwards "
+                    "%.1f s)", n, plans.result(), heads, threads, pool.workers, pool.busy_s,
+                    time.perf_counter() - start - threads)  # fmt: skip
 
-    def _warm_lm_head(self, done=lambda name: None) -> int:
+    def _warm_lm_head(self, pool: WarmupPool | None = None) -> int:
         """The LM head at every row count a step can take (engine/logits_rows.py), and greedy
         sampling's argmax on few rows and on many: a kernel's first launch in the process
         loads its module and blocks the host until the device is idle. On the H200 a run's
         first steps lost 325-680 ms of host time to the LM head so, the device then waiting for
-        their next launch (front_probe.py, 2026-12-04). Returns the number of row counts."""
+        their next launch (front_probe.py, 2026-12-04). Then each sampling path (`_warm_sampling`,
+        on `pool`'s threads if given). Returns the number of row counts."""
         counts = warm_counts(self.config.scheduler_config.max_num_seqs)
         with torch.inference_mode():
             hidden = torch.zeros(counts[-1], self.arch.hidden_size, dtype=self.dtype, device=self.device)
@@ -357,21 +361,24 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[:count])
             row_argmax(logits[:1])  # two stages
             row_argmax(logits)  # one (at more than TWO_STAGE_MAX_ROWS rows)
-            done("LM head")
-            self._warm_sampling(logits[:2])
-            done("sampling")
+            self._warm_sampling(logits[:2], pool)
         return len(counts)
 
-    def _warm_sampling(self, logits: torch.Tensor) -> None:
+    def _warm_sampling(self, logits: torch.Tensor, pool: WarmupPool | None = None) -> None:
         """The sampler once on each batch of `warm_sampling_batches`, on rows of `logits` (a first
         run with temperature 1 blocked 334 ms in the sampler on the H200 otherwise); every trace of
-        the dummy requests is then forgotten."""
+        the dummy requests is then forgotten. On a pool's threads each batch has a sampler of its
+        own (a sampler keeps a batch's plan); the compiled kernels are the process's."""
+        threads = pool is not None and pool.workers > 1 and type(self.sampler) is Sampler
         for i, batch in enumerate(b for b in warm_sampling_batches() if len(b) <= len(logits)):
             requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
-            try:
-                self.sampler.sample_async(logits[: len(requests)], requests).result()
-            finally:  # a failed path still leaves no penalty slot or plan behind
-                self.sampler.forget([request.request_id for request in requests])
+            sampler = Sampler(self.device, self.sampler.vocab_size, self.sampler.use_kernels) if threads else self.sampler
+            unit = functools.partial(_sample_once, sampler, logits[: len(requests)], requests)
+            if threads:
+                pool.submit(unit)
+            else:
+                unit()
+
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:

@@ -22,6 +22,8 @@ fp32, with exp2.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -139,18 +141,24 @@ def fresh_prefill_attention(
 
 
 def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                         device: torch.device) -> int:  # fmt: skip
+                         device: torch.device, submit: Callable[[Callable[[], object]], object] | None = None,
+                         ) -> int:  # fmt: skip
     """Compile the kernel for each tile shape `launch_config` picks, on q/k/v laid out as the model
-    has them (views of one fused projection). Returns how many (0: a head size it does not take)."""
+    has them (views of one fused projection); each launch handed to `submit` (None: run at once).
+    Returns how many (0: a head size it does not take)."""
     if head_dim != triton.next_power_of_2(head_dim):
         return 0
     lengths = (600, 1100, 1600)  # one of each config's range
     assert len({launch_config(n) for n in lengths}) == len(lengths)
-    for n in lengths:
+
+    def launch(n: int) -> None:
         qkv = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
         q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
                                                                 num_kv_heads * head_dim], -1))  # fmt: skip
         fresh_prefill_attention(q, k, v, ((0, n),), head_dim**-0.5, torch.empty_like(q))
+
+    for n in lengths:
+        (submit or (lambda unit: unit()))(functools.partial(launch, n))
     return len(lengths)
 
 

@@ -42,6 +42,8 @@ tuned on an H200; `config=` overrides them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -384,11 +386,14 @@ def split_counts(max_splits: int = MAX_SPLITS) -> list[int]:
 
 
 def warmup_paged_attention(
-    num_heads: int, kv_cache: torch.Tensor, scale: float, max_batch: int, dtype: torch.dtype
-) -> int:
+    num_heads: int, kv_cache: torch.Tensor, scale: float, max_batch: int, dtype: torch.dtype,
+    submit: Callable[[Callable[[], object]], object] | None = None,
+) -> int:  # fmt: skip
     """Compile every launch variant (decode and prefill tiles, each split count) now, so
-    no request waits for the JIT later. Reads the cache, writes nothing to it. Returns the
-    number of launches."""
+    no request waits for the JIT later. Reads the cache, writes nothing to it. Each launch is
+    handed to `submit` (engine/warmup_pool.py: on threads, so the compiles overlap; None: run
+    at once). Returns the number of launches."""
+    submit = submit or (lambda unit: unit())
     _, num_blocks, page, _, head_dim = kv_cache.shape
     device = kv_cache.device
     seq_len = min(num_blocks * page, MIN_TOKENS_PER_SPLIT * MAX_SPLITS)
@@ -406,7 +411,7 @@ def warmup_paged_attention(
         )
         q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
         for splits in split_counts():
-            paged_attention_forward(q, kv_cache, meta, scale, num_splits=splits)
+            submit(functools.partial(paged_attention_forward, q, kv_cache, meta, scale, num_splits=splits))
             launches += 1
     if device.type == "cuda" and num_blocks * page >= LONG_PREFILL_TOKENS:  # the long-prompt tiles
         n = LONG_PREFILL_TOKENS
@@ -418,8 +423,8 @@ def warmup_paged_attention(
             max_query_len=n,
             max_seq_len=n,
         )  # fmt: skip
-        paged_attention_forward(torch.randn(n, num_heads, head_dim, dtype=dtype, device=device), kv_cache, meta,
-                                scale, num_splits=1)  # fmt: skip
+        submit(functools.partial(paged_attention_forward, torch.randn(n, num_heads, head_dim, dtype=dtype, device=device),
+                                 kv_cache, meta, scale, num_splits=1))  # fmt: skip
         launches += 1
     return launches
 
