@@ -14,7 +14,7 @@
 | `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
 | `apply_penalties_`, `race` (the sampler's penalties and plain exponential race, one pass over the vocabulary each) | `sampling` | `PenaltyState.apply_tensors`, `sampler_reference.exponential_race` |
 | `filtered_race` (the race over each row's top-p / min-p set without a sort; seeded rows' hash noise inside) | `filtered_race` | `sampler_reference.apply_top_k_top_p_min_p` then `exponential_race` |
-| `logprob_stats` (the sampled token's rank and the top k logprobs, one pass) | `logprob_stats` | `(lp > token's).sum() + 1`, `torch.topk` |
+| `logprob_stats` (from the raw logits: the sampled token's logprob and rank and the top k logprobs, one pass) | `logprob_stats` | `log_softmax`, `(lp > token's).sum() + 1`, `torch.topk` |
 
 Importing this package needs the `triton` package (not a GPU): on CPU the kernels run
 under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is imported), which
