@@ -617,3 +617,29 @@ def test_a_bad_sampling_mix_is_a_clear_usage_error(mix, words, capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "throughput", "--model", "unused", "--sampling-mix", mix])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_the_engines_start_up_by_phase_is_logged_and_plotted(llama_dir, tmp_path, caplog):
+    """The engine logs its start-up by phase; scripts/gpu/plot_startup_phases.py reads that line
+    (as kept in a calls file) into the phases, whose sum is within the logged ready time, and plots it."""
+    import logging
+
+    from llmserve import LLM
+
+    with caplog.at_level(logging.INFO, logger="llmserve.engine.engine_core"):
+        LLM(llama_dir, max_model_len=64).shutdown()
+    line = next(r.getMessage() for r in caplog.records if "start-up by phase" in r.getMessage())
+    ready = float(next(r.getMessage() for r in caplog.records if "engine core ready in" in r.getMessage()).split()[4])
+    plot = gpu_script("plot_startup_phases")
+    phases = plot.phases(line)
+    assert list(phases) == ["model", "memory profile", "KV cache", "kernel warm-up", "CUDA graphs"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= ready + 0.3
+    calls = tmp_path / "calls.json"
+    calls.write_text(json.dumps({"calls": {"c": {"logs": {"one.log": ["other", line], "two.log": ["no phases"]}}}}))
+    import subprocess
+    import sys
+
+    png = tmp_path / "phases.png"
+    subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/gpu/plot_startup_phases.py"), str(calls), "c",
+                    str(png), "t"], check=True, capture_output=True)  # fmt: skip
+    assert png.read_bytes().startswith(PNG_MAGIC)
