@@ -16,12 +16,14 @@ data, call, png, title = (sys.argv[1:5] if len(sys.argv) > 4 else
                            "2026-12-04 (call 3)"))
 device = sys.argv[5] if len(sys.argv) > 5 else "H200"
 d = json.load(open(data))["calls"][call]["now"]
-vllm = {"a": 10304, "topp": 9846, "presence": 9984, "repetition": 10038, "prefix": 11117, "long64": 897,
+vllm = {"a": 10304, "topp": 9846, "presence": 9984, "repetition": 10038, "prefix": 11117, "c": 3829, "long64": 897,
         "ttft7680": 195, "tpot7680": 5.26, "b": 4.92}
 labels = {"a": "(a) greedy", "topp": "top-k/top-p", "presence": "presence pen.", "repetition": "repetition pen.",
-          "prefix": "shared prefix", "long64": "64 x 7,680", "ttft7680": "TTFT 7,680", "tpot7680": "ms/token at 7,680", "b": "(b) ms/token"}
+          "prefix": "shared prefix", "c": "(c) 1000 x 1024/128", "long64": "64 x 7,680", "ttft7680": "TTFT 7,680", "tpot7680": "ms/token at 7,680", "b": "(b) ms/token"}
 names, ratios = [], []
 for key, ref in vllm.items():
+    if ("ttft7680" if key == "tpot7680" else key) not in d:
+        continue
     row = d["ttft7680" if key == "tpot7680" else key]
     if key == "tpot7680":
         r = ref / row["tpot_ms"]
