@@ -55,13 +55,18 @@ def _sample_once(sampler, logits: torch.Tensor, requests: list[RunnerRequest]) -
 def warm_sampling_batches() -> tuple[tuple[SamplingParams, ...], ...]:
     """The batches the warm-up samples once each: every path of the sampler (the random race,
     top-k/top-p, top-p alone, seeds, penalties, logprobs: the kernel's two widths, every row asking
-    and some), alone and beside another kind of row (the sampling kernels specialize on both)."""
+    and some), alone and beside another kind of row. The sampling kernels specialize on whether a
+    launch has a row list, temperatures and seeds, so the filtered race gets each of its eight
+    variants and the race its four (a seeded top-p batch with no greedy row once compiled inside
+    a timed run on a fresh H200: −8.4 % against −1.4 % warm, 2026-12-06)."""
     greedy = SamplingParams(temperature=0.0)
-    return ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
-            (SamplingParams(temperature=0.8, top_p=0.95),), (greedy, SamplingParams(temperature=0.7, top_p=0.9, seed=1)),
+    filtered = [SamplingParams(temperature=t, top_p=0.95, seed=seed) for t in (0.8, 1.0) for seed in (None, 1)]
+    return ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8),),
+            (greedy, SamplingParams(temperature=1.0)), (greedy, SamplingParams(temperature=0.8)),
+            (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),),
+            *((params,) for params in filtered), *((greedy, params) for params in filtered),
             (SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.5),),
             (SamplingParams(temperature=0.0, repetition_penalty=1.1),),
-            (greedy, SamplingParams(temperature=1.0)), (greedy, SamplingParams(temperature=0.8)),
             (SamplingParams(temperature=0.0, repetition_penalty=1.1), SamplingParams(temperature=0.0, presence_penalty=0.5)),
             (SamplingParams(temperature=0.0, logprobs=5),), (greedy, SamplingParams(temperature=0.0, logprobs=0)))  # fmt: skip
 
