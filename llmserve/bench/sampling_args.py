@@ -39,6 +39,8 @@ def sampling_mix(text: str) -> list[dict]:
         raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(mix, list) or not mix or not all(isinstance(entry, dict) for entry in mix):
         raise argparse.ArgumentTypeError("a non-empty JSON list of objects, one per kind of request")
+    from llmserve import SamplingParams
+
     for entry in mix:
         for name, value in entry.items():
             if name not in SAMPLING_FLAGS:
@@ -47,8 +49,6 @@ def sampling_mix(text: str) -> list[dict]:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or (kind is int and not isinstance(value, int))):  # fmt: skip
                 raise argparse.ArgumentTypeError(f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}")
-        from llmserve import SamplingParams
-
         try:  # each entry must make valid settings on its own (over the defaults)
             SamplingParams(max_tokens=1, **{k: v for k, v in entry.items() if k != "sampling_seed"})
         except (TypeError, ValueError) as e:

@@ -338,7 +338,7 @@ class ModelRunner:
                 # the fresh prompts' own kernel, each tile shape
                 n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, pool.submit)
                 heads = self._warm_lm_head(pool)
-            threads = time.perf_counter() - start
+            pooled_s = time.perf_counter() - start
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
             # a few small eager forwards compile those variants too
             for num_seqs, seq_len in ((1, 1), (1, 7), (1, 16), (3, 37)):
@@ -348,9 +348,9 @@ class ModelRunner:
             logger.exception("kernel warm-up failed; kernels will compile on first use")
             return
         logger.info("compiled %d paged-attention launch variants and the elementwise kernels; %d SDPA plans; LM head "
-                    "at %d row counts; the sampler's paths (%.1f s on %d threads, %.1f s of work; small forwards "
-                    "%.1f s)", n, plans.result(), heads, threads, pool.workers, pool.busy_s,
-                    time.perf_counter() - start - threads)  # fmt: skip
+                    "at %d row counts; the sampler's paths. %.1f s on %d threads (%.1f s of work), then the small "
+                    "forwards %.1f s", n, plans.result(), heads, pooled_s, pool.workers, pool.busy_s,
+                    time.perf_counter() - start - pooled_s)  # fmt: skip
 
     def _warm_lm_head(self, pool: WarmupPool | None = None) -> int:
         """The LM head at every row count a step can take (engine/logits_rows.py), and greedy
@@ -383,7 +383,6 @@ class ModelRunner:
                 pool.submit(unit)
             else:
                 unit()
-
 
     @on_every_rank
     def capture_cuda_graphs(self) -> None:

@@ -72,7 +72,7 @@ class WarmupPool:
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        errors = [f.exception() for f in self._futures if f.exception() is not None]
+        errors = [e for e in (f.exception() for f in self._futures) if e is not None]
         self._futures = []
         if errors and exc[0] is None:
             raise errors[0]
