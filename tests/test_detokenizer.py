@@ -40,3 +40,27 @@ def test_stop_string_cut_and_holdback(tokenizer):
         if stop:
             break
     assert stop == "café" and detok.text == TEXT[: TEXT.index("café")]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_prompt_ending_inside_a_character_adds_only_what_the_output_adds(tokenizer, monkeypatch, fast):
+    """Issue 49: token ids that end inside a character (an emoji's first bytes) made the first
+    output text carry the prompt's last tokens' text. The output is what the generated tokens
+    add to the decoded prompt: the prompt's text to its last whole character, then the output,
+    is the decode of all the tokens (the straddling character completed); cut anywhere, and
+    with a prompt of one token."""
+    if not fast:
+        monkeypatch.setattr(detok_mod, "DecodeStream", None)
+    ids = tokenizer.encode("The json module 😀 and 中文 ☕", add_special_tokens=False)
+    more = tokenizer.encode(" the end", add_special_tokens=False)
+    cut_inside = 0
+    for cut in range(1, len(ids)):
+        for prompt in (ids[:cut], ids[cut - 1 : cut]):
+            output = ids[cut:] + more
+            detok = IncrementalDetokenizer(tokenizer, prompt, True, [], False)
+            for token in output:
+                detok.add_tokens([token])
+            decoded = tokenizer.decode(prompt)
+            cut_inside += decoded.endswith("\ufffd")
+            assert detok_mod.stable_prompt_text(decoded) + detok.text == tokenizer.decode(prompt + output), (cut, prompt)
+    assert cut_inside >= 6  # the cases of the issue were met
