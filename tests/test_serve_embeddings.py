@@ -59,6 +59,19 @@ def test_openai_client_gets_sentence_transformers_vectors(server, reference):
     assert [m.id for m in client.models.list().data] == ["embed"]
 
 
+def test_token_id_input_embeds_exactly_those_ids(server, reference):
+    """Token ids (one list, or a list of lists, as OpenAI's API takes them) are embedded as
+    given: the ids the model's tokenizer makes of a text give that text's vector."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
+    ids = reference.tokenizer(TEXTS)["input_ids"]
+    resp = client.embeddings.create(model="embed", input=ids, encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in resp.data], embed_here(reference, TEXTS), atol=2e-5)
+    assert resp.usage.prompt_tokens == resp.usage.total_tokens == sum(len(x) for x in ids)
+    one = client.embeddings.create(model="embed", input=ids[1], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, resp.data[1].embedding, atol=2e-5)
+    assert one.usage.total_tokens == len(ids[1])
+
+
 def test_base64_is_little_endian_float32(server, reference):
     body = {"input": ["hello world"], "encoding_format": "base64"}
     data = httpx.post(f"{server.base_url}/v1/embeddings", json=body, headers=AUTH).json()["data"]
@@ -115,8 +128,11 @@ LONG = "word " * 300  # more tokens than the model's 256
     ("/v1/embeddings", {"input": []}, 400, "input"),
     ("/v1/embeddings", {"input": ""}, 400, "input"),
     ("/v1/embeddings", {"input": ["ok", ""]}, 400, "input"),
-    ("/v1/embeddings", {"input": [1, 2, 3]}, 400, "input"),
-    ("/v1/embeddings", {"input": [[1, 2], [3]]}, 400, "input"),
+    ("/v1/embeddings", {"input": [-1]}, 400, "input"),  # token ids: negative, past the vocabulary, none
+    ("/v1/embeddings", {"input": [[101, 102], [101, 30522]]}, 400, "input"),
+    ("/v1/embeddings", {"input": [[101], []]}, 400, "input"),
+    ("/v1/embeddings", {"input": [2**70]}, 400, "input"),
+    ("/v1/embeddings", {"input": [[1] * 257]}, 400, "input"),
     ("/v1/embeddings", {"input": ["x"] * 2049}, 400, "input"),
     ("/v1/embeddings", {"input": ["short", LONG]}, 400, "input"),
     ("/v1/embeddings", {"input": [1.5]}, 400, None),

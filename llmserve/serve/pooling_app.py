@@ -1,9 +1,9 @@
 """`llmserve serve --task embed`: an OpenAI-compatible embedding server.
 
-/v1/embeddings (OpenAI's API: float or base64 vectors, usage), /v1/rerank (also /rerank
-and /v2/rerank, the API vLLM, Cohere and Jina share), /v1/models, /health, /version and
-/metrics. Concurrent requests are batched together (`serve/batcher.py`). The model loads
-in the background; until then every endpoint but /version answers 503.
+/v1/embeddings (OpenAI's API: text or token ids in, float or base64 vectors and usage out),
+/v1/rerank (also /rerank and /v2/rerank, the API vLLM, Cohere and Jina share), /v1/models,
+/health, /version and /metrics. Concurrent requests are batched together (`serve/batcher.py`).
+The model loads in the background; until then every endpoint but /version answers 503.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llmserve import __version__
-from llmserve.pooling import SentenceEncoder, cosine_scores
+from llmserve.pooling import PoolingInput, SentenceEncoder, cosine_scores
 from llmserve.serve.batcher import MicroBatcher
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.openai.errors import APIError
@@ -141,7 +141,7 @@ def build_pooling_app(
         started = time.perf_counter()
         encoder, batcher = s.require_encoder()
         model = s.resolve_model(req.model)
-        texts = _input_texts(req.input)
+        texts = _inputs(req.input, encoder)
         if req.dimensions is not None and req.dimensions != encoder.dim:
             raise APIError(400, f"this model's embeddings have {encoder.dim} dimensions; `dimensions` "
                            f"cannot change that (got {req.dimensions})", param="dimensions")  # fmt: skip
@@ -181,21 +181,23 @@ def build_pooling_app(
     return app
 
 
-def _input_texts(value: str | list) -> list[str]:
-    texts = [value] if isinstance(value, str) else value
-    if not texts:
+def _inputs(value: str | list, encoder: SentenceEncoder) -> list[PoolingInput]:
+    """The texts, or token-id rows (one list of ints, or a list of them: embedded exactly as
+    given, as OpenAI's API takes them), of an embeddings request."""
+    items = [value] if isinstance(value, str) or (value and all(isinstance(t, int) for t in value)) else value
+    if not items:
         raise APIError(400, "input must not be empty", param="input")
-    if not all(isinstance(t, str) for t in texts):
-        raise APIError(400, "input must be text (a string or a list of strings); token-id input is "
-                       "not supported by this server", param="input")  # fmt: skip
-    if len(texts) > MAX_INPUTS:
-        raise APIError(400, f"input holds {len(texts)} texts; at most {MAX_INPUTS} per request", param="input")
-    if any(not t for t in texts):
-        raise APIError(400, "input must not contain empty strings", param="input")
-    return texts
+    if len(items) > MAX_INPUTS:
+        raise APIError(400, f"input holds {len(items)} inputs; at most {MAX_INPUTS} per request", param="input")
+    if any(not t for t in items):
+        raise APIError(400, "input must not contain empty strings or empty token-id lists", param="input")
+    for i, row in enumerate(items):
+        if not isinstance(row, str) and (why := encoder.refuse_ids(row)) is not None:
+            raise APIError(400, f"input[{i}]: {why}", param="input")
+    return items
 
 
-def _check_lengths(encoder: SentenceEncoder, texts: list[str], param: str) -> int:
+def _check_lengths(encoder: SentenceEncoder, texts: list[PoolingInput], param: str) -> int:
     """Total tokens; a text longer than the model takes is refused, never silently cut."""
     counts = encoder.token_counts(texts)
     for i, n in enumerate(counts):
