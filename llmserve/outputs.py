@@ -15,6 +15,8 @@ class Logprob:
 
 # one entry per generated token: token id -> its logprob (the sampled token and the top-k)
 SampleLogprobs = Sequence[dict[int, Logprob]]
+# one entry per prompt token, the first None (nothing comes before it): the prompt's token and the top-k
+PromptLogprobs = Sequence[dict[int, Logprob] | None]
 
 
 class LogprobStore:
@@ -91,7 +93,26 @@ class FlatLogprobs(Sequence):
         return isinstance(other, Sequence) and list(self) == list(other)
 
     def __repr__(self) -> str:
-        return f"FlatLogprobs({list(self)!r})"
+        return f"{type(self).__name__}({list(self)!r})"
+
+
+class FlatPromptLogprobs(FlatLogprobs):
+    """A prompt's logprobs as vLLM gives them: None for its first token, then the store's
+    entries (positions 1 .. `length`)."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self._length + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if i == 0:
+            return None
+        return super().__getitem__(i - 1)
 
 
 @dataclass(slots=True)
@@ -135,4 +156,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    prompt_logprobs: PromptLogprobs | None = field(default=None)  # when asked (SamplingParams.prompt_logprobs)

@@ -87,6 +87,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token (vLLM's; the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
@@ -136,6 +137,10 @@ class SamplingParams:
         _check(
             self.logprobs is None or 0 <= self.logprobs <= 20,
             f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
         )
         _check(all(s for s in self.stop_strings), "stop strings must not be empty")
         _check(len(self.stop_strings) <= MAX_STOP_STRINGS,

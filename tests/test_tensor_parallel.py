@@ -32,7 +32,7 @@ def _prompts(seed: int) -> list[dict]:
 
 
 def _run(model: str, tp: int, **kwargs):
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3, prompt_logprobs=2)  # (every rank's LM head)
     with LLM(model, tensor_parallel_size=tp, **kwargs) as llm:
         outs = llm.generate(_prompts(7), params, use_tqdm=False)
         assert llm.stats().num_blocks_used == 0
@@ -43,7 +43,8 @@ def _assert_same(single, split) -> None:
     for a, b in zip(single, split):
         sa, sb = a.outputs[0], b.outputs[0]
         assert sa.token_ids == sb.token_ids
-        for la, lb in zip(sa.logprobs, sb.logprobs):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for la, lb in zip([*sa.logprobs, *a.prompt_logprobs[1:]], [*sb.logprobs, *b.prompt_logprobs[1:]]):
             assert la.keys() == lb.keys()
             for token in la:
                 assert la[token].logprob == pytest.approx(lb[token].logprob, abs=2e-4)

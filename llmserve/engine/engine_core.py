@@ -205,7 +205,7 @@ class EngineCore:
         if pending is None:
             return EngineCoreOutputs(refused, self.stats())
         result = pending.result()
-        outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs)
+        outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs)
         return EngineCoreOutputs(refused + outputs, self.stats())
 
     def stats(self) -> SchedulerStats:

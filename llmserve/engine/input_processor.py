@@ -114,6 +114,8 @@ class InputProcessor:
             if n > 1 and params.seed is not None:  # the i-th sample's seed (wrapped past 2**64 - 1)
                 seed = params.seed + i
                 child_params = params.clone(seed=seed - (1 << 64) if seed >= 1 << 64 else seed)
+            if i > 0 and params.prompt_logprobs is not None:  # the prompt's logprobs come from the first sample
+                child_params = child_params.clone(prompt_logprobs=None)
             core.append(
                 EngineCoreRequest(
                     request_id=child_request_id(request_id, i, n),

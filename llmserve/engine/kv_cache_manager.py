@@ -60,7 +60,7 @@ class KVCacheManager:
         miss (a fresh 7,680-token prompt makes one, not 480): the rest when its blocks
         are offered to the cache, after the step is launched."""
         salt = self._salt(req)
-        if salt is False:
+        if salt is False or req.prompt_logprobs is not None:  # (as vLLM: prompt logprobs need every prompt row)
             return []
         num_full = (req.num_tokens - 1) // self.block_size
         keys = req.block_hashes

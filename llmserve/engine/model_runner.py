@@ -28,6 +28,7 @@ from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, t
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
+from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
@@ -75,6 +76,8 @@ def warm_sampling_batches() -> tuple[tuple[SamplingParams, ...], ...]:
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, list[TokenLogprobs]]
+    # request id -> (first prompt position, its entries): prompt logprobs (engine/prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class PendingStep:
@@ -82,16 +85,19 @@ class PendingStep:
     step can read them on the device (`device_tokens`, row i = `sampling[i]`)."""
 
     def __init__(self, sampling: list, pending: PendingSample | None,
-                 on_result: Callable[[list, list[int]], None] | None = None) -> None:  # fmt: skip
+                 on_result: Callable[[list, list[int]], None] | None = None,
+                 prompt: PendingPromptLogprobs | None = None) -> None:  # fmt: skip
         self.sampling = sampling
         self.pending = pending
+        self.prompt = prompt  # the step's prompt logprobs, if a request asked
         self.on_result = on_result  # the runner's own token state takes the sampled tokens
         self.device_tokens = pending.device_tokens if pending is not None else None
         self.row_of = {r.request_id: i for i, r in enumerate(sampling)}
 
     def result(self) -> ModelRunnerOutput:
+        prompt = self.prompt.result() if self.prompt is not None else None
         if self.pending is None:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt)
         with torch.inference_mode():
             out = self.pending.result()
         sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
@@ -99,7 +105,7 @@ class PendingStep:
         if self.on_result is not None:
             self.on_result(self.sampling, out.token_ids)
             self.on_result = None  # once
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt)
 
 
 @dataclass(slots=True)
@@ -110,6 +116,7 @@ class StepInputs:
     swap_in: list[tuple[int, int]]
     batch: BatchInputs | None
     lora_slots: list[int] | None = None  # with LoRA: each token's adapter slot (the driver's choice)
+    prompt_rows: PromptRows | None = None  # rows whose logits give prompt logprobs (a request asked)
 
 
 def on_every_rank(method: Callable) -> Callable:
@@ -465,35 +472,48 @@ class ModelRunner:
         if batch is None and not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
-        logits = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch, lora_slots))
-        step = PendingStep([], None)
+        prompt = None
+        if self.requests.prompt_logprobs and batch is not None:  # (only while a request asks)
+            prompt = prompt_rows(rows, batch.query_start_loc, self.requests.prompt_logprobs)
+        logits, prompt_logprobs = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch,
+                                                           lora_slots, prompt))  # fmt: skip
+        step = PendingStep([], None, prompt=prompt_logprobs)
         if logits is not None:
-            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling, plan.grammar), self.requests.fill)
+            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling, plan.grammar), self.requests.fill,
+                               prompt_logprobs)  # fmt: skip
         self.requests.hold_places(sampling)
         self._last_step = step
         return step
 
     @on_every_rank
     @torch.inference_mode()
-    def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Swap blocks, run the forward; returns the logits of the sampling rows (if any)."""
+    def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
+        """Swap blocks, run the forward; returns the logits of the sampling rows (if any), and
+        the prompt logprobs of `step.prompt_rows` (if given) on their way from the device."""
         self._swap(step.swap_out, to_cpu=True)
         self._swap(step.swap_in, to_cpu=False)
         if step.batch is None:
-            return None
+            return None, None
         if step.lora_slots is not None:
             self.lora.context.set_token_slots(step.lora_slots)
-        hidden, rows = self._forward(step.batch)
+        hidden, rows = self._forward(step.batch, every_row=step.prompt_rows is not None)
+        pad = self.device.type == "cuda"
+        prompt = None
+        if step.prompt_rows is not None:  # (every rank: the LM head's all-gather under tensor parallelism)
+            prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, step.prompt_rows,
+                                             self.config.attention_backend == "triton", pad)  # fmt: skip
         if not rows:
-            return None
+            return None, prompt
         # on a GPU the LM head runs on few distinct row counts, each warmed up (engine/logits_rows.py)
-        return step_logits(self.model.compute_logits, hidden, rows, self.device.type == "cuda")
+        return step_logits(self.model.compute_logits, hidden, rows, pad), prompt
 
-    def _forward(self, batch: BatchInputs) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, batch: BatchInputs, every_row: bool = False) -> tuple[torch.Tensor, list[int]]:
         """The final hidden states and the rows of them that sample, in order: in steps that run
-        eagerly with rows that do not sample, the last layer runs on the sampling rows alone."""
+        eagerly with rows that do not sample, the last layer runs on the sampling rows alone
+        (unless `every_row`: a request's prompt logprobs read its prompt's rows)."""
         fill = self._fill_from_last_step(batch)
-        return self._forward_graphs(batch, fill) or self._forward_eager(batch, fill, self.samples_only(batch))
+        return (self._forward_graphs(batch, fill)
+                or self._forward_eager(batch, fill, not every_row and self.samples_only(batch)))  # fmt: skip
 
     def samples_only(self, batch: BatchInputs) -> bool:
         """Does this step's last layer run on its sampling rows alone (`LlamaModel.forward`'s

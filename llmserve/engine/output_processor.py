@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.input_processor import ProcessedRequest
 from llmserve.engine.request import EngineCoreOutput
-from llmserve.outputs import CompletionOutput, LogprobStore, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, FlatPromptLogprobs, LogprobStore, RequestMetrics, RequestOutput
 
 
 class RequestFailedError(RuntimeError):
@@ -69,6 +69,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: LogprobStore | None = None  # when asked: positions 1.. of the prompt
 
     @property
     def finished(self) -> bool:
@@ -109,7 +110,10 @@ class OutputProcessor:
             samples.append(sample)
             self.core_to_request[core_req.request_id] = (processed.request_id, i)
         arrival = processed.core_requests[0].arrival_time
-        self.states[processed.request_id] = _RequestState(processed, samples, RequestMetrics(arrival))
+        state = _RequestState(processed, samples, RequestMetrics(arrival))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = LogprobStore()
+        self.states[processed.request_id] = state
 
     def mark_sent(self, request_id: str, when: float) -> None:
         """The front sent the request to the core at `when` (wall clock)."""
@@ -151,6 +155,8 @@ class OutputProcessor:
                 to_abort.extend(self.abort(request_id))
                 continue
             sample = state.samples[index]
+            if out.new_prompt_logprobs and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, out.new_prompt_logprobs)
             self._update_sample(sample, out, to_abort)
             self._record_timing(state, sample, out, now, core_time, stats)
             touched[request_id] = state
@@ -222,6 +228,12 @@ class OutputProcessor:
         elif out.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
 
+    def _add_prompt_logprobs(self, state: _RequestState, entries: list) -> None:
+        """Prompt positions from the next one on, each the prompt's token there and the top-k."""
+        store, prompt = state.prompt_logprobs, state.processed.prompt_token_ids
+        for lp in entries:
+            store.add(prompt[len(store) + 1], lp.token_logprob, lp.token_rank, lp.top, self._text_of)
+
     def _text_of(self, token: int) -> str:
         """`tokenizer.decode([token])`, from the cache after the first time."""
         text = self._token_text.get(token)
@@ -251,4 +263,6 @@ class OutputProcessor:
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
-        )
+            prompt_logprobs=None if state.prompt_logprobs is None
+            else FlatPromptLogprobs(state.prompt_logprobs, len(state.prompt_logprobs)),
+        )  # fmt: skip

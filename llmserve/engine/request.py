@@ -72,6 +72,8 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # the prompt's logprobs (positions 1.. in order, sent once, with the first token) when asked
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0
@@ -115,6 +117,7 @@ class Request:
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
         "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
         "first_scheduled_time", "queued_time", "num_pending", "matcher", "logit_bias", "lora_request",
+        "prompt_logprobs", "prompt_logprobs_sent",
     )  # fmt: skip
 
     def __init__(self, req: EngineCoreRequest) -> None:
@@ -141,6 +144,9 @@ class Request:
         self.num_pending = 0
         self.matcher = None  # structured outputs: the grammar matcher following this output
         self.logit_bias = None  # (token ids, biases) as device tensors, built on first use
+        # prompt logprobs computed and not yet sent (None: not asked), and how many were sent
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if req.sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = 0
 
     @property
     def num_prompt_tokens(self) -> int:

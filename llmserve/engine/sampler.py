@@ -392,6 +392,16 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, asked: _LogprobRows) -> S
     return SampledLogprobs(asked.rows, asked.ks, token_lp.squeeze(-1), rank, values, ids)
 
 
+def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int], use_kernels: bool) -> SampledLogprobs:
+    """Logprobs of `tokens` (one a row) in the model's own `logits`, as the sampler reports a
+    sampled token's: its logprob and rank and the top `ks[i]` of row i (the prompt logprobs'
+    path, engine/prompt_logprobs.py). On a GPU up to STATS_MAX_K by the one-pass kernel."""
+    asked = _LogprobRows(list(range(len(ks))), ks)
+    if use_kernels and asked.k <= STATS_MAX_K:
+        return _fused_logprobs(logits, tokens, asked)
+    return _logprobs(torch.log_softmax(logits.float(), dim=-1), tokens, asked)
+
+
 def _fused_logprobs(logits: torch.Tensor, tokens: torch.Tensor, asked: _LogprobRows) -> SampledLogprobs:
     """The same from the model's logits, the asked rows only, in one kernel pass with no
     log-softmax written (llmserve/kernels/logprob_stats.py; ranks by the logits' order)."""

@@ -286,14 +286,18 @@ class Scheduler:
         self.kv.pool.drop_evicted()  # the prefix-cache entries this step's allocations left stale
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict, prompt_logprobs: dict | None = None
     ) -> list[EngineCoreOutput]:
-        """Fill in the sampled tokens, cache newly full blocks, finish what stopped."""
+        """Fill in the sampled tokens, cache newly full blocks, finish what stopped.
+        `prompt_logprobs`: request id -> (first prompt position, entries), kept on the request
+        until its first token goes out."""
         results = []
         for sched in out.scheduled:
             req = sched.request
             if req.status.finished:
                 continue  # aborted, or stopped by an earlier step while this one ran
+            if prompt_logprobs and req.request_id in prompt_logprobs:
+                _keep_prompt_logprobs(req, *prompt_logprobs[req.request_id])
             token = sampled.get(req.request_id)
             if token is None:  # a prefill chunk that did not reach the end
                 self.kv.cache_full_blocks(req)
@@ -311,6 +315,7 @@ class Scheduler:
                     request_id=req.request_id,
                     new_token_ids=[token],
                     new_logprobs=logprobs.get(req.request_id),
+                    new_prompt_logprobs=_take_prompt_logprobs(req) if req.prompt_logprobs else None,
                     finish_reason=req.status.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
@@ -367,3 +372,21 @@ class Scheduler:
             num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
             num_computed_tokens_total=self.num_computed_tokens_total,
         )
+
+
+def _keep_prompt_logprobs(req: Request, first: int, entries: list) -> None:
+    """Prompt logprobs of positions `first`.. for `req`; a position it has already had (a chunk
+    recomputed after a preemption) is kept once."""
+    if req.prompt_logprobs is None:
+        return
+    have = req.prompt_logprobs_sent + len(req.prompt_logprobs)  # positions 1 .. have
+    skip = have + 1 - first
+    if 0 <= skip < len(entries):
+        req.prompt_logprobs.extend(entries[skip:])
+
+
+def _take_prompt_logprobs(req: Request) -> list:
+    """The prompt logprobs kept for `req`, now sent."""
+    taken, req.prompt_logprobs = req.prompt_logprobs, []
+    req.prompt_logprobs_sent += len(taken)
+    return taken

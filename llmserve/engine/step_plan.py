@@ -136,6 +136,9 @@ class RunnerRequests:
 
     def __init__(self) -> None:
         self.requests: dict[str, RunnerRequest] = {}
+        # requests whose prompt logprobs are still to compute: id -> (prompt length, k); empty
+        # but for requests that ask (engine/prompt_logprobs.py)
+        self.prompt_logprobs: dict[str, tuple[int, int]] = {}
 
     def rows_for(self, plan: StepPlan) -> tuple[list[RowInput], list[RunnerRequest]]:
         """Apply a step's plan (`update`) and flatten it in the same pass: the input builder's
@@ -154,6 +157,8 @@ class RunnerRequests:
                 state = RunnerRequest(n.request_id, n.prompt_token_ids, n.sampling_params, n.eos_token_ids,
                                       n.prompt_token_ids + n.output_token_ids, n.block_ids)  # fmt: skip
                 requests[row.request_id] = state
+                if n.sampling_params.prompt_logprobs is not None:
+                    self.prompt_logprobs[row.request_id] = (len(n.prompt_token_ids), n.sampling_params.prompt_logprobs)
             state.has_grammar = row.has_grammar
             rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
                                  state.token_ids, row.samples))  # fmt: skip
@@ -181,3 +186,6 @@ class RunnerRequests:
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.requests.pop(rid, None)
+        if self.prompt_logprobs:
+            for rid in request_ids:
+                self.prompt_logprobs.pop(rid, None)
