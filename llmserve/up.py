@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> None:
 
     from llmserve.gateway.app import build_app
     from llmserve.gateway.config import GatewayConfig
-    from llmserve.http_head_limit import head_limited_http
+    from llmserve.http_protocol import uvicorn_options
     from llmserve.triton.build_repo import build_repo, load_platform_yaml
     from llmserve.triton.repo_config import platform_models
     from llmserve.triton.server import TritonServer
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
         )  # fmt: skip
         logging.getLogger("llmserve.gateway").setLevel(args.log_level.upper())
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    http=head_limited_http(config.max_header_bytes))  # fmt: skip
+                    **uvicorn_options(config.http_limits()))  # fmt: skip
     finally:
         if watchdog is not None:
             watchdog.stop()

@@ -20,11 +20,11 @@ def run(args: argparse.Namespace) -> None:
 
     from llmserve.gateway.app import build_app
     from llmserve.gateway.config import load_config
-    from llmserve.http_head_limit import head_limited_http
+    from llmserve.http_protocol import uvicorn_options
 
     logging.getLogger("llmserve.gateway").setLevel(args.log_level.upper())
     config = load_config(args.config)
     app = build_app(config)  # a bad config fails here, before the port opens
     # the gateway writes its own access log (one JSON line a request): uvicorn's is off
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=head_limited_http(config.max_header_bytes))  # fmt: skip
+                **uvicorn_options(config.http_limits()))  # fmt: skip

@@ -10,6 +10,14 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmserve.http_protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    HttpLimits,
+)
+
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
@@ -150,8 +158,22 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_header_bytes: int = Field(default=64 << 10, ge=1024)  # request line and headers: 431 above
-    body_timeout_s: float = Field(default=10.0, gt=0)  # a body not received by then is refused (408)
+    # a body not received whole by then is refused (408); nor may any gap in it be longer
+    body_timeout_s: float = Field(default=DEFAULT_BODY_TIMEOUT_S, gt=0)
+    header_timeout_s: float = Field(default=DEFAULT_HEADER_TIMEOUT_S, gt=0)  # a head not whole by then: 408
+    # connections held at once, in all (kept to half the open-file limit) and from one address (0: no
+    # cap): over a cap the one waiting longest for its request is closed, or the new one refused
+    max_connections: int = Field(default=DEFAULT_MAX_CONNECTIONS, ge=1)
+    max_connections_per_client: int = Field(default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT, ge=0)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
+    # the longest a chat or completions request to a Triton chat model may run: sent to the model
+    # as the request's `request_timeout_s` (a client's shorter one kept), which stops it there (504,
+    # or a stream's last error event); None: no cap beyond the client's own
+    request_timeout_s: float | None = Field(default=600.0, gt=0)
+    # health: an engine with requests running and no token made for this long is `stuck`, one whose
+    # requests have waited in its queue for this long `saturated` (GET /health, the metrics)
+    engine_stuck_after_s: float = Field(default=30.0, gt=0)
+    engine_saturated_after_s: float = Field(default=5.0, gt=0)
     # a request no replica (nor fallback) could start because they are unreachable or their
     # backend is down waits this long for one to come back (a restarting backend), retried
     # with backoff; then it fails (502/503). 0: fail at once. Busy replicas (503) never wait.
@@ -159,6 +181,10 @@ class GatewayConfig(_Strict):
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
     placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
     expose: ExposureConfig = ExposureConfig()  # the metrics and the status page: open, keyed or off
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s, self.max_connections,
+                          self.max_connections_per_client)  # fmt: skip
 
     @model_validator(mode="after")
     def _check(self) -> GatewayConfig:

@@ -14,8 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
-from llmserve.http_head_limit import DEFAULT_MAX_HEADER_BYTES, head_limited_http
+from llmserve.http_head_limit import DEFAULT_MAX_HEADER_BYTES
 from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
+from llmserve.http_protocol import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+    HttpLimits,
+    uvicorn_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +42,17 @@ def add_parser(subparsers) -> None:
                    help="413 for a request body over this size")
     p.add_argument("--max-request-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
                    help="431 for a request line and headers over this size")
+    p.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="408 (and the connection closed) for a request head not whole this long after the "
+                        "connection opened or its last response ended")  # fmt: skip
+    p.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="408 (and the connection closed) when no part of a request body comes for this long")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections held at once (kept to half the open-file limit); over it the one waiting "
+                        "longest for its request is closed, or the new one refused (503) when all are busy")  # fmt: skip
+    p.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                   help="connections held at once from one address, likewise (429); 0: no cap (behind a proxy, "
+                        "every client has the proxy's address)")  # fmt: skip
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
     p.add_argument("--lora-roots", nargs="+", default=[], metavar="DIR",
@@ -73,13 +92,17 @@ def _serve(build: Callable[[Callable[[str], None], Callable[[], None]], Any], ar
         if server is not None:
             server.should_exit = True
 
+    try:
+        limits = HttpLimits(args.max_request_header_bytes, args.header_timeout_s, args.body_timeout_s,
+                            args.max_connections, args.max_connections_per_client)  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"llmserve serve: {exc}") from None
     # this process is the server's alone: keep its start-up heap out of the collector's scans
     app = build(on_fatal, lambda: freeze_startup_objects("API server"))
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
-            http=head_limited_http(args.max_request_header_bytes),  # 431 past it
+            timeout_graceful_shutdown=args.shutdown_timeout, **uvicorn_options(limits),
         )
     )  # fmt: skip
     logger.info("serving %s on http://%s:%d (model loading in the background)", what, args.host, args.port)
