@@ -28,7 +28,6 @@ import asyncio
 import logging
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -119,7 +118,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--triton-address", default="127.0.0.1",
                    help="where Triton listens (default: this host only, so the gateway's keys and limits "
                         "cannot be gone around; 0.0.0.0 to let Prometheus elsewhere scrape it)")  # fmt: skip
-    p.add_argument("--workdir", default=None, help="model repository and Triton log (default: a temporary folder)")
+    p.add_argument("--workdir", default=None,
+                   help="model repository and Triton log (default: a temporary folder, removed when the platform "
+                        "stops; kept, and named in the log, when it failed)")  # fmt: skip
     p.add_argument("--watchdog-interval-s", type=float, default=1.0,
                    help="how often the platform looks for a dead model backend (reloaded) or a dead Triton "
                         "(restarted); 0: never")  # fmt: skip
@@ -128,6 +129,13 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from llmserve.up_workdir import platform_workdir
+
+    with platform_workdir(args.workdir) as workdir:  # a temporary one is removed when the platform stops
+        _run(args, workdir)
+
+
+def _run(args: argparse.Namespace, workdir: str) -> None:
     import uvicorn
 
     from llmserve.gateway.app import build_app
@@ -148,7 +156,6 @@ def run(args: argparse.Namespace) -> None:
     triton_url = f"{args.triton_transport}://127.0.0.1:{port}"  # the gateway's replica of every model
     # checked before anything starts: a bad gateway section fails here
     config = GatewayConfig.model_validate(gateway_config(spec, [m.name for m in models], triton_url, placed))
-    workdir = args.workdir or tempfile.mkdtemp(prefix="llmserve-up-")
     repo = build_repo(os.path.join(workdir, "model_repository"), models)
     log_path = os.path.join(workdir, "triton.log")
     triton = TritonServer(

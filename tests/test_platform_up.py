@@ -44,7 +44,10 @@ def default_server_spawned(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, default_server_spawned):
-    with running_up(tmp_path_factory.mktemp("up"), lambda health: all(health["upstreams"].values())) as running:
+    """No --workdir: the platform makes its own temporary folder (up["platform_dir"]), which
+    test_sigterm_stops_the_gateway_and_triton sees removed."""
+    with running_up(tmp_path_factory.mktemp("up"), lambda health: all(health["upstreams"].values()),
+                    own_workdir=True) as running:  # fmt: skip
         yield running
 
 
@@ -321,8 +324,29 @@ def test_embeddings_equal_sentence_transformers(client, up, sbert):
     got = client.embeddings.create(model="embed", input=texts)  # the client asks for base64
     assert [d.index for d in got.data] == [0, 1, 2] and got.model == "embed"
     np.testing.assert_allclose(np.array([d.embedding for d in got.data]), expected, atol=1e-5)
+    # usage as `llmserve serve --task embed` counts it: each text's tokens, special tokens included
+    tokens = sum(len(ids) for ids in sbert.tokenizer(texts)["input_ids"])
+    assert got.usage.prompt_tokens == got.usage.total_tokens == tokens
     plain = httpx.post(up["url"] + "/v1/embeddings", json={"model": "embed", "input": "hello world"}).json()
     np.testing.assert_allclose(plain["data"][0]["embedding"], expected[0], atol=1e-5)
+    assert plain["usage"] == {"prompt_tokens": 4, "total_tokens": 4}  # [CLS] hello world [SEP]
+
+
+def test_token_id_input_embeds_exactly_those_ids(client, sbert):
+    """Token ids, as OpenAI's API and `llmserve serve --task embed` take them (one list, or a
+    list of lists): the ids the model's tokenizer makes of a text give that text's vector. Rows
+    of many lengths, more than one Triton call holds (32), each padded in its call."""
+    texts = [("word " * (i % 9)) + f"number {i}" for i in range(40)]
+    ids = sbert.tokenizer(texts)["input_ids"]
+    got = client.embeddings.create(model="embed", input=ids, encoding_format="float")
+    np.testing.assert_allclose([d.embedding for d in got.data], sbert.encode(texts, convert_to_numpy=True), atol=1e-5)
+    assert [d.index for d in got.data] == list(range(40))
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(len(x) for x in ids)
+    one = client.embeddings.create(model="embed", input=ids[3], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, got.data[3].embedding, atol=1e-5)
+    assert one.usage.total_tokens == len(ids[3])
+    with pytest.raises(openai.BadRequestError, match="out of range"):  # past the vocabulary: the model says so
+        client.embeddings.create(model="embed", input=[[101, 102], [101, 30522, 102]])
 
 
 def test_rerank_scores_and_order(up, sbert):
@@ -336,10 +360,20 @@ def test_rerank_scores_and_order(up, sbert):
     assert results[0]["document"]["text"] == DOCS[results[0]["index"]]
     top = httpx.post(up["url"] + "/v1/rerank", json={"model": "rerank", "query": QUERY, "documents": DOCS, "top_n": 1})
     assert [r["index"] for r in top.json()["results"]] == [results[0]["index"]]
+    # usage as `llmserve serve --task embed` counts it (vLLM's rerank gives total_tokens): the
+    # query's tokens and each document's
+    tokens = sum(len(ids) for ids in sbert.tokenizer([QUERY, *DOCS])["input_ids"])
+    assert resp.json()["usage"] == top.json()["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    assert abs(resp.json()["created"] - time.time()) < 60
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [
-    ("/v1/embeddings", {"model": "embed", "input": [1, 2, 3]}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": [-1]}, 400),  # token ids: negative, past the vocabulary, none
+    ("/v1/embeddings", {"model": "embed", "input": [[101], [5, 30522]]}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": [2**70]}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": [[101], []]}, 400),
+    ("/v1/embeddings", {"model": "embed", "input": [[1] * 257]}, 400),  # longer than the model takes
+    ("/v1/embeddings", {"model": "embed", "input": ["a", [1]]}, 400),
     ("/v1/embeddings", {"model": "embed", "input": []}, 400),
     ("/v1/embeddings", {"model": "chat", "input": "x"}, 400),  # not an embedding model
     ("/v1/rerank", {"model": "rerank", "documents": ["a"]}, 400),  # no query
@@ -454,6 +488,65 @@ def test_malformed_json_is_a_400(up, body):
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json", resp.text
 
 
+def test_model_cards_carry_created_and_version_answers_as_serve_does(up, default_server):
+    """The gateway's model cards carry `created` (when it started), as `llmserve serve`'s do,
+    and /version answers as serve's does."""
+    cards = httpx.get(up["url"] + "/v1/models").json()["data"]
+    assert {c["id"] for c in cards} == {"chat", "embed", "rerank"}
+    started = {c["created"] for c in cards}
+    assert len(started) == 1 and time.time() - 3600 < started.pop() <= time.time()
+    one = httpx.get(up["url"] + "/v1/models/embed").json()
+    assert one == next(c for c in cards if c["id"] == "embed") and set(one) == {"id", "object", "created", "owned_by"}
+    served = httpx.get(default_server.base_url + "/v1/models").json()["data"]
+    assert isinstance(served[0]["created"], int) and served[0]["object"] == "model"
+    version = httpx.get(up["url"] + "/version")
+    assert version.status_code == 200 and version.json() == httpx.get(default_server.base_url + "/version").json()
+    from llmserve import __version__
+
+    assert version.json() == {"version": __version__}
+
+
+def test_embeddings_and_rerank_settle_the_token_limits_with_their_usage(up, tmp_path):
+    """What a request was charged (the access log's `tokens`) is its usage, over HTTP (the
+    platform's gateway) and over gRPC (a keyed gateway over the same Triton), text and token
+    ids: not the reservation, a guess from the body's length (many one-letter words: far more
+    tokens; token ids: fewer)."""
+    from gateway_utils import start_gateway
+
+    from llmserve.gateway.config import hash_key
+
+    text = "a " * 40
+    # [CLS] a ... a [SEP] is 42 tokens, [CLS] b [SEP] 3, [CLS] c c [SEP] 4; token ids: as many as given
+    calls = [("/v1/embeddings", {"model": "embed", "input": [text, "b"]}, 42 + 3),
+             ("/v1/embeddings", {"model": "embed", "input": [[101, 1037, 102], [101, 102]]}, 5),
+             ("/v1/rerank", {"model": "rerank", "query": text, "documents": ["b", "c c"]}, 42 + 3 + 4)]  # fmt: skip
+
+    def charged(log: str, request_id: str) -> int:
+        line = next(line for line in log.splitlines() if f'"request_id": "{request_id}"' in line)
+        return json.loads(line[line.index("{"):])["tokens"]
+
+    grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
+    config = {"models": {alias: {"kind": "triton", "replicas": [grpc_url]} for alias in ("embed", "rerank")},
+              "keys": [{"name": "k", "sha256": hash_key("sk-k"), "tpm": 10000}]}  # fmt: skip
+    gateway = start_gateway(config, free_port(), str(tmp_path))
+    try:
+        for base, log in ((up["url"], lambda: (up["workdir"] / "up.log").read_text()), (gateway.base_url, gateway.log)):
+            for i, (path, body, tokens) in enumerate(calls):
+                request_id = f"settle-{i}-{base.rsplit(':', 1)[1]}"
+                resp = httpx.post(base + path, json=body, headers={"Authorization": "Bearer sk-k",
+                                                                   "x-request-id": request_id}, timeout=60)  # fmt: skip
+                assert resp.status_code == 200, resp.text
+                used = resp.json()["usage"]["total_tokens"]
+                assert used == tokens, (path, body)
+                deadline = time.monotonic() + 10
+                while f'"request_id": "{request_id}"' not in log():
+                    assert time.monotonic() < deadline, log()[-2000:]
+                    time.sleep(0.1)
+                assert charged(log(), request_id) == used, (path, base)
+    finally:
+        gateway.stop()
+
+
 def test_unknown_paths_answer_in_openai_format(up):
     for resp in (httpx.get(up["url"] + "/v2/nothing"), httpx.delete(up["url"] + "/v1/models")):
         assert resp.status_code in (404, 405) and resp.json()["error"]["message"], resp.text
@@ -520,7 +613,7 @@ def test_cancelled_stream_is_aborted_in_the_triton_engine(up):
         lines = resp.iter_lines()
         assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: {")) >= 2
     deadline = time.monotonic() + 20
-    while "cancelled, aborted in the engine" not in (up["workdir"] / "triton.log").read_text():
+    while "cancelled, aborted in the engine" not in (up["platform_dir"] / "triton.log").read_text():
         assert time.monotonic() < deadline, "the request was not aborted in the engine"
         time.sleep(0.1)
 
@@ -531,7 +624,7 @@ def test_a_dead_chat_backend_is_reloaded_by_the_platform_and_waiting_requests_re
     model by itself. The stream (it had started) ends with an error event and [DONE]; the
     whole-body request (nothing sent yet) is retried once the model is back and succeeds, as
     does a request sent meanwhile."""
-    found = subprocess.run(["pgrep", "-f", f"{up['workdir']}/model_repository/chat/1/model.py"],
+    found = subprocess.run(["pgrep", "-f", f"{up['platform_dir']}/model_repository/chat/1/model.py"],
                            capture_output=True, text=True, check=False)  # fmt: skip
     stub = int(found.stdout.split()[0])
     whole = {"model": "chat", "prompt": "Another story", "max_tokens": 300, "ignore_eos": True}
@@ -566,7 +659,7 @@ def test_a_dead_chat_backend_is_reloaded_by_the_platform_and_waiting_requests_re
     reloaded = "the chat model's backend died (chat_0_0 gone): restarting it" in log and "chat is back" in log
     restarted = "watchdog: tritonserver exited" in log and "tritonserver is back" in log  # it died with the stub
     assert reloaded or restarted, log[-3000:]
-    new_stub = subprocess.run(["pgrep", "-f", f"{up['workdir']}/model_repository/chat/1/model.py"],
+    new_stub = subprocess.run(["pgrep", "-f", f"{up['platform_dir']}/model_repository/chat/1/model.py"],
                               capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
     assert new_stub and str(stub) not in new_stub
 
@@ -602,3 +695,24 @@ def test_sigterm_stops_the_gateway_and_triton(up):
     found = subprocess.run(["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True, check=False)
     assert found.stdout.strip() == "", "tritonserver left running"
     assert not glob.glob(f"/dev/shm/triton_python_backend_shm_region_llmserve{proc.pid}_*")
+    # the temporary folder the platform made for itself (no --workdir) is gone, Triton's server tree too
+    assert not up["platform_dir"].exists()
+    left = [*up["workdir"].glob("llmserve-up-*"), *up["workdir"].glob("llmserve-triton-*")]
+    assert not left, left
+
+
+def test_a_platform_that_failed_to_start_keeps_its_folder_for_the_triton_log(tmp_path):
+    """No --workdir, and a model Triton cannot load (a version it does not have: Triton fails
+    at once): `llmserve up` exits 1, keeping its temporary folder (and saying where) for the
+    Triton log that says why."""
+    spec = tmp_path / "platform.yaml"
+    spec.write_text('models:\n  embed: {kind: embed, version_policy: "specific { versions: [7] }"}\n')
+    ports = [str(free_port()) for _ in range(4)]
+    cmd = [sys.executable, "-m", "llmserve", "up", "--config", str(spec), "--port", ports[0], "--triton-http-port",
+           ports[1], "--triton-grpc-port", ports[2], "--triton-metrics-port", ports[3]]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 1, done.stderr[-3000:]
+    kept = list(tmp_path.glob("llmserve-up-*"))
+    assert len(kept) == 1 and "at least one version must be available" in (kept[0] / "triton.log").read_text()
+    assert f"its folder {kept[0]} is kept for the Triton log" in done.stderr, done.stderr[-3000:]
+    assert not list(tmp_path.glob("llmserve-triton-*"))  # Triton's server tree: removed all the same

@@ -1,10 +1,11 @@
 """Every HTTP route of the gateway, over one `Gateway`: the proxied POST routes (`proxy_route`:
 the checks of intake.py in order, then the proxy), and the rest (`api_router`): /v1/models,
-/health, /metrics, the status page.
+/health, /version, /metrics, the status page.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from llmserve import __version__
 from llmserve.gateway.context import RequestContext, log_access
 from llmserve.gateway.dashboard import PAGE
 from llmserve.gateway.disconnect import ClientLeft, unless_client_leaves
@@ -30,6 +32,7 @@ from llmserve.gateway.intake import (
 from llmserve.gateway.keys import may_call
 from llmserve.gateway.proxy import NoUpstream, forward
 from llmserve.openai.errors import error_body
+from llmserve.openai.protocol import ModelCard
 
 PROXIED_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/v1/rerank")
 
@@ -79,14 +82,21 @@ def proxy_route(gateway: Gateway) -> ProxyRoute:
     return handle
 
 
-def _card(alias: str) -> dict:
-    return {"id": alias, "object": "model", "owned_by": "llmserve"}
+def _card(alias: str, created: int) -> dict:
+    """A model card as OpenAI's /v1/models gives it (`created`: when the gateway started)."""
+    return ModelCard(id=alias, created=created).model_dump(exclude_none=True)
 
 
 def api_router(gateway: Gateway) -> APIRouter:
-    """The routes that are not proxied: models, health, metrics, the status page."""
+    """The routes that are not proxied: models, health, version, metrics, the status page."""
     config = gateway.config
     router = APIRouter()
+    created = int(time.time())
+
+    @router.get("/version")
+    async def version() -> dict:
+        """As `llmserve serve` answers it."""
+        return {"version": __version__}
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -94,7 +104,7 @@ def api_router(gateway: Gateway) -> APIRouter:
             key = caller(gateway, request)
         except Rejected as exc:
             return reject_response(exc, "")
-        cards = [_card(a) for a in config.models if key is None or may_call(key, a)]
+        cards = [_card(a, created) for a in config.models if key is None or may_call(key, a)]
         return JSONResponse({"object": "list", "data": cards})
 
     @router.get("/v1/models/{alias:path}")
@@ -105,7 +115,7 @@ def api_router(gateway: Gateway) -> APIRouter:
                 raise Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist")
         except Rejected as exc:
             return reject_response(exc, "")
-        return JSONResponse(_card(alias))
+        return JSONResponse(_card(alias, created))
 
     @router.get("/health")
     async def health() -> Response:

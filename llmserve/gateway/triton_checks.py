@@ -1,5 +1,7 @@
 """Embeddings and rerank requests checked before they become Triton requests (a `BadRequest`
 is a 400), by the same schemas as `llmserve serve --task embed` (openai/pooling_protocol.py).
+Embeddings take text or token ids; an id past the model's vocabulary is the model's to refuse
+(the gateway does not know the vocabulary): also a 400.
 Chat and completions need no such step: the chat model reads the OpenAI body itself, with
 the API server's own code. (Text Triton could not carry as UTF-8, a lone surrogate, is
 refused earlier, for the whole body: intake.py.)
@@ -27,22 +29,47 @@ def _validated(model, payload: dict):
         raise BadRequest(f"{where}: {first['msg']}"[:500] if where else first["msg"][:500]) from None
 
 
+MAX_TOKEN_ID = 2**31 - 1  # past any vocabulary: refused here, so it never overflows a tensor
+
+
 @dataclass
 class EmbeddingsCall:
+    """What to embed: `texts`, or token-id rows (`token_ids`, embedded exactly as given); the
+    other is empty."""
+
     texts: list[str]
+    token_ids: list[list[int]]
     base64: bool
     dimensions: int | None
 
 
+def _token_rows(value: list) -> list[list[int]] | None:
+    """The token-id rows of an `input` of token ids (one list of ints, or a list of them);
+    None for text input."""
+    if value and all(isinstance(t, int) for t in value):
+        return [value]
+    if value and all(isinstance(t, list) for t in value):
+        return value
+    return None
+
+
 def embeddings_call(payload: dict) -> EmbeddingsCall:
     req = _validated(EmbeddingRequest, payload)
-    texts = [req.input] if isinstance(req.input, str) else req.input
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise BadRequest("input must be a string or a non-empty list of strings (a Triton embedding model "
-                         "takes text, not token ids)")  # fmt: skip
-    if len(texts) > MAX_INPUTS:
-        raise BadRequest(f"input holds {len(texts)} texts; at most {MAX_INPUTS} per request")
-    return EmbeddingsCall(texts, req.encoding_format == "base64", req.dimensions)
+    value = [req.input] if isinstance(req.input, str) else req.input
+    rows = _token_rows(value)
+    if not value:
+        raise BadRequest("input must not be empty: give a string, a list of strings, or token ids")
+    if len(rows if rows is not None else value) > MAX_INPUTS:
+        raise BadRequest(f"input holds {len(rows or value)} inputs; at most {MAX_INPUTS} per request")
+    for i, row in enumerate(rows or []):
+        if not row:
+            raise BadRequest(f"input[{i}] holds no token ids")
+        bad = next((t for t in row if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            why = "token ids are 0 or more" if bad < 0 else "past any vocabulary"
+            raise BadRequest(f"input[{i}] holds {bad}, not a token id ({why})")
+    texts = [] if rows is not None else value
+    return EmbeddingsCall(texts, rows or [], req.encoding_format == "base64", req.dimensions)
 
 
 @dataclass

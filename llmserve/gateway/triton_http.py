@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import numpy as np
-from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, triton_to_np_dtype
 
 # Triton's HTTP status -> the gRPC status it gives for the same error
 _STATUS = {400: "StatusCode.INVALID_ARGUMENT", 404: "StatusCode.NOT_FOUND", 429: "StatusCode.RESOURCE_EXHAUSTED",
@@ -91,19 +91,19 @@ class TritonHttp:
             return False
         return status == 200
 
-    async def infer_strings(self, url: str, model: str, inputs: list[tuple[str, list[int], list[str]]],
-                            output: str) -> np.ndarray:  # fmt: skip
-        """KServe v2 infer with string (BYTES) inputs (name, shape, texts); one output, as an array."""
-        body = {"inputs": [{"name": name, "shape": shape, "datatype": "BYTES", "data": texts}
-                           for name, shape, texts in inputs]}  # fmt: skip
+    async def infer(self, url: str, model: str, inputs: list[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """KServe v2 infer with these inputs (name, array: strings as an object array, or
+        numbers); every output the model gives, by name."""
+        body = {"inputs": [{"name": name, "shape": list(array.shape), "datatype": np_to_triton_dtype(array.dtype),
+                            "data": array.reshape(-1).tolist()} for name, array in inputs]}  # fmt: skip
         status, text = await self._json("POST", f"{url}/v2/models/{model}/infer", self.timeout, body)
         if status != 200:
             raise _error(status, text)
+        outputs = {}
         for tensor in json.loads(text).get("outputs", []):
-            if tensor["name"] == output:
-                dtype = triton_to_np_dtype(tensor["datatype"]) or np.object_
-                return np.array(tensor["data"], dtype=dtype).reshape(tensor["shape"])
-        raise InferenceServerException(f"the model's answer has no output {output!r}", status="StatusCode.INTERNAL")
+            dtype = triton_to_np_dtype(tensor["datatype"]) or np.object_
+            outputs[tensor["name"]] = np.array(tensor["data"], dtype=dtype).reshape(tensor["shape"])
+        return outputs
 
     async def responses(self, url: str, model: str, inputs: dict[str, str]) -> AsyncIterator[tuple[int, str]]:
         """(status, text) of each response of a decoupled model whose outputs are `status` and

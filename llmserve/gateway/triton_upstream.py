@@ -8,9 +8,11 @@ asyncio client) or HTTP (`http://`, KServe v2 and the generate extension: triton
   forwards those bytes; it reads no request field but `stream`, and sets `priority` (the
   key's) and asks streams for their usage, so that the limits settle with the real counts
   (the usage chunk is dropped again when the client did not ask for it);
-- `/v1/embeddings`: the `embed` model (`text` in, `embedding` out; float or base64 out);
+- `/v1/embeddings`: the `embed` model (`text`, or `token_ids` for token-id input, in;
+  `embedding` out; float or base64 out);
 - `/v1/rerank`: the `rerank` model (`query` and `documents` in, `scores` out), results sorted.
-Embeddings and rerank carry no usage (limits keep the reservation). Cancelling the stream
+Embeddings and rerank carry the usage `llmserve serve --task embed` gives, from the models'
+`tokens` output (the limits settle with it, as with chat's). Cancelling the stream
 (the client left) cancels the call: Triton tells the model, which aborts the request
 in its engine.
 """
@@ -27,7 +29,7 @@ from types import MappingProxyType
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from llmserve.gateway.context import RequestContext
 from llmserve.gateway.opened import Opened, UpstreamFailed
@@ -35,7 +37,7 @@ from llmserve.gateway.router import Pick
 from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_call
 from llmserve.gateway.triton_http import CallBroken, TritonHttp
 from llmserve.openai.errors import error_body
-from llmserve.openai.pooling_protocol import embedding_json, rerank_order
+from llmserve.openai.pooling_protocol import PoolingUsage, embedding_json, rerank_order
 from llmserve.openai.sse_events import split_events
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
@@ -96,13 +98,14 @@ class TritonClients:
         except (InferenceServerException, grpc.RpcError, OSError):
             return False
 
-    async def infer_strings(self, url: str, model: str, inputs: list[tuple[str, list[int], list[str]]],
-                            output: str) -> np.ndarray:  # fmt: skip
-        """One KServe v2 inference with string inputs (name, shape, texts): the output `output`."""
+    async def infer(self, url: str, model: str, inputs: list[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One KServe v2 inference (inputs: name, array; strings as an object array): every
+        output the model gives, by name (a model need not give the optional `tokens`)."""
         if _over_http(url):
-            return await self.http.infer_strings(url, model, inputs, output)
-        tensors = [_strings(name, texts, shape) for name, shape, texts in inputs]
-        return (await self.get(url).infer(model, tensors, client_timeout=self.timeout)).as_numpy(output)
+            return await self.http.infer(url, model, inputs)
+        tensors = [_tensor(name, array) for name, array in inputs]
+        result = await self.get(url).infer(model, tensors, client_timeout=self.timeout)
+        return {out.name: result.as_numpy(out.name) for out in result.get_response().outputs}
 
     def events(self, url: str, model: str, body: str, endpoint: str,
                timeout: float | None = None) -> AsyncIterator[tuple[int, str]]:  # fmt: skip
@@ -131,6 +134,18 @@ def _strings(name: str, texts: list[str], shape: list[int]) -> grpcclient.InferI
     return tensor
 
 
+def _tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    if array.dtype == np.object_:
+        return _strings(name, list(array.reshape(-1)), list(array.shape))
+    tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _texts(texts: list[str], shape: list[int]) -> np.ndarray:
+    return np.array(texts, dtype=np.object_).reshape(shape)
+
+
 def _message(exc: InferenceServerException) -> str:
     """Triton's message without the Python backend's traceback ("At: /path/model.py(17)...")."""
     return (exc.message() or str(exc)).split("\n\nAt:\n")[0].strip()
@@ -147,32 +162,66 @@ def _json(status: int, body: dict) -> Opened:
     return Opened(status, json.dumps(body).encode(), None, None, _nothing)
 
 
+def _tokens(outputs: dict[str, np.ndarray]) -> int | None:
+    """The tokens a call's rows were (the models' `tokens` output; None from a model without it)."""
+    tokens = outputs.get("tokens")
+    return None if tokens is None else int(tokens.sum())
+
+
+def _usage(counts: list[int | None]) -> dict | None:
+    """Usage as `llmserve serve --task embed` gives it (None when a count is missing: the
+    limits then keep the reservation)."""
+    if not counts or None in counts:
+        return None
+    total = sum(counts)
+    return PoolingUsage(prompt_tokens=total, total_tokens=total).model_dump()
+
+
+def _id_rows(rows: list[list[int]]) -> np.ndarray:
+    """Token-id rows as one INT64 tensor, shorter rows padded with -1 (the embed model's pad)."""
+    width = max(len(r) for r in rows)
+    return np.array([r + [-1] * (width - len(r)) for r in rows], dtype=np.int64)
+
+
 async def _embeddings(clients: TritonClients, url: str, ctx: RequestContext, model: str) -> dict:
     call = embeddings_call(ctx.payload)
-    rows = []
-    for start in range(0, len(call.texts), EMBED_BATCH):
-        part = call.texts[start:start + EMBED_BATCH]
-        rows.extend(await clients.infer_strings(url, model, [("text", [len(part), 1], part)], "embedding"))
+    if call.token_ids and "token_ids" not in await clients.inputs(url, model):
+        raise BadRequest(f"the model {ctx.alias!r} takes text only, not token ids")
+    inputs = call.token_ids or call.texts
+    rows, counts = [], []
+    for start in range(0, len(inputs), EMBED_BATCH):
+        part = inputs[start:start + EMBED_BATCH]
+        tensor = ("token_ids", _id_rows(part)) if call.token_ids else ("text", _texts(part, [len(part), 1]))
+        outputs = await clients.infer(url, model, [tensor])
+        rows.extend(outputs["embedding"])
+        counts.append(_tokens(outputs))
     if call.dimensions is not None and rows and call.dimensions != len(rows[0]):
         raise BadRequest(f"this model's embeddings have {len(rows[0])} dimensions; `dimensions` cannot change "
                          f"that (got {call.dimensions})")  # fmt: skip
     data = [{"object": "embedding", "index": i, "embedding": embedding_json(v, call.base64)}
             for i, v in enumerate(rows)]  # fmt: skip
-    return {"object": "list", "data": data, "model": ctx.alias}
+    body = {"object": "list", "data": data, "model": ctx.alias}
+    if (usage := _usage(counts)) is not None:
+        body["usage"] = usage
+    return body
 
 
 async def _rerank(clients: TritonClients, url: str, ctx: RequestContext, model: str) -> dict:
     call = rerank_call(ctx.payload)
     docs = call.documents
-    inputs = [("query", [1, 1], [call.query]), ("documents", [1, len(docs)], docs)]
-    scores = (await clients.infer_strings(url, model, inputs, "scores"))[0]
+    inputs = [("query", _texts([call.query], [1, 1])), ("documents", _texts(docs, [1, len(docs)]))]
+    outputs = await clients.infer(url, model, inputs)
+    scores = outputs["scores"][0]
     results = []
     for i in rerank_order(scores, call.top_n):
         result = {"index": i, "relevance_score": float(scores[i])}
         if call.return_documents:
             result["document"] = {"text": docs[i]}
         results.append(result)
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "results": results}
+    body = {"id": f"rerank-{uuid.uuid4().hex}", "model": ctx.alias, "created": int(time.time())}
+    if (usage := _usage([_tokens(outputs)])) is not None:
+        body["usage"] = usage
+    return {**body, "results": results}
 
 
 def _chat_request(ctx: RequestContext, pick: Pick) -> tuple[str, bool]:

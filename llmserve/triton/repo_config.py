@@ -163,15 +163,17 @@ def embed_config(model_dir: str | None = None, name: str = "embed", dim: int = 3
                  version_policy: str = "latest { num_versions: 1 }",
                  dynamic_batching: bool = True) -> ModelConfig:  # fmt: skip
     """The embedding model; `dynamic_batching=False` runs each request on its own
-    (the baseline the batching benchmark compares against)."""
+    (the baseline the batching benchmark compares against). A request gives `text` or
+    `token_ids` (-1 pads a shorter row); `tokens` says how many tokens each row was."""
     batching = batching or DynamicBatching(
         preferred_batch_size=[8, 16, 32], max_queue_delay_microseconds=5000,
         priority_levels=2, default_priority_level=2, queue_policy=QueuePolicy(max_queue_size=1024),
     )  # fmt: skip
     return ModelConfig(
         name=name, kind="embed", max_batch_size=max_batch_size,
-        inputs=[TensorSpec("text", "TYPE_STRING", [1])],
-        outputs=[TensorSpec("embedding", "TYPE_FP32", [dim])],
+        inputs=[TensorSpec("text", "TYPE_STRING", [1], optional=True),
+                TensorSpec("token_ids", "TYPE_INT64", [-1], optional=True)],
+        outputs=[TensorSpec("embedding", "TYPE_FP32", [dim]), TensorSpec("tokens", "TYPE_INT32", [1])],
         instance_group=InstanceGroup(count=instances),
         dynamic_batching=batching if dynamic_batching else None,
         version_policy=version_policy,
@@ -187,7 +189,7 @@ def rerank_config(model_dir: str | None = None, name: str = "rerank", cross_enco
     return ModelConfig(
         name=name, kind="rerank", max_batch_size=max_batch_size,
         inputs=[TensorSpec("query", "TYPE_STRING", [1]), TensorSpec("documents", "TYPE_STRING", [-1])],
-        outputs=[TensorSpec("scores", "TYPE_FP32", [-1])],
+        outputs=[TensorSpec("scores", "TYPE_FP32", [-1]), TensorSpec("tokens", "TYPE_INT32", [1])],
         instance_group=InstanceGroup(count=instances),
         dynamic_batching=DynamicBatching(preferred_batch_size=[], max_queue_delay_microseconds=2000),
         parameters=params,

@@ -1,8 +1,11 @@
 """Triton Python-backend model: score documents against a query.
 
 Inputs `query` (TYPE_STRING, [batch, 1]) and `documents` (TYPE_STRING, [batch, n]);
-output `scores` (TYPE_FP32, [batch, n]). By default a bi-encoder: cosine similarity of
-sentence embeddings (`model_dir`); with `cross_encoder_dir` set, a cross-encoder's scores.
+outputs `scores` (TYPE_FP32, [batch, n]) and `tokens` (TYPE_INT32, [batch, 1]: the tokens the
+row was, special tokens included). By default a bi-encoder: cosine similarity of sentence
+embeddings (`model_dir`; tokens: the query's and each document's, as `llmserve serve --task
+embed` counts them); with `cross_encoder_dir` set, a cross-encoder's scores (tokens: each
+(query, document) pair's).
 """
 
 import server_path  # noqa: F401, I001 (first: PYTHONPATH into sys.path; see server_path.py)
@@ -13,6 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from llmserve.pooling import SentenceEncoder, cosine_scores
 
 
 def _texts(array) -> list:
@@ -36,16 +41,17 @@ class TritonPythonModel:
             self.cross = CrossEncoder(cross, device="cpu")
             self.encoder = None
         else:
-            from sentence_transformers import SentenceTransformer
-
             self.cross = None
-            self.encoder = SentenceTransformer(params["model_dir"]["string_value"], device="cpu")
+            self.encoder = SentenceEncoder(params["model_dir"]["string_value"], device="cpu")
 
-    def _scores(self, query: str, docs: list) -> np.ndarray:
+    def _scores(self, query: str, docs: list) -> tuple[np.ndarray, int]:
+        """The documents' scores, and the tokens the model read for them."""
         if self.cross is not None:
-            return np.asarray(self.cross.predict([(query, d) for d in docs]), dtype=np.float32)
-        vecs = self.encoder.encode([query] + docs, convert_to_numpy=True, normalize_embeddings=True)
-        return (vecs[1:] @ vecs[0]).astype(np.float32)
+            pairs = self.cross.tokenizer([query] * len(docs), docs, truncation=False, verbose=False)["input_ids"]
+            scores = self.cross.predict([(query, d) for d in docs])
+            return np.asarray(scores, dtype=np.float32), sum(len(p) for p in pairs)
+        vecs = self.encoder.embed([query] + docs)  # L2-normalized
+        return cosine_scores(vecs[0], vecs[1:]), sum(self.encoder.token_counts([query] + docs))
 
     def execute(self, requests):
         responses = []
@@ -58,6 +64,8 @@ class TritonPythonModel:
                 responses.append(_invalid(f"query and documents must be UTF-8: {exc}"))
                 continue
             rows = [self._scores(q, d) for q, d in pairs]
-            out = pb_utils.Tensor("scores", np.stack(rows).astype(np.float32))
-            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+            scores = np.stack([r[0] for r in rows]).astype(np.float32)
+            tokens = np.array([[r[1]] for r in rows], dtype=np.int32)
+            out = [pb_utils.Tensor("scores", scores), pb_utils.Tensor("tokens", tokens)]
+            responses.append(pb_utils.InferenceResponse(output_tensors=out))
         return responses
