@@ -47,20 +47,23 @@ def test_a_prompt_ending_inside_a_character_adds_only_what_the_output_adds(token
     """Issue 49: token ids that end inside a character (an emoji's first bytes) made the first
     output text carry the prompt's last tokens' text. The output is what the generated tokens
     add to the decoded prompt: the prompt's text to its last whole character, then the output,
-    is the decode of all the tokens (the straddling character completed); cut anywhere, and
-    with a prompt of one token."""
+    is the decode of all the tokens (the straddling character completed); cut anywhere, with a
+    prompt of one token, and with an output that ends inside a character (shown as a decode
+    shows it once the output ends)."""
     if not fast:
         monkeypatch.setattr(detok_mod, "DecodeStream", None)
-    ids = tokenizer.encode("The json module 😀 and 中文 ☕", add_special_tokens=False)
-    more = tokenizer.encode(" the end", add_special_tokens=False)
+    ids = tokenizer.encode("The json module 😀 and 中文 ☕ ok", add_special_tokens=False)
     cut_inside = 0
     for cut in range(1, len(ids)):
         for prompt in (ids[:cut], ids[cut - 1 : cut]):
-            output = ids[cut:] + more
-            detok = IncrementalDetokenizer(tokenizer, prompt, True, [], False)
-            for token in output:
-                detok.add_tokens([token])
-            decoded = tokenizer.decode(prompt)
-            cut_inside += decoded.endswith("\ufffd")
-            assert detok_mod.stable_prompt_text(decoded) + detok.text == tokenizer.decode(prompt + output), (cut, prompt)
+            for end in range(cut + 1, len(ids) + 1):
+                output = ids[cut:end]
+                detok = IncrementalDetokenizer(tokenizer, prompt, True, [], False)
+                for token in output:
+                    detok.add_tokens([token])
+                detok.flush()
+                decoded = tokenizer.decode(prompt)
+                cut_inside += decoded.endswith("\ufffd")
+                want = tokenizer.decode(prompt + output)
+                assert detok_mod.stable_prompt_text(decoded) + detok.text == want, (prompt, output)
     assert cut_inside >= 6  # the cases of the issue were met

@@ -364,16 +364,19 @@ def test_random_hostile_fields_never_get_a_5xx_nor_stop_the_engine(server):
 
 
 
-def test_chat_stream_sends_a_chunk_per_output_even_without_text():
+def test_chat_stream_sends_a_chunk_per_output_even_without_text(llama_dir):
     """Each engine output that brings tokens gets its chunk, with those tokens' logprobs,
     even when the tokens add no text (a special token, half a character), as vLLM does;
     deltas carry no `tool_calls` key when there are none."""
     import asyncio
     import json as json_
 
+    from transformers import AutoTokenizer
+
     from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from llmserve.openai.chat import _stream
+    from llmserve.openai.chat import _Answer, _stream
     from llmserve.openai.protocol import ChatCompletionRequest
+    from llmserve.openai.token_bytes import TokenBytes
 
     texts = ["", "", "Hi", "Hi", "Hi!"]  # cumulative text after each of five tokens
 
@@ -385,7 +388,8 @@ def test_chat_stream_sends_a_chunk_per_output_even_without_text():
 
     async def collect():
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True)
-        return [e async for e in _stream(req, "tiny", "chatcmpl-1", outputs(), None)]
+        answer = _Answer(req, "tiny", "chatcmpl-1", "fp_test", TokenBytes(AutoTokenizer.from_pretrained(llama_dir)), None)
+        return [e async for e in _stream(answer, outputs())]
 
     events = [json_.loads(e.removeprefix("data: ")) for e in asyncio.run(collect())]
     deltas = [e["choices"][0] for e in events[1:]]  # after the role chunk

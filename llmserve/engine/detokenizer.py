@@ -96,9 +96,11 @@ class IncrementalDetokenizer:
         start_len = len(self.text)
         if self._stream is not None:
             for token in token_ids:
+                self.ids.append(token)
                 chunk = self._stream.step(self._backend, token)
                 if chunk:
                     self._append(chunk)
+                    self._emitted()
             return self._find_stop(start_len)
         for token in token_ids:
             self.ids.append(token)
@@ -106,9 +108,24 @@ class IncrementalDetokenizer:
             full = self._decode(self.ids[self.prefix_offset :])
             if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
                 self._append(full[len(prefix) :])
-                self.prefix_offset = self.read_offset
-                self.read_offset = len(self.ids)
+                self._emitted()
         return self._find_stop(start_len)
+
+    def _emitted(self) -> None:
+        """The tokens so far made text: the window moves past them."""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+
+    def flush(self) -> None:
+        """The output ended: the text of its last tokens that never made a whole character
+        (replacement characters, as a decode of all the tokens shows them)."""
+        if len(self.ids) == self.read_offset:
+            return
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix):
+            self._append(full[len(prefix) :])
+        self._emitted()
 
     def _append(self, chunk: str) -> None:
         """New text, less what of it is still the prompt's (`_window`'s skip)."""

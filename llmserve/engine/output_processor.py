@@ -226,6 +226,7 @@ class OutputProcessor:
             if out.finish_reason is None:
                 to_abort.append(sample.core_id)
         elif out.finish_reason is not None:
+            sample.detok.flush()  # a last character left unfinished shows as a decode shows it
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
 
     def _add_prompt_logprobs(self, state: _RequestState, entries: list) -> None:

@@ -7,32 +7,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
 from llmserve import chat_template
 from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import RequestOutput
 from llmserve.engine.protocol import EngineClient
 from llmserve.lora_request import LoRARequest
 from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
+from llmserve.openai.fingerprint import system_fingerprint
+from llmserve.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from llmserve.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
-    ChatTokenLogprob,
     DeltaMessage,
-    TopLogprob,
     UsageInfo,
     random_id,
 )
 from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
+from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 
 
@@ -47,25 +48,16 @@ def render_chat(
         raise APIError(400, str(exc), code="no_chat_template" if isinstance(exc, NoChatTemplateError) else None) from None
 
 
-def chat_logprobs(out: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
-    """OpenAI's chat logprobs: each token's, and the `top_n` most likely at its position (the
-    engine's entry also holds the sampled token, which is among them only if it ranks so)."""
-    content = []
-    for token, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-        chosen = entry[token]
-        top = sorted((e for e in entry.values() if e.rank is not None and e.rank <= top_n), key=lambda e: e.rank)
-        content.append(
-            ChatTokenLogprob(
-                token=chosen.decoded_token or "",
-                logprob=chosen.logprob,
-                bytes=list((chosen.decoded_token or "").encode()),
-                top_logprobs=[
-                    TopLogprob(token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode()))
-                    for e in top
-                ],
-            )
-        )
-    return ChatLogprobs(content=content)
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What every choice and chunk of one chat answer is made with."""
+
+    req: ChatCompletionRequest
+    model: str
+    request_id: str
+    fingerprint: str
+    token_bytes: TokenBytes
+    tools: ToolPlan | None
 
 
 async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
@@ -89,11 +81,13 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
     request_id = random_id("chatcmpl")
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival,
                              **adapter_kwargs(lora_request))  # fmt: skip
+    answer = _Answer(req, model, request_id, system_fingerprint(engine, lora_request), token_bytes_of(engine.tokenizer),
+                     tools)  # fmt: skip
     if req.stream:
-        return Reply(events=sse_stream(_stream(req, model, request_id, stream, tools)))
+        return Reply(events=sse_stream(_stream(answer, stream)))
 
     async def body() -> dict:
-        return _response(req, model, request_id, await _last(stream), tools).model_dump()
+        return _response(answer, await _last(stream)).model_dump()
 
     return Reply(body=body())
 
@@ -105,44 +99,52 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return final
 
 
-def _response(
-    req: ChatCompletionRequest, model: str, request_id: str, final: RequestOutput, tools: ToolPlan | None
-) -> ChatCompletionResponse:  # fmt: skip
+def _response(a: _Answer, final: RequestOutput) -> ChatCompletionResponse:
+    req = a.req
+    ids = req.return_token_ids
     choices = []
     for out in final.outputs:
-        content, calls, finish = (tools or NO_TOOLS).reply(out.text, out.finish_reason)
+        content, calls, finish = (a.tools or NO_TOOLS).reply(out.text, out.finish_reason)
         choices.append(ChatChoice(
             index=out.index, message=ChatResponseMessage(content=content, tool_calls=calls),
-            logprobs=chat_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None, finish_reason=finish, stop_reason=out.stop_reason,
+            logprobs=chat_logprobs(out, 0, req.top_logprobs or 0, a.token_bytes) if req.logprobs else None,
+            finish_reason=finish, stop_reason=out.stop_reason, token_ids=out.token_ids if ids else None,
         ))  # fmt: skip
     prompt = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)
     usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-    return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    return ChatCompletionResponse(
+        id=a.request_id, model=a.model, system_fingerprint=a.fingerprint, choices=choices, usage=usage,
+        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
+        prompt_token_ids=final.prompt_token_ids if ids else None,
+    )  # fmt: skip
 
 
-async def _stream(
-    req: ChatCompletionRequest, model: str, request_id: str, stream: AsyncIterator[RequestOutput],
-    tools: ToolPlan | None,
-) -> AsyncIterator[str]:
+async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
     """Each choice's message as `ToolStream` cuts it (text, tool calls), with the logprobs
-    of the tokens since its previous chunk."""
+    (and with return_token_ids, the ids) of the tokens since its previous chunk."""
+    req, tools = a.req, a.tools
     created = int(time.time())
     deltas = DeltaTracker()
     messages: dict[int, ToolStream] = {}
     tokens_sent: dict[int, int] = {}
     prompt_tokens = 0
+    ids = req.return_token_ids
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage))
+    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_ids: list[int] | None = None) -> str:
+        return sse(ChatCompletionChunk(id=a.request_id, created=created, model=a.model, system_fingerprint=a.fingerprint,
+                                       choices=choices, usage=usage, prompt_token_ids=prompt_ids))  # fmt: skip
 
     async for _, out in merge_streams([stream]):
         prompt_tokens = len(out.prompt_token_ids)
         for comp in out.outputs:
             i = comp.index
             if i not in messages:
+                first = ids and not messages  # the answer's first chunk carries the prompt's ids
                 messages[i], tokens_sent[i] = ToolStream(tools), 0
-                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                              token_ids=[] if ids else None)],
+                            prompt_ids=out.prompt_token_ids if first else None)  # fmt: skip
             if deltas.next(i, comp) is None:
                 continue
             step = messages[i].step(comp.text, comp.finish_reason)
@@ -151,11 +153,12 @@ async def _stream(
                     continue  # text held back: its tokens' logprobs go with the next chunk
                 step = (None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
             content, calls, finish = step
-            logprobs = chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0) if req.logprobs else None
+            logprobs = chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0, a.token_bytes) if req.logprobs else None
+            new_ids = comp.token_ids[tokens_sent[i] :] if ids else None
             tokens_sent[i] = len(comp.token_ids)
             yield chunk([ChatStreamChoice(
                 index=i, delta=DeltaMessage(content=content if content is not None or calls else "", tool_calls=calls or None),
-                logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason,
+                logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason, token_ids=new_ids,
             )])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
         completion = deltas.completion_tokens

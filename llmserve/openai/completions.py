@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+from llmserve.engine.detokenizer import stable_prompt_text
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.engine.protocol import EngineClient
 from llmserve.lora_request import LoRARequest
 from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
 from llmserve.openai.errors import APIError
+from llmserve.openai.fingerprint import system_fingerprint
+from llmserve.openai.logprobs import TextOffsets, completion_logprobs, prompt_logprobs_json
 from llmserve.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -22,6 +26,7 @@ from llmserve.openai.protocol import (
 )
 from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
+from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -35,18 +40,31 @@ def _prompts(req: CompletionRequest) -> list[str | list[int]]:
     return list(p)
 
 
-def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> CompletionLogprobs:
-    lp = CompletionLogprobs()
-    offset = text_offset
-    for token, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
-        chosen = entry[token]
-        tok = chosen.decoded_token or ""
-        lp.tokens.append(tok)
-        lp.token_logprobs.append(chosen.logprob)
-        lp.top_logprobs.append({(e.decoded_token or ""): e.logprob for e in entry.values()})
-        lp.text_offset.append(offset)
-        offset += len(tok)
-    return lp
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """What every choice and chunk of one completions answer is made with."""
+
+    req: CompletionRequest
+    model: str
+    request_id: str
+    fingerprint: str
+    token_bytes: TokenBytes
+
+    def offsets(self, final: RequestOutput) -> TextOffsets:
+        """A choice's text offsets: from 0 with echo (its prompt's tokens come first), else after the prompt."""
+        if self.req.echo:
+            return TextOffsets(self.token_bytes)
+        return TextOffsets(self.token_bytes, 0, final.prompt_token_ids[-3:])
+
+    def prompt_logprobs(self, final: RequestOutput, offsets: TextOffsets) -> CompletionLogprobs:
+        """The logprobs of an echoed prompt's tokens (the first has none)."""
+        ids = final.prompt_token_ids
+        return completion_logprobs(ids, final.prompt_logprobs or [None] * len(ids), offsets)
+
+    @staticmethod
+    def logprobs(out: CompletionOutput, start: int, offsets: TextOffsets) -> CompletionLogprobs:
+        """The logprobs of `out`'s tokens from `start`."""
+        return completion_logprobs(out.token_ids[start:], (out.logprobs or [])[start:], offsets)
 
 
 async def completion(engine: EngineClient, req: CompletionRequest, model: str,
@@ -71,21 +89,23 @@ async def completion(engine: EngineClient, req: CompletionRequest, model: str,
         if any(not 0 <= t < vocab for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         resolve_max_tokens(len(ids), req.max_tokens, max_len)
-        text = p if isinstance(p, str) else engine.tokenizer.decode(ids) if req.echo else None  # echo shows it
+        # echo shows the prompt: token ids' text to their last whole character (the output completes one cut short)
+        text = p if isinstance(p, str) else stable_prompt_text(engine.tokenizer.decode(ids)) if req.echo else None
         tokenized.append((text, ids))
     params = req.to_sampling_params(req.max_tokens)
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     request_id = random_id("cmpl")
+    answer = _Answer(req, model, request_id, system_fingerprint(engine, lora_request), token_bytes_of(engine.tokenizer))
     streams = [
         engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority, arrival,
                         **adapter_kwargs(lora_request))
         for i, (text, ids) in enumerate(tokenized)
     ]
     if req.stream:
-        return Reply(events=sse_stream(_stream(req, model, request_id, streams)))
+        return Reply(events=sse_stream(_stream(answer, streams)))
 
     async def body() -> dict:
-        return _response(req, model, request_id, await _collect(streams)).model_dump()
+        return _response(answer, await _collect(streams)).model_dump()
 
     return Reply(body=body())
 
@@ -97,57 +117,80 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestO
     return [finals[i] for i in range(len(streams))]
 
 
-def _response(req: CompletionRequest, model: str, request_id: str, finals: list[RequestOutput]) -> CompletionResponse:
+def _response(a: _Answer, finals: list[RequestOutput]) -> CompletionResponse:
+    req = a.req
     choices, prompt_tokens, completion_tokens = [], 0, 0
     for i, final in enumerate(finals):
         prompt_tokens += len(final.prompt_token_ids)
         prefix = (final.prompt or "") if req.echo else ""
         for out in final.outputs:
             completion_tokens += len(out.token_ids)
-            logprobs = completion_logprobs(out, 0, len(prefix)) if req.logprobs is not None else None
+            logprobs = None
+            if req.logprobs is not None:
+                offsets = a.offsets(final)
+                echoed = a.prompt_logprobs(final, offsets) if req.echo else None  # the prompt's first, as OpenAI's
+                logprobs = a.logprobs(out, 0, offsets)
+                if echoed is not None:
+                    logprobs = CompletionLogprobs(**{k: getattr(echoed, k) + getattr(logprobs, k)
+                                                     for k in CompletionLogprobs.model_fields})  # fmt: skip
             choices.append(
                 CompletionChoice(
                     index=i * req.n + out.index, text=prefix + out.text, logprobs=logprobs,
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                    prompt_token_ids=final.prompt_token_ids if req.return_token_ids else None,
+                    token_ids=out.token_ids if req.return_token_ids else None,
                 )
             )  # fmt: skip
     usage = UsageInfo(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )  # fmt: skip
-    return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    return CompletionResponse(id=a.request_id, model=a.model, system_fingerprint=a.fingerprint, choices=choices,
+                              usage=usage)  # fmt: skip
 
 
-async def _stream(
-    req: CompletionRequest, model: str, request_id: str, streams: list[AsyncIterator[RequestOutput]]
-) -> AsyncIterator[str]:
+async def _stream(a: _Answer, streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+    req = a.req
     created = int(time.time())
     deltas = DeltaTracker()
     prompt_tokens: dict[int, int] = {}
+    started: set[int] = set()  # choices whose first chunk went (with return_token_ids: the prompt's ids in it)
+    offsets: dict[int, TextOffsets] = {}  # each choice's, from chunk to chunk
 
     def chunk(choices: list[dict], usage: UsageInfo | None = None) -> str:
-        body = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        body = {"id": a.request_id, "object": "text_completion", "created": created, "model": a.model,
+                "system_fingerprint": a.fingerprint, "choices": choices}  # fmt: skip
         if usage is not None:
             body["usage"] = usage.model_dump()
         return sse(body)
 
+    def choice(index: int, out: RequestOutput, text: str, logprobs: CompletionLogprobs | None, token_ids: list[int],
+               **rest) -> dict:  # fmt: skip
+        body = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None, **rest}
+        if req.return_token_ids:
+            if index not in started:
+                body["prompt_token_ids"] = out.prompt_token_ids
+            body["token_ids"] = token_ids
+        started.add(index)
+        return body
+
     async for i, out in merge_streams(streams):
         if i not in prompt_tokens:
             prompt_tokens[i] = len(out.prompt_token_ids)
-            if req.echo:
-                for j in range(req.n):
-                    yield chunk([{"index": i * req.n + j, "text": out.prompt or "", "logprobs": None, "finish_reason": None}])
+            for j in range(req.n):
+                offsets[i * req.n + j] = a.offsets(out)
+                if req.echo:
+                    echoed = a.prompt_logprobs(out, offsets[i * req.n + j]) if req.logprobs is not None else None
+                    yield chunk([choice(i * req.n + j, out, out.prompt or "", echoed, [], finish_reason=None)])
         for comp in out.outputs:
             delta = deltas.next((i, comp.index), comp)
             if delta is None:
                 continue
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(comp, delta.token_from, delta.text_from).model_dump()
-            yield chunk([{
-                "index": i * req.n + comp.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-            }])  # fmt: skip
+            index = i * req.n + comp.index
+            logprobs = a.logprobs(comp, delta.token_from, offsets[index]) if req.logprobs is not None else None
+            yield chunk([choice(index, out, delta.text, logprobs, comp.token_ids[delta.token_from :],
+                                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
         total_prompt = sum(prompt_tokens.values())
         usage = UsageInfo(

@@ -17,7 +17,34 @@ _TYPES = {
     422: "UnprocessableEntityError",
     429: "RateLimitError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
+
+
+# the `code` of an error that names none: a string always, as OpenAI's codes are
+_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    403: "permission_denied",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    409: "conflict",
+    413: "request_too_large",
+    422: "unprocessable_entity",
+    429: "rate_limit_exceeded",
+    431: "headers_too_large",
+    500: "internal_error",
+    501: "not_implemented",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def default_code(status: int) -> str:
+    """The error code of a status, when the error names none."""
+    return _CODES.get(status) or ("internal_error" if status >= 500 else "invalid_request")
 
 
 class APIError(Exception):
@@ -33,7 +60,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     kind = _TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    info = ErrorInfo(message=message, type=kind, param=param, code=code if code is not None else status)
+    info = ErrorInfo(message=message, type=kind, param=param, code=code if code is not None else default_code(status))
     return ErrorResponse(error=info).model_dump()
 
 

@@ -6,7 +6,7 @@ import json
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -66,9 +66,9 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
     return asked[0]
 
 
-# vLLM request fields with an effect this server does not have (beam search, per-token masks, prompt
-# logprobs, truncation): a request naming one is refused rather than served differently
-UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "prompt_logprobs",
+# vLLM request fields with an effect this server does not have (beam search, per-token masks,
+# truncation): a request naming one is refused rather than served differently
+UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
                            "truncate_prompt_tokens", "logits_processors")
 
 
@@ -114,6 +114,9 @@ class _SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # seconds the request may take, from its arrival to its last token (the server's
+    # --request-timeout-s caps it); past it the request is aborted: a 504, or an error event
+    request_timeout_s: float | None = Field(default=None, gt=0)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
@@ -123,11 +126,22 @@ class _SamplingFields(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and the top k at its position (not streamed, as vLLM)
+    prompt_logprobs: int | None = None
+    # vLLM's: the prompt's and the output's token ids in the answer (a stream: the prompt's in the
+    # first chunk, each chunk's own tokens in it)
+    return_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be given with stream = true")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_are_not_streamed(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream = true (as in vLLM)")
         return self
 
     @model_validator(mode="after")
@@ -143,7 +157,8 @@ class _SamplingFields(OpenAIModel):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         return structured_outputs_from({k: getattr(self, k) for k in STRUCTURED_FIELDS})
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -162,6 +177,7 @@ class _SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else self.prompt_logprobs,
             structured_outputs=self.structured_outputs_params(),
             logit_bias=self._logit_bias(),
         )
@@ -184,7 +200,9 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        # echo with logprobs shows the prompt's tokens' logprobs first (as OpenAI and vLLM)
+        echoed = self.logprobs if self.echo and self.logprobs is not None and self.prompt_logprobs is None else None
+        return self._sampling_params(max_tokens, self.logprobs, echoed)
 
 
 class TextContentPart(OpenAIModel):
@@ -263,6 +281,32 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
 
+class _OmitNone(BaseModel):
+    """vLLM's optional answer fields (token ids, prompt logprobs): absent unless given."""
+
+    _omit_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_absent_fields(self, handler):
+        data = handler(self)
+        for key in self._omit_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs` (its `Logprob`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per prompt token, the first None: {token id: its Logprob} (the prompt's token and the top k)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -276,12 +320,17 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitNone):
+    _omit_none = ("prompt_logprobs", "prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -289,6 +338,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -313,21 +363,29 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitNone):
+    _omit_none = ("token_ids",)
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitNone):
+    _omit_none = ("prompt_logprobs", "prompt_token_ids")
+
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -355,21 +413,28 @@ class DeltaMessage(BaseModel):
         return data
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_OmitNone):
+    _omit_none = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitNone):
+    _omit_none = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):
@@ -416,7 +481,7 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: str | None = None  # always a string, as OpenAI's (errors.error_body: one by status when none is named)
 
 
 class ErrorResponse(BaseModel):
