@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -102,6 +102,10 @@ class EngineMetrics:
             metric.labels(model_name)
         reg.register(_EngineStateCollector(engine, model_name))
         engine.add_stats_listener(self.observe)
+
+    def page(self) -> str:
+        """The Prometheus text page of this registry."""
+        return generate_latest(self.registry).decode()
 
     def observe(self, it: IterationStats) -> None:
         name = self.model_name

@@ -49,8 +49,8 @@ def test_span_point_after_a_restart_or_a_failed_scrape():
 
 
 def test_sampler_over_unreachable_and_triton_upstreams():
-    """A down HTTP replica is sampled as empty; a Triton replica (over gRPC or HTTP) is not
-    scraped at all; neither stops the sampler."""
+    """A down HTTP replica is sampled as empty; so is a Triton model that does not answer (over
+    gRPC or HTTP), which has no metrics until it does; neither stops the sampler."""
     import asyncio
 
     import httpx
@@ -77,6 +77,8 @@ def test_sampler_over_unreachable_and_triton_upstreams():
     by_url = {u.url: u for u in data.upstreams}
     assert not by_url[down].scraped and by_url[down].has_metrics and by_url[down].latest.tokens_per_s is None
     tritons = [u for u in data.upstreams if u.url != down]
-    assert len(tritons) == 2 and all(not u.has_metrics and u.series == [] for u in tritons)
+    assert len(tritons) == 2 and all(not u.has_metrics and not u.scraped for u in tritons)
+    assert all(p.running is None for u in tritons for p in u.series)
+    assert sampler.engine_states() == {}  # nothing answered: no state to tell
     assert sampler.scraped_urls == [down]
     assert [m.alias for m in data.models] == ["chat", "embed", "rerank"]

@@ -157,6 +157,12 @@ PARITY = [  # every field `llmserve serve` does, through `llmserve up` with the 
     ("/v1/completions", {"prompt": "The capital of France is", "echo": True, "logprobs": 2, "max_tokens": 5, "temperature": 0}),
     ("/v1/completions", {"prompt": ["One", "Two"], "max_tokens": 6, "temperature": 0, "stop_token_ids": [13]}),
     ("/v1/completions", {"prompt": [[1, 2, 3]], "max_tokens": 4, "temperature": 0}),
+    ("/v1/completions", {"prompt": [504, 7221, 7063, 40303], "max_tokens": 8, "temperature": 0, "echo": True,
+                         "logprobs": 1, "return_token_ids": True, "prompt_logprobs": 2}),  # (issue 49)
+    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+                              "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 4, "temperature": 0, "stream": True,
+                              "return_token_ids": True, "logprobs": True}),
     ("/v1/chat/completions", {"messages": FRANCE, "logprobs": True, "top_logprobs": 3, "max_tokens": 6, "temperature": 0}),
     ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 30, "temperature": 0, "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object", "properties": {
@@ -210,6 +216,45 @@ def test_through_the_platform_equals_llmserve_serve_field_for_field(up, default_
     assert _without_call_ids(_same_shape(got)) == _without_call_ids(_same_shape(want))
 
 
+EMOJI_CUT = [504, 7221, 7063, 40303]  # "The json module 😀" without its last token: the prompt ends inside the emoji
+
+
+def test_a_prompt_cut_inside_a_character_returns_only_what_the_output_adds(up, client, default_server):
+    """Issue 49 item 2: the prompt's last tokens' text ("The json module ") came back in `text`
+    (twice with echo), streamed or not, through `llmserve up` and from `llmserve serve`. The text
+    is what the generated tokens add to the decoded prompt; every answer has a system_fingerprint
+    and string error codes."""
+    from llmserve.config import default_model_path
+    from llmserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(default_model_path()))
+    assert tok.decode(EMOJI_CUT) == "The json module \ufffd"
+    direct = openai.OpenAI(base_url=default_server.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
+    texts = set()
+    for c, model in ((client, "chat"), (direct, "SmolLM2-135M-Instruct")):
+        ask = dict(model=model, prompt=EMOJI_CUT, max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+        whole = c.completions.create(**ask)
+        output = whole.choices[0].token_ids
+        everything = tok.decode(EMOJI_CUT + output)
+        assert whole.choices[0].text == everything[len("The json module "):] and whole.choices[0].prompt_token_ids == EMOJI_CUT
+        assert not whole.choices[0].text.startswith("The json")
+        streamed = list(c.completions.create(stream=True, **ask))
+        assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+        assert {chunk.system_fingerprint for chunk in streamed} == {whole.system_fingerprint}
+        assert c.completions.create(echo=True, **ask).choices[0].text == everything
+        echoed = "".join(chunk.choices[0].text for chunk in c.completions.create(echo=True, stream=True, **ask))
+        assert echoed == everything
+        texts.add(whole.choices[0].text)
+        assert whole.system_fingerprint.startswith("fp_")
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.completions.create(model=model, prompt="x", extra_body={"prompt_logprobs": 2}, stream=True)
+        assert isinstance(refused.value.body["code"], str)
+    assert len(texts) == 1
+    for resp in (httpx.get(up["url"] + "/v2/nothing"), httpx.post(up["url"] + "/v1/completions", json={
+            "model": "chat", "prompt": "x", "top_p": 5})):  # fmt: skip
+        assert resp.status_code >= 400 and isinstance(resp.json()["error"]["code"], str), resp.text
+
+
 def test_triton_over_http_equals_triton_over_grpc(up, tmp_path):
     """`llmserve up`'s gateway speaks to Triton over HTTP (generate_stream); a gateway given the
     same Triton over gRPC (the reference) answers the same requests with the same replies, a
@@ -233,6 +278,11 @@ def test_triton_over_http_equals_triton_over_grpc(up, tmp_path):
             else:
                 got, want = via_http.json(), via_grpc.json()
             assert _same_shape(got) == _same_shape(want), (path, body)
+        # over gRPC too, a whole request whose client left is stopped in the engine (the call cancelled)
+        long = {"model": "chat", "prompt": "A long story", "max_tokens": 2000, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gateway.base_url + "/v1/completions", json=long, timeout=httpx.Timeout(60, read=1.0))
+        _engine_idle_within(up, 10)
     finally:
         gateway.stop()
 
@@ -559,23 +609,78 @@ def test_unknown_paths_answer_in_openai_format(up):
         assert resp.status_code == 405 and resp.json()["error"]["message"], resp.text
 
 
-def test_a_client_leaving_a_whole_request_is_counted_once(up):
+def _engine_metric(up, name: str) -> float | None:
+    """A Triton chat engine's metric as the gateway's /metrics passes it on (None: absent)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in httpx.get(up["url"] + "/metrics").text.splitlines()
+              if line.startswith(name + "{") and 'model_name="chat"' in line]  # fmt: skip
+    return sum(values) if values else None
+
+
+def _engine_idle_within(up, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while _engine_metric(up, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the engine still runs a request nobody waits for"
+        time.sleep(0.1)
+
+
+def test_a_client_leaving_a_whole_request_is_counted_once_and_aborted_in_the_engine(up):
     """A non-streamed request whose client leaves: the handler cancels the Triton call, answers
-    nobody (499), and counts it; it crashed with InvalidStateError before."""
+    nobody (499), and counts it; it crashed with InvalidStateError before. And the engine stops
+    it: Triton's HTTP server notices a closed call only when it writes to it, so before the chat
+    model's keep-alives such a request ran to its last token for nobody (2,000 tokens: a minute)."""
     def answered_499() -> float:
         text = httpx.get(up["url"] + "/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("llmserve_gateway_requests_total{") and 'status="499"' in line)  # fmt: skip
 
     before = answered_499()
-    body = {"model": "chat", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True}
+    aborted = (up["platform_dir"] / "triton.log").read_text().count("a request was cancelled, aborted in the engine")
+    body = {"model": "chat", "prompt": "A long story", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(up["url"] + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
-    deadline = time.monotonic() + 20
+        httpx.post(up["url"] + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    left = time.monotonic()
+    deadline = left + 20
     while answered_499() < before + 1:
         assert time.monotonic() < deadline, "the 499 was never counted"
         time.sleep(0.1)
     assert "InvalidStateError" not in (up["workdir"] / "up.log").read_text()
+    _engine_idle_within(up, 10)
+    log = (up["platform_dir"] / "triton.log").read_text()
+    assert log.count("a request was cancelled, aborted in the engine") == aborted + 1
+    assert time.monotonic() - left < 10
+
+
+def test_health_and_metrics_show_the_chat_engine(up):
+    """Through `llmserve up` the gateway reads the chat engine's metrics (vLLM's names) from the
+    Triton chat model and passes them on; /health gives its state (ok, saturated, stuck)."""
+    deadline = time.monotonic() + 10
+    while "engines" not in (health := httpx.get(up["url"] + "/health").json()):
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    (state,) = health["engines"]["chat"].values()
+    assert state["state"] in ("ok", "saturated") and state["kv_usage"] is not None and state["running"] is not None
+    assert set(health["engines"]) == {"chat"}  # embed and rerank have no engine metrics
+    text = httpx.get(up["url"] + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket"):  # fmt: skip
+        assert _engine_metric(up, name) is not None, name
+    assert text.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert 'llmserve_gateway_engine_state{alias="chat",replica="' in text
+
+
+def test_a_request_past_its_deadline_is_stopped_in_the_triton_engine(up):
+    """`request_timeout_s` through the gateway and Triton: a 504 from the chat model (whole
+    answer) or its last error event (stream), and the engine stops at once."""
+    body = {"model": "chat", "prompt": "A long story", "max_tokens": 2000, "ignore_eos": True, "request_timeout_s": 1}
+    start = time.monotonic()
+    resp = httpx.post(up["url"] + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "request_timeout", resp.text
+    assert time.monotonic() - start < 6
+    with httpx.stream("POST", up["url"] + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "request_timeout", events[-3:]
+    assert events[-1] == "data: [DONE]"
+    _engine_idle_within(up, 10)
 
 
 def test_one_bad_request_fails_alone_in_a_dynamic_batch(up):

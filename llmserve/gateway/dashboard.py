@@ -1,8 +1,12 @@
 """The status sampler behind the live status page (`/dashboard`, `/dashboard/data`: routes.py)
 and behind admission's shedding by the engines' queues.
 
-It scrapes every upstream's `/metrics` (vLLM's names) once a second and keeps the last five
-minutes in a ring buffer per upstream, beside the gateway's own request counters. The page
+It scrapes every upstream's `/metrics` (vLLM's names) once a second — an OpenAI server's
+route, a Triton chat model's `/metrics` endpoint (the engine's page, as `llmserve serve` gives
+it) — and keeps the last five minutes in a ring buffer per upstream, beside the gateway's own
+request counters. From them it tells each engine's state (engine_state.py: ok, saturated,
+stuck), for /health and the metrics, and keeps each Triton chat model's latest page, which the
+gateway's /metrics passes on (Triton listens on this host only under `llmserve up`). The page
 (llmserve/assets/dashboard.html, no external scripts) polls `/dashboard/data` and draws
 running and waiting requests, KV-cache usage, tokens/s and latency per model and upstream.
 """
@@ -21,9 +25,11 @@ from types import MappingProxyType
 
 import httpx
 
+from llmserve.gateway.engine_state import EngineState, engine_state
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.placement import GatewayPlacement
-from llmserve.gateway.router import Router
+from llmserve.gateway.router import Replica, Router
+from llmserve.gateway.triton_upstream import TritonClients
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ _METRICS = MappingProxyType({
     "waiting": "vllm:num_requests_waiting",
     "kv_usage": "vllm:kv_cache_usage_perc",
     "generation_tokens": "vllm:generation_tokens_total",
+    "prompt_tokens": "vllm:prompt_tokens_total",
     "ttft_sum": "vllm:time_to_first_token_seconds_sum",
     "ttft_count": "vllm:time_to_first_token_seconds_count",
     "itl_sum": "vllm:inter_token_latency_seconds_sum",
@@ -81,7 +88,7 @@ class UpstreamStatus:
     aliases: list[str]
     model: str | None  # the model_name the upstream reports
     healthy: bool  # the gateway's breaker
-    has_metrics: bool  # an OpenAI upstream with /metrics (a Triton upstream has none here)
+    has_metrics: bool  # an OpenAI upstream with /metrics, or a Triton chat model (embed and rerank have none)
     scraped: bool  # its last /metrics scrape worked
     outstanding: int  # requests the gateway has in flight there
     latest: Point | None
@@ -174,18 +181,35 @@ def engine_queue_delay(a: Sample, b: Sample) -> float | None:
 
 
 class StatusSampler:
-    """Scrapes the upstreams and the gateway's counters into ring buffers."""
+    """Scrapes the upstreams and the gateway's counters into ring buffers. An upstream is a
+    replica's address (an OpenAI server), or a model on a Triton replica (`upstream_key`)."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, placement: GatewayPlacement | None = None,
-                 interval_s: float = INTERVAL_S, history: int = HISTORY):  # fmt: skip
+                 interval_s: float = INTERVAL_S, history: int = HISTORY, triton: TritonClients | None = None,
+                 stuck_after_s: float = 30.0, saturated_after_s: float = 5.0):  # fmt: skip
         self.router, self.metrics, self.placement = router, metrics, placement
         self.interval_s = interval_s
-        self.urls = sorted({r.url for r in router.all_replicas()})
-        # OpenAI servers' /metrics (a Triton replica, over gRPC or HTTP, has none on its address)
-        self.scraped_urls = sorted({r.url for r in router.all_replicas()
-                                    if router.config.models[r.alias].kind == "openai"})  # fmt: skip
+        self.triton = triton
+        self.stuck_after_s, self.saturated_after_s = stuck_after_s, saturated_after_s
+        replicas = router.all_replicas()
+        self.urls = sorted({self.upstream_key(r) for r in replicas})
+        # OpenAI servers' /metrics, and Triton models' (only chat models answer: embed and rerank have none)
+        self.scraped_urls = sorted({r.url for r in replicas if router.config.models[r.alias].kind == "openai"})
+        self.triton_models = sorted({(r.url, self._model(r)) for r in replicas
+                                     if router.config.models[r.alias].kind == "triton"} if triton else set())  # fmt: skip
         self.upstreams: dict[str, deque[Sample]] = {u: deque(maxlen=history) for u in self.urls}
+        self.last_answer: dict[str, Sample] = {}  # the last scrape that answered, however old
+        self.pages: dict[str, tuple[float, str]] = {}  # a Triton chat model's latest metrics page (time, text)
         self.gateway: deque[tuple[float, dict[str, float]]] = deque(maxlen=history)  # (t, requests by alias)
+
+    def _model(self, replica: Replica) -> str:
+        return self.router.config.models[replica.alias].model or replica.alias
+
+    def upstream_key(self, replica: Replica) -> str:
+        """What the sampler keys an upstream by: an OpenAI server's address; a Triton model's URL."""
+        if self.router.config.models[replica.alias].kind == "triton":
+            return _triton_key(replica.url, self._model(replica))
+        return replica.url
 
     async def scrape(self, client: httpx.AsyncClient, url: str) -> Sample:
         try:
@@ -195,10 +219,32 @@ class StatusSampler:
         except (httpx.HTTPError, httpx.InvalidURL, ValueError):
             return Sample(time.time(), {})
 
+    async def scrape_triton(self, url: str, model: str) -> Sample:
+        """A Triton chat model's engine metrics (its `/metrics` endpoint); nothing from a model
+        that is not a chat model."""
+        key = _triton_key(url, model)
+        try:
+            if "request" not in await self.triton.inputs(url, model):
+                return Sample(time.time(), {})
+            timeout = max(2 * self.interval_s, 2.0)
+            answers = [a async for a in self.triton.events(url, model, "", "/metrics", timeout)]
+            status, text = answers[-1] if answers else (0, "")
+        except Exception:  # noqa: BLE001 - unreachable, loading, dead: no sample this time
+            return Sample(time.time(), {})
+        if status != 200 or not text.startswith("#"):
+            return Sample(time.time(), {})
+        sample = parse_metrics(text)
+        self.pages[key] = (sample.t, text)
+        return sample
+
     async def sample_once(self, client: httpx.AsyncClient) -> None:
-        samples = await asyncio.gather(*(self.scrape(client, u) for u in self.scraped_urls))
-        for url, sample in zip(self.scraped_urls, samples):
-            self.upstreams[url].append(sample)
+        samples = await asyncio.gather(*(self.scrape(client, u) for u in self.scraped_urls),
+                                       *(self.scrape_triton(u, m) for u, m in self.triton_models))  # fmt: skip
+        keys = [*self.scraped_urls, *(_triton_key(u, m) for u, m in self.triton_models)]
+        for key, sample in zip(keys, samples):
+            self.upstreams[key].append(sample)
+            if sample.values:
+                self.last_answer[key] = sample
         by_alias: dict[str, float] = {}
         for s in self.metrics.requests.collect()[0].samples:
             if s.name.endswith("_total"):
@@ -214,6 +260,23 @@ class StatusSampler:
                     logger.exception("status page: sampling failed")
                 await asyncio.sleep(self.interval_s)
 
+    def fresh_pages(self) -> list[str]:
+        """The Triton chat models' metrics pages of the last few seconds (a model that stopped
+        answering has its series gone, not frozen)."""
+        now = time.time()
+        return [text for t, text in self.pages.values() if now - t <= 3 * self.interval_s + 2.0]
+
+    def engine_states(self) -> dict[str, dict[str, EngineState]]:
+        """Each alias's engines that answer with metrics: their state, by replica address."""
+        states: dict[str, dict[str, EngineState]] = {}
+        for replica in self.router.all_replicas():
+            key = self.upstream_key(replica)
+            state = engine_state(list(self.upstreams.get(key, ())), self.stuck_after_s, self.saturated_after_s,
+                                 self.last_answer.get(key))  # fmt: skip
+            if state is not None:
+                states.setdefault(replica.alias, {})[replica.url] = state
+        return states
+
     def _requests_per_s(self, alias: str | None) -> float | None:
         if len(self.gateway) < 2:
             return None
@@ -228,7 +291,7 @@ class StatusSampler:
         nothing is known. Admission sheds by it as by the gateway's own queue."""
         delays = []
         for replica in self.router.replicas.get(alias, []):
-            samples = self.upstreams.get(replica.url)
+            samples = self.upstreams.get(self.upstream_key(replica))
             if not replica.healthy or not samples or len(samples) < 2:
                 continue
             delay = engine_queue_delay(samples[max(0, len(samples) - 1 - LATEST_SPAN)], samples[-1])
@@ -238,13 +301,13 @@ class StatusSampler:
 
     def _upstream(self, url: str) -> UpstreamStatus:
         samples = list(self.upstreams[url])
-        replicas = [r for r in self.router.all_replicas() if r.url == url]
+        replicas = [r for r in self.router.all_replicas() if self.upstream_key(r) == url]
         series = [span_point(a, b) for a, b in itertools.pairwise(samples)]
         latest = span_point(samples[max(0, len(samples) - 1 - LATEST_SPAN)], samples[-1]) if len(samples) > 1 else None
         return UpstreamStatus(
             url=url, aliases=sorted({r.alias for r in replicas}),
             model=next((s.model for s in reversed(samples) if s.model), None),
-            healthy=all(r.healthy for r in replicas), has_metrics=url in self.scraped_urls,
+            healthy=all(r.healthy for r in replicas), has_metrics=url in self.scraped_urls or url in self.last_answer,
             scraped=bool(samples and samples[-1].values),
             outstanding=sum(r.outstanding for r in replicas), latest=latest, series=series,
         )  # fmt: skip
@@ -255,7 +318,8 @@ class StatusSampler:
         states = {m["model"]: m["state"] for m in (placement or {}).get("models", []) if isinstance(m, dict)}
         models = []
         for alias, replicas in self.router.replicas.items():
-            latest = [upstreams[r.url].latest for r in replicas if upstreams[r.url].latest]
+            keys = [self.upstream_key(r) for r in replicas]
+            latest = [upstreams[k].latest for k in keys if upstreams[k].latest]
             kv = [p.kv_usage for p in latest if p.kv_usage is not None]
             models.append(ModelStatus(
                 alias=alias, replicas=[r.url for r in replicas],
@@ -272,3 +336,7 @@ class StatusSampler:
             requests_per_s=self._requests_per_s(None), rejections=rejections, models=models,
             upstreams=list(upstreams.values()), placement=placement,
         )  # fmt: skip
+
+
+def _triton_key(url: str, model: str) -> str:
+    return f"{url}/v2/models/{model}"

@@ -20,6 +20,8 @@ from llmserve.gateway.admission import Admission
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.context import RequestContext, log_access
 from llmserve.gateway.dashboard import StatusSampler
+from llmserve.gateway.engine_state import STATES
+from llmserve.gateway.metrics_pages import merged_pages
 from llmserve.gateway.keys import KeyStore
 from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
@@ -32,13 +34,19 @@ from llmserve.gateway.triton_upstream import TritonClients
 class Health:
     """The body of GET /health."""
 
-    status: str  # "ok" when every alias has a healthy replica, else "degraded"
+    # "ok"; "saturated" when an engine's queue has held requests for a while; "degraded" when an
+    # alias has no healthy replica or an engine is stuck
+    status: str
     upstreams: dict[str, bool]  # address -> healthy only if every alias it serves is
     models: dict[str, dict[str, bool]]  # alias -> replica address -> healthy
     placement: dict | None = None  # each placed model's state (resident, asleep, waking, sleeping)
+    # alias -> replica address -> its engine's state (engine_state.py), where its metrics are read
+    engines: dict[str, dict[str, dict]] | None = None
 
     def body(self) -> dict:
         body = {"status": self.status, "upstreams": self.upstreams, "models": self.models}
+        if self.engines:
+            body["engines"] = self.engines
         if self.placement is not None:
             body["placement"] = self.placement
         return body
@@ -52,11 +60,13 @@ class Gateway:
         self.adapters = AdapterHoldings()  # LoRA adapters on the replicas of routes with `lora`
         self.router = Router(config, self.adapters)
         self.metrics = GatewayMetrics()
-        self.triton = TritonClients(config.upstream_timeout_s)  # gRPC clients of Triton replicas, opened on first use
+        self.triton = TritonClients(config.upstream_timeout_s, config.request_timeout_s)  # gRPC clients of Triton replicas, opened on first use
         # several chat models on one GPU: requests wait for their model to wake
         self.placement = None if config.placement is None else \
             GatewayPlacement(config.placement, config, self.triton, self.metrics)  # fmt: skip
-        self.sampler = StatusSampler(self.router, self.metrics, self.placement)
+        self.sampler = StatusSampler(self.router, self.metrics, self.placement, triton=self.triton,
+                                     stuck_after_s=config.engine_stuck_after_s,
+                                     saturated_after_s=config.engine_saturated_after_s)  # fmt: skip
         # admission sheds by the engines' queues (the sampler's scrapes) as by its own
         self.admission = Admission(config.admission, [k.priority for k in config.keys], self.sampler)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on, while running
@@ -147,9 +157,15 @@ class Gateway:
         for replicas in models.values():
             for url, ok in replicas.items():
                 upstreams[url] = upstreams.get(url, True) and ok
-        status = "ok" if all(any(replicas.values()) for replicas in models.values()) else "degraded"
+        engines = self.sampler.engine_states()
+        states = {e.state for replicas in engines.values() for e in replicas.values()}
+        if not all(any(replicas.values()) for replicas in models.values()) or "stuck" in states:
+            status = "degraded"
+        else:
+            status = "saturated" if "saturated" in states else "ok"
         placement = self.placement.snapshot() if self.placement is not None else None
-        return Health(status, upstreams, models, placement)
+        bodies = {alias: {url: e.body() for url, e in replicas.items()} for alias, replicas in engines.items()}
+        return Health(status, upstreams, models, placement, bodies)
 
     def metrics_page(self) -> bytes:
         """The Prometheus page, its gauges set from the live counts first."""
@@ -160,7 +176,14 @@ class Gateway:
         self.metrics.queueing_delay.set(self.admission.queueing_delay())
         if self.placement is not None:
             self.placement.export()
-        return generate_latest(self.metrics.registry)
+        self.metrics.engine_state.clear()
+        for alias, replicas in self.sampler.engine_states().items():
+            for url, engine in replicas.items():
+                for state in STATES:
+                    self.metrics.engine_state.labels(alias, url, state).set(1 if engine.state == state else 0)
+        # the Triton chat models' engine metrics (vLLM's names), which Prometheus cannot scrape
+        # itself: Triton listens on this host only
+        return generate_latest(self.metrics.registry) + merged_pages(self.sampler.fresh_pages())
 
     # -- requests --------------------------------------------------------------------------
     def release(self, ctx: RequestContext) -> None:

@@ -51,6 +51,10 @@ class GatewayMetrics:
             "llmserve_gateway_routing", "Requests sent upstream, by how the replica was chosen.",
             ["alias", "decision"], registry=self.registry,
         )  # fmt: skip
+        self.engine_state = Gauge(
+            "llmserve_gateway_engine_state", "1 for the state an upstream engine is in (ok, saturated, stuck), "
+            "read from its metrics.", ["alias", "replica", "state"], registry=self.registry,
+        )  # fmt: skip
         self.adapter_loads = Counter(
             "llmserve_gateway_adapter_loads", "LoRA adapters loaded on demand onto a replica (routes with lora_path).",
             ["alias", "replica"], registry=self.registry,

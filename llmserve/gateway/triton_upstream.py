@@ -38,9 +38,13 @@ from llmserve.gateway.triton_checks import BadRequest, embeddings_call, rerank_c
 from llmserve.gateway.triton_http import CallBroken, TritonHttp
 from llmserve.openai.errors import error_body
 from llmserve.openai.pooling_protocol import PoolingUsage, embedding_json, rerank_order
-from llmserve.openai.sse_events import split_events
+from llmserve.openai.sse_events import KEEPALIVE, split_events
 
 EMBED_BATCH = 32  # the shipped embed model's max_batch_size
+# how long a chat call may go without a write before the model sends a keep-alive: Triton's HTTP
+# server notices a closed connection (a client that left) only when it writes to it, and the
+# chat model then aborts the request (llmserve/triton/inflight.py)
+KEEPALIVE_S = 0.5
 # the inputs a Triton model must take to serve each endpoint (the llmserve chat, embed, rerank models)
 ENDPOINT_INPUTS = MappingProxyType({
     "/v1/chat/completions": frozenset({"request"}), "/v1/completions": frozenset({"request"}),
@@ -54,8 +58,9 @@ class TritonClients:
     one aiohttp session: triton_http.py); `timeout` bounds each call, and the wait for each
     next response of a stream."""
 
-    def __init__(self, timeout: float = 600.0) -> None:
+    def __init__(self, timeout: float = 600.0, request_timeout_s: float | None = None) -> None:
         self.timeout = timeout
+        self.request_timeout_s = request_timeout_s  # sent with each chat request (its deadline there)
         self._clients: dict[str, grpcclient.InferenceServerClient] = {}
         self.http = TritonHttp(timeout)
         self._inputs: dict[tuple[str, str], tuple[float, frozenset[str]]] = {}
@@ -107,14 +112,21 @@ class TritonClients:
         result = await self.get(url).infer(model, tensors, client_timeout=self.timeout)
         return {out.name: result.as_numpy(out.name) for out in result.get_response().outputs}
 
-    def events(self, url: str, model: str, body: str, endpoint: str,
-               timeout: float | None = None) -> AsyncIterator[tuple[int, str]]:  # fmt: skip
+    def events(self, url: str, model: str, body: str, endpoint: str, timeout: float | None = None,
+               keepalive_s: float = 0.0) -> AsyncIterator[tuple[int, str]]:  # fmt: skip
         """(status, event) of each server-sent event (or the whole body) the chat model `model`
-        answers to the OpenAI `body` for `endpoint` (chat_events; `timeout`: this client's)."""
+        answers to the OpenAI `body` for `endpoint` (chat_events; `timeout`: this client's);
+        `keepalive_s` > 0 asks the model for keep-alives (skipped here) on a quiet call."""
         if _over_http(url):
-            responses = self.http.responses(url, model, {"request": body, "endpoint": endpoint})
+            fields: dict = {"request": body, "endpoint": endpoint}
+            if keepalive_s > 0:
+                fields["keepalive_s"] = keepalive_s
+            responses = self.http.responses(url, model, fields)
         else:
             inputs = [_strings("request", [body], [1]), _strings("endpoint", [endpoint], [1])]
+            if keepalive_s > 0:
+                inputs.append(grpcclient.InferInput("keepalive_s", [1], "FP32"))
+                inputs[-1].set_data_from_numpy(np.array([keepalive_s], dtype=np.float32))
             responses = _grpc_responses(self.get(url), {"model_name": model, "inputs": inputs})
         return chat_events(responses, self.timeout if timeout is None else timeout, self.backend(url, model))
 
@@ -224,10 +236,14 @@ async def _rerank(clients: TritonClients, url: str, ctx: RequestContext, model: 
     return {**body, "results": results}
 
 
-def _chat_request(ctx: RequestContext, pick: Pick) -> tuple[str, bool]:
+def _chat_request(ctx: RequestContext, pick: Pick, request_timeout_s: float | None = None) -> tuple[str, bool]:
     """The OpenAI body for the chat model, and whether the client asked for the stream's usage
-    itself."""
+    itself; `request_timeout_s` caps the request's own deadline (a value that is not a number
+    is left for the model to refuse)."""
     payload = dict(ctx.payload)
+    own = payload.get("request_timeout_s")
+    if request_timeout_s is not None and (own is None or (isinstance(own, int | float) and own > request_timeout_s)):
+        payload["request_timeout_s"] = request_timeout_s
     if pick.route.lora:  # the chat model runs the request with this adapter
         payload["model"] = pick.route.lora
     payload.pop("priority", None)  # a client does not pick its own priority: its key does
@@ -338,6 +354,8 @@ async def chat_events(responses: AsyncIterator[tuple[int, str]], timeout: float,
                 return
             except TimeoutError:
                 raise TimeoutError(f"no response from the Triton model within {timeout:g} s") from None
+            if text == KEEPALIVE:  # the model is alive, and Triton's connection written to: nothing to pass on
+                continue
             for event in split_events(text):  # a busy model sends a stream's waiting events together
                 last = not event.startswith("data: ") or event == "data: [DONE]"  # a whole body, or the stream's end
                 if last:
@@ -373,8 +391,10 @@ def _usage_only(line: str) -> dict | None:
 
 
 async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, model: str) -> Opened:
-    body, asked_usage = _chat_request(ctx, pick)
-    responses = clients.events(pick.replica.url, model, body, ctx.path)
+    body, asked_usage = _chat_request(ctx, pick, clients.request_timeout_s)
+    # keep-alives on a quiet call, so that Triton notices this call closed when its client leaves
+    keepalive_s = KEEPALIVE_S if "keepalive_s" in await clients.inputs(pick.replica.url, model) else 0.0
+    responses = clients.events(pick.replica.url, model, body, ctx.path, keepalive_s=keepalive_s)
     try:
         status, first = await anext(responses)  # errors before this are retried elsewhere
     except StopAsyncIteration:
@@ -384,7 +404,7 @@ async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, mod
         raise
     if not first.startswith("data: "):  # a whole body or a refusal: the call is over
         await responses.aclose()
-        if status >= 500:
+        if status >= 500 and status != 504:  # (a 504 is the request's own deadline: its answer, not a failure)
             message = (json.loads(first).get("error") or {}).get("message", first)
             raise _failed(pick, status, f"the Triton model failed: {message}", "upstream_failed")
         return Opened(status, first.encode(), None, None, _nothing)

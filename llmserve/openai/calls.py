@@ -13,6 +13,7 @@ from llmserve.engine.errors import EngineDeadError
 from llmserve.engine.protocol import EngineClient
 from llmserve.openai.chat import chat_completion
 from llmserve.openai.completions import completion
+from llmserve.openai.deadline import effective_timeout, with_deadline
 from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError, engine_dead, validation_message
 from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,17 +49,21 @@ def read_request(endpoint: str, body: bytes) -> ChatCompletionRequest | Completi
 
 
 async def openai_call(engine: EngineClient, endpoint: str, body: bytes, model: str,
-                      tool_call_parser: str | None = None, adapters: dict[str, LoRARequest] | None = None) -> Reply:  # fmt: skip
+                      tool_call_parser: str | None = None, adapters: dict[str, LoRARequest] | None = None,
+                      request_timeout_s: float | None = None) -> Reply:  # fmt: skip
     """Run the OpenAI request `body` for `endpoint` on `engine`; `model` names the answers. A
-    body whose "model" is one of `adapters` runs with that LoRA adapter (and is named by it)."""
+    body whose "model" is one of `adapters` runs with that LoRA adapter (and is named by it).
+    `request_timeout_s` caps every request's time (openai/deadline.py)."""
     try:
         req = read_request(endpoint, body)
         lora = (adapters or {}).get(req.model) if req.model else None
         if lora is not None:
             model = req.model
         if endpoint == CHAT:
-            return await chat_completion(engine, req, model, tool_call_parser, lora)
-        return await completion(engine, req, model, lora)
+            reply = await chat_completion(engine, req, model, tool_call_parser, lora)
+        else:
+            reply = await completion(engine, req, model, lora)
+        return with_deadline(reply, effective_timeout(req.request_timeout_s, request_timeout_s))
     except APIError as exc:
         return Reply.refused(exc)
     except EngineDeadError as exc:

@@ -14,6 +14,7 @@ from llmserve.engine.protocol import EngineClient
 from llmserve.metrics import EngineMetrics
 from llmserve.openai.chat import chat_completion, render_chat
 from llmserve.openai.completions import completion
+from llmserve.openai.deadline import effective_timeout, with_deadline
 from llmserve.openai.reply import Reply
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.openai.errors import APIError
@@ -119,13 +120,14 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        return await respond(request, await completion(engine, req, model, s.adapter(model)))
+        reply = await completion(engine, req, model, s.adapter(model))
+        return await respond(request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s)))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        return await respond(request, await chat_completion(engine, req, model, s.config.tool_call_parser,
-                                                            s.adapter(model)))  # fmt: skip
+        reply = await chat_completion(engine, req, model, s.config.tool_call_parser, s.adapter(model))
+        return await respond(request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s)))
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:
@@ -153,7 +155,8 @@ def build_app(
     if config.enable_sleep_mode:
         add_sleep_routes(app)
     if config.enable_lora:
-        add_lora_routes(app, _admin)
+        if config.enable_runtime_lora_updating:
+            add_lora_routes(app, _admin)
         for name, path in config.lora_modules.items():  # checked by `serve` before the app starts
             state.add_adapter(name, path)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_body_bytes)

@@ -36,8 +36,8 @@ def add_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on the API (default: $LLMSERVE_API_KEY; a key on "
                    "the command line shows in the process list)")
     p.add_argument("--admin-api-key", default=os.environ.get("LLMSERVE_ADMIN_API_KEY"),
-                   help="the key the admin routes (/sleep, /wake_up, /is_sleeping, /footprint) need instead of "
-                   "--api-key (default: $LLMSERVE_ADMIN_API_KEY)")
+                   help="the key the admin routes (/sleep, /wake_up, /is_sleeping, /footprint, the runtime LoRA "
+                   "routes) need instead of --api-key (default: $LLMSERVE_ADMIN_API_KEY)")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="413 for a request body over this size")
     p.add_argument("--max-request-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
@@ -55,10 +55,21 @@ def add_parser(subparsers) -> None:
                         "every client has the proxy's address)")  # fmt: skip
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
+    p.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; off: "
+                        "404, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); they need the admin key "
+                        "(--admin-api-key, else --api-key)")  # fmt: skip
+    p.add_argument("--allow-unauthenticated-lora-updating", action="store_true",
+                   help="let the runtime LoRA routes be called without a key when the server has none (needs "
+                        "--lora-roots): anyone who reaches the port can load and unload adapters")  # fmt: skip
     p.add_argument("--lora-roots", nargs="+", default=[], metavar="DIR",
-                   help="the folders /v1/load_lora_adapter may read adapters from (403 for a path outside them, "
-                        "after resolving symlinks and '..'); default: any path the server can read")  # fmt: skip
+                   help="the folders /v1/load_lora_adapter may read adapters from (a path outside them, after "
+                        "resolving symlinks and '..', is refused); default: any folder the server can read")  # fmt: skip
     p.add_argument("--max-queued-requests", type=int, default=None, help="503 above this many requests in flight")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="the longest a completion or chat request may run, from its arrival to its last token "
+                        "(a request may ask for less with `request_timeout_s`); past it the request is stopped "
+                        "and answered 504, or its stream ends with that error (default: none, as vLLM)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=5.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--log-level", default="info")
     p.add_argument("--task", choices=["generate", "embed"], default="generate",
@@ -145,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
     engine_config = engine_args_from_cli(args, "api_server").create_engine_config()  # bad flags fail here, fast
     mc = engine_config.model_config
     lora_modules = _lora_modules(args.lora_modules, engine_config)
+    _check_runtime_lora(args, engine_config.lora is not None)
     config = ServerConfig(
         served_model_names=[mc.served_model_name],
         model_path=mc.model,
@@ -152,11 +164,13 @@ def run(args: argparse.Namespace) -> None:
         admin_api_key=args.admin_api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests,
+        request_timeout_s=args.request_timeout_s,
         tool_call_parser=args.tool_call_parser,
         request_timing_log=args.request_timing_log,
         enable_sleep_mode=args.enable_sleep_mode,
         enable_lora=engine_config.lora is not None,
         lora_modules=lora_modules,
+        enable_runtime_lora_updating=args.enable_runtime_lora_updating,
         lora_roots=[os.path.realpath(root) for root in args.lora_roots],
     )
 
@@ -169,9 +183,27 @@ def run(args: argparse.Namespace) -> None:
     _serve(build, args, mc.served_model_name)
 
 
+def _check_runtime_lora(args: argparse.Namespace, enable_lora: bool) -> None:
+    """Runtime adapter loading is the operator's explicit choice, behind a key unless they say otherwise."""
+    runtime = args.enable_runtime_lora_updating
+    if runtime and not enable_lora:
+        raise SystemExit("llmserve serve: --enable-runtime-lora-updating needs --enable-lora")
+    if args.lora_roots and not runtime:
+        raise SystemExit("llmserve serve: --lora-roots limits /v1/load_lora_adapter, which only "
+                         "--enable-runtime-lora-updating serves")  # fmt: skip
+    if args.allow_unauthenticated_lora_updating and not (runtime and args.lora_roots):
+        raise SystemExit("llmserve serve: --allow-unauthenticated-lora-updating needs --enable-runtime-lora-updating "
+                         "and --lora-roots (the folders anyone may make the server read)")  # fmt: skip
+    if runtime and args.admin_api_key is None and args.api_key is None and not args.allow_unauthenticated_lora_updating:
+        raise SystemExit("llmserve serve: --enable-runtime-lora-updating needs a key for its routes: --admin-api-key "
+                         "(or $LLMSERVE_ADMIN_API_KEY), or --api-key; or --allow-unauthenticated-lora-updating")  # fmt: skip
+    if runtime and not args.lora_roots:
+        logger.warning("runtime LoRA loading may read any folder this process can read: --lora-roots limits it")
+
+
 def _lora_modules(specs: list[str], engine_config) -> dict[str, str]:
     """`--lora-modules name=path ...`, each adapter read and checked against the model now, so
-    a bad one stops the server at start with the reason."""
+    a bad one stops the server at start with the reason (its path resolved once: the one read)."""
     if not specs:
         return {}
     if engine_config.lora is None:
@@ -187,9 +219,10 @@ def _lora_modules(specs: list[str], engine_config) -> dict[str, str]:
             raise SystemExit(f"llmserve serve: --lora-modules: {exc}") from None
         if name == engine_config.model_config.served_model_name or name in modules:
             raise SystemExit(f"llmserve serve: --lora-modules names {name!r} twice (or as the base model)")
+        path = os.path.realpath(path)
         try:
             read_peft_adapter(path, name, engine_config.model_config.arch, engine_config.lora.max_lora_rank)
         except LoRAAdapterError as exc:
-            raise SystemExit(f"llmserve serve: LoRA adapter {name!r}: {exc}") from None
+            raise SystemExit(f"llmserve serve: LoRA adapter {name!r}: {exc.detail}") from None
         modules[name] = path
     return modules

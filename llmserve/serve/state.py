@@ -27,12 +27,15 @@ class ServerConfig:
     admin_api_key: str | None = None  # set: admin routes (sleep, wake) need it instead of api_key
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 above
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
+    request_timeout_s: float | None = None  # set: no completion or chat request runs longer (openai/deadline.py)
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
     request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's routes)
-    enable_lora: bool = False  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter; adapters named as models
+    enable_lora: bool = False  # adapters named as models
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> PEFT folder, served from the start
-    # set: /v1/load_lora_adapter takes only folders inside these (symlinks and .. resolved first)
+    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin routes; serve/lora_routes.py)
+    enable_runtime_lora_updating: bool = False
+    # set: /v1/load_lora_adapter takes only folders inside these (resolved; symlinks and .. resolved first)
     lora_roots: list[str] = field(default_factory=list)
 
 
@@ -72,9 +75,9 @@ class ServerState:
         """The LoRA adapter a (resolved) model name means; None for the base model."""
         return self.adapters.get(model)
 
-    def add_adapter(self, name: str, path: str) -> LoRARequest:
+    def add_adapter(self, name: str, path: str, roots: tuple[str, ...] = ()) -> LoRARequest:
         self.lora_ids += 1
-        self.adapters[name] = LoRARequest(name, self.lora_ids, path)
+        self.adapters[name] = LoRARequest(name, self.lora_ids, path, roots)
         return self.adapters[name]
 
 

@@ -142,7 +142,8 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
     """The chat model over an llmserve engine: `model_dir` is a Hugging Face folder or a GGUF
     file (default: the default model, SmolLM2-135M-Instruct). It takes an OpenAI request body
     (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
-    `response`: the JSON body, or server-sent events, one or more a response); `tool_call_parser`
+    `response`: the JSON body, or server-sent events, one or more a response; `keepalive_s` > 0: a
+    ": keep-alive" response whenever a call has sent nothing for that long); `tool_call_parser`
     (hermes) serves tool_choice "auto"; `enable_lora=True, lora_modules={name: path}` serves
     LoRA adapters a request names as its model. `instance_kind` KIND_GPU: Triton places each
     instance on a GPU and the engine runs there (the instance's GPU is the only one it sees)."""
@@ -152,7 +153,8 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
     params.update({k: _param(v) for k, v in engine_args.items()})
     return ModelConfig(
         name=name, kind="chat", max_batch_size=0,
-        inputs=[TensorSpec("request", "TYPE_STRING", [1]), TensorSpec("endpoint", "TYPE_STRING", [1], optional=True)],
+        inputs=[TensorSpec("request", "TYPE_STRING", [1]), TensorSpec("endpoint", "TYPE_STRING", [1], optional=True),
+                TensorSpec("keepalive_s", "TYPE_FP32", [1], optional=True)],
         outputs=[TensorSpec("status", "TYPE_INT32", [1]), TensorSpec("response", "TYPE_STRING", [1])],
         instance_group=InstanceGroup(kind=instance_kind, count=instances), decoupled=True, parameters=params,
     )  # fmt: skip

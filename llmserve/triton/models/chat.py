@@ -20,6 +20,7 @@ requests over and returns; many requests stream concurrently (continuous batchin
 
 import server_path  # noqa: F401, I001 (first: PYTHONPATH into sys.path; see server_path.py)
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -32,12 +33,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-CANCEL_POLL_S = 0.05  # how often a request looks for its client's cancellation (a round trip to Triton)
 # Model parameters of the chat model's own (not engine settings):
 #   stream_sends: thread (default) | loop -- who sends streamed responses (llmserve/triton/stream_sends.py)
 #   switch_interval_s -- the stub's GIL switch interval (Python's 5 ms by default); a send waits on
 #   Triton with the GIL released and gets it back from a busy thread only at a switch
-CHAT_PARAMETERS = ("tool_call_parser", "lora_modules", "switch_interval_s", "stream_sends")
+#   request_timeout_s -- the longest a request may run (openai/deadline.py): 504, or a stream's last error event
+CHAT_PARAMETERS = ("tool_call_parser", "lora_modules", "switch_interval_s", "stream_sends", "request_timeout_s")
 
 
 def _engine_args(params: dict) -> dict:
@@ -83,6 +84,17 @@ def _text(request, name: str, default: str | None = None) -> str | None:
     return value[0].decode("utf-8") if isinstance(value[0], bytes) else str(value[0])
 
 
+def _number(request, name: str) -> float:
+    """An optional FP32 input of one value (0 when absent)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return 0.0
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1 or not np.isfinite(value[0]) or value[0] < 0:
+        raise ValueError(f"{name} must hold one number >= 0")
+    return float(value[0])
+
+
 def _response(status: int, text: str):
     return pb_utils.InferenceResponse(output_tensors=[
         pb_utils.Tensor("status", np.array([status], dtype=np.int32)),
@@ -121,6 +133,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
+        self.request_timeout_s = float(params["request_timeout_s"]) if params.get("request_timeout_s") else None
         if params.get("switch_interval_s"):  # the stub's process alone
             sys.setswitchinterval(float(params["switch_interval_s"]))
         self.sleep_mode = params.get("enable_sleep_mode") == "true"
@@ -132,9 +145,15 @@ class TritonPythonModel:
         self.sends = stream_sends(params.get("stream_sends") or "thread", lambda text: _response(200, text), FINAL,
                                   lambda message: pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
+        from llmserve.metrics import EngineMetrics
+        from llmserve.triton.inflight import InFlightWatch
+
+        self.metrics = EngineMetrics(self.engine, self.name)  # read by the gateway (endpoint /metrics)
+        self.watch = InFlightWatch()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="llmserve-chat", daemon=True)
         self.thread.start()
+        self.watching = asyncio.run_coroutine_threadsafe(self.watch.run(), self.loop)
         import llmserve.openai.calls  # noqa: F401 - what the first request needs, loaded (and frozen) now
         from llmserve.heap import freeze_startup_objects
 
@@ -148,31 +167,46 @@ class TritonPythonModel:
 
     async def _serve(self, request):
         from llmserve.openai.calls import CHAT, openai_call
-        from llmserve.openai.errors import error_body
+        from llmserve.openai.errors import APIError, error_body
 
         sender = request.get_response_sender()
         streaming = False
         try:
             body = (_text(request, "request") or "").encode("utf-8")
             endpoint = _text(request, "endpoint", CHAT)
+            keepalive_s = _number(request, "keepalive_s")
         except ValueError as exc:
             sender.send(_response(400, json.dumps(error_body(400, str(exc)))), flags=FINAL)
             return
         if endpoint.startswith("/") and not endpoint.startswith("/v1/"):
             await self._control(sender, endpoint, body)
             return
+        # watched while in flight: a client that left cancels this task, whose cleanup aborts
+        # the request in the engine; keep-alives let Triton's HTTP server notice one that left
+        entry = self.watch.add(request, asyncio.current_task(), keepalive_s, lambda: self._keepalive(sender, streaming))
         try:
-            reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser, self.adapters)
+            reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser, self.adapters,
+                                      self.request_timeout_s)  # fmt: skip
             if reply.error is not None:
                 sender.send(_response(reply.status, json.dumps(reply.error)), flags=FINAL)
             elif reply.events is not None:
                 streaming = True
-                await self._stream(request, sender, reply.events)
+                await self._stream(entry, sender, reply.events)
             else:
-                whole = await self._unless_cancelled(request, reply.body)
-                if whole is not None:
-                    sender.send(_response(200, json.dumps(whole)), flags=FINAL)
+                try:
+                    whole = await reply.body
+                except APIError as exc:  # the request's own end (its deadline passed): its error
+                    sender.send(_response(exc.status, json.dumps(error_body(exc.status, exc.message, exc.code))),
+                                flags=FINAL)  # fmt: skip
                 else:
+                    sender.send(_response(200, json.dumps(whole)), flags=FINAL)
+        except asyncio.CancelledError:  # its client left (the watcher): aborted in the engine already
+            what = "a stream" if streaming else "a request"
+            pb_utils.Logger.log_info(f"llmserve chat: {what} was cancelled, aborted in the engine")
+            if streaming:
+                self.sends.put(sender, None, last=True)
+            else:
+                with contextlib.suppress(Exception):  # the call is gone already
                     sender.send(flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - every failure must end the stream
             if streaming:  # after the events already queued: an error event and [DONE], as llmserve serve ends one
@@ -189,11 +223,25 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             except Exception:  # noqa: BLE001 - the stream is gone (its client went away)
                 pass
+        finally:
+            self.watch.remove(entry)
+
+    def _keepalive(self, sender, streaming: bool) -> None:
+        """Write a keep-alive to a quiet call (a stream's goes through its sends, in order)."""
+        from llmserve.openai.sse_events import KEEPALIVE
+
+        if streaming:
+            self.sends.put(sender, KEEPALIVE)
+        else:
+            sender.send(_response(200, KEEPALIVE))
 
     async def _control(self, sender, endpoint: str, body: bytes) -> None:
         from llmserve.openai.errors import error_body
         from llmserve.placement.engine_control import control_call
 
+        if endpoint == "/metrics":  # the engine's Prometheus page (vLLM's names), for the gateway
+            sender.send(_response(200, self.metrics.page()), flags=FINAL)
+            return
         if not self.sleep_mode:
             status, answer = 404, error_body(404, f"{endpoint}: this model's sleep mode is off (enable_sleep_mode)")
         else:
@@ -203,33 +251,23 @@ class TritonPythonModel:
                 status, answer = 500, error_body(500, f"{endpoint} failed: {type(exc).__name__}: {exc}")
         sender.send(_response(status, json.dumps(answer)), flags=FINAL)
 
-    async def _stream(self, request, sender, events) -> None:
-        next_check = time.monotonic() + CANCEL_POLL_S
+    async def _stream(self, entry, sender, events) -> None:
+        watch = self.watch
         try:
             async for event in events:
                 now = time.monotonic()
-                if now >= next_check:  # a round trip to Triton: not for every token
-                    next_check = now + CANCEL_POLL_S
-                    if request.is_cancelled():
-                        pb_utils.Logger.log_info("llmserve chat: a stream was cancelled, aborted in the engine")
-                        break
+                if watch.due(entry, now):  # asked at most every POLL_S: a round trip to Triton
+                    break
                 self.sends.put(sender, event)
+                entry.sent(now)
         finally:
             await events.aclose()  # leaving the stream early aborts the request in the engine
+        if entry.cancelled:
+            raise asyncio.CancelledError()  # as if the watcher had cancelled it while it waited
         self.sends.put(sender, None, last=True)
 
-    async def _unless_cancelled(self, request, body):
-        """The whole answer, or None if the client cancelled first (its request is aborted)."""
-        task = asyncio.ensure_future(body)
-        while not task.done():
-            await asyncio.wait({task}, timeout=CANCEL_POLL_S)
-            if not task.done() and request.is_cancelled():
-                task.cancel()
-                pb_utils.Logger.log_info("llmserve chat: a request was cancelled, aborted in the engine")
-                return None
-        return task.result()
-
     def finalize(self):
+        self.watching.cancel()
         self.engine.shutdown()  # stops the engine core process and frees its memory
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
