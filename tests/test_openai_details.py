@@ -201,3 +201,27 @@ def test_system_fingerprint_on_every_answer_and_chunk(client):
         model="tiny", messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True})}  # fmt: skip
     assert len(prints) == 1 and next(iter(prints)).startswith("fp_")
     assert json.dumps(sorted(prints))  # one stable string
+
+
+def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers(tokenizer):
+    """Each tokenizer kind's pieces map back to their bytes: byte-level BPE (the tiny model's),
+    and SentencePiece with byte fallback (`<0xNN>` pieces, U+2581 for a space)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from llmserve.openai.token_bytes import TokenBytes, token_text
+
+    text = "The json module 😀 ☕ ok"
+    ids = tokenizer.encode(text)
+    own = TokenBytes(tokenizer)
+    assert b"".join(map(own, ids)).decode() == text
+    assert any(token_text(own(t)).startswith("bytes:") for t in ids)
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "o": 258, "k": 259, "ok": 260, "▁ok": 261}
+    sp = Tokenizer(models.BPE(vocab, [("o", "k"), ("▁", "ok")], unk_token="<unk>", byte_fallback=True))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])  # fmt: skip
+    fast = PreTrainedTokenizerFast(tokenizer_object=sp, unk_token="<unk>")
+    sp_ids = fast.encode("ok 😀", add_special_tokens=False)
+    assert 261 in sp_ids and 1 + 0xF0 in sp_ids  # a word piece and byte pieces
+    assert b"".join(map(TokenBytes(fast), sp_ids)) == " ok 😀".encode()

@@ -95,7 +95,7 @@ def test_prompt_logprobs_out_of_range_are_refused(bad):
         SamplingParams(prompt_logprobs=bad)
 
 
-def test_prompt_rows_of_chunks_and_their_logprobs_by_kernel_and_by_tensor_ops(monkeypatch):
+def test_prompt_rows_of_chunks_and_their_logprobs_by_kernel_and_by_tensor_ops():
     """A step's prompt rows: a chunk in the middle of a prompt, a last chunk (its last row
     samples), a decode row (none); then their logprobs by the one-pass kernel (Triton's
     interpreter here) equal the tensor ops', in slices of ROWS_AT_ONCE rows."""
@@ -121,8 +121,7 @@ def test_prompt_rows_of_chunks_and_their_logprobs_by_kernel_and_by_tensor_ops(mo
     assert first == 9 and len(entries) == 16
     assert entries[0].token_logprob == pytest.approx(ref[1, tokens[9]].item(), abs=1e-5)
     assert [t for t, _ in entries[0].top] == ref[1].topk(2).indices.tolist()
-    monkeypatch.setattr("llmserve.engine.prompt_logprobs.ROWS_AT_ONCE", 5)
-    by_kernel = compute_prompt_logprobs(logits, hidden, plan, use_kernels=True, pad=True).result()
+    by_kernel = compute_prompt_logprobs(logits, hidden, plan, use_kernels=True, pad=True, max_rows=5).result()
     for rid in ("mid", "last"):
         (a_first, a), (b_first, b) = by_ops[rid], by_kernel[rid]
         assert a_first == b_first and len(a) == len(b)

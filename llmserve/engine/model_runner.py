@@ -501,7 +501,8 @@ class ModelRunner:
         prompt = None
         if step.prompt_rows is not None:  # (every rank: the LM head's all-gather under tensor parallelism)
             prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, step.prompt_rows,
-                                             self.config.attention_backend == "triton", pad)  # fmt: skip
+                                             self.config.attention_backend == "triton", pad,
+                                             self.config.scheduler_config.max_num_seqs)  # (the warmed LM head counts)
         if not rows:
             return None, prompt
         # on a GPU the LM head runs on few distinct row counts, each warmed up (engine/logits_rows.py)

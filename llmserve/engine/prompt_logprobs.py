@@ -6,8 +6,9 @@ The hidden row of position p predicts token p + 1, so a chunk [start, start + co
 prompt of P tokens gives the prompt positions start + 1 .. min(start + count, P - 1) (the row
 of P - 1 samples the first output token). Only the requests that ask are looked at: a step
 without one does no work here (the runner keeps their ids, `RunnerRequests.prompt_logprobs`).
-The LM head runs on at most ROWS_AT_ONCE of the rows at a time, so a long chunk's logits take
-no more memory than a batch of sampling rows. Positions come back by request as (first
+The LM head runs on at most ROWS_AT_ONCE of the rows at a time (and no more than a step's
+sampling rows, whose padded counts the warm-up ran), so a long chunk's logits take no more
+memory than a batch of sampling rows. Positions come back by request as (first
 position, entries); a request recomputed after a preemption gives some again, and the core
 keeps each position once (`Scheduler.update_from_output`).
 
@@ -66,15 +67,18 @@ def prompt_rows(rows: list[RowInput], query_start: list[int], asking: dict[str, 
 
 
 def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                            plan: PromptRows, use_kernels: bool, pad: bool) -> "PendingPromptLogprobs":  # fmt: skip
+                            plan: PromptRows, use_kernels: bool, pad: bool,
+                            max_rows: int = ROWS_AT_ONCE) -> "PendingPromptLogprobs":  # fmt: skip
     """Queue the logprobs of `plan`'s rows of `hidden` (the step's final hidden states, every row);
-    `.result()` reads them. `pad`: the LM head's row counts padded as a step's (logits_rows.py)."""
+    `.result()` reads them. `pad`: the LM head's row counts padded as a step's (logits_rows.py);
+    `max_rows`: rows a time (at most ROWS_AT_ONCE)."""
     parts = []
-    for a in range(0, len(plan.rows), ROWS_AT_ONCE):
-        rows = plan.rows[a : a + ROWS_AT_ONCE]
+    step = max(1, min(max_rows, ROWS_AT_ONCE))
+    for a in range(0, len(plan.rows), step):
+        rows = plan.rows[a : a + step]
         logits = step_logits(compute_logits, hidden, rows, pad)
-        targets = to_device(plan.targets[a : a + ROWS_AT_ONCE], torch.long, hidden.device)
-        parts.append(raw_logprobs(logits, targets, plan.ks[a : a + ROWS_AT_ONCE], use_kernels))
+        targets = to_device(plan.targets[a : a + step], torch.long, hidden.device)
+        parts.append(raw_logprobs(logits, targets, plan.ks[a : a + step], use_kernels))
     return PendingPromptLogprobs(plan.spans, parts, hidden.is_cuda)
 
 
