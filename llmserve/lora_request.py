@@ -1,7 +1,9 @@
 """A request for a LoRA adapter, as vLLM spells it: `LoRARequest(lora_name, lora_int_id, lora_path)`.
 
 Plain data: it travels with each request from the front to the engine core, which reads the
-adapter from `lora_path` the first time it sees (name, id) and keeps it in a slot.
+adapter from `lora_path` the first time it sees (name, id) and keeps it in a slot. With
+`lora_roots` (a server's --lora-roots), `lora_path` is the resolved path the server checked, and
+the core reads that very folder only if it is still inside them (llmserve/lora/folder.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
+    lora_roots: tuple[str, ...] = ()  # set: the folder (resolved) and its files must be inside these
 
     def __post_init__(self) -> None:
         if not self.lora_name or not isinstance(self.lora_name, str):

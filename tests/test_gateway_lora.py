@@ -25,8 +25,8 @@ def setup(llama_dir, tmp_path_factory):
     adapter = write_random_adapter(read_model_arch(Path(llama_dir)), tmp / "adapters" / "sql", rank=8, seed=1)
     env_before = os.environ.get("LORA_ADMIN")
     os.environ["LORA_ADMIN"] = ADMIN  # the gateway process inherits it; the key is never in the file
-    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--admin-api-key", ADMIN,
-            "--lora-roots", str(tmp / "adapters")]  # fmt: skip
+    lora = ["--enable-lora", "--enable-runtime-lora-updating", "--max-loras", "2", "--max-lora-rank", "8",
+            "--admin-api-key", ADMIN, "--lora-roots", str(tmp / "adapters")]  # fmt: skip
     ports = [free_port(), free_port()]
     spawned = [spawn_replica(llama_dir, "tiny", p, str(tmp / f"r{i}.log"), *lora) for i, p in enumerate(ports)]
     replicas = [wait_healthy(s) for s in spawned]

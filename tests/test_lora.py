@@ -28,6 +28,7 @@ from llmserve.lora import (
     apply_lora,
     read_peft_adapter,
 )
+from llmserve.lora.errors import UNUSABLE_PATH_MESSAGE
 from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
 from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference
 from llmserve.lora.slot_table import SlotTable
@@ -287,10 +288,13 @@ def _drop_b(folder: Path) -> None:
 
 
 BAD = {  # what is done to a copy of a good adapter (r8-all) -> the error's kind and words
-    "no folder": (lambda f: shutil.rmtree(f), LoRAErrorKind.MISSING_FILE, "no adapter folder"),
-    "no config": (lambda f: (f / "adapter_config.json").unlink(), LoRAErrorKind.MISSING_FILE, "adapter_config.json is missing"),
-    "no weights": (lambda f: (f / "adapter_model.safetensors").unlink(), LoRAErrorKind.MISSING_FILE, "adapter_model.safetensors is missing"),
-    "bin weights": (lambda f: (f / "adapter_model.safetensors").rename(f / "adapter_model.bin"), LoRAErrorKind.UNSUPPORTED_FEATURE, "only adapter_model.safetensors"),
+    # an unusable path: one message for the client, the reason in `detail` (the server's log)
+    "no folder": (lambda f: shutil.rmtree(f), LoRAErrorKind.UNUSABLE_PATH, "cannot be opened as a folder"),
+    "a file": (lambda f: (shutil.rmtree(f), f.write_text("x")), LoRAErrorKind.UNUSABLE_PATH, "cannot be opened as a folder"),
+    "no config": (lambda f: (f / "adapter_config.json").unlink(), LoRAErrorKind.UNUSABLE_PATH, "adapter_config.json is missing"),
+    "no weights": (lambda f: (f / "adapter_model.safetensors").unlink(), LoRAErrorKind.UNUSABLE_PATH, "adapter_model.safetensors is missing"),
+    "bin weights": (lambda f: (f / "adapter_model.safetensors").rename(f / "adapter_model.bin"), LoRAErrorKind.UNUSABLE_PATH, "only adapter_model.safetensors"),
+    "config a folder": (lambda f: ((f / "adapter_config.json").unlink(), (f / "adapter_config.json").mkdir()), LoRAErrorKind.UNUSABLE_PATH, "not a regular file"),
     "bad json": (lambda f: (f / "adapter_config.json").write_text("{'r': 8,"), LoRAErrorKind.INVALID_CONFIG, "not valid JSON"),
     "json list": (lambda f: (f / "adapter_config.json").write_text("[8]"), LoRAErrorKind.INVALID_CONFIG, "JSON object"),
     "corrupt weights": (lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x10" * 64), LoRAErrorKind.INVALID_WEIGHTS, "cannot be read"),
@@ -317,9 +321,50 @@ def test_a_bad_adapter_is_refused_with_a_clear_error(case, base_dir, adapter_dir
     folder = tmp_path / "adapter"
     shutil.copytree(adapter_dirs["r8-all"], folder)
     edit(folder)
-    with pytest.raises(LoRAAdapterError, match=words) as e:
+    with pytest.raises(LoRAAdapterError) as e:
         read_peft_adapter(folder, "bad", read_model_arch(Path(base_dir)), MAX_RANK)
     assert e.value.kind is kind and e.value.status == 400 and isinstance(e.value, ValueError)
+    assert words in e.value.detail
+    if kind is LoRAErrorKind.UNUSABLE_PATH:  # the client learns nothing of what is there
+        assert str(e.value) == UNUSABLE_PATH_MESSAGE and str(folder) not in str(e.value)
+    else:
+        assert words in str(e.value)
+
+
+def test_with_roots_the_folder_opened_is_the_one_checked_so_a_swapped_symlink_leads_nowhere(base_dir, adapter_dirs,
+                                                                                              tmp_path):  # fmt: skip
+    """A server checks the resolved path against --lora-roots, then the engine core reads it. A
+    symlink swapped in between cannot redirect the read: the core opens the resolved folder and
+    checks what it opened (a link now standing where the folder was reaches elsewhere: refused),
+    and every file must lie inside the roots too. Without roots (an operator's own paths), links
+    are followed as ever."""
+    import os
+
+    arch = read_model_arch(Path(base_dir))
+    roots_dir, outside = tmp_path / "roots", tmp_path / "outside"
+    shutil.copytree(adapter_dirs["r8-all"], roots_dir / "a")
+    shutil.copytree(adapter_dirs["r4-qv"], outside / "b")  # a valid adapter outside the roots
+    roots = (os.path.realpath(roots_dir),)
+    (roots_dir / "link").symlink_to(roots_dir / "a")
+    checked = os.path.realpath(roots_dir / "link")  # what the server checked and sends to the core
+    (roots_dir / "link").unlink()
+    (roots_dir / "link").symlink_to(outside / "b")  # swapped after the check
+    assert read_peft_adapter(checked, "x", arch, MAX_RANK, roots=roots).rank == 8  # a's, not b's
+    with pytest.raises(LoRAAdapterError) as e:  # a link given as is, with roots, is not what was checked
+        read_peft_adapter(str(roots_dir / "link"), "x", arch, MAX_RANK, roots=roots)
+    assert e.value.kind is LoRAErrorKind.UNUSABLE_PATH and "led to" in e.value.detail
+    shutil.rmtree(roots_dir / "a")
+    (roots_dir / "a").symlink_to(outside / "b")  # the checked folder itself swapped for a link out
+    with pytest.raises(LoRAAdapterError) as e:
+        read_peft_adapter(checked, "x", arch, MAX_RANK, roots=roots)
+    assert e.value.kind is LoRAErrorKind.UNUSABLE_PATH and str(e.value) == UNUSABLE_PATH_MESSAGE
+    shutil.copytree(adapter_dirs["r8-all"], roots_dir / "c")  # a file of the folder linking out of the roots
+    (roots_dir / "c" / "adapter_model.safetensors").unlink()
+    (roots_dir / "c" / "adapter_model.safetensors").symlink_to(outside / "b" / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="lora_path does not name") as e:
+        read_peft_adapter(os.path.realpath(roots_dir / "c"), "x", arch, MAX_RANK, roots=roots)
+    assert "inside --lora-roots" in e.value.detail
+    assert read_peft_adapter(roots_dir / "link", "x", arch, MAX_RANK).rank == 4  # no roots: links followed
 
 
 @pytest.mark.parametrize("shape, words", [(dict(hidden_size=32), "base model needs"),

@@ -5,15 +5,20 @@ kept apart per adapter, bad adapters refused with the reason."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 
 from llmserve import LLM, LoRARequest, SamplingParams
 from llmserve.engine.output_processor import RequestFailedError
+from llmserve.lora.errors import UNUSABLE_PATH_MESSAGE
 from llmserve.model.random_model import make_random_model
 from test_lora import ADAPTERS, make_adapter
 
 NEW_TOKENS = 6
+ADMIN_KEY = "sk-admin-lora-7f3c"
 # longer than two KV blocks of 8, sharing their first 17 tokens: prefix-cache hits across requests
 SHARED = [1, 17, 94, 250, 33, 7, 401, 62, 5, 300, 12, 12, 88, 140, 230, 77, 19]
 PROMPTS = [SHARED + [402, 9, 3], SHARED + [8, 8]]
@@ -93,7 +98,7 @@ def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64)
     params = SamplingParams(max_tokens=2)
     cases = {
-        "missing": (LoRARequest("missing", 1, str(tmp_path / "nowhere")), "no adapter folder"),
+        "missing": (LoRARequest("missing", 1, str(tmp_path / "nowhere")), "does not name a LoRA adapter folder"),
         "rank": (LoRARequest("big", 2, str(paths["r16-mlp-rslora"])), "rank"),
     }
     for request, words in cases.values():
@@ -110,8 +115,9 @@ def test_bad_adapters_are_refused_with_the_reason(lora_setup, tmp_path):
 def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lora_setup, tmp_path):
     """`llmserve serve --enable-lora --lora-modules`: an adapter is a model name (the official
     client, the same tokens as the engine in process), listed in /v1/models with its parent;
-    POST /v1/load_lora_adapter and /v1/unload_lora_adapter behind the admin key, a bad
-    adapter a 400 that changes nothing, requests running while their adapter unloads finish."""
+    with --enable-runtime-lora-updating, POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    behind the admin key, a bad adapter a 400 that changes nothing, requests running while their
+    adapter unloads finish; each load and unload logged with the client, never the key."""
     import concurrent.futures
 
     import httpx
@@ -122,10 +128,11 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
     base, paths = lora_setup
     srv = start_server([base, "--dtype", "float32", "--max-model-len", "128", "--served-model-name", "base",
                         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-                        "--lora-modules", f"qv={paths['r4-qv']}", "--lora-roots", str(paths["r8-all"].parent)],
+                        "--lora-modules", f"qv={paths['r4-qv']}", "--lora-roots", str(paths["r8-all"].parent),
+                        "--enable-runtime-lora-updating"],
                        str(tmp_path / "server.log"),
-                       env={"LLMSERVE_ADMIN_API_KEY": "adm"})  # fmt: skip
-    admin = {"Authorization": "Bearer adm"}
+                       env={"LLMSERVE_ADMIN_API_KEY": ADMIN_KEY})  # fmt: skip
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="none")
     prompt = PROMPTS[0]
     try:
@@ -148,11 +155,11 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", json=load).status_code == 401  # admin only
         bad = httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin,
                          json={"lora_name": "bad", "lora_path": str(paths["r8-all"].parent / "nowhere")})  # fmt: skip
-        assert bad.status_code == 400 and "no adapter folder" in bad.json()["error"]["message"]
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == UNUSABLE_PATH_MESSAGE
         for outside in ("/etc", str(paths["r8-all"].parent / ".." / ".."), str(tmp_path)):  # outside --lora-roots
             refused = httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin,
                                  json={"lora_name": "x", "lora_path": outside})  # fmt: skip
-            assert refused.status_code == 403 and refused.json()["error"]["code"] == "path_not_allowed", refused.text
+            assert refused.status_code == 400 and refused.json() == bad.json(), refused.text  # the same answer
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin, json=load).status_code == 200
         assert httpx.post(srv.base_url + "/v1/load_lora_adapter", headers=admin, json=load).status_code == 400
         assert {m.id for m in client.models.list().data} == {"base", "qv", "all"}
@@ -166,6 +173,9 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
         assert httpx.post(srv.base_url + "/v1/unload_lora_adapter", headers=admin,
                           json={"lora_name": "all"}).status_code == 404  # fmt: skip
         assert tokens("qv") == got_qv and tokens("base") == got_base
+        log = srv.log()
+        assert f"LoRA adapter 'all' loaded from {str(paths['r8-all'])!r}" in log and "unloaded for 127.0.0.1:" in log
+        assert ADMIN_KEY not in log
         # the gateway in front: an alias per adapter (`lora:`), keys limited to some of them
         from gateway_utils import start_gateway
         from server_utils import free_port
@@ -186,3 +196,62 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
             gateway.stop()
     finally:
         srv.stop()
+
+
+def test_runtime_lora_loading_is_an_explicit_choice_with_one_answer_for_every_unusable_path(lora_setup, tmp_path):
+    """Issue 49, item 4. `--enable-lora` alone serves no loading routes (404, as vLLM without
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING; before, anyone could load and unload); turned on, they need a
+    key unless the operator allows them without one (and then only inside --lora-roots). Every
+    unusable path gets the same 400 (before: "no adapter folder at '/root/.ssh'" told what exists)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from server_utils import free_port, spawn, wait_healthy
+
+    base, paths = lora_setup
+    common = [base, "--dtype", "float32", "--max-model-len", "128", "--served-model-name", "base", "--enable-lora",
+              "--max-lora-rank", "16"]  # fmt: skip
+    refused = {  # settings that do not start, with their reason
+        "needs a key": ["--enable-runtime-lora-updating"],
+        "needs --enable-runtime-lora-updating and --lora-roots": ["--enable-runtime-lora-updating",
+                                                                  "--allow-unauthenticated-lora-updating"],
+        "only --enable-runtime-lora-updating serves": ["--lora-roots", str(tmp_path)],
+    }  # fmt: skip
+    for reason, flags in refused.items():
+        run = subprocess.run([sys.executable, "-m", "llmserve", "serve", *common, *flags], capture_output=True,
+                             text=True, timeout=120, env={k: v for k, v in os.environ.items() if "API_KEY" not in k})  # fmt: skip
+        assert run.returncode != 0 and reason in run.stderr, run.stderr[-2000:]
+    roots = tmp_path / "roots"
+    roots.mkdir()
+    (roots / "adapter").symlink_to(paths["r8-all"])  # inside the roots, but leading out of them
+    (roots / "empty").mkdir()
+    (roots / "a file").write_text("x")
+    shutil.copytree(paths["r4-qv"], roots / "qv")
+    ports = free_port(), free_port()
+    closed = spawn([sys.executable, "-m", "llmserve", "serve", *common, "--port", str(ports[0]),
+                    "--lora-modules", f"qv={paths['r4-qv']}"], ports[0], str(tmp_path / "closed.log"))  # fmt: skip
+    open_ = spawn([sys.executable, "-m", "llmserve", "serve", *common, "--port", str(ports[1]),
+                   "--enable-runtime-lora-updating", "--allow-unauthenticated-lora-updating", "--lora-roots", str(roots)],
+                  ports[1], str(tmp_path / "open.log"))  # fmt: skip
+    try:
+        wait_healthy(closed, 240)
+        wait_healthy(open_, 240)
+        for route, body in (("load", {"lora_name": "x", "lora_path": str(paths["r8-all"])}), ("unload", {"lora_name": "qv"})):
+            assert httpx.post(f"{closed.base_url}/v1/{route}_lora_adapter", json=body).status_code == 404
+        answers = [httpx.post(open_.base_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
+                   for path in ("/root/.ssh", "/nowhere/at/all", "/etc", "/etc/passwd", str(roots / "nowhere"),
+                                str(roots / "empty"), str(roots / "a file"), str(roots / "adapter"),
+                                str(roots / "qv" / ".." / ".." / ".."))]  # fmt: skip
+        assert {a.status_code for a in answers} == {400} and len({a.text for a in answers}) == 1, [a.text for a in answers]
+        assert answers[0].json()["error"]["message"] == UNUSABLE_PATH_MESSAGE
+        load = {"lora_name": "qv", "lora_path": str(roots / "qv")}
+        assert httpx.post(open_.base_url + "/v1/load_lora_adapter", json=load).status_code == 200  # no key: allowed
+        assert httpx.post(open_.base_url + "/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+        log = open_.log()
+        assert f"LoRA adapter 'qv' loaded from {str(roots / 'qv')!r}" in log and "'qv' unloaded for 127.0.0.1:" in log
+        assert "'/root/.ssh'" in log  # the operator sees what was asked, and why it was refused
+    finally:
+        closed.stop()
+        open_.stop()

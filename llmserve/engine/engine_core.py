@@ -153,6 +153,7 @@ class EngineCore:
         try:
             self.loras.adapter(lora)
         except LoRAAdapterError as exc:
+            logger.warning("LoRA adapter %r not loaded: %s", lora.lora_name, exc.detail)  # the client gets str(exc)
             return str(exc)
         return None
 

@@ -38,7 +38,8 @@ class LoRAManager:
             # host memory and bytes moved of float32 for a bf16 model; pinned for a GPU, so a
             # slot write is an asynchronous copy
             weights = self.runner.store.weights
-            adapter = read_peft_adapter(lora.lora_path, lora.key, self.arch, self.config.max_lora_rank, weights.dtype)
+            adapter = read_peft_adapter(lora.lora_path, lora.key, self.arch, self.config.max_lora_rank, weights.dtype,
+                                        lora.lora_roots)  # fmt: skip
             if weights.scaling.is_cuda:
                 adapter = pinned(adapter)
             self.cache[lora.key] = adapter

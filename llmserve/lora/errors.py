@@ -7,7 +7,10 @@ from enum import StrEnum
 
 
 class LoRAErrorKind(StrEnum):
-    MISSING_FILE = "missing_file"  # no folder, no adapter_config.json or no adapter_model.safetensors
+    # no folder, not a folder, outside the allowed roots, unreadable, or without adapter_config.json and
+    # adapter_model.safetensors: one message for all (UNUSABLE_PATH_MESSAGE), so a client cannot learn
+    # which paths exist; the reason is in `detail`, for the server's log
+    UNUSABLE_PATH = "unusable_path"
     INVALID_CONFIG = "invalid_config"  # adapter_config.json is not JSON, or a field has a bad value
     INVALID_WEIGHTS = "invalid_weights"  # the safetensors file cannot be read, or A/B do not pair up
     RANK_TOO_LARGE = "rank_too_large"  # r above the server's maximum rank
@@ -26,15 +29,25 @@ class LoRAErrorKind(StrEnum):
         return 400
 
 
+UNUSABLE_PATH_MESSAGE = ("lora_path does not name a LoRA adapter folder this server may load (a readable folder "
+                         "with adapter_config.json and adapter_model.safetensors, inside --lora-roots when set)")  # fmt: skip
+
+
 class LoRAAdapterError(ValueError):
     """An adapter that cannot be loaded or used. A ValueError, so the servers' error handlers
-    already answer 400 with its message; `kind.status` gives the exact status."""
+    already answer 400 with its message; `kind.status` gives the exact status. `detail`: the
+    reason for the server's log (the message, but for an unusable path)."""
 
-    def __init__(self, kind: LoRAErrorKind, message: str) -> None:
+    def __init__(self, kind: LoRAErrorKind, message: str, detail: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
+        self.detail = detail or message
 
     @property
     def status(self) -> int:
         return self.kind.status
+
+
+def unusable_path(detail: str) -> LoRAAdapterError:
+    return LoRAAdapterError(LoRAErrorKind.UNUSABLE_PATH, UNUSABLE_PATH_MESSAGE, detail)

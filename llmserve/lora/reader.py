@@ -4,14 +4,17 @@ it against the base model's shapes: an adapter that loads here fits the slots an
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from llmserve.lora.adapter import LoRAAdapter, LoRAModuleWeights
-from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind
+from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind, unusable_path
+from llmserve.lora.folder import AdapterFolder
 from llmserve.lora.peft_config import PeftLoRAConfig, parse_peft_config
 from llmserve.lora.projections import SUPPORTED_MODULES, module_parent, module_shapes
 from llmserve.model.arch import ModelArch
@@ -24,39 +27,48 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora
 
 
 def read_peft_adapter(path: str | Path, name: str, arch: ModelArch, max_rank: int,
-                      dtype: torch.dtype = torch.float32) -> LoRAAdapter:  # fmt: skip
+                      dtype: torch.dtype = torch.float32, roots: Sequence[str] = ()) -> LoRAAdapter:  # fmt: skip
     """The adapter in folder `path`, its tensors in `dtype` on the CPU. Raises LoRAAdapterError
-    (a ValueError: HTTP 400) for a missing file, a bad config, a rank above `max_rank`, a module
-    other than q/k/v/o/gate/up/down_proj, shapes that do not fit `arch`, or a PEFT feature that
-    is not implemented (DoRA, biases, modules_to_save ...)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"no adapter folder at {str(path)!r}")
-    config = parse_peft_config(_read_json(folder / CONFIG_FILE), max_rank)
-    tensors = _read_tensors(folder)
+    (a ValueError: HTTP 400): one unusable-path error for a folder that cannot be opened or lacks
+    either file (and, with `roots`, for anything outside them: folder.AdapterFolder); the reason
+    for a bad config, a rank above `max_rank`, a module other than q/k/v/o/gate/up/down_proj,
+    shapes that do not fit `arch`, or a PEFT feature that is not implemented (DoRA, biases,
+    modules_to_save ...). Both files are read through the one open folder."""
+    with AdapterFolder(str(path), roots) as folder:
+        config_fd, weights_fd = folder.open_file(CONFIG_FILE), folder.open_file(WEIGHTS_FILE)
+        try:
+            if config_fd is None or weights_fd is None:
+                raise unusable_path(_missing(folder, config_fd is None))
+            config = parse_peft_config(_parse_json(folder.read_bytes(config_fd)), max_rank)
+            tensors = _read_tensors(folder.fd_path(weights_fd))
+        finally:
+            for fd in (config_fd, weights_fd):
+                if fd is not None:
+                    os.close(fd)
     modules = _pair_modules(tensors, config, arch)
-    return LoRAAdapter(name, str(folder), config.rank, config.scaling,
+    return LoRAAdapter(name, str(path), config.rank, config.scaling,
                        {key: LoRAModuleWeights(w.a.to(dtype), w.b.to(dtype)) for key, w in modules.items()})  # fmt: skip
 
 
-def _read_json(file: Path) -> object:
-    if not file.is_file():
-        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"{CONFIG_FILE} is missing in {str(file.parent)!r}")
+def _missing(folder: AdapterFolder, config_missing: bool) -> str:
+    """Why a folder is no adapter, for the server's log."""
+    if config_missing:
+        return f"{CONFIG_FILE} is missing in {folder.path!r}"
+    if folder.has("adapter_model.bin"):
+        return f"{folder.path!r} holds adapter_model.bin: only {WEIGHTS_FILE} is read"
+    return f"{WEIGHTS_FILE} is missing in {folder.path!r}"
+
+
+def _parse_json(data: bytes) -> object:
     try:
-        return json.loads(file.read_text())
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoRAAdapterError(LoRAErrorKind.INVALID_CONFIG, f"{CONFIG_FILE} is not valid JSON: {e}") from None
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    file = folder / WEIGHTS_FILE
-    if not file.is_file():
-        if (folder / "adapter_model.bin").is_file():
-            raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_FEATURE,
-                                   f"{str(folder)!r} holds adapter_model.bin: only {WEIGHTS_FILE} is read")  # fmt: skip
-        raise LoRAAdapterError(LoRAErrorKind.MISSING_FILE, f"{WEIGHTS_FILE} is missing in {str(folder)!r}")
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     try:
-        with safe_open(str(file), framework="pt") as f:
+        with safe_open(path, framework="pt") as f:
             return {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise LoRAAdapterError(LoRAErrorKind.INVALID_WEIGHTS, f"{WEIGHTS_FILE} cannot be read: {e}") from None
