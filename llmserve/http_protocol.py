@@ -70,6 +70,7 @@ def guarded_http(limits: HttpLimits) -> type:
             super().__init__(*args, **kwargs)
             self._timer: asyncio.TimerHandle | None = None
             self._waiting = False  # for the client's next request (its head, or its body)
+            self._body = False  # waiting for its body (its head is whole)
             self._heard = False  # a byte of that request came
 
         def connection_made(self, transport) -> None:
@@ -94,6 +95,7 @@ def guarded_http(limits: HttpLimits) -> type:
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             if self._waiting and not self.transport.is_closing():  # the body may follow: its clock
+                self._body = True
                 self._start_timer(limits.body_timeout_s, self._body_timed_out)
 
         def on_body(self, body: bytes) -> None:
@@ -103,24 +105,28 @@ def guarded_http(limits: HttpLimits) -> type:
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
-            self._waiting = False
             self._stop_timer()
-            table.busy(self)
+            self._body = False
+            if self.cycle is not None and self.cycle.response_complete:
+                self._wait_for_head()  # answered before its body ended (a 404): the next request's turn
+            else:
+                self._waiting = False
+                table.busy(self)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.transport.is_closing():
+            if self.transport.is_closing() or (self._waiting and self._body):  # answered while its body comes
                 return
             if self.cycle is None or self.cycle.response_complete:
                 # nothing pipelined: the next request is the client's to send (it may have begun)
                 self._wait_for_head(heard=self._in_head)
             elif self.cycle.more_body:  # a pipelined request started before its body came whole
-                self._waiting = self._heard = True
+                self._waiting = self._body = self._heard = True
                 table.waiting(self)
                 self._start_timer(limits.body_timeout_s, self._body_timed_out)
 
         def _wait_for_head(self, heard: bool = False) -> None:
-            self._waiting, self._heard = True, heard
+            self._waiting, self._body, self._heard = True, False, heard
             table.waiting(self)
             self._start_timer(limits.header_timeout_s, self._head_timed_out)
 
@@ -151,16 +157,15 @@ def guarded_http(limits: HttpLimits) -> type:
                 self.transport.close()
 
         def _answer(self, status: int, message: str, code: str) -> None:
-            """Answer `status` and close, unless the app answers already; an app reading the body
-            sees the client leave."""
+            """Answer `status` and close. While a body comes, the app may have answered already
+            (then only the close), and an app still reading it sees the client leave."""
             self._stop_timer()
             table.remove(self)
-            cycle = self.cycle
-            started = cycle is not None and not cycle.response_complete and cycle.response_started
+            cycle = self.cycle if self._body else None  # the request the body belongs to
             if cycle is not None and not cycle.response_complete:
                 cycle.disconnected = True
                 cycle.message_event.set()
-            if not started and not self.transport.is_closing():
+            if (cycle is None or not cycle.response_started) and not self.transport.is_closing():
                 self.transport.write(_response(status, message, code))
             self.transport.close()
 

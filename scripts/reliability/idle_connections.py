@@ -42,10 +42,11 @@ HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applicat
 SLOW_EVERY_S = 5.0
 
 
-def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: int, port: int, stop,
-                     status) -> None:  # fmt: skip
-    """One attacking process: its share of the idle and slow connections, held until `stop`;
-    every second it reports how many the server still holds open."""
+def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: int, port: int, reconnect_s: float,
+                     stop, status) -> None:  # fmt: skip
+    """One attacking process: its share of the idle and slow connections, held until `stop`
+    (with `reconnect_s` > 0, one the server closes is opened again that long after); every
+    second it reports how many the server still holds open."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -53,6 +54,12 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
     counts = {"open": 0, "opened": 0, "failed": 0, "closed_by_server": 0}
 
     async def one(i: int, is_slow: bool, gate: asyncio.Semaphore) -> None:
+        await hold(i, is_slow, gate)
+        while reconnect_s > 0:
+            await asyncio.sleep(reconnect_s)
+            await hold(i, is_slow, gate)
+
+    async def hold(i: int, is_slow: bool, gate: asyncio.Semaphore) -> None:
         source = f"127.0.0.{2 + i % sources}"
         async with gate:
             try:
@@ -160,13 +167,14 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(3):
             probe.once()  # warm-up
         usual = statistics.median(probe.once()["latency_s"] for _ in range(20))
-        fds_before = open_files(pid)
+        fds_before, load = open_files(pid), os.getloadavg()[0]
         print(f"usual time of a normal request: {usual * 1000:.0f} ms; the server holds {fds_before} files")
         stop = multiprocessing.Event()
         status: multiprocessing.Queue = multiprocessing.Queue()
         port = int(url.rsplit(":", 1)[1])
         workers = [multiprocessing.Process(target=hold_connections, daemon=True,
-                                           args=(w, args.workers, args.idle, args.slow, args.sources, port, stop, status))
+                                           args=(w, args.workers, args.idle, args.slow, args.sources, port,
+                                                 args.reconnect_s, stop, status))
                    for w in range(args.workers)]  # fmt: skip
         attack_start = time.time()
         probe.start()
@@ -198,12 +206,17 @@ def run(args: argparse.Namespace) -> dict:
         probe.join()
         during = [r for r in probe.results if attack_start <= r["t"] < attack_end]
         after = [r for r in probe.results if r["t"] >= attack_end]
-        ramp_end = attack_start + args.ramp_s
+        # the attack holds from when all its connections were opened (or the server took no more)
+        target = args.idle + args.slow
+        ramp_end = attack_start + next((s["t"] for s in timeline if s["attack_opened"] + s["attack_connect_failed"] >= target
+                                        or s["phase"] == "after"), args.attack_s)  # fmt: skip
         recovered = next((r["t"] + r["latency_s"] - attack_end for r in after
                           if r["outcome"] == "200" and r["latency_s"] <= 2 * usual), None)  # fmt: skip
         return {
             "target": args.target, "idle": args.idle, "slow": args.slow, "sources": args.sources,
-            "attack_s": args.attack_s, "usual_s": round(usual, 3), "server_open_files_before": fds_before,
+            "reconnect_s": args.reconnect_s,
+            "attack_s": args.attack_s, "opened_all_after_s": round(ramp_end - attack_start, 1),
+            "load_average_at_start": load, "usual_s": round(usual, 3), "server_open_files_before": fds_before,
             "while_opening": summary([r for r in during if r["t"] < ramp_end], usual),
             "while_held": summary([r for r in during if r["t"] >= ramp_end], usual),
             "after": summary(after, usual),
@@ -226,8 +239,9 @@ def main() -> None:
     p.add_argument("--slow", type=int, default=200, help=f"connections that send a byte every {SLOW_EVERY_S:g} s")
     p.add_argument("--sources", type=int, default=200, help="loopback addresses the attack comes from")
     p.add_argument("--workers", type=int, default=4, help="attacking processes")
-    p.add_argument("--attack-s", type=float, default=45.0, help="how long the attack lasts")
-    p.add_argument("--ramp-s", type=float, default=15.0, help="the first seconds, while it opens its connections")
+    p.add_argument("--reconnect-s", type=float, default=0.0,
+                   help="a connection the server closes is opened again this long after (0: not again)")
+    p.add_argument("--attack-s", type=float, default=90.0, help="how long the attack lasts")
     p.add_argument("--recovery-s", type=float, default=20.0, help="how long to watch after it stops")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
