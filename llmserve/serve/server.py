@@ -44,15 +44,17 @@ def add_parser(subparsers) -> None:
                    help="431 for a request line and headers over this size")
     p.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="408 (and the connection closed) for a request head not whole this long after the "
-                        "connection opened or its last response ended")  # fmt: skip
+                        "connection opened or its last response ended (default: %(default)s)")  # fmt: skip
     p.add_argument("--body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
-                   help="408 (and the connection closed) when no part of a request body comes for this long")
+                   help="408 (and the connection closed) when no part of a request body comes for this long "
+                        "(default: %(default)s)")  # fmt: skip
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="connections held at once (kept to half the open-file limit); over it the one waiting "
-                        "longest for its request is closed, or the new one refused (503) when all are busy")  # fmt: skip
+                        "longest for its request is closed, or the new one refused (503) when all are busy (default: "
+                        "%(default)s)")  # fmt: skip
     p.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                    help="connections held at once from one address, likewise (429); 0: no cap (behind a proxy, "
-                        "every client has the proxy's address)")  # fmt: skip
+                        "every client has the proxy's address; default: %(default)s)")  # fmt: skip
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
