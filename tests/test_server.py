@@ -341,7 +341,7 @@ FUZZ_FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_
                "top_logprobs", "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "seed", "min_tokens", "stream", "stream_options", "echo",
                "presence_penalty", "repetition_penalty", "stop_token_ids", "ignore_eos", "priority",
-               "max_completion_tokens", "model", "best_of", "suffix"]  # fmt: skip
+               "max_completion_tokens", "model", "best_of", "suffix", "prompt_logprobs", "return_token_ids"]  # fmt: skip
 
 
 def test_random_hostile_fields_never_get_a_5xx_nor_stop_the_engine(server):
