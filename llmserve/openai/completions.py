@@ -179,9 +179,11 @@ async def _stream(a: _Answer, streams: list[AsyncIterator[RequestOutput]]) -> As
         if i not in prompt_tokens:
             prompt_tokens[i] = len(out.prompt_token_ids)
             for j in range(req.n):
-                offsets[i * req.n + j] = a.offsets(out)
+                echoed = None
+                if req.logprobs is not None:
+                    offsets[i * req.n + j] = a.offsets(out)
+                    echoed = a.prompt_logprobs(out, offsets[i * req.n + j]) if req.echo else None
                 if req.echo:
-                    echoed = a.prompt_logprobs(out, offsets[i * req.n + j]) if req.logprobs is not None else None
                     yield chunk([choice(i * req.n + j, out, out.prompt or "", echoed, [], finish_reason=None)])
         for comp in out.outputs:
             delta = deltas.next((i, comp.index), comp)
