@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import resource
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -35,8 +36,10 @@ class ConnectionTable:
         self.max_per_client = max_per_client
         self._client: dict[Hashable, str] = {}  # connection -> its client
         self._count: dict[str, int] = {}  # client -> connections held
-        self._waiting: dict[Hashable, None] = {}  # the waiting connections, longest waiting first
-        self._waiting_of: dict[str, dict[Hashable, None]] = {}  # the same, per client
+        # the waiting connections, longest waiting first (an OrderedDict: taking the first is O(1), where
+        # a dict's first after many removals from its front is a scan over their tombstones)
+        self._waiting: OrderedDict[Hashable, None] = OrderedDict()
+        self._waiting_of: dict[str, OrderedDict[Hashable, None]] = {}  # the same, per client
 
     def __len__(self) -> int:
         return len(self._client)
@@ -65,11 +68,13 @@ class ConnectionTable:
         client = self._client.get(conn)
         if client is None:
             return
-        self._waiting.pop(conn, None)
         self._waiting[conn] = None
-        per_client = self._waiting_of.setdefault(client, {})
-        per_client.pop(conn, None)
+        self._waiting.move_to_end(conn)
+        per_client = self._waiting_of.get(client)
+        if per_client is None:
+            per_client = self._waiting_of[client] = OrderedDict()
         per_client[conn] = None
+        per_client.move_to_end(conn)
 
     def busy(self, conn: Hashable) -> None:
         """`conn`'s request has arrived whole: the server works on it, never shed."""
@@ -96,7 +101,7 @@ class ConnectionTable:
             if not per_client:
                 del self._waiting_of[client]
 
-    def _shed_one(self, line: dict[Hashable, None] | None, answer: Admission) -> bool:
+    def _shed_one(self, line: OrderedDict[Hashable, None] | None, answer: Admission) -> bool:
         if not line:
             return False
         victim = next(iter(line))

@@ -8,10 +8,12 @@ The target is `llmserve serve` with the tiny shipped model, or `llmserve gateway
 one (the attack goes to the gateway's port). The attacking connections come from `--sources`
 loopback addresses (127.0.0.2 ...), so a cap per client address alone cannot stop them; the
 normal requests come from 127.0.0.1. The attack runs in worker processes, each holding its
-share of connections (one process may not open them all under its open-file limit).
+share of connections (one process may not open them all under its open-file limit), opening
+at most `--rate` a second; with `--reconnect-s` a connection the server closes is opened again
+(a persistent attacker: any file the server frees is taken again).
 
-    .venv/bin/python scripts/reliability/idle_connections.py --target serve --output-json out.json
-    PYTHONPATH=/tmp/before .venv/bin/python scripts/reliability/idle_connections.py ...   # older code
+    .venv/bin/python scripts/reliability/idle_connections.py --target serve --reconnect-s 2 --output-json out.json
+    cd /tmp/before && PYTHONPATH=/tmp/before .venv/bin/python scripts/reliability/idle_connections.py ...  # older code
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ SLOW_EVERY_S = 5.0
 
 
 def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: int, port: int, reconnect_s: float,
-                     stop, status) -> None:  # fmt: skip
+                     rate: float, stop, status) -> None:  # fmt: skip
     """One attacking process: its share of the idle and slow connections, held until `stop`
     (with `reconnect_s` > 0, one the server closes is opened again that long after); every
     second it reports how many the server still holds open."""
@@ -53,6 +55,8 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     counts = {"open": 0, "opened": 0, "failed": 0, "closed_by_server": 0}
 
+    pace = Pace(rate / workers)
+
     async def one(i: int, is_slow: bool, gate: asyncio.Semaphore) -> None:
         await hold(i, is_slow, gate)
         while reconnect_s > 0:
@@ -61,6 +65,7 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
 
     async def hold(i: int, is_slow: bool, gate: asyncio.Semaphore) -> None:
         source = f"127.0.0.{2 + i % sources}"
+        await pace.wait()
         async with gate:
             try:
                 reader, writer = await asyncio.wait_for(
@@ -89,8 +94,7 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
 
     async def main() -> None:
         gate = asyncio.Semaphore(128)  # connects in flight at once
-        mine = [i for i in range(idle + slow) if i % workers == worker]
-        tasks = [asyncio.create_task(one(i, i >= idle, gate)) for i in mine]
+        tasks = [asyncio.create_task(one(i, i >= idle, gate)) for i in range(idle + slow) if i % workers == worker]
         while not stop.is_set():
             status.put((worker, time.time(), dict(counts)))
             await asyncio.sleep(1.0)
@@ -100,6 +104,20 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
         status.put((worker, time.time(), dict(counts)))
 
     asyncio.run(main())
+
+
+class Pace:
+    """At most `rate` starts a second (0: no limit), evenly spaced."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self.next = time.monotonic()
+
+    async def wait(self) -> None:
+        if self.interval:
+            now = time.monotonic()
+            slot, self.next = max(self.next, now), max(self.next, now) + self.interval
+            await asyncio.sleep(slot - now)
 
 
 class Probe(threading.Thread):
@@ -125,6 +143,14 @@ class Probe(threading.Thread):
         while not self.halt.is_set():
             self.results.append(self.once())
             self.halt.wait(max(0.0, self.every_s - self.results[-1]["latency_s"]))
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far."""
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return 0.0
 
 
 def open_files(pid: int) -> int:
@@ -174,20 +200,23 @@ def run(args: argparse.Namespace) -> dict:
         port = int(url.rsplit(":", 1)[1])
         workers = [multiprocessing.Process(target=hold_connections, daemon=True,
                                            args=(w, args.workers, args.idle, args.slow, args.sources, port,
-                                                 args.reconnect_s, stop, status))
+                                                 args.reconnect_s, args.rate, stop, status))
                    for w in range(args.workers)]  # fmt: skip
         attack_start = time.time()
         probe.start()
         for w in workers:
             w.start()
-        timeline, latest = [], {}
+        timeline, latest, cpu = [], {}, [time.time(), cpu_seconds(pid)]
 
         def sample(phase: str) -> None:
             while not status.empty():
                 worker, _, counts = status.get()
                 latest[worker] = counts
             held = {k: sum(c[k] for c in latest.values()) for k in ("open", "opened", "failed", "closed_by_server")}
+            now, used = time.time(), cpu_seconds(pid)
+            busy, cpu[:] = (used - cpu[1]) / max(now - cpu[0], 1e-6), [now, used]
             timeline.append({"t": round(time.time() - attack_start, 1), "phase": phase, "server_open_files": open_files(pid),
+                             "server_cpu_percent": round(100 * busy),
                              "attack_connections_held_open": held["open"], "attack_opened": held["opened"],
                              "attack_connect_failed": held["failed"], "attack_closed_by_server": held["closed_by_server"]})  # fmt: skip
             print(timeline[-1], flush=True)
@@ -214,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
                           if r["outcome"] == "200" and r["latency_s"] <= 2 * usual), None)  # fmt: skip
         return {
             "target": args.target, "idle": args.idle, "slow": args.slow, "sources": args.sources,
-            "reconnect_s": args.reconnect_s,
+            "reconnect_s": args.reconnect_s, "rate": args.rate,
             "attack_s": args.attack_s, "opened_all_after_s": round(ramp_end - attack_start, 1),
             "load_average_at_start": load, "usual_s": round(usual, 3), "server_open_files_before": fds_before,
             "while_opening": summary([r for r in during if r["t"] < ramp_end], usual),
@@ -239,6 +268,9 @@ def main() -> None:
     p.add_argument("--slow", type=int, default=200, help=f"connections that send a byte every {SLOW_EVERY_S:g} s")
     p.add_argument("--sources", type=int, default=200, help="loopback addresses the attack comes from")
     p.add_argument("--workers", type=int, default=4, help="attacking processes")
+    p.add_argument("--rate", type=float, default=1000.0,
+                   help="new connections a second (the first ones and those opened again), all workers together "
+                        "(0: as fast as they can)")  # fmt: skip
     p.add_argument("--reconnect-s", type=float, default=0.0,
                    help="a connection the server closes is opened again this long after (0: not again)")
     p.add_argument("--attack-s", type=float, default=90.0, help="how long the attack lasts")
