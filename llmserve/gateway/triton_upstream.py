@@ -390,10 +390,9 @@ def _usage_only(line: str) -> dict | None:
     return chunk["usage"] if isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") else None
 
 
-async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, model: str) -> Opened:
+async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, model: str,
+                    keepalive_s: float = 0.0) -> Opened:  # fmt: skip
     body, asked_usage = _chat_request(ctx, pick, clients.request_timeout_s)
-    # keep-alives on a quiet call, so that Triton notices this call closed when its client leaves
-    keepalive_s = KEEPALIVE_S if "keepalive_s" in await clients.inputs(pick.replica.url, model) else 0.0
     responses = clients.events(pick.replica.url, model, body, ctx.path, keepalive_s=keepalive_s)
     try:
         status, first = await anext(responses)  # errors before this are retried elsewhere
@@ -437,14 +436,16 @@ async def open_triton(clients: TritonClients, ctx: RequestContext, pick: Pick) -
     url = pick.replica.url
     try:
         needed = ENDPOINT_INPUTS.get(ctx.path, ENDPOINT_INPUTS["/v1/completions"])
-        if not needed <= await clients.inputs(url, model):  # e.g. a chat call to the embed model
+        inputs = await clients.inputs(url, model)
+        if not needed <= inputs:  # e.g. a chat call to the embed model
             raise BadRequest(f"the model {ctx.alias!r} does not serve {ctx.path} (a Triton model taking "
                              f"{', '.join(sorted(needed))} does)")  # fmt: skip
         if ctx.path == "/v1/embeddings":
             return _json(200, await _embeddings(clients, url, ctx, model))
         if ctx.path == "/v1/rerank":
             return _json(200, await _rerank(clients, url, ctx, model))
-        return await _generate(clients, ctx, pick, model)
+        # keep-alives on a quiet call, so that Triton notices the call closed when its client leaves
+        return await _generate(clients, ctx, pick, model, KEEPALIVE_S if "keepalive_s" in inputs else 0.0)
     except BadRequest as exc:
         return _json(400, error_body(400, str(exc), code="invalid_request"))
     except InferenceServerException as exc:

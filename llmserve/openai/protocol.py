@@ -115,8 +115,9 @@ class _SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     priority: int = 0
     # seconds the request may take, from its arrival to its last token (the server's
-    # --request-timeout-s caps it); past it the request is aborted: a 504, or an error event
-    request_timeout_s: float | None = Field(default=None, gt=0)
+    # --request-timeout-s caps it); past it the request is aborted: a 504, or an error event.
+    # At least a second: a shorter one would stop nearly every request before its first token
+    request_timeout_s: float | None = Field(default=None, ge=1)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
