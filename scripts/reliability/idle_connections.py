@@ -206,17 +206,21 @@ def run(args: argparse.Namespace) -> dict:
         probe.start()
         for w in workers:
             w.start()
-        timeline, latest, cpu = [], {}, [time.time(), cpu_seconds(pid)]
+        attackers = [w.pid for w in workers]
+        timeline, latest = [], {}
+        cpu = [time.time(), cpu_seconds(pid), 0.0]  # when, the server's CPU time, the attack's
 
         def sample(phase: str) -> None:
             while not status.empty():
                 worker, _, counts = status.get()
                 latest[worker] = counts
             held = {k: sum(c[k] for c in latest.values()) for k in ("open", "opened", "failed", "closed_by_server")}
-            now, used = time.time(), cpu_seconds(pid)
-            busy, cpu[:] = (used - cpu[1]) / max(now - cpu[0], 1e-6), [now, used]
+            now, used, attack = time.time(), cpu_seconds(pid), sum(map(cpu_seconds, attackers))
+            span = max(now - cpu[0], 1e-6)
+            busy, attack_busy = (used - cpu[1]) / span, max(0.0, attack - cpu[2]) / span  # 0 once they end
+            cpu[:] = [now, used, attack]
             timeline.append({"t": round(time.time() - attack_start, 1), "phase": phase, "server_open_files": open_files(pid),
-                             "server_cpu_percent": round(100 * busy),
+                             "server_cpu_percent": round(100 * busy), "attack_cpu_percent": round(100 * attack_busy),
                              "attack_connections_held_open": held["open"], "attack_opened": held["opened"],
                              "attack_connect_failed": held["failed"], "attack_closed_by_server": held["closed_by_server"]})  # fmt: skip
             print(timeline[-1], flush=True)
