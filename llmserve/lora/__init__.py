@@ -7,6 +7,7 @@ fixed number of slots with LRU eviction (`store`), and applied per token in one 
 | `errors` | LoRAAdapterError (a ValueError: HTTP 400; `status` per kind) |
 | `peft_config` | adapter_config.json checked; unsupported PEFT features refused |
 | `reader` | read_peft_adapter: the folder -> LoRAAdapter, shapes checked against the base model |
+| `folder` | AdapterFolder: the folder opened once, its files through it, the allowed roots checked on what was opened |
 | `adapter` | LoRAAdapter, LoRAModuleWeights |
 | `projections` | PEFT module names -> llmserve's fused projections and their output slices |
 | `slot_table` | name -> slot, least recently used eviction (bookkeeping only) |
