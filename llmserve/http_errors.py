@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmserve.engine.errors import EngineDeadError
+from llmserve.errors import EngineDeadError
 from llmserve.openai.errors import APIError, engine_dead, error_body, validation_message
 
 logger = logging.getLogger(__name__)

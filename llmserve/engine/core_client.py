@@ -19,7 +19,7 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_process import run_engine_core
-from llmserve.engine.errors import EngineDeadError  # noqa: F401 - re-exported
+from llmserve.errors import EngineDeadError  # noqa: F401 - re-exported
 from llmserve.engine.ipc import Kind, Message
 from llmserve.processes import start_spawned
 

@@ -9,8 +9,8 @@ import json
 
 from pydantic import ValidationError
 
-from llmserve.engine.errors import EngineDeadError
 from llmserve.engine.protocol import EngineClient
+from llmserve.errors import EngineDeadError
 from llmserve.openai.chat import chat_completion
 from llmserve.openai.completions import completion
 from llmserve.openai.deadline import effective_timeout, with_deadline

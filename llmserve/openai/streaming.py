@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from llmserve.engine.core_client import EngineDeadError
+from llmserve.errors import EngineDeadError
 from llmserve.outputs import CompletionOutput
 from llmserve.openai.errors import APIError, sse_error
 
