@@ -19,7 +19,7 @@ from llmserve.model.gguf.quantize import quantize
 from llmserve.model.gguf.writer import write_gguf
 from llmserve.model.random_model import make_random_model
 
-TYPES = list(BLOCKS)  # F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q4_K Q5_K Q6_K
+TYPES = list(BLOCKS)  # F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
 # rows of 256 values (K-quant super-blocks), a head of 64
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)  # fmt: skip
@@ -94,7 +94,7 @@ def test_dequantize_matches_the_gguf_package(type_name):
 def test_quantize_round_trips_within_the_types_precision(type_name):
     w = (np.random.default_rng(2).standard_normal((6, 512)) * 0.05).astype(np.float32)
     back = dequantize(quantize(w, type_name), type_name, w.shape).numpy()
-    bound = {"F32": 0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q6_K": 3e-2, "Q5_K": 5e-2}.get(type_name, 0.1)
+    bound = {"F32": 0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q6_K": 3e-2, "Q5_K": 5e-2, "Q5_0": 5e-2, "Q5_1": 5e-2}.get(type_name, 0.1)
     assert np.abs(back - w).max() <= bound * np.abs(w).max()
 
 

@@ -31,7 +31,7 @@ class GGUFError(UnsupportedModelError):
 @dataclass(frozen=True, slots=True)
 class GGUFTensor:
     name: str
-    type_name: str  # F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K
+    type_name: str  # F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
     shape: tuple[int, ...]  # row-major (PyTorch order: the last dimension is a row)
     data: np.ndarray  # the raw bytes (a view of the memory-mapped file)
 

@@ -18,7 +18,7 @@ QK_K = 256  # elements in a K-quant super-block
 # type name -> (elements per block, bytes per block)
 BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
-    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
+    "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
     "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }  # fmt: skip
 SUPPORTED_TYPES = tuple(BLOCKS)
@@ -46,6 +46,23 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     q = _nibbles(b[:, 4:]).reshape(-1, 32).float()
     return _f16(b[:, :2]) * q + _f16(b[:, 2:4])
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1: [n, 4] bytes -> [n, 32]: bit j of the little-endian 32-bit word is the
+    fifth bit of value j."""
+    bits = torch.arange(8, dtype=torch.uint8)
+    return ((qh.unsqueeze(-1) >> bits) & 1).reshape(-1, 32)
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 6:]).reshape(-1, 32) | (_fifth_bits(b[:, 2:6]) << 4)
+    return _f16(b[:, :2]) * (q.float() - 16.0)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(b[:, 8:]).reshape(-1, 32) | (_fifth_bits(b[:, 4:8]) << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +111,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
+    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+    "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
 }  # fmt: skip
 
 

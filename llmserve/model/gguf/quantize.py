@@ -1,6 +1,6 @@
 """Float weights into GGUF block formats (NumPy), for writing test checkpoints.
 
-Q8_0, Q4_0 and Q4_1 use the `gguf` package's quantizers (llama.cpp's own rounding). The
+Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 use the `gguf` package's quantizers (llama.cpp's own rounding). The
 K-quants, which that package cannot write, are quantized here by a plain min/max rule:
 valid blocks that decode to values near the input, not llama.cpp's error-minimizing
 search. Models served from such files are tests, not products.
