@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.engine.host_copy import kept_on_device, staged, to_device
+from llmserve.host_copy import kept_on_device, staged, to_device
 
 CPU = torch.device("cpu")
 CASES = [

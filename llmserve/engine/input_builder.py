@@ -17,8 +17,8 @@ import torch
 
 from llmserve.attention_metadata import AttentionMetadata, SampledRows
 from llmserve.engine.block_table import BlockTableBuffer
-from llmserve.engine.host_copy import to_device
 from llmserve.engine.request import PLACEHOLDER
+from llmserve.host_copy import to_device
 
 
 TABLE_WIDTH_STEP = 16

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from llmserve.engine.host_copy import to_device
+from llmserve.host_copy import to_device
 
 ROW_MULTIPLE = 16
 

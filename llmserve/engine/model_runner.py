@@ -23,7 +23,6 @@ import torch
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
-from llmserve.engine.host_copy import staged, to_device
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
 from llmserve.engine.argmax import row_argmax
@@ -35,6 +34,7 @@ from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.engine.runner_sleep import RunnerSleep
+from llmserve.host_copy import staged, to_device
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.sampling_params import SamplingParams
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention

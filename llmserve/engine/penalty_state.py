@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmserve.engine.host_copy import kept_on_device, to_device
 from llmserve.engine.request import PLACEHOLDER
+from llmserve.host_copy import kept_on_device, to_device
 
 
 @dataclass(slots=True)

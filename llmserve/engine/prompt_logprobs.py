@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmserve.engine.host_copy import to_device
 from llmserve.engine.input_builder import RowInput
 from llmserve.engine.logits_rows import step_logits
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.sampler import raw_logprobs
 from llmserve.engine.sampler_output import SampledLogprobs
+from llmserve.host_copy import to_device
 
 ROWS_AT_ONCE = 256  # prompt rows whose logits are made at once
 

@@ -28,13 +28,13 @@ from operator import attrgetter
 import torch
 
 from llmserve.engine import seeded_noise
-from llmserve.engine.host_copy import kept_on_device, to_device
 from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
 from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race, mass_above
 from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
+from llmserve.host_copy import kept_on_device, to_device
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
 # logprobs of at most this many top tokens take the one-pass kernel over the raw logits (its k

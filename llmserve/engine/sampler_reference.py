@@ -13,10 +13,10 @@ import torch
 
 from llmserve.engine import seeded_noise
 from llmserve.engine.argmax import row_argmax
-from llmserve.engine.host_copy import to_device
 from llmserve.engine.request import Request, TokenLogprobs
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs
 from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
+from llmserve.host_copy import to_device
 from llmserve.sampling_params import SamplingParams
 
 

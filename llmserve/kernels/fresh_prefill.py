@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.engine.host_copy import to_device
+from llmserve.host_copy import to_device
 
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, warps, stages) by the longest prompt, from the sweep above (H200, bf16, 32/8
