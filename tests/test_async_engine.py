@@ -14,6 +14,8 @@ from llmserve import AsyncEngine, EngineArgs, SamplingParams
 from llmserve.engine.core_client import EngineDeadError, EngineStartError
 from llmserve.engine.input_processor import PromptTooLongError
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from conftest import assert_no_leak
 from test_scheduler import make_request, make_scheduler
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.request import PLACEHOLDER, RequestStatus
+
+pytestmark = pytest.mark.unit
 
 
 def _requests() -> tuple[list[dict], list[SamplingParams]]:

@@ -8,6 +8,8 @@ import pytest
 
 from llmserve.serve.batcher import MicroBatcher
 
+pytestmark = pytest.mark.unit
+
 
 def square_all(items: list[int]) -> list[int]:
     return [x * x for x in items]

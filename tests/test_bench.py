@@ -19,6 +19,8 @@ from llmserve.bench.throughput import make_prompts
 from llmserve.cli import main
 from server_utils import free_port, start_server
 
+pytestmark = pytest.mark.integration
+
 NUM, IN_LEN, OUT_LEN = 12, 16, 6
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

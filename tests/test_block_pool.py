@@ -6,6 +6,8 @@ import pytest
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
 
+pytestmark = pytest.mark.unit
+
 
 def key(n: int) -> BlockKey:
     return BlockKey(None, (n,), None)

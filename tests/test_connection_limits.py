@@ -18,6 +18,8 @@ import yaml
 from gateway_utils import start_gateway
 from server_utils import free_port, start_server
 
+pytestmark = pytest.mark.integration
+
 TINY = str(Path(__file__).resolve().parents[1] / "llmserve" / "assets" / "tiny_model")
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 2.0, 1.0
 HALF_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"

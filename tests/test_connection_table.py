@@ -10,6 +10,8 @@ import pytest
 
 from llmserve.http_connection_table import ConnectionTable, connection_cap
 
+pytestmark = pytest.mark.unit
+
 
 def test_over_the_total_the_longest_waiting_is_shed_and_busy_ones_never_are():
     table = ConnectionTable(3)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmserve.gateway.dashboard import Sample, parse_metrics, span_point
+
+pytestmark = pytest.mark.unit
 
 PAGE = """# HELP vllm:num_requests_running Requests in the running batch.
 # TYPE vllm:num_requests_running gauge

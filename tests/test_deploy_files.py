@@ -10,6 +10,8 @@ import pytest
 import yaml
 from deploy_utils import DEPLOY, load_dashboard_builder, run_tool, tool
 
+pytestmark = pytest.mark.integration
+
 K8S_VERSIONS = ["1.29.0", "1.37.0"]  # the oldest and newest schemas kubernetes-validate ships offline
 
 

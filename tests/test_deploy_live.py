@@ -33,6 +33,8 @@ from triton_utils import echo_infer, echo_repo
 from llmserve.config import TINY_MODEL_DIR
 from llmserve.triton.server import TritonServer
 
+pytestmark = pytest.mark.integration
+
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 MODEL = "llmserve-tiny"  # the tiny test model's served name
 

@@ -8,6 +8,8 @@ from transformers import AutoTokenizer
 from llmserve.engine import detokenizer as detok_mod
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 TEXT = "Héllo wörld — naïve café ☕ déjà vu, 1 + 1 = 2\nnew line  two spaces"
 
 

@@ -9,12 +9,16 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 
+import pytest
+
 from llmserve.gateway.dashboard import Sample
 from llmserve.gateway.engine_state import engine_state
 from llmserve.gateway.metrics_pages import merged_pages
 from llmserve.openai.sse_events import KEEPALIVE, join_events, split_events
 from llmserve.triton.inflight import InFlightWatch
 from llmserve.triton.stream_sends import StreamSends
+
+pytestmark = pytest.mark.unit
 
 
 @dataclass

@@ -21,6 +21,8 @@ from llmserve.model.fp8 import (
 )
 from llmserve.model.loader import load_model
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 

@@ -17,6 +17,8 @@ from llmserve.model.fp8 import Fp8Linear, quantize_rows
 from llmserve.model.fp8_checkpoint import GptqCalibration, read_checkpoint_quantization, write_fp8_checkpoint
 from llmserve.model.gptq_calibration import calibration_windows, gptq_model, projections, read_calibration_texts
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION = (str(ROOT / "README.md"), str(ROOT / "docs" / "models.md"))  # none of the texts read below
 KEPT = "model.layers.5.mlp.down_proj"  # the tiny model's last down_proj

@@ -8,6 +8,8 @@ import torch
 from llmserve.model.fp8 import FP8, quantize_rows
 from llmserve.model.fp8_gptq import dequantize, gptq_fp8, input_hessian
 
+pytestmark = pytest.mark.unit
+
 
 def _layer(seed: int = 0, tokens: int = 1024, cols: int = 192, rows: int = 48):
     g = torch.Generator().manual_seed(seed)

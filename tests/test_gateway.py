@@ -22,6 +22,8 @@ from llmserve.gateway.affinity import prefix_key, rendezvous_score
 from llmserve.gateway.config import ApiKey, GatewayConfig, LimitsConfig, hash_key
 from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapacity, build_limiter
 
+pytestmark = pytest.mark.integration
+
 KEYS = {
     "good": "sk-good", "revoked": "sk-revoked", "lite-only": "sk-lite-only", "limited": "sk-limited",
     "tokens": "sk-tokens",

@@ -17,6 +17,8 @@ from llmserve.gateway.admission import Admission, Refused
 from llmserve.gateway.dashboard import Sample, engine_queue_delay
 from llmserve.gateway.config import AdmissionConfig, hash_key
 
+pytestmark = pytest.mark.integration
+
 KEYS = {"low": "sk-low", "high": "sk-high"}
 HOLD = {"prompt": "hold", "max_tokens": 400, "ignore_eos": True}  # about 2 s on the tiny model, CPU
 SHORT = {"prompt": "x", "max_tokens": 4}

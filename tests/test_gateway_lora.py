@@ -16,6 +16,8 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.lora.synthetic import write_random_adapter
 from llmserve.model.arch import read_model_arch
 
+pytestmark = pytest.mark.integration
+
 ADMIN = "sk-admin-lora"
 
 

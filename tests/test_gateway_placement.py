@@ -12,10 +12,13 @@ import time
 
 import httpx
 import openai
+import pytest
 from gateway_utils import spawn_gateway
 from server_utils import free_port, spawn, wait_healthy
 
 from llmserve.config import TINY_MODEL_DIR
+
+pytestmark = pytest.mark.integration
 
 NAMES = ["tiny-a", "tiny-b", "tiny-c"]
 

@@ -19,6 +19,8 @@ from llmserve.model.gguf.quantize import quantize
 from llmserve.model.gguf.writer import write_gguf
 from llmserve.model.random_model import make_random_model
 
+pytestmark = pytest.mark.integration
+
 TYPES = list(BLOCKS)  # F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K
 # rows of 256 values (K-quant super-blocks), a head of 64
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

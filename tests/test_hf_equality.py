@@ -9,6 +9,8 @@ import pytest
 from conftest import assert_no_leak, hf_greedy
 from llmserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 MAX_NEW = 24
 
 

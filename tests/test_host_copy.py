@@ -8,6 +8,8 @@ import torch
 
 from llmserve.host_copy import kept_on_device, staged, to_device
 
+pytestmark = pytest.mark.unit
+
 CPU = torch.device("cpu")
 CASES = [
     ([3, 1, 2], torch.long), (list(range(7680)), torch.long), ([], torch.long), ([[1, 2], [3, 4]], torch.int32),

@@ -10,6 +10,8 @@ import pytest
 from llmserve.engine.input_builder import InputBuilder, RowInput
 from llmserve.engine.request import PLACEHOLDER
 
+pytestmark = pytest.mark.unit
+
 
 def test_a_mixed_step_is_flattened_row_by_row():
     builder = InputBuilder(block_size=4, max_num_seqs=4, max_blocks=8)

@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 # not imported here: tests/test_kernels.py needs triton first imported under TRITON_INTERPRET=1
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)

@@ -8,7 +8,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import llmserve
+
+pytestmark = pytest.mark.unit
 
 KERNELS = Path(llmserve.__file__).parent / "kernels"
 

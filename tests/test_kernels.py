@@ -44,6 +44,8 @@ from llmserve.model.attention import (  # noqa: E402
 from llmserve.model.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from llmserve.model.layers import silu_and_mul as ref_silu_and_mul  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
     torch.float16: dict(atol=4e-3, rtol=4e-3),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from llmserve.config import EngineArgs
@@ -14,6 +15,8 @@ from llmserve.engine.kv_sizing import (
     gpu_kv_budget,
     graph_memory_reserve,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def test_bytes_per_block_counts_keys_and_values_of_every_layer():

@@ -19,6 +19,8 @@ from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.sampling_params import SamplingParamsError
 
+pytestmark = pytest.mark.unit
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 

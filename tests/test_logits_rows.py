@@ -7,6 +7,8 @@ import torch
 
 from llmserve.engine.logits_rows import ROW_MULTIPLE, padded_count, step_logits, warm_counts
 
+pytestmark = pytest.mark.unit
+
 
 def test_padded_counts_are_few_and_cover_every_batch():
     counts = warm_counts(1024)

@@ -37,6 +37,8 @@ from llmserve.model.arch import read_model_arch
 from llmserve.model.attention import AttentionMetadata, reference_paged_attention
 from llmserve.model.random_model import make_random_model
 
+pytestmark = pytest.mark.unit
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # four ranks and target sets; rsLoRA scaling; one adapter on layer 1 only
     "r4-qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

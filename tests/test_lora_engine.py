@@ -17,6 +17,8 @@ from llmserve.lora.errors import UNUSABLE_PATH_MESSAGE
 from llmserve.model.random_model import make_random_model
 from test_lora import ADAPTERS, make_adapter
 
+pytestmark = pytest.mark.integration
+
 NEW_TOKENS = 6
 ADMIN_KEY = "sk-admin-lora-7f3c"
 # longer than two KV blocks of 8, sharing their first 17 tokens: prefix-cache hits across requests

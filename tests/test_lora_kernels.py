@@ -31,6 +31,8 @@ from llmserve.kernels.lora import lora_expand, lora_shrink  # noqa: E402
 from llmserve.lora.context import LoRAContext  # noqa: E402
 from llmserve.lora.reference import lora_expand_reference, lora_shrink_reference  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 

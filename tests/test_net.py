@@ -10,6 +10,8 @@ import pytest
 
 from llmserve import net
 
+pytestmark = pytest.mark.integration
+
 
 def ephemeral_range() -> tuple[int, int]:
     try:

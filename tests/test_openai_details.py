@@ -14,6 +14,8 @@ import pytest
 from llmserve.engine.detokenizer import stable_prompt_text
 from server_utils import start_server
 
+pytestmark = pytest.mark.integration
+
 API_KEY = "details-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 CUT_TEXT = "The json module 😀"

@@ -20,6 +20,8 @@ from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.cuda_graphs import PiecewiseGraphs, mixed_capture_sizes
 from llmserve.engine.kv_sizing import graph_memory_reserve
 
+pytestmark = pytest.mark.unit
+
 
 def test_capture_sizes_cover_every_count_up_to_the_top():
     sizes = mixed_capture_sizes(1024)

@@ -18,6 +18,8 @@ from llmserve.placement.model_state import ModelState, PlacedModel
 from llmserve.placement.placement import Placement
 from llmserve.placement.policies import LRU, LRUPrewarm, QLearning, make_policy
 
+pytestmark = pytest.mark.integration
+
 RESIDENT, ASLEEP, WAKING, SLEEPING = ModelState.RESIDENT, ModelState.ASLEEP, ModelState.WAKING, ModelState.SLEEPING
 
 

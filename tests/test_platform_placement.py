@@ -21,6 +21,8 @@ from up_utils import running_up
 
 from llmserve.config import TINY_MODEL_DIR
 
+pytestmark = pytest.mark.integration
+
 MODELS = ["chat-a", "chat-b", "chat-c", "chat-d"]
 KV_BYTES = 24 << 20  # each model's KV cache; with the tiny model's weights (~21 MiB) about 45 MiB a model
 BUDGET = 100 << 20  # two models fit, three do not

@@ -20,6 +20,8 @@ import pytest
 from server_utils import free_port
 from up_utils import running_up
 
+pytestmark = pytest.mark.integration
+
 QUERY, DOCS = "where is the cat?", ["stock prices fell today", "a cat sleeps on the mat", "cats and dogs"]
 
 

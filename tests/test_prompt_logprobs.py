@@ -15,6 +15,8 @@ from llmserve.engine.input_builder import RowInput
 from llmserve.engine.prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from llmserve.sampling_params import SamplingParamsError
 
+pytestmark = pytest.mark.unit
+
 PROMPTS = [list(range(10, 60)), [1, 7, 300, 42, 42, 9], [5, 6], [77]]
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from llmserve.engine.request_checks import PromptError, check_token_ids, check_token_ids_reference
 
+pytestmark = pytest.mark.unit
+
 V = 100
 
 

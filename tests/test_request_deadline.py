@@ -16,6 +16,8 @@ from llmserve.model.random_model import make_random_model
 from llmserve.openai.deadline import effective_timeout, with_deadline
 from llmserve.openai.reply import Reply
 
+pytestmark = pytest.mark.integration
+
 CAP_S = 2.0
 LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 3500, "ignore_eos": True, "temperature": 0}
 

@@ -13,6 +13,8 @@ import torch
 from conftest import hf_greedy, mixed_batch
 from llmserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 def _batch(runner, rng: random.Random, samples: tuple[bool, ...]):
     """Decodes, a fresh prompt, chunks after cached tokens (one of which stops short of its end),

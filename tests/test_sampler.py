@@ -3,12 +3,15 @@ masking step against a plain per-row reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmserve.engine.request import EngineCoreRequest, Request
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler, apply_penalties, apply_top_k_top_p_min_p
 from llmserve.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def reference_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

@@ -11,6 +11,8 @@ from llmserve.engine.request import EngineCoreRequest, Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 

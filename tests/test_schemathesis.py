@@ -14,6 +14,8 @@ import pytest
 from gateway_utils import start_gateway
 from server_utils import free_port, start_server
 
+pytestmark = pytest.mark.integration
+
 SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
 
 

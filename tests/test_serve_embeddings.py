@@ -18,6 +18,8 @@ from llmserve.openai.errors import default_code
 from llmserve.pooling import default_embedding_model_dir
 from server_utils import free_port, spawn, start_server, wait_healthy
 
+pytestmark = pytest.mark.integration
+
 KEY = "embed-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

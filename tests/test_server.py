@@ -13,6 +13,8 @@ import pytest
 
 from server_utils import metric, start_server
 
+pytestmark = pytest.mark.integration
+
 API_KEY = "test-key"
 
 

@@ -17,6 +17,8 @@ from llmserve.serve.app import build_app
 from llmserve.serve.state import ServerConfig
 from server_utils import children, free_port, start_server
 
+pytestmark = pytest.mark.integration
+
 
 def test_health_503_until_engine_ready(llama_dir):
     release = threading.Event()

@@ -13,6 +13,8 @@ import pytest
 from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
 from server_utils import free_port, spawn, start_server, wait_healthy
 
+pytestmark = pytest.mark.integration
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(3)]
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from llmserve.engine.request import PLACEHOLDER
 from llmserve.engine.step_plan import NewRequest, PlanBuilder, PlannedRow, RunnerRequests, StepPlan
 from llmserve.sampling_params import SamplingParams
 from tests.test_scheduler import make_request, make_scheduler
+
+pytestmark = pytest.mark.unit
 
 PLAIN = (str, int, float, bool, type(None), SamplingParams)
 

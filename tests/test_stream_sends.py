@@ -7,8 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from llmserve.openai.sse_events import join_events, split_events
 from llmserve.triton.stream_sends import DirectSends, StreamSends, stream_sends
+
+pytestmark = pytest.mark.unit
 
 FINAL = 1
 

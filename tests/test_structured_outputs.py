@@ -18,6 +18,8 @@ from llmserve.engine.structured_output import StructuredOutputs, allowed_tokens,
 from llmserve.sampling_params import MAX_STRUCTURED_SPEC_CHARS, SamplingParamsError
 from server_utils import start_server
 
+pytestmark = pytest.mark.integration
+
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -25,6 +25,8 @@ from llmserve.engine.tp_workers import WorkerDiedError
 from llmserve.model.random_model import make_random_model
 from server_utils import children, start_server
 
+pytestmark = pytest.mark.integration
+
 
 def _prompts(seed: int) -> list[dict]:
     rng = random.Random(seed)

@@ -16,6 +16,8 @@ from llmserve.openai.protocol import ChatCompletionRequest
 from llmserve.openai.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
 from server_utils import start_server
 
+pytestmark = pytest.mark.integration
+
 WEATHER = {
     "type": "function",
     "function": {

@@ -32,6 +32,8 @@ from llmserve.triton.build_repo import write_model  # noqa: E402
 from llmserve.openai.sse_events import split_events  # noqa: E402
 from llmserve.triton.server import TritonServer, sweep_stale_workdirs  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 TEXTS = ["The cat sits on the mat.", "Triton serves models.", "A quick brown fox.", "héllo wörld"]
 CHAT_LEN = 256
 

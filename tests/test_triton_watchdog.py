@@ -3,7 +3,11 @@ runs are in test_platform_up.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from llmserve.triton.watchdog import stub_instances
+
+pytestmark = pytest.mark.unit
 
 
 def _proc(root, pid: int, argv: list[str]) -> None:
