@@ -10,13 +10,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run under its interpreter here (no GPU). Set before anything imports triton:
 # tests/test_kernels.py and test_lora_kernels.py skip when triton was imported without it (a
-# test module that imported triton first once made 123 kernel tests skip in the full run)
+# test module that imported triton first once made 123 kernel tests skip in the full run).
+# The GPU tier (`pytest -m gpu` on a machine with CUDA) turns it off again in pytest_configure.
 os.environ["TRITON_INTERPRET"] = "1"
+
+import sys
 
 import pytest
 import torch
 
 from llmserve.model.random_model import FAMILIES, make_random_model
+
+GPU_TIER_SKIP = "the GPU tier: `pytest -m gpu` on a machine with CUDA"
+
+
+def _gpu_tier(config) -> bool:
+    """This run selects the gpu marker on a machine with CUDA."""
+    expr = config.getoption("markexpr", "") or ""
+    return "gpu" in expr and "not gpu" not in expr and torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    # before any test module is imported: the kernels must compile for the GPU, not run interpreted
+    if _gpu_tier(config) and "triton" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """gpu-marked tests run only in the GPU tier: without CUDA, or with Triton's interpreter on (any
+    other run), they are skipped."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    skip = pytest.mark.skip(reason=GPU_TIER_SKIP)
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
 
 # per family: what makes it that family, on top of the small shared shape
 FAMILY_OVERRIDES = {

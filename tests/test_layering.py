@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_MODULES = sorted(f"llmserve.gateway.{p.stem}" for p in (ROOT / "llmserve" / "gateway").glob("*.py")
