@@ -13,6 +13,8 @@ import pytest
 
 from llmserve.model.gguf.split_parts import GEMMA3_270M, PartDamagedError, PartMissingError, SplitGGUF, assemble
 
+pytestmark = pytest.mark.integration
+
 
 def _fake_split(site: Path, name: str, slices: list[bytes]) -> SplitGGUF:
     """One fake distribution per slice under `site`, each with METADATA and a RECORD."""
