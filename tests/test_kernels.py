@@ -711,6 +711,74 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(out, expect, **tol)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # (numpy's exp, under the interpreter)
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
+def test_gelu_tanh_and_mul(dtype):
+    """GeGLU's activation (Gemma's MLP): the kernel against the reference, which is torch's tanh GELU
+    of the gate times up; the tails (+-30: gelu 0 or the gate itself, 1e4 and -1e4 whose tanh term
+    overflows), zeros and tiny gates, an odd width over two column blocks, a strided row; the
+    `delta` added first as silu_and_mul's; no rows."""
+    from llmserve.model.layers import gelu_tanh_and_mul as ref_gelu_tanh_and_mul
+
+    g = torch.Generator().manual_seed(8)
+    inter = 1030  # two column blocks of 1024, the second almost empty
+    x = (torch.randn(4, 2 * inter + 5, generator=g) * 3).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-7, -1e-7, 30.0, -30.0, 1e4, -1e4]).to(dtype)
+    x = x[:, : 2 * inter]  # rows with a stride
+    gate, up = x.chunk(2, dim=-1)
+    expect = ref_gelu_tanh_and_mul(x)
+    assert torch.equal(expect, F.gelu(gate, approximate="tanh") * up)
+    out = activation.gelu_tanh_and_mul(x)
+    assert out.shape == (4, inter) and out.dtype == dtype
+    # float32: torch's `1 + tanh(u)` is rounded next to 1, so in the negative tail its result is off by up
+    # to |gate * up| * 2^-24 (0 where the kernel's `g * sigmoid(2u)` keeps a value of 1e-6 here)
+    tol = dict(atol=1e-5, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(out, expect, **tol)
+    assert torch.isfinite(out.float()).all()
+    assert not torch.equal(out, activation.silu_and_mul(x))  # the activation is the one asked for
+    delta = torch.randn(4, 2 * inter, generator=g)
+    want = ref_gelu_tanh_and_mul(x.clone().add_(delta))
+    assert torch.equal(ref_gelu_tanh_and_mul(x, delta=delta), want)
+    torch.testing.assert_close(activation.gelu_tanh_and_mul(x, delta=delta), want, **tol)
+    assert activation.gelu_tanh_and_mul(x[:0]).shape == (0, inter)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize(("dtype", "one_pass_cols"), [(torch.float32, 16384), (torch.float16, 16384),
+                                                     (torch.bfloat16, 16384), (torch.bfloat16, 32)])  # fmt: skip
+def test_gelu_tanh_and_mul_quantized_in_its_pass_equals_the_reference(dtype, one_pass_cols, monkeypatch):
+    """GeGLU's activation writing FP8 rows and scales: the unquantized kernel's output then the
+    per-token quantization, bit for bit, rows held whole or looped over (a small limit forces three
+    steps); the reference's FP8 values up to one FP8 step; an all-zero row keeps the scale floor."""
+    from llmserve.model import layers
+    from llmserve.model.fp8 import quantized
+
+    monkeypatch.setattr(activation, "ONE_PASS_COLS", one_pass_cols)
+    monkeypatch.setattr(activation, "LOOP_BLOCK", 32)
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(7, 2 * 80, generator=g) * 4).to(dtype)
+    gate_up[4] = 0
+    got, want = K.gelu_tanh_and_mul_fp8(gate_up), quantized(K.gelu_tanh_and_mul(gate_up))
+    assert got.q.dtype == torch.float8_e4m3fn and got.q.shape == (7, 80) and got.dtype == want.dtype == dtype
+    assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8)) and torch.equal(got.scale, want.scale)
+    ref = layers.gelu_tanh_and_mul_fp8(gate_up)
+    got_v, ref_v = got.q.float() * got.scale, ref.q.float() * ref.scale
+    assert ((got_v - ref_v).abs() <= 0.13 * ref_v.abs() + ref.scale).all()
+    assert got.scale[4] == torch.tensor(1e-12, dtype=torch.float32)
+    assert not torch.equal(got.q.view(torch.uint8), K.silu_and_mul_fp8(gate_up).q.view(torch.uint8))
+    assert K.gelu_tanh_and_mul_fp8(gate_up[:0]).q.shape == (0, 80)
+
+
+def test_layer_ops_pick_the_gelu_kernels_on_the_triton_path():
+    from llmserve.model.layers import REFERENCE_OPS, gelu_tanh_and_mul, gelu_tanh_and_mul_fp8, triton_ops
+
+    assert REFERENCE_OPS.gelu_tanh_and_mul is gelu_tanh_and_mul
+    assert REFERENCE_OPS.gelu_tanh_and_mul_fp8 is gelu_tanh_and_mul_fp8
+    ops = triton_ops()
+    assert ops.gelu_tanh_and_mul is K.gelu_tanh_and_mul and ops.gelu_tanh_and_mul_fp8 is K.gelu_tanh_and_mul_fp8
+    assert ops.silu_and_mul is K.silu_and_mul and ops.linear is K.dense_linear  # the positional fields as before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cols", [1, 37, 4096, 5000])  # one element, odd, one block, two passes
 def test_quantize_tokens_fp8_equals_the_reference_bit_for_bit(dtype, cols):

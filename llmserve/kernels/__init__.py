@@ -6,7 +6,7 @@
 | `write_kv` (reshape-and-cache) | `cache_write` | `llmserve.model.attention.write_kv_cache` |
 | `rms_norm`, `fused_add_rms_norm` (and `_fp8`: quantized to FP8 per token in the same pass) | `norm` | `llmserve.model.layers.RMSNorm` (then `llmserve.model.fp8.quantize_tokens`) |
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
-| `silu_and_mul` (and `silu_and_mul_fp8`) | `activation` | `llmserve.model.layers.silu_and_mul` (then `quantize_tokens`) |
+| `silu_and_mul`, `gelu_tanh_and_mul` (and `_fp8`) | `activation` | `llmserve.model.layers.silu_and_mul`, `gelu_tanh_and_mul` (then `quantize_tokens`) |
 | `quantize_tokens_fp8` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens` |
 | `fp8_gemm_small_m`, `gemm_small_m` (split-K, few tokens, one launch; FP8 or 16-bit) | `split_k_gemm` | `llmserve.model.fp8.fp8_gemm_reference`, `F.linear` |
 | `dense_linear` (which 16-bit GEMM for how many tokens) | `dense_linear` | `F.linear` |
@@ -41,7 +41,7 @@ def has_triton_gpu() -> bool:
 
 
 try:
-    from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8
+    from llmserve.kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_fp8, silu_and_mul, silu_and_mul_fp8
     from llmserve.kernels.cache_write import write_kv
     from llmserve.kernels.dense_linear import dense_linear
     from llmserve.kernels.fp8_linear import fp8_gemm_fast, fp8_matmul_fused_quant
@@ -70,6 +70,8 @@ __all__ = [
     "fp8_matmul_fused_quant",
     "fused_add_rms_norm",
     "fused_add_rms_norm_fp8",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_fp8",
     "has_triton_gpu",
     "lora_expand",
     "lora_shrink",

@@ -1,13 +1,17 @@
-"""Gated SiLU for the MLP, in Triton.
+"""Gated activations for the MLP, in Triton: SiLU (SwiGLU) and tanh-approximated GELU (GeGLU).
 
-PyTorch reference: `llmserve.model.layers.silu_and_mul`: `silu(gate) * up` where
-`gate, up = x.chunk(2, dim=-1)`. Rounded like the reference (silu's result rounded to the
-input dtype before the multiply).
+PyTorch references: `llmserve.model.layers.silu_and_mul` (`silu(gate) * up`) and
+`gelu_tanh_and_mul` (`gelu(gate, approximate="tanh") * up`), where `gate, up = x.chunk(2, dim=-1)`.
+Rounded like the references (the activation's result rounded to the input dtype before the
+multiply). One kernel serves both, the activation a compile-time choice (`ACT`), so each compiles
+to its own code. tanh GELU is taken as `g * sigmoid(2u)` with u = sqrt(2/pi) (g + 0.044715 g^3),
+which is `0.5 g (1 + tanh(u))`: one exp, as SiLU's `g * sigmoid(g)`, and no tanh (libdevice's is
+not in the Triton interpreter); within a few float32 ulps of torch's.
 
-`silu_and_mul_fp8` also quantizes each row to FP8 per token (the down projection's input),
-as `llmserve.model.fp8.quantize_tokens` quantizes the reference's output: one program per
-row, holding the row in registers when it fits (ONE_PASS_COLS), else a first pass for the
-amax and a second that recomputes, scales and casts.
+`silu_and_mul_fp8` (and `gelu_tanh_and_mul_fp8`) also quantizes each row to FP8 per token (the
+down projection's input), as `llmserve.model.fp8.quantize_tokens` quantizes the reference's
+output: one program per row, holding the row in registers when it fits (ONE_PASS_COLS), else a
+first pass for the amax and a second that recomputes, scales and casts.
 """
 
 from __future__ import annotations
@@ -21,10 +25,24 @@ from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_s
 from llmserve.kernels.pdl import gdc_enter, launch_options
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the kernels' ACT
+
+
 @triton.jit
-def _silu_and_mul_kernel(
+def _act(gate, ACT: tl.constexpr):
+    """ACT of `gate` in float32, rounded to gate's dtype as the reference rounds it (and back)."""
+    g = gate.to(tl.float32)
+    if ACT == "gelu_tanh":  # g * sigmoid(2u): 2u = 2 sqrt(2/pi) (g + 0.044715 g^3), as torch's inner term
+        z = 1.5957691216057308 * (g + 0.044715 * (g * g * g))
+    else:
+        z = g
+    return (g / (1.0 + tl.exp(-z))).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _act_and_mul_kernel(
     x_ptr, out_ptr, delta_ptr, stride_x, stride_o, stride_d, n_cols, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    ACT: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
@@ -36,9 +54,7 @@ def _silu_and_mul_kernel(
         d_row = delta_ptr + row * stride_d
         gate = (gate.to(tl.float32) + tl.load(d_row + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
         up = (up.to(tl.float32) + tl.load(d_row + n_cols + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    out = act * up.to(tl.float32)
+    out = _act(gate, ACT) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -47,18 +63,17 @@ LOOP_BLOCK = 2048  # columns per step for longer rows
 
 
 @triton.jit
-def _silu_mul_row(x_row, cols, mask, n_cols):
+def _act_mul_row(x_row, cols, mask, n_cols, ACT: tl.constexpr):
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
     up = tl.load(x_row + n_cols + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # the reference's output, rounded
+    return (_act(gate, ACT) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # the reference's output, rounded
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(
+def _act_and_mul_fp8_kernel(
     x_ptr, q_ptr, scale_ptr, stride_x, stride_q, n_cols,
-    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ACT: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
@@ -66,7 +81,7 @@ def _silu_and_mul_fp8_kernel(
     if ONE_PASS:  # the whole row in registers (BLOCK >= n_cols): one load, no recompute
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = _silu_mul_row(x_row, cols, mask, n_cols)
+        y = _act_mul_row(x_row, cols, mask, n_cols, ACT)
         scale = fp8_scale(tl.max(tl.abs(y), axis=0), FP8_MAX, MIN_SCALE)
         q = fp8_scaled(y, fp8_reciprocal(scale), FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -74,19 +89,29 @@ def _silu_and_mul_fp8_kernel(
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, cols, cols < n_cols, n_cols)))
+            amax = tl.maximum(amax, tl.abs(_act_mul_row(x_row, cols, cols < n_cols, n_cols, ACT)))
         scale = fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
         inv = fp8_reciprocal(scale)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            q = fp8_scaled(_silu_mul_row(x_row, cols, mask, n_cols), inv, FP8_MAX)
+            q = fp8_scaled(_act_mul_row(x_row, cols, mask, n_cols, ACT), inv, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
     """x `[..., 2 * I]` -> `silu_and_mul(x)` as FP8 rows `[T, I]` with a scale per row."""
+    return _act_and_mul_fp8(x, "silu")
+
+
+def gelu_tanh_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
+    """x `[..., 2 * I]` -> `gelu_tanh_and_mul(x)` as FP8 rows `[T, I]` with a scale per row."""
+    return _act_and_mul_fp8(x, "gelu_tanh")
+
+
+def _act_and_mul_fp8(x: torch.Tensor, act: str) -> Fp8Tokens:
+    assert act in ACTIVATIONS, act
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
     if x2.stride(-1) != 1:
@@ -100,9 +125,9 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
         # one token on an H200, mostly the latency of its 14 dependent loads
         one_pass = inter <= ONE_PASS_COLS
         block = triton.next_power_of_2(inter) if one_pass else LOOP_BLOCK
-        _silu_and_mul_fp8_kernel[(rows,)](
+        _act_and_mul_fp8_kernel[(rows,)](
             x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
+            MIN_SCALE=MIN_SCALE, ACT=act, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
             **launch_options(x.device),
         )  # fmt: skip
     return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
@@ -111,6 +136,17 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Tokens:
 def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """x `[..., 2 * I]` -> `[..., I]`. `delta` (float32, x's shape): added to x first, as
     `x.add_(delta)` would (a LoRA layer's deferred delta: llmserve/lora/deferred.py)."""
+    return _act_and_mul(x, delta, "silu")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[..., 2 * I]` -> `[..., I]`, tanh GELU of the gate times up (Gemma's GeGLU); `delta` as
+    `silu_and_mul`'s."""
+    return _act_and_mul(x, delta, "gelu_tanh")
+
+
+def _act_and_mul(x: torch.Tensor, delta: torch.Tensor | None, act: str) -> torch.Tensor:
+    assert act in ACTIVATIONS, act
     two_i = x.shape[-1]
     assert two_i % 2 == 0
     inter = two_i // 2
@@ -128,8 +164,8 @@ def silu_and_mul(x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Te
     rows = x2.shape[0]
     if rows and inter:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+        _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
             x2, out2, d2, x2.stride(0), out2.stride(0), d2.stride(0), inter, BLOCK=block, HAS_DELTA=delta is not None,
-            num_warps=max(1, min(8, block // 128)), **launch_options(x.device),
+            ACT=act, num_warps=max(1, min(8, block // 128)), **launch_options(x.device),
         )  # fmt: skip
     return out

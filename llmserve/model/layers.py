@@ -1,4 +1,5 @@
-"""Building blocks of the Llama block: RMSNorm, rotary embedding, gated SiLU MLP.
+"""Building blocks of the decoder block: RMSNorm, rotary embedding, the gated MLP's activations
+(SiLU for Llama's SwiGLU, tanh GELU for Gemma's GeGLU).
 
 Each is written to give the same float32 results as Hugging Face transformers'
 implementation (same op order), because greedy equality with transformers is the
@@ -74,6 +75,16 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Tokens:
     return quantized(silu_and_mul(gate_up))
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """GeGLU's activation (transformers' `gelu_pytorch_tanh`): tanh-approximated GELU of the gate times up."""
+    gate, up = add_delta(gate_up, delta).chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Tokens:
+    return quantized(gelu_tanh_and_mul(gate_up))
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """The elementwise ops the model runs: these PyTorch references, or fused kernels
@@ -90,6 +101,9 @@ class LayerOps:
     fused_add_rms_norm_fp8: Callable = fused_add_rms_norm_fp8
     silu_and_mul_fp8: Callable = silu_and_mul_fp8
     linear: Callable = F.linear  # the 16-bit projections' product
+    # GeGLU's activation (`ModelArch.hidden_act` "gelu_pytorch_tanh"), plain and quantized to FP8
+    gelu_tanh_and_mul: Callable = gelu_tanh_and_mul
+    gelu_tanh_and_mul_fp8: Callable = gelu_tanh_and_mul_fp8
 
 
 REFERENCE_OPS = LayerOps()
@@ -107,7 +121,9 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
     return LayerOps(kernels.rms_norm, kernels.fused_add_rms_norm, kernels.apply_rotary, kernels.silu_and_mul,
                     partial(kernels.fp8_matmul_fused_quant, fast_accum_tokens=fast),
                     partial(kernels.fp8_gemm_fast, fast_accum_tokens=fast), kernels.rms_norm_fp8,
-                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear)  # fmt: skip
+                    kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear,
+                    gelu_tanh_and_mul=kernels.gelu_tanh_and_mul,
+                    gelu_tanh_and_mul_fp8=kernels.gelu_tanh_and_mul_fp8)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from llmserve.kernels.activation import _silu_and_mul_fp8_kernel, silu_and_mul, silu_and_mul_fp8  # noqa: E402
+from llmserve.kernels.activation import _act_and_mul_fp8_kernel, silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, _quantize_rows_kernel, quantize_tokens_fp8  # noqa: E402
 from llmserve.model.fp8 import quantize_rows, quantize_tokens  # noqa: E402
 
@@ -51,8 +51,8 @@ def silu_variant(x: torch.Tensor, one_pass: bool, block: int, warps: int):
     rows = x.shape[0]
     q = torch.empty((rows, INTER), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-    _silu_and_mul_fp8_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), INTER, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
-                    MIN_SCALE=MIN_SCALE, num_warps=warps, USE_GDC=False)  # fmt: skip
+    _act_and_mul_fp8_kernel[(rows,)](x, q, s, x.stride(0), q.stride(0), INTER, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
+                    MIN_SCALE=MIN_SCALE, ACT="silu", num_warps=warps, USE_GDC=False)  # fmt: skip
     return q, s
 
 
