@@ -123,7 +123,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fp8.add_argument("--activations", default="dynamic", choices=["dynamic", "static"], help="static: input scales calibrated on a few prompts")
     fp8.add_argument("--kv-scales", action="store_true", help="each layer's k_scale / v_scale for --kv-cache-dtype fp8 (kv_cache_scheme), calibrated on a few prompts")
     fp8.add_argument("--ignore", default=None, help="projections left in 16 bits, comma-separated, as --quantization-ignore "
-                     "names them (e.g. model.layers.29.mlp.down_proj, or re:PATTERN); written to the config's ignore list")  # fmt: skip
+                     "names them (model.layers.N.PATH, PATH a linear layer of the model's family, or re:PATTERN); written to "
+                     "the config's ignore list")  # fmt: skip
     fp8.add_argument("--gptq", action="store_true", help="round the weights by GPTQ (error-compensating, layer by layer) "
                      "on --calibration-text instead of to nearest; scales per channel")  # fmt: skip
     fp8.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files GPTQ calibrates on (windows of 512 "

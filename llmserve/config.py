@@ -232,9 +232,11 @@ class EngineArgs:
             if quantization not in (None, "fp8"):
                 raise ConfigError(f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply")
             quantization = "fp8"
-        ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch.num_layers)
+        ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch)
         if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
             ignore = checkpoint_quant.ignore
+        _check_family_features(arch, quantization=quantization, lora=self.enable_lora,
+                               tensor_parallel=self.tensor_parallel_size > 1, fp8_kv_cache=self.kv_cache_dtype != "auto")  # fmt: skip
         device = _resolve_device(self.device)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
@@ -336,6 +338,17 @@ def _check_writable(path: str | None) -> str | None:
     if path is not None and not Path(path).expanduser().parent.is_dir():
         raise ConfigError(f"step_timing_log {path!r}: the folder {str(Path(path).parent)!r} does not exist")
     return path
+
+
+def _check_family_features(arch: ModelArch, **features: object) -> None:
+    """A feature the model's family refuses is an error at start, naming why."""
+    from llmserve.model.registry import family_of
+
+    family = family_of(arch)
+    for feature, asked in features.items():
+        reason = family.refuse(feature) if asked else None
+        if reason:
+            raise ConfigError(reason)
 
 
 def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:
@@ -444,9 +457,7 @@ def _resolve_dtype(dtype: str, arch: ModelArch, device: str) -> torch.dtype:
 
 
 def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
-    limit = arch.max_position_embeddings
-    if arch.sliding_window is not None:
-        limit = min(limit, arch.sliding_window)  # no sliding-window attention: cap instead
+    limit = arch.max_position_embeddings  # (sliding windows bound what each layer attends to, not the length)
     if requested is None:
         return limit
     if requested < 1:
@@ -454,7 +465,7 @@ def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     if requested > limit:
         raise ConfigError(
             f"max_model_len {requested} is larger than the model's {limit} positions "
-            f"(max_position_embeddings{' / sliding_window' if arch.sliding_window else ''})"
+            "(max_position_embeddings)"
         )
     return requested
 
@@ -474,22 +485,22 @@ def _checkpoint_quantization(path: Path) -> "CheckpointQuantization | None":
 
 
 def _check_quantization_ignore(value: str | None, quantization: str | None, checkpoint_quant,
-                               num_layers: int) -> tuple[str, ...]:  # fmt: skip
+                               arch: ModelArch) -> tuple[str, ...]:  # fmt: skip
     patterns = tuple(p.strip() for p in (value or "").split(",") if p.strip())
     if not patterns:
         return ()
     if quantization != "fp8" or checkpoint_quant is not None:
         raise ConfigError("quantization_ignore applies to --quantization fp8 on a checkpoint of bf16/fp16 weights "
                           "(an FP8 checkpoint lists its own unquantized layers)")  # fmt: skip
-    from llmserve.model.fp8 import PROJECTION_PATHS, unmatched_patterns
+    from llmserve.model.fp8 import projection_paths, unmatched_patterns
 
     try:
-        unmatched = unmatched_patterns(patterns, num_layers)
+        unmatched = unmatched_patterns(patterns, arch)
     except re.error as e:
         raise ConfigError(f"quantization_ignore: a bad regular expression ({e})") from None
     if unmatched:
         raise ConfigError(f"quantization_ignore: {', '.join(unmatched)} names no projection of this model (its "
-                          f"{num_layers} layers have model.layers.N.{{{','.join(PROJECTION_PATHS)}}})")  # fmt: skip
+                          f"{arch.num_layers} layers have model.layers.N.{{{','.join(projection_paths(arch))}}})")  # fmt: skip
     return patterns
 
 

@@ -46,16 +46,17 @@ def weight_bytes_per_step(arch, dtype, quantization: str | None = None, quantiza
     whose LM head and `quantization_ignore`'s projections stay in `dtype`); the input embedding
     only for its few rows (so it counts only when tied to the LM head). Norms and scales are
     negligible."""
-    from llmserve.model.fp8 import PROJECTION_PATHS, is_ignored
+    from llmserve.model.fp8 import is_ignored
+    from llmserve.model.registry import family_of
 
-    h, inter = arch.hidden_size, arch.intermediate_size
-    sizes = dict(zip(PROJECTION_PATHS, (h * (arch.q_size + 2 * arch.kv_size), arch.q_size * h, 2 * h * inter, inter * h)))
     total = 0
     for layer in range(arch.num_layers):
-        for path, weights in sizes.items():
-            fp8 = quantization == "fp8" and not is_ignored(f"model.layers.{layer}.{path}", quantization_ignore)
+        for spec in family_of(arch).linears(arch):
+            weights = spec.in_features * spec.out_features
+            fp8 = quantization == "fp8" and spec.fp8 and not is_ignored(f"model.layers.{layer}.{spec.path}",
+                                                                         quantization_ignore)  # fmt: skip
             total += weights * (1 if fp8 else dtype.itemsize)
-    return total + arch.vocab_size * h * dtype.itemsize  # + the LM head
+    return total + arch.vocab_size * arch.hidden_size * dtype.itemsize  # + the LM head
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -124,12 +124,12 @@ def mixed_capture_sizes(top: int) -> list[int]:
 
 class PiecewiseGraphs:
     def __init__(self, model: torch.nn.Module, max_tokens: int, device: torch.device) -> None:
-        """`model`: a causal LM whose `.model` has first/middle/last pieces and `.layers`;
-        its `shard` gives this rank's head counts."""
-        self.inner = model.model
-        self.layers = [layer.self_attn for layer in self.inner.layers]
+        """`model`: a causal LM (model/interface.py): its first/middle/last pieces and attention
+        layers; its `shard` gives this rank's head counts."""
+        self.inner = model
+        self.layers = model.attention_layers()
         a = model.shard
-        dtype = self.inner.norm.weight.dtype
+        dtype = model.embedding_dtype()
         self.num_heads, self.head_dim = a.num_heads, a.head_dim
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)

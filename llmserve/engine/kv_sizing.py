@@ -10,15 +10,18 @@ from __future__ import annotations
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.model.arch import ModelArch
+from llmserve.model.interface import ModelArch
+from llmserve.model.registry import family_of
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Keys and values of `block_size` tokens in every layer (of this rank's KV heads)."""
+    """Keys and values of `block_size` tokens in every layer (of this rank's KV heads), as the
+    model's family declares its layers' attention."""
     elem = torch.tensor([], dtype=kv_dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    widths = sum(spec.kv_width for spec in family_of(arch).attention(arch))
+    return 2 * block_size * widths * elem
 
 
 def cpu_num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:

@@ -19,7 +19,7 @@ from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.lora import LoRAAdapter, read_peft_adapter
 from llmserve.lora.adapter import LoRAModuleWeights
 from llmserve.lora_request import LoRARequest
-from llmserve.model.arch import ModelArch
+from llmserve.model.interface import ModelArch
 
 
 class LoRAManager:

@@ -1,5 +1,6 @@
-"""LoRA on llmserve's Llama at run time, without touching the model's code: each decoder
-layer's qkv_proj, o_proj, gate_up_proj and down_proj is replaced by a LoRALinear that calls
+"""LoRA on a model at run time, without touching the model's code: each decoder layer's linear
+layers that take adapters (its family's `LinearSpec`s: Llama's qkv_proj, o_proj, gate_up_proj and
+down_proj) is replaced by a LoRALinear that calls
 the original layer, then adds each token's adapter delta read from the slot store, for the
 token -> slot mapping of the step held by a shared LoRAContext.
 
@@ -10,8 +11,8 @@ it, since `takes_fp8_tokens` sees a LoRALinear): the adapter must see the real i
 Under tensor parallelism the store holds each rank's share (lora/shard.py), and the
 row-parallel layers sum their shrink outputs over the ranks before the expand.
 In overlapped steps the delta of o_proj, gate_up_proj and down_proj is added by the op after
-each (lora/deferred.py): those norms and the activation are wrapped too, and their parameter
-names gain `.norm` while LoRA is applied.
+each (lora/deferred.py; the model names those ops: `lora_consumers`): those norms and the
+activation are wrapped too, and their parameter names gain `.norm` while LoRA is applied.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from torch import nn
 from llmserve.lora.context import LoRAContext
 from llmserve.lora.deferred import ActAddingDelta, DeferredDelta, NormAddingDelta
 from llmserve.lora.ops import REFERENCE_LORA_OPS, LoRAOps
-from llmserve.lora.projections import ROW_PARALLEL
+from llmserve.lora.projections import row_parallel
 from llmserve.lora.slot_weights import ProjectionLoRA
 from llmserve.lora.store import LoRASlotStore
-from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.interface import CausalLM
+from llmserve.model.registry import family_of
 
 
 class LoRALinear(nn.Module):
@@ -93,7 +95,7 @@ class LoRALinear(nn.Module):
 class AppliedLoRA:
     """The handle of a model with LoRA layers: `remove()` puts the original layers back."""
 
-    model: LlamaForCausalLM
+    model: CausalLM
     store: LoRASlotStore
     context: LoRAContext
 
@@ -101,13 +103,13 @@ class AppliedLoRA:
         return [m for m in self.model.modules() if isinstance(m, LoRALinear)]
 
     def remove(self) -> None:
-        for layer in self.model.model.layers:
+        for layer in self.model.decoder_layers():
             for spec in self.store.weights.specs.values():
                 parent = getattr(layer, spec.parent)
                 wrapped = getattr(parent, spec.name)
                 if isinstance(wrapped, LoRALinear):
                     setattr(parent, spec.name, wrapped.base_layer)
-        for owner, name in _consumers(self.model):  # the ops that took deferred deltas, as they were
+        for _, owner, name in self.model.lora_consumers():  # the ops that took deferred deltas, as they were
             consumer = getattr(owner, name)
             if isinstance(consumer, NormAddingDelta):
                 setattr(owner, name, consumer.norm)
@@ -115,14 +117,17 @@ class AppliedLoRA:
                 setattr(owner, name, consumer.act)
 
 
-def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAContext,
+def apply_lora(model: CausalLM, store: LoRASlotStore, context: LoRAContext,
                ops: LoRAOps = REFERENCE_LORA_OPS, side: torch.cuda.Stream | None = None) -> AppliedLoRA:  # fmt: skip
     """Wrap every adaptable projection of `model` (loaded) in a LoRALinear over `store`'s slots,
     reading the step's token slots from `context`. `side`: the second stream of overlapped steps
     (default: a new one, on CUDA when `ops` overlap)."""
+    refused = family_of(model.arch).refuse("lora")
+    if refused:
+        raise ValueError(refused)
     if store.weights.arch != model.shard:
         raise ValueError("the LoRA slot store was made for another model architecture (or another rank's share)")
-    dtype = model.model.embed_tokens.weight.dtype  # the activations' (FP8 layers keep theirs)
+    dtype = model.embedding_dtype()  # the activations' (FP8 layers keep theirs)
     if store.weights.dtype != dtype:
         raise ValueError(f"the LoRA slots hold {store.weights.dtype}, the model computes in {dtype}")
     if context.num_slots != store.num_slots:
@@ -130,36 +135,24 @@ def apply_lora(model: LlamaForCausalLM, store: LoRASlotStore, context: LoRAConte
     device = store.weights.scaling.device
     if side is None and ops.overlap_max_tokens > 0 and device.type == "cuda":
         side = torch.cuda.Stream(device)  # one for every layer
-    for i, layer in enumerate(model.model.layers):
+    row = row_parallel(model.arch)
+    for i, layer in enumerate(model.decoder_layers()):
         for spec in store.weights.specs.values():
             parent = getattr(layer, spec.parent)
             base = getattr(parent, spec.name)
             if isinstance(base, LoRALinear):
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
-            reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in ROW_PARALLEL else None
+            reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in row else None
             setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce, side))
     if side is not None and ops.defer_add:
         _defer_adds(model, side)
     return AppliedLoRA(model, store, context)
 
 
-def _consumers(model: LlamaForCausalLM) -> list[tuple[object, str]]:
-    """(owner, attribute) of the op right after each layer's o_proj, gate_up_proj and down_proj,
-    in that order, layer by layer: the post-attention norm, the MLP's activation, and the next
-    layer's input norm (the model's final norm after the last layer)."""
-    layers = model.model.layers
-    out: list[tuple[object, str]] = []
-    for i, layer in enumerate(layers):
-        after_down = (layers[i + 1], "input_layernorm") if i + 1 < len(layers) else (model.model, "norm")
-        out += [(layer, "post_attention_layernorm"), (layer.mlp, "act"), after_down]
-    return out
-
-
-def _defer_adds(model: LlamaForCausalLM, side: torch.cuda.Stream) -> None:
-    """Let the op after o_proj, gate_up_proj and down_proj add their overlapped deltas (lora/deferred.py)."""
-    projections = [p for layer in model.model.layers for p in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                                                layer.mlp.down_proj)]  # fmt: skip
-    for projection, (owner, name) in zip(projections, _consumers(model), strict=True):
+def _defer_adds(model: CausalLM, side: torch.cuda.Stream) -> None:
+    """Let the op after each projection the model names (`lora_consumers`) add its overlapped delta
+    (lora/deferred.py)."""
+    for projection, owner, name in model.lora_consumers():
         if not isinstance(projection, LoRALinear) or projection.side is None:  # (row-parallel: no side stream)
             continue
         projection.deferred = DeferredDelta(side)

@@ -7,7 +7,6 @@ import math
 from dataclasses import dataclass
 
 from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind
-from llmserve.lora.projections import SUPPORTED_MODULES
 
 # options that change nothing at inference (training, initialisation, bookkeeping)
 _HARMLESS = frozenset({
@@ -37,8 +36,9 @@ class PeftLoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
-def parse_peft_config(data: object, max_rank: int) -> PeftLoRAConfig:
-    """The checked config of a LoRA adapter; raises LoRAAdapterError naming the first problem."""
+def parse_peft_config(data: object, max_rank: int, supported: tuple[str, ...]) -> PeftLoRAConfig:
+    """The checked config of a LoRA adapter whose targets must be among `supported` (PEFT module
+    names); raises LoRAAdapterError naming the first problem."""
     if not isinstance(data, dict):
         raise _invalid(f"adapter_config.json must hold a JSON object, not {type(data).__name__}")
     peft_type = data.get("peft_type", "LORA")
@@ -53,7 +53,7 @@ def parse_peft_config(data: object, max_rank: int) -> PeftLoRAConfig:
     alpha = data.get("lora_alpha", 8)  # PEFT's default
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise _invalid(f"lora_alpha must be a number, got {alpha!r}")
-    return PeftLoRAConfig(rank, float(alpha), bool(data.get("use_rslora", False)), _targets(data.get("target_modules")),
+    return PeftLoRAConfig(rank, float(alpha), bool(data.get("use_rslora", False)), _targets(data.get("target_modules"), supported),
                           data.get("base_model_name_or_path"))  # fmt: skip
 
 
@@ -75,15 +75,15 @@ def _refuse_features(data: dict) -> None:
             raise _unsupported(f"{key} = {data[key]!r} is not supported (it changes the forward pass)")
 
 
-def _targets(value: object) -> tuple[str, ...] | None:
+def _targets(value: object, supported: tuple[str, ...]) -> tuple[str, ...] | None:
     if isinstance(value, str):  # a regex over module names: the saved weights tell which matched
         return None
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value) or not value:
         raise _invalid(f"target_modules must be a list of module names or a regex, got {value!r}")
-    unsupported = sorted({m.rsplit(".", 1)[-1] for m in value} - set(SUPPORTED_MODULES))
+    unsupported = sorted({m.rsplit(".", 1)[-1] for m in value} - set(supported))
     if unsupported:
         raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE, f"target modules {unsupported} are not supported; "
-                               f"supported: {', '.join(SUPPORTED_MODULES)}")  # fmt: skip
+                               f"supported: {', '.join(supported)}")  # fmt: skip
     return tuple(sorted({m.rsplit(".", 1)[-1] for m in value}))
 
 

@@ -16,8 +16,8 @@ from llmserve.lora.adapter import LoRAAdapter, LoRAModuleWeights
 from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind, unusable_path
 from llmserve.lora.folder import AdapterFolder
 from llmserve.lora.peft_config import PeftLoRAConfig, parse_peft_config
-from llmserve.lora.projections import SUPPORTED_MODULES, module_parent, module_shapes
-from llmserve.model.arch import ModelArch
+from llmserve.lora.projections import module_parent, module_shapes, supported_modules
+from llmserve.model.interface import ModelArch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -39,7 +39,7 @@ def read_peft_adapter(path: str | Path, name: str, arch: ModelArch, max_rank: in
         try:
             if config_fd is None or weights_fd is None:
                 raise unusable_path(_missing(folder, config_fd is None))
-            config = parse_peft_config(_parse_json(folder.read_bytes(config_fd)), max_rank)
+            config = parse_peft_config(_parse_json(folder.read_bytes(config_fd)), max_rank, supported_modules(arch))
             tensors = _read_tensors(folder.fd_path(weights_fd))
         finally:
             for fd in (config_fd, weights_fd):
@@ -108,11 +108,12 @@ def _parse_key(key: str, arch: ModelArch) -> tuple[int, str, str]:
             raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_FEATURE, f"DoRA weights ({key}) are not supported")
         raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE,
                                f"tensor {key!r} is not the LoRA A/B of a decoder layer's "
-                               f"{', '.join(SUPPORTED_MODULES)}")  # fmt: skip
+                               f"{', '.join(supported_modules(arch))}")  # fmt: skip
     layer, parent, module, half = int(match[1]), match[2], match[3], match[4]
-    if module not in SUPPORTED_MODULES or parent != module_parent(module):
+    supported = supported_modules(arch)
+    if module not in supported or parent != module_parent(arch, module):
         raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE, f"tensor {key!r}: {parent}.{module} is not supported; "
-                               f"supported: {', '.join(SUPPORTED_MODULES)}")  # fmt: skip
+                               f"supported: {', '.join(supported)}")  # fmt: skip
     if layer >= arch.num_layers:
         raise LoRAAdapterError(LoRAErrorKind.SHAPE_MISMATCH,
                                f"tensor {key!r} is for layer {layer}; the base model has {arch.num_layers} layers")  # fmt: skip

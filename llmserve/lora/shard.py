@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from llmserve.lora.adapter import LoRAAdapter, LoRAModuleWeights
-from llmserve.lora.projections import ROW_PARALLEL, module_shapes
-from llmserve.model.arch import ModelArch
-from llmserve.model.tensor_parallel import local_arch
+from llmserve.lora.projections import module_shapes, row_parallel
+from llmserve.model.interface import ModelArch, local_arch
 
 
 def shard_adapter(adapter: LoRAAdapter, arch: ModelArch, world_size: int, rank: int) -> LoRAAdapter:
@@ -24,9 +23,10 @@ def shard_adapter(adapter: LoRAAdapter, arch: ModelArch, world_size: int, rank: 
         return adapter
     local = module_shapes(local_arch(arch, world_size))
     modules = {}
+    row = row_parallel(arch)
     for (layer, module), w in adapter.modules.items():
         in_local, out_local = local[module]
-        if module in ROW_PARALLEL:
+        if module in row:
             a, b = w.a.narrow(1, rank * in_local, in_local), w.b
         else:
             a, b = w.a, w.b.narrow(0, rank * out_local, out_local)

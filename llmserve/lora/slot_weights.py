@@ -23,7 +23,7 @@ import torch
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.lora.errors import LoRAAdapterError, LoRAErrorKind
 from llmserve.lora.projections import ProjectionSpec, module_place, projection_specs
-from llmserve.model.arch import ModelArch
+from llmserve.model.interface import ModelArch
 
 
 @dataclass(frozen=True, slots=True)

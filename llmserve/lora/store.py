@@ -10,7 +10,7 @@ import torch
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.lora.slot_table import SlotAssignment, SlotTable
 from llmserve.lora.slot_weights import ProjectionLoRA, SlotWeights
-from llmserve.model.arch import ModelArch
+from llmserve.model.interface import ModelArch
 
 
 class LoRASlotStore:

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from llmserve.lora.projections import SUPPORTED_MODULES, module_parent, module_shapes
+from llmserve.lora.projections import module_parent, module_shapes, supported_modules
 from llmserve.lora.reader import CONFIG_FILE, WEIGHTS_FILE
-from llmserve.model.arch import ModelArch
+from llmserve.model.interface import ModelArch
 
 
 def write_random_adapter(arch: ModelArch, folder: str | Path, rank: int, seed: int,
@@ -29,16 +29,16 @@ def write_random_adapter(arch: ModelArch, folder: str | Path, rank: int, seed: i
     shapes = module_shapes(arch)
     tensors = {}
     for layer in range(arch.num_layers):
-        for module in SUPPORTED_MODULES:
+        for module in supported_modules(arch):
             in_features, out_features = shapes[module]
-            key = f"base_model.model.model.layers.{layer}.{module_parent(module)}.{module}"
+            key = f"base_model.model.model.layers.{layer}.{module_parent(arch, module)}.{module}"
             a = torch.randn(rank, in_features, generator=gen) / in_features**0.5
             b = torch.randn(out_features, rank, generator=gen) * 0.02
             tensors[f"{key}.lora_A.weight"] = a.to(dtype).contiguous()
             tensors[f"{key}.lora_B.weight"] = b.to(dtype).contiguous()
     save_file(tensors, str(out / WEIGHTS_FILE))
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": float(alpha if alpha is not None else 2 * rank),
-              "target_modules": list(SUPPORTED_MODULES), "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
+              "target_modules": list(supported_modules(arch)), "bias": "none", "task_type": "CAUSAL_LM"}  # fmt: skip
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out
 

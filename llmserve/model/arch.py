@@ -1,7 +1,9 @@
 """The architecture facts the engine needs, read from a Hugging Face config.json.
 
-Reads both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) and the 5.x one
-(`rope_parameters`), so folders saved by either load.
+`ModelArch` is the engine's view of any family (model/interface.py); each family's file parses
+its own config.json into it (model/registry.py finds the family). Shared here: the rope
+parameters in both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) and the 5.x one
+(`rope_parameters`), and the end-of-sequence ids.
 """
 
 from __future__ import annotations
@@ -10,13 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-# architecture name -> family flags; all are the Llama block with small variations
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+SLIDING = "sliding_attention"
+FULL = "full_attention"
 
 
 class UnsupportedModelError(ValueError):
@@ -57,6 +54,13 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh
+    # each layer's attention kind (SLIDING: windowed by sliding_window); () = every layer SLIDING
+    # when sliding_window is set, else FULL
+    layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim's)
+    rope_local: RopeConfig | None = None  # the sliding layers' rotary embedding, where it differs
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def q_size(self) -> int:
@@ -66,6 +70,13 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        kind = self.layer_types[layer] if self.layer_types else SLIDING
+        return self.sliding_window if kind == SLIDING else None
+
 
 def read_model_arch(model_dir: Path) -> ModelArch:
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -73,49 +84,20 @@ def read_model_arch(model_dir: Path) -> ModelArch:
 
 
 def parse_model_arch(cfg: dict) -> ModelArch:
-    architectures = cfg.get("architectures") or []
-    arch_name = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch_name is None:
-        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-        arch_name = by_type.get(cfg.get("model_type", ""))
-    if arch_name is None:
-        raise UnsupportedModelError(
-            f"unsupported architecture {architectures or cfg.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
-    family = SUPPORTED_ARCHITECTURES[arch_name]
-    num_heads = cfg["num_attention_heads"]
+    """A config.json parsed by the family that serves it (UnsupportedModelError: none does)."""
+    from llmserve.model.registry import parse_config
+
+    return parse_config(cfg)
+
+
+def eos_token_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelArch(
-        architecture=arch_name,
-        family=family,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope=_parse_rope(cfg),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=(family == "qwen2") or bool(cfg.get("attention_bias", False)),
-        o_proj_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        sliding_window=_sliding_window(cfg, family),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-    )
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
 
 
-def _parse_rope(cfg: dict) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
+def parse_rope(cfg: dict, params: dict | None = None) -> RopeConfig:
+    """The rotary embedding of a config.json (`params`: a per-layer-type `rope_parameters` entry)."""
+    params = dict(cfg.get("rope_parameters") or {}) if params is None else dict(params)
     scaling = cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
@@ -132,10 +114,3 @@ def _parse_rope(cfg: dict) -> RopeConfig:
             params.get("original_max_position_embeddings", 8192)
         ),
     )
-
-
-def _sliding_window(cfg: dict, family: str) -> int | None:
-    window = cfg.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None

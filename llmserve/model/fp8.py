@@ -143,12 +143,27 @@ def make_linear(in_features: int, out_features: int, bias: bool, quantization: s
     return DenseLinear(in_features, out_features, bias, linear)
 
 
-PROJECTION_PATHS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+def projection_paths(arch) -> tuple[str, ...]:
+    """The paths, inside a decoder layer, of the linear layers `--quantization fp8` quantizes
+    (the model family's declaration: model/interface.py)."""
+    from llmserve.model.registry import family_of
+
+    return tuple(spec.path for spec in family_of(arch).linears(arch) if spec.fp8)
 
 
-def projection_names(num_layers: int) -> list[str]:
+def projection_names(arch) -> list[str]:
     """The module names `--quantization fp8` quantizes, as `named_modules` gives them."""
-    return [f"model.layers.{i}.{path}" for i in range(num_layers) for path in PROJECTION_PATHS]
+    return [f"model.layers.{i}.{path}" for i in range(arch.num_layers) for path in projection_paths(arch)]
+
+
+def projection_parts(arch) -> dict[str, list[str]]:
+    """Each quantized module's name -> the checkpoint module names it loads from (a fused layer's
+    parts: model.layers.0.self_attn.qkv_proj -> ...q_proj, ...k_proj, ...v_proj)."""
+    from llmserve.model.registry import family_of
+
+    specs = [s for s in family_of(arch).linears(arch) if s.fp8]
+    return {f"model.layers.{i}.{s.path}": [f"model.layers.{i}.{s.parent}.{p}" for p in s.parts]
+            for i in range(arch.num_layers) for s in specs}  # fmt: skip
 
 
 def is_ignored(name: str, patterns: tuple[str, ...], whole: bool = True) -> bool:
@@ -160,9 +175,9 @@ def is_ignored(name: str, patterns: tuple[str, ...], whole: bool = True) -> bool
     return any(name == p or (p.startswith("re:") and match(p[3:], name) is not None) for p in patterns)
 
 
-def unmatched_patterns(patterns: tuple[str, ...], num_layers: int) -> list[str]:
+def unmatched_patterns(patterns: tuple[str, ...], arch) -> list[str]:
     """The patterns that name none of the projections (a typo, or another model's layer)."""
-    names = projection_names(num_layers)
+    names = projection_names(arch)
     return [p for p in patterns if not any(is_ignored(n, (p,)) for n in names)]
 
 

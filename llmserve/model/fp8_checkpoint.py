@@ -35,7 +35,6 @@ import torch
 
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.model.gptq_calibration import GptqOptions
-from llmserve.model.llama import checkpoint_parts
 
 FORMATS = ("fp8", "compressed-tensors")
 logger = logging.getLogger(__name__)
@@ -53,11 +52,12 @@ def _refuse(why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported quantization_config: {why}")
 
 
-def _kept_projections(ignored: object, num_layers: int) -> tuple[str, ...]:
+def _kept_projections(ignored: object, cfg: dict) -> tuple[str, ...]:
     """The model's projections a checkpoint's ignore list leaves in 16 bits (entries naming
     the LM head are allowed: it is never quantized here; entries naming nothing of this
     model, an MoE router say, are logged)."""
-    from llmserve.model.fp8 import is_ignored, projection_names
+    from llmserve.model.arch import parse_model_arch
+    from llmserve.model.fp8 import is_ignored, projection_parts
 
     def listed(name: str, patterns: tuple[str, ...]) -> bool:  # matched from the name's start
         return is_ignored(name, patterns, whole=False)
@@ -65,9 +65,10 @@ def _kept_projections(ignored: object, num_layers: int) -> tuple[str, ...]:
     if not isinstance(ignored, list) or not all(isinstance(p, str) for p in ignored):
         raise _refuse(f"the ignore list {ignored!r} is not a list of module names")
     patterns = tuple(ignored)
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
     if num_layers <= 0 and any(not listed("lm_head", (p,)) for p in patterns):
         raise _refuse("an ignore list in a config.json without num_hidden_layers")
-    groups = [(fused, checkpoint_parts(fused)) for fused in projection_names(num_layers)]
+    groups = list(projection_parts(parse_model_arch(cfg)).items()) if patterns and num_layers > 0 else []
     kept = []
     try:
         unused = [p for p in patterns if not listed("lm_head", (p,))
@@ -106,7 +107,7 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise _refuse(f"activation_scheme {scheme!r}")
-        kept = _kept_projections(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [], num_layers)
+        kept = _kept_projections(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [], cfg)
         return CheckpointQuantization("fp8", "tensor", scheme, kept)
     if method == "compressed-tensors":
         fmt = qc.get("format")
@@ -120,7 +121,7 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
             raise _refuse(f"weights of {weights.get('num_bits')}-bit {weights.get('type')} (8-bit float is read)")
         if weights.get("strategy") not in ("tensor", "channel"):
             raise _refuse(f"weight strategy {weights.get('strategy')!r} (tensor and channel are read)")
-        kept = _kept_projections(qc.get("ignore") or [], num_layers)
+        kept = _kept_projections(qc.get("ignore") or [], cfg)
         activations = "dynamic"
         if acts:
             if acts.get("type") != "float" or acts.get("num_bits") != 8:
@@ -240,7 +241,7 @@ def _gptq_rounded(source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ..
     fused = gptq_model(model, windows, set(kept), gptq.options, on_layer=progress)
     out = {}
     for name, (q, scale) in fused.items():
-        for part in checkpoint_parts(name):
+        for part in projection_parts(arch)[name]:
             target, shard = LlamaForCausalLM._target(part + ".weight")
             if shard is None:
                 out[part + ".weight"] = (q.cpu(), scale.cpu())
@@ -268,7 +269,7 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
     from safetensors.torch import save_file
 
     from llmserve.config import read_arch
-    from llmserve.model.fp8 import is_ignored, projection_names, quantize_rows, unmatched_patterns
+    from llmserve.model.fp8 import is_ignored, projection_names, projection_parts, quantize_rows, unmatched_patterns
     from llmserve.model.loader import _checkpoint_tensors
 
     if fmt not in FORMATS:
@@ -293,13 +294,14 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
                          "Face folder, not a GGUF file (dynamic activations are; the engine calibrates KV scales at start)")  # fmt: skip
     arch = read_arch(source, own_tokenizer=source.is_file())
     try:
-        unmatched = unmatched_patterns(tuple(ignore), arch.num_layers)
+        unmatched = unmatched_patterns(tuple(ignore), arch)
     except re.error as e:
         raise ValueError(f"ignore: a bad regular expression ({e})") from None
     if unmatched:
         raise ValueError(f"ignore: {', '.join(unmatched)} names no projection of this model")
-    kept = tuple(n for n in projection_names(arch.num_layers) if is_ignored(n, tuple(ignore)))
-    kept_parts = [part for n in kept for part in checkpoint_parts(n)]
+    kept = tuple(n for n in projection_names(arch) if is_ignored(n, tuple(ignore)))
+    parts = projection_parts(arch)
+    kept_parts = [part for n in kept for part in parts[n]]
     input_scales: dict[str, float] = {}
     kv: dict[int, tuple[float, float]] = {}
     if activations == "static" or kv_scales:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from llmserve.model.attention import AttentionMetadata
-from llmserve.model.fp8 import PROJECTION_PATHS
+from llmserve.model.fp8 import projection_paths
 from llmserve.model.fp8_gptq import dequantize, gptq_fp8, input_hessian
 
 BLOCK = 16  # cache block size of the calibration windows (any size gives the same result)
@@ -89,7 +89,8 @@ def window_metadata(n: int, device: torch.device) -> AttentionMetadata:
 
 def projections(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """The model's projections by name (what `--quantization fp8` quantizes)."""
-    return {n: m for n, m in model.named_modules() if n.endswith(PROJECTION_PATHS)}
+    paths = projection_paths(model.arch)
+    return {n: m for n, m in model.named_modules() if n.endswith(paths)}
 
 
 def gptq_model(

@@ -5,20 +5,24 @@ flat: `input_ids [T]`, `positions [T]` and the attention metadata of the batch; 
 variants differ only by flags on `ModelArch` (qkv bias, q/k norm, tied embeddings).
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
 Hugging Face parameter names onto them. With tensor parallelism (`tp`), `arch` given to
-the layers is the rank's share (`local_arch`): fewer heads, a narrower MLP.
+the layers is the rank's share (`local_arch`): fewer heads, a narrower MLP. `FAMILY` at the end
+declares the family to the registry (model/interface.py): its configs, shapes and GGUF names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import re
+
 import torch
 from torch import nn
 
 from llmserve.attention_metadata import SampledRows
-from llmserve.model.arch import ModelArch
+from llmserve.model.arch import SLIDING, ModelArch, UnsupportedModelError, eos_token_ids, parse_rope
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
+from llmserve.model.interface import AttentionSpec, LinearSpec, ModelFamily
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.tensor_parallel import (
@@ -38,12 +42,13 @@ def takes_fp8_tokens(layer: nn.Module) -> bool:
 class Attention(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup,
-        quantization: str | None = None,
+        quantization: str | None = None, window: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.scale = arch.head_dim**-0.5
+        self.window = window  # sliding-window attention (Mistral): keys in (p - window, p]
+        self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.qkv_proj = make_linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias,
                                     quantization, ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
         self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp,
@@ -78,15 +83,20 @@ class Attention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Write k/v to the cache and attend over it: [T, q_size] (into `out` if given)."""
-        return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out,
-                            kv_scales=self.kv_scales).reshape(-1, self.arch.q_size)  # fmt: skip
+        window = {} if self.window is None else {"window": self.window}
+        return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out, kv_scales=self.kv_scales,
+                            **window).reshape(-1, self.arch.q_size)  # fmt: skip
 
 
 class MLP(nn.Module):
+    """down(act(gate) * up), the activation `arch.hidden_act`: SiLU (SwiGLU) or tanh GELU (GeGLU)."""
+
     def __init__(self, arch: ModelArch, ops: LayerOps, tp: TPGroup, quantization: str | None = None) -> None:
         super().__init__()
-        self.act = ops.silu_and_mul
-        self.act_fp8 = ops.silu_and_mul_fp8
+        if arch.hidden_act == "gelu_pytorch_tanh":
+            self.act, self.act_fp8 = ops.gelu_tanh_and_mul, ops.gelu_tanh_and_mul_fp8
+        else:
+            self.act, self.act_fp8 = ops.silu_and_mul, ops.silu_and_mul_fp8
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
                                         ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, quantization,
@@ -103,11 +113,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup,
-        quantization: str | None = None,
+        quantization: str | None = None, window: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, backend, rotary, ops, tp, quantization)
+        self.self_attn = Attention(arch, backend, rotary, ops, tp, quantization, window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = MLP(arch, ops, tp, quantization)
 
@@ -164,7 +174,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
         shard = local_arch(arch, tp.world_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(shard, backend, self.rotary, ops, tp, quantization) for _ in range(arch.num_layers)
+            DecoderLayer(shard, backend, self.rotary, ops, tp, quantization, arch.layer_window(i))
+            for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
@@ -275,6 +286,35 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def embedding_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.model.first_piece(input_ids, positions)
+
+    def middle_piece(self, i: int, attn_out: torch.Tensor, residual: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        return self.model.middle_piece(i, attn_out, residual, positions)
+
+    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.model.last_piece(attn_out, residual)
+
+    def lora_consumers(self) -> list[tuple[nn.Module, nn.Module, str]]:
+        """(projection, owner, attribute of the op right after it) for o_proj, gate_up_proj and
+        down_proj, layer by layer: the post-attention norm, the MLP's activation, and the next
+        layer's input norm (the model's final norm after the last layer). LoRA's overlapped steps
+        let these ops add the projections' deltas (lora/deferred.py)."""
+        layers = self.model.layers
+        out: list[tuple[nn.Module, nn.Module, str]] = []
+        for i, layer in enumerate(layers):
+            after_down = (layers[i + 1], "input_layernorm") if i + 1 < len(layers) else (self.model, "norm")
+            out += [(layer.self_attn.o_proj, layer, "post_attention_layernorm"), (layer.mlp.gate_up_proj, layer.mlp, "act"),
+                    (layer.mlp.down_proj, *after_down)]  # fmt: skip
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face tensors into the (fused) parameters; returns names loaded.
@@ -392,3 +432,150 @@ class LlamaForCausalLM(nn.Module):
             sizes = [a.intermediate_size, a.intermediate_size]
         offset = sum(sizes[:shard])
         return param.data.narrow(0, offset, sizes[shard])
+
+
+# ---- the family's declarations (model/interface.py) ----
+
+_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def parse_config(cfg: dict) -> ModelArch:
+    """config.json of a Llama, Mistral, Qwen2 or Qwen3 model."""
+    arch_name = next((a for a in cfg.get("architectures") or [] if a in _FAMILIES), None)
+    if arch_name is None:
+        arch_name = {v: k for k, v in _FAMILIES.items()}[cfg.get("model_type", "")]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
+    family = _FAMILIES[arch_name]
+    num_heads = cfg["num_attention_heads"]
+    window = _sliding_window(cfg, family)
+    layer_types = tuple(cfg.get("layer_types") or ())
+    if window is not None and not layer_types and family in ("qwen2", "qwen3"):
+        # Qwen's sliding layers are those from max_window_layers on
+        first = int(cfg.get("max_window_layers", cfg["num_hidden_layers"]))
+        layer_types = tuple(SLIDING if i >= first else "full_attention" for i in range(cfg["num_hidden_layers"]))
+    return ModelArch(
+        architecture=arch_name,
+        family=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope=parse_rope(cfg),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=(family == "qwen2") or bool(cfg.get("attention_bias", False)),
+        o_proj_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=window,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_token_ids(cfg),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        layer_types=layer_types,
+    )
+
+
+def _sliding_window(cfg: dict, family: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def linear_specs(arch: ModelArch) -> tuple[LinearSpec, ...]:
+    """q/k/v and gate/up fused, each column-parallel; o and down row-parallel."""
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    return (
+        LinearSpec("self_attn.qkv_proj", h, ("q_proj", "k_proj", "v_proj"), (q, kv, kv), "column"),
+        LinearSpec("self_attn.o_proj", q, ("o_proj",), (h,), "row"),
+        LinearSpec("mlp.gate_up_proj", h, ("gate_proj", "up_proj"), (inter, inter), "column"),
+        LinearSpec("mlp.down_proj", inter, ("down_proj",), (h,), "row"),
+    )
+
+
+def attention_specs(arch: ModelArch) -> tuple[AttentionSpec, ...]:
+    return tuple(AttentionSpec(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.layer_window(i))
+                 for i in range(arch.num_layers))  # fmt: skip
+
+
+# GGUF: llama.cpp's names of the Llama block's tensors
+GGUF_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_name_mapper(global_names: dict[str, str], layer_names: dict[str, str], family: str):
+    """A GGUF tensor name -> Hugging Face name function over these tables (KeyError-free: an
+    unknown tensor is an UnsupportedModelError naming the family)."""
+
+    def hf_name(name: str) -> str | None:
+        if name == "rope_freqs.weight":  # read into ModelArch (gguf/config.py)
+            return None
+        if name in global_names:
+            return global_names[name]
+        match = _GGUF_BLOCK.fullmatch(name)
+        if match and match.group(2) in layer_names:
+            layer, part, kind = match.groups()
+            return f"model.layers.{layer}.{layer_names[part]}.{kind}"
+        raise UnsupportedModelError(f"GGUF tensor {name!r} has no place in a {family} model")
+
+    return hf_name
+
+
+def _gguf_values(hf_name: str, tensor: torch.Tensor, arch: ModelArch, gguf_arch: str) -> torch.Tensor:
+    """llama.cpp reorders the rows of q and k of the `llama` architecture within each head (its
+    rotary embedding pairs neighbours, Hugging Face's the two halves): undone."""
+    if gguf_arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        from llmserve.model.gguf.weights import unpermute_rotary
+
+        return unpermute_rotary(tensor, arch.num_heads if ".q_proj." in hf_name else arch.num_kv_heads)
+    return tensor
+
+
+def _gguf_config(ckpt, config: dict) -> dict:
+    arch = ckpt.architecture
+    config = {**config, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                          "qwen3": "Qwen3ForCausalLM"}[arch]]}  # fmt: skip
+    config["attention_bias"] = arch == "llama" and "blk.0.attn_q.bias" in ckpt.tensors
+    return config
+
+
+FAMILY = ModelFamily(
+    name="Llama",
+    architectures=tuple(_FAMILIES),
+    model_types=tuple(_FAMILIES.values()),
+    gguf_architectures=("llama", "qwen2", "qwen3"),  # Mistral's GGUFs say llama
+    parse_config=parse_config,
+    build=lambda *args, **kwargs: LlamaForCausalLM(*args, **kwargs),
+    linears=linear_specs,
+    attention=attention_specs,
+    gguf_config=_gguf_config,
+    gguf_tensor_name=gguf_name_mapper(GGUF_GLOBAL, GGUF_LAYER, "Llama-family"),
+    gguf_tensor_values=_gguf_values,
+)

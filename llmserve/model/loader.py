@@ -1,4 +1,5 @@
-"""Build a model on the meta device and fill it from safetensors files or dummy weights."""
+"""Build a model (its family's, model/registry.py) on the meta device and fill it from safetensors
+files, a GGUF file or dummy weights."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from tqdm import tqdm
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
-from llmserve.model.layers import REFERENCE_OPS, LayerOps
-from llmserve.model.llama import LlamaForCausalLM
+from llmserve.model.interface import CausalLM
+from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
+from llmserve.model.registry import family_of
 from llmserve.model.tensor_parallel import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -35,7 +37,7 @@ def load_model(
     tp: TPGroup = SINGLE,
     quantization: str | None = None,
     quantization_ignore: tuple[str, ...] = (),
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
     rank's tensor-parallel group (each rank builds and loads only its shard); `quantization`
@@ -43,12 +45,14 @@ def load_model(
     the modules `quantization_ignore` names."""
     start = time.perf_counter()
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
+        model = family_of(arch).build(arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
         for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
             if param.dtype == torch.float32 and not _is_scale(model, param):
                 param.data = param.data.to(dtype)
     model = model.to_empty(device=device)  # allocate once
-    model.model.rotary.rebuild(torch.device(device))
+    for module in model.modules():  # buffers computed, not loaded: the rotary tables
+        if isinstance(module, RotaryEmbedding):
+            module.rebuild(torch.device(device))
     fill_weights(model, model_dir, arch, load_format, seed, tp, progress)
     if progress:
         params = sum(p.numel() for p in model.parameters())
@@ -57,7 +61,7 @@ def load_model(
     return model.eval()
 
 
-def fill_weights(model: LlamaForCausalLM, model_dir: str, arch: ModelArch, load_format: str = "auto", seed: int = 0,
+def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: str = "auto", seed: int = 0,
                  tp: TPGroup = SINGLE, progress: bool = True) -> None:  # fmt: skip
     """Fill an allocated model's parameters: from the checkpoint, or dummy weights (the same
     ones for the same seed). Also how a model that slept at level 2 gets its weights back."""

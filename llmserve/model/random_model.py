@@ -14,7 +14,11 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# family -> transformers' (config class, model class)
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}  # fmt: skip
 
 # a minimal chat template, so random models can serve /v1/chat/completions in tests
 CHAT_TEMPLATE = (
@@ -74,10 +78,11 @@ def make_random_model(
         raise ValueError(f"family must be one of {FAMILIES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cls_name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
-    config_cls = getattr(transformers, f"{cls_name}Config")
-    model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
+    config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[family])
     kwargs = {**_BASE, "vocab_size": vocab_size, **overrides}
+    if family == "gemma3":  # a small window and head: long prompts cross it (five of six layers slide)
+        kwargs = {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
+                  "pad_token_id": 0, **kwargs}  # fmt: skip
     if family == "qwen3":
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if family == "mistral":

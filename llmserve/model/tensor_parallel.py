@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.model.arch import ModelArch
+from llmserve.model.interface import local_arch  # noqa: F401  (re-exported: the layers import it here)
 
 
 @dataclass
@@ -75,18 +76,6 @@ def check_tp_shape(arch: ModelArch, world_size: int) -> str | None:
         if value % world_size:
             return f"{name} ({value}) is not divisible by tensor_parallel_size {world_size}"
     return None
-
-
-def local_arch(arch: ModelArch, world_size: int) -> ModelArch:
-    """The shape one rank holds: its share of the heads and of the MLP."""
-    if world_size == 1:
-        return arch
-    return dataclasses.replace(
-        arch,
-        num_heads=arch.num_heads // world_size,
-        num_kv_heads=arch.num_kv_heads // world_size,
-        intermediate_size=arch.intermediate_size // world_size,
-    )
 
 
 class RowParallelLinear(nn.Module):

@@ -1,8 +1,9 @@
 """A GGUF file's metadata as the Hugging Face config the engine reads (`ModelArch`).
 
 llama.cpp names the architecture (`general.architecture`) and keeps its numbers under that
-name (`llama.block_count`, `qwen2.attention.head_count_kv`, ...). Llama-family GGUFs map
-onto the four families llmserve runs; Mistral's GGUFs say `llama`.
+name (`llama.block_count`, `qwen2.attention.head_count_kv`, ...). The numbers every family has
+are read here; the family registered for the architecture (model/registry.py) adds its own
+(`ModelFamily.gguf_config`) and names the Hugging Face architecture. Mistral's GGUFs say `llama`.
 """
 
 from __future__ import annotations
@@ -11,21 +12,16 @@ import dataclasses
 
 from llmserve.model.arch import ModelArch, parse_model_arch
 from llmserve.model.gguf.checkpoint import GGUFCheckpoint, GGUFError
-
-# GGUF architecture -> the Hugging Face architecture it is
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+from llmserve.model.registry import family_for_gguf, gguf_architectures
 
 
 def gguf_hf_config(ckpt: GGUFCheckpoint) -> dict:
     """The Hugging Face config.json a GGUF's metadata describes."""
     arch = ckpt.architecture
-    if arch not in GGUF_ARCHITECTURES:
+    family = family_for_gguf(arch)
+    if family is None:
         raise GGUFError(f"{str(ckpt.path)!r}: GGUF architecture {arch!r} is not supported "
-                        f"(supported: {', '.join(GGUF_ARCHITECTURES)})")  # fmt: skip
+                        f"(supported: {', '.join(gguf_architectures())})")  # fmt: skip
     missing = [k for k in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
                if ckpt.arch_key(k) is None]  # fmt: skip
     if missing:
@@ -42,7 +38,6 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> dict:
         raise GGUFError(f"{str(ckpt.path)!r} has no token_embd.weight tensor")
     meta = ckpt.metadata
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": embed.shape[0],
         "hidden_size": hidden,
@@ -55,7 +50,6 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> dict:
         "max_position_embeddings": int(ckpt.arch_key("context_length", 2048)),
         "rope_theta": float(ckpt.arch_key("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in ckpt.tensors,
-        "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in ckpt.tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": end_token_ids(ckpt),
     }
@@ -64,7 +58,7 @@ def gguf_hf_config(ckpt: GGUFCheckpoint) -> dict:
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(ckpt.arch_key("rope.scaling.factor", 1.0))}
     elif scaling not in (None, "none"):
         raise GGUFError(f"{str(ckpt.path)!r}: rope scaling {scaling!r} is not supported (none and linear are)")
-    return config
+    return family.gguf_config(ckpt, config)
 
 
 def check_gguf_tokenizer(ckpt: GGUFCheckpoint) -> None:

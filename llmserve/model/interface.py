@@ -1,0 +1,167 @@
+"""The one model interface: what a model family declares and what its causal LM offers.
+
+Everything outside `llmserve/model/` (the engine, the runner, LoRA, tensor parallelism, FP8,
+CUDA graphs, the KV cache) knows a model only through these: a `ModelFamily` (registered in
+`model/registry.py`) declares the shapes (`LinearSpec` per linear layer, `AttentionSpec` per
+layer), the checkpoint names and the features it refuses; the model it builds is a `CausalLM`.
+Adding a family is one file that defines its `FAMILY` and its model, plus a registry line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from llmserve.model.arch import ModelArch  # the engine's view of a model's shape, part of this interface
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from llmserve.attention_metadata import AttentionMetadata, SampledRows
+    from llmserve.model.gguf.checkpoint import GGUFCheckpoint
+
+__all__ = ["AttentionSpec", "CausalLM", "Feature", "LinearSpec", "ModelArch", "ModelFamily", "layer_module_name", "local_arch"]
+
+# the features a family may refuse, by the name its error message uses
+Feature = Literal["lora", "fp8", "tensor_parallel", "fp8_kv_cache"]
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSpec:
+    """One linear layer of every decoder layer, as the whole model (one rank) holds it."""
+
+    path: str  # its module path inside a decoder layer: "self_attn.qkv_proj"
+    in_features: int
+    parts: tuple[str, ...]  # the checkpoint's module names of its output slices, in output order
+    widths: tuple[int, ...]  # output features of each part
+    parallel: Literal["column", "row"]  # tensor parallelism: outputs split, or inputs split and summed
+    lora: bool = True  # an adapter may target its parts
+    fp8: bool = True  # `--quantization fp8` quantizes it
+
+    @property
+    def name(self) -> str:
+        """The attribute that holds it: qkv_proj."""
+        return self.path.rpartition(".")[2]
+
+    @property
+    def parent(self) -> str:
+        """The submodule of the decoder layer that holds it: self_attn."""
+        return self.path.rpartition(".")[0]
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.widths)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Slice boundaries on the output dimension: part j is [offsets[j], offsets[j + 1])."""
+        out = [0]
+        for w in self.widths:
+            out.append(out[-1] + w)
+        return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """One decoder layer's attention, as its KV cache and kernels see it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None  # sliding window: a query at p sees keys in (p - window, p]; None: all
+
+    @property
+    def kv_width(self) -> int:
+        """Key (or value) elements one token stores in this layer."""
+        return self.num_kv_heads * self.head_dim
+
+
+class CausalLM(Protocol):
+    """What the runner, CUDA graphs, LoRA and the loaders call on a built model."""
+
+    arch: ModelArch
+    shard: ModelArch  # this rank's share of `arch` under tensor parallelism
+    tp: Any  # its tensor-parallel group (model/tensor_parallel.py TPGroup)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                sampled: SampledRows | None = None) -> torch.Tensor: ...  # fmt: skip
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's attention module: `.kv_cache` (bound by the runner), `.kv_scales`,
+        `.attend(q, k, v, meta, out=)`."""
+        ...
+
+    def decoder_layers(self) -> Sequence[nn.Module]:
+        """The decoder layers, in order: each holds its `LinearSpec.path` submodules."""
+        ...
+
+    def embedding_dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        ...
+
+    # The forward cut at its attention calls (piecewise CUDA graphs run attention between pieces):
+    # piece 0 = the embedding and layer 0 up to attention; piece i = layer i-1 after its attention
+    # and layer i up to its attention; the last = the last layer after attention and the final norm.
+    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def middle_piece(self, i: int, attn_out: torch.Tensor, residual: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]: ...  # fmt: skip
+
+    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def lora_consumers(self) -> list[tuple[nn.Module, nn.Module, str]]:
+        """(projection, owner, attribute) of the op right after each projection whose LoRA delta
+        that op adds in overlapped steps (lora/deferred.py); a family that refuses LoRA raises."""
+        ...
+
+    def expected_weight_keys(self) -> set[str]: ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family's declarations: which checkpoints it serves and the shapes it has."""
+
+    name: str
+    architectures: tuple[str, ...]  # Hugging Face `architectures` entries it serves
+    model_types: tuple[str, ...]  # Hugging Face `model_type`s (a config that names no architecture)
+    gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
+    parse_config: Callable[[dict], ModelArch]  # config.json -> the engine's view
+    build: Callable[..., CausalLM]  # (arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
+    linears: Callable[[ModelArch], tuple[LinearSpec, ...]]  # the linear layers of every decoder layer
+    attention: Callable[[ModelArch], tuple[AttentionSpec, ...]]  # one per decoder layer
+    # GGUF: the metadata's extra config.json keys (given the common ones), a tensor's Hugging Face
+    # name (None: not a weight), and a tensor's values as the Hugging Face model holds them
+    gguf_config: Callable[[GGUFCheckpoint, dict], dict] = lambda ckpt, config: config
+    gguf_tensor_name: Callable[[str], str | None] = lambda name: None
+    gguf_tensor_values: Callable[[str, Any, ModelArch, str], Any] = lambda hf_name, tensor, arch, gguf_arch: tensor
+    # a feature this family refuses -> why (said at start, in the error)
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+
+    def refuse(self, feature: str) -> str | None:
+        """Why this family cannot run with `feature`, or None."""
+        reason = self.unsupported.get(feature)
+        return None if reason is None else f"{self.name} models do not support {feature.replace('_', ' ')}: {reason}"
+
+
+def layer_module_name(layer: int, path: str) -> str:
+    """The full module name of a decoder layer's submodule: model.layers.3.mlp.down_proj."""
+    return f"model.layers.{layer}.{path}"
+
+
+def local_arch(arch: ModelArch, world_size: int) -> ModelArch:
+    """The shape one rank holds: its share of the heads and of the MLP."""
+    if world_size == 1:
+        return arch
+    return dataclasses.replace(
+        arch,
+        num_heads=arch.num_heads // world_size,
+        num_kv_heads=arch.num_kv_heads // world_size,
+        intermediate_size=arch.intermediate_size // world_size,
+    )
