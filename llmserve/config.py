@@ -199,7 +199,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (default: max_loras)
     # CUDA graphs captured with the LoRA ops in them (any mix of adapters replays them; checked against
-    # eager steps on an H200 by scripts/gpu/lora_engine_check.py); --no-lora-cuda-graphs: LoRA runs eager
+    # eager steps on the GPU by tests/gpu/test_gpu_lora.py); --no-lora-cuda-graphs: LoRA runs eager
     lora_cuda_graphs: bool = True
     # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice in the
     # projections of 16,384 outputs or more (the MLP's gate/up; llmserve/lora/expand_gemm.py and

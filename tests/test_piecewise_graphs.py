@@ -3,8 +3,8 @@
 On the GPU the pieces between attention calls replay captured graphs; here (no GPU) the
 same pieces run eagerly through the same static buffers, with the same padding. That is
 the path checked: its hidden states against the model's plain forward, and its greedy
-tokens inside the whole engine against transformers. `scripts/gpu/check_engine.py` checks
-the captured graphs on the H200.
+tokens inside the whole engine against transformers. `tests/gpu/test_gpu_engine.py` checks
+the captured graphs on a GPU (`pytest -m gpu`).
 """
 
 from __future__ import annotations

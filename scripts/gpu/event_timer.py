@@ -1,5 +1,5 @@
 """Median time of a GPU call by CUDA events, eagerly (host launch costs included): for the
-device-call scripts' kernel and sampler timings (attn_mixed.py, sampler_check.py)."""
+device-call scripts' kernel and sampler timings (sampling_kernels_check.py, logprobs_micro.py, ...)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ mkdir -p "$OUT"
 M=/tmp/llama8b
 ENGINE="--model $M --load-format dummy --max-model-len 2048 --max-num-seqs 512 --max-num-batched-tokens 16384"
 
-# ONLY="check_tp a hf" runs just those steps (in the calling script's order), ONLY=all every
+# ONLY="gpu_tests a hf" runs just those steps (in the calling script's order), ONLY=all every
 # step; without ONLY, the script's DEFAULT_STEPS (every step when it sets none)
 want() {
   local steps=${ONLY:-${DEFAULT_STEPS:-all}}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on nvidia-h200-x2: tensor parallelism. GPU correctness (TP=2 vs TP=1),
+# One device call on nvidia-h200-x2: tensor parallelism. GPU correctness (TP=2 vs TP=1: tests/gpu/test_gpu_tensor_parallel.py),
 # workload (a) on the 8B shape at TP=1 and TP=2, then the 70B shape served at TP=2
 # (too big for one GPU in bf16: 141 GB of weights) with a short `bench serve`.
 set -uo pipefail
@@ -7,7 +7,7 @@ source "$(dirname "$0")/lib.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 setup_env
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-run check_tp "${T_CHECK:-100}" python3 scripts/gpu/check_tp.py
+run check_tp "${T_CHECK:-150}" python3 -m pytest tests/gpu/test_gpu_tensor_parallel.py -m gpu -n 0 -p no:cacheprovider
 A="--num-prompts 512 --input-len 512 --output-len 256"
 run a_tp1 "${T_A1:-110}" python3 -m llmserve bench throughput $ENGINE $A --output-json "$OUT/a_tp1.json"
 run a_tp2 "${T_A2:-120}" python3 -m llmserve bench throughput $ENGINE $A --tensor-parallel-size 2 --output-json "$OUT/a_tp2.json"

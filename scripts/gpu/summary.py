@@ -1,5 +1,5 @@
 """The one table of a `run_offline_bench.sh` call: every result in $OUT (kernel checks,
-(a), (b), (c), the HF baseline, the engine check, (d) runs if present) against the GPU
+(a), (b), (c), the HF baseline, the GPU tests (gpu_tests.xml), (d) runs if present) against the GPU
 issue's targets (vLLM 0.25's anchors on this H200), as ratios.
 
     python3 scripts/gpu/summary.py OUT_DIR     (prints the table; writes OUT_DIR/summary.md)
@@ -50,14 +50,16 @@ def rows(out: Path) -> list[tuple[str, str, str, str]]:
     if c is not None:
         tps = c["output_tokens_per_s"]
         table.append(("(c) 1000 x 1024/128, output tok/s", f"{tps:,.1f}", f">= {C_TARGET:,.0f}", f"{tps / C_TARGET:.2f}"))
-    check = _load(out, "check_engine.json")
-    if check is not None:
-        f32 = check.get("float32", [])
-        equal = sum(1 for r in f32 if r.get("equal_to_hf"))
-        table.append(("GPU float32 greedy = transformers", f"{equal}/{len(f32)} variants", "all", "ok" if f32 and equal == len(f32) else "FAIL"))
-        bf16 = check.get("bf16", {})
-        if "bf16_agree_frac" in bf16:
-            table.append(("bf16 agreement with transformers", f"{bf16['bf16_agree_frac']:.1%}", "report", ""))
+    if (out / "gpu_tests.xml").is_file():  # the GPU tier's JUnit report (`pytest -m gpu --junitxml`)
+        import xml.etree.ElementTree as ET
+
+        suites = ET.parse(out / "gpu_tests.xml").getroot().iter("testsuite")
+        n, bad, skipped = 0, 0, 0
+        for s in suites:
+            n += int(s.get("tests", 0))
+            bad += int(s.get("failures", 0)) + int(s.get("errors", 0))
+            skipped += int(s.get("skipped", 0))
+        table.append(("GPU tests (pytest -m gpu)", f"{n - bad - skipped}/{n} passed, {skipped} skipped", "all", "ok" if n and not bad else "FAIL"))
     for path in sorted(out.glob("d_rate16*.json")):
         if (d := _load(out, path.name)) is None:
             continue
