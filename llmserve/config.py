@@ -162,7 +162,7 @@ class EngineArgs:
     # accumulation (cuBLASLt's FAST_ACCUM; vLLM's FP8 CUTLASS kernels on Hopper run the same
     # FP8FastAccum schedules): 9-12 % faster at 4,096-16,384 tokens on an H200, the same at 512;
     # the products differ from the exact accumulation by under 1.5 % of their largest value
-    # (docs/benchmarks.md). 0: never. CPUs ignore it
+    # (docs/history/benchmarks.md). 0: never. CPUs ignore it
     fp8_fast_accum_tokens: int = 1024
     max_model_len: int | None = None
     load_format: str = "auto"
@@ -183,7 +183,7 @@ class EngineArgs:
     # still need: the rest of their prompts, and up to this many more output tokens each (their
     # max_tokens at most). Without it, admissions filled the cache with prompts and the decodes'
     # growth then preempted requests to recompute: 48 of 1,000 in (c) on an H200, about 5 % more
-    # prefill (docs/benchmarks.md). 0: only a watermark of 1 % of the blocks, as before
+    # prefill (docs/history/benchmarks.md). 0: only a watermark of 1 % of the blocks, as before
     admission_reserve_tokens: int = 256
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
@@ -204,14 +204,14 @@ class EngineArgs:
     # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice in the
     # projections of 16,384 outputs or more (the MLP's gate/up; llmserve/lora/expand_gemm.py and
     # ops.py) instead of the Triton expand; 0: never. H200, (a) with 8 adapters: 0.857 of the base
-    # with it, 0.826 without (docs/benchmarks.md)
+    # with it, 0.826 without (docs/history/benchmarks.md)
     lora_expand_gemm_tokens: int = 65
     # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
     # float32 buffer) on a second CUDA stream while the base GEMM runs, then add it: at batch 1 the
     # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py). H200,
     # batch 1: 5.50 ms a token against 6.00 in order (base 4.83, one call); with lora_defer_add
     # (below) 5.17 (base 4.79, another call); at 8 tokens the projections measured 1-3 µs slower overlapped, hence 1
-    # (docs/benchmarks.md); 0: never
+    # (docs/history/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
     # at those steps the delta of o, gate/up and down is added by the op after each (the norm, the
     # activation: one more input of their kernels, llmserve/lora/deferred.py) instead of an add
@@ -319,7 +319,7 @@ LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory
 def default_budgets(device: str, usage_context: str = "llm") -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) when the user gives none. Offline (`LLM`, the
     benchmarks) as vLLM chooses them: on a GPU with 70 GiB or more 1,024 sequences and 16,384
-    tokens (the budgets every H200 row in docs/benchmarks.md was measured with), on a smaller
+    tokens (the budgets every H200 row in docs/history/benchmarks.md was measured with), on a smaller
     GPU 256 and 8,192, on a CPU 256 and 2,048. A server (`serve`, the Triton chat model) keeps
     256 and 2,048 for now: vLLM's 1,024/8,192 gave 10,106 output tok/s at an unlimited rate on
     an H200 against 9,482 (issue 19), but its effect on TTFT at 16 req/s (workload (d)) is not

@@ -111,7 +111,7 @@ GATEWAY_PANELS = [
         (f"sum by (model, reason) (rate(llmserve_model_wakes_total{{{GATEWAY}}}[{RATE}]))", "wake {{model}} ({{reason}})"),
         (f"sum by (model) (rate(llmserve_model_sleeps_total{{{GATEWAY}}}[{RATE}]))", "sleep {{model}}")], "ops"),
     Panel("Wake time", quantiles("llmserve_model_wake_seconds", GATEWAY, "model"), "s",
-          description="A level-1 wake of an 8B model took 0.34-0.43 s on an H200 (docs/benchmarks.md)."),
+          description="A level-1 wake of an 8B model took 0.34-0.43 s on an H200 (docs/history/benchmarks.md)."),
     Panel("Requests refused while their model woke / s", [
         (f"sum by (model) (rate(llmserve_model_wake_timeouts_total{{{GATEWAY}}}[{RATE}]))", "{{model}}")], "reqps",
         description="503 model_waking after wake_timeout_s. Alert LLMServeModelWakeTimeouts fires when it lasts 5 minutes."),

@@ -38,7 +38,7 @@ POLICIES = ("lru", "lru_prewarm", "q_learning", "demand")
 def _costs(kind: str, weight_gib: float) -> tuple[float, float]:
     """(wake seconds, sleep seconds) of a model with these weights, level 1."""
     if kind == "measured":
-        # H200, sleep mode's arenas, the seven-model run of 2026-12-01 (docs/benchmarks.md):
+        # H200, sleep mode's arenas, the seven-model run of 2026-12-01 (docs/history/benchmarks.md):
         # median wakes 0.085 s (1B, 2.79 GiB) to 0.69 s (14B, 27.5 GiB), sleeps 0.12 to
         # 0.59 s; other sizes on the line through them (8B: 0.38 s, measured 0.38-0.43 s)
         return 0.017 + 0.0245 * weight_gib, 0.067 + 0.019 * weight_gib

@@ -5,7 +5,7 @@ The chat model's answers stream from `/v2/models/NAME/generate_stream`: one serv
 for each response of the decoupled model, `{"status": 200, "response": "data: {...}", ...}`.
 That costs the gateway about half of what the same stream costs over gRPC (tritonclient's
 asyncio client and its poller thread: 100-135 µs against 53-64 µs a response in one client
-process, docs/benchmarks.md), and the gateway does it once for every token of every
+process, docs/history/benchmarks.md), and the gateway does it once for every token of every
 stream. Closing the response early drops its connection, and Triton cancels the request
 (the chat model aborts it in its engine), as cancelling the gRPC call does.
 

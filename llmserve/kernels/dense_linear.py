@@ -8,7 +8,7 @@ PyTorch reference: `torch.nn.functional.linear`.
   under programmatic dependent launch, llmserve/kernels/pdl.py);
 - otherwise `F.linear` (cuBLAS).
 Which tiles is decided by `split_k_gemm.bf16_config`, from the sweeps of
-`scripts/gpu/dense_gemm_micro.py` and `scripts/gpu/pdl_chain_micro.py` (docs/benchmarks.md).
+`scripts/gpu/dense_gemm_micro.py` and `scripts/gpu/pdl_chain_micro.py` (docs/history/benchmarks.md).
 """
 
 from __future__ import annotations

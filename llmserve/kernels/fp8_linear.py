@@ -12,7 +12,7 @@ PyTorch reference: `llmserve.model.fp8.fp8_gemm_reference` / `fp8_matmul_referen
   16,384 tokens: gate/up 2,953 against 3,333 µs, qkv 637 / 699, o 414 / 461, down 1,507 / 1,651;
   at 512 tokens no gain (gate/up 112 / 108). The products then differ from the exact
   accumulation's by up to 1.4 % of their largest value (K = 14,336), 0.4 % at K = 4,096
-  (docs/benchmarks.md, "FP8 at prefill sizes"). A CPU ignores it.
+  (docs/history/benchmarks.md, "FP8 at prefill sizes"). A CPU ignores it.
 Activations arrive quantized (`Fp8Tokens`, from the fused RMSNorm or SiLU-and-multiply), or
 plain, then quantized here by `quantize_tokens_fp8`.
 """

@@ -4,7 +4,7 @@ A batch of 512 rows of 128,256 float32 logits is 263 MB; the sampler's tensor op
 write it once per op. With a presence penalty and a temperature that was about a dozen
 passes (gather the rows, gather the counts, compare, convert, multiply, add, subtract,
 scatter back; divide, draw noise, take its log, subtract, argmax): 3.3 ms a decode step on
-an H200 against 0.3 ms for greedy (docs/benchmarks.md). Here each is one pass:
+an H200 against 0.3 ms for greedy (docs/history/benchmarks.md). Here each is one pass:
 
 - `apply_penalties_`: repetition, presence and frequency penalties on the penalised rows of
   float32 logits, in place, from the device-side counts of `PenaltyState`. Reference:

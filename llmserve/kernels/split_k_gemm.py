@@ -5,7 +5,7 @@ the bf16 model's projections at batch 1).
 PyTorch references: `llmserve.model.fp8.fp8_matmul_reference` (dequantize both, multiply in
 float32) and `torch.nn.functional.linear`. On an H200, `torch._scaled_mm` read FP8 weights at only
 1.1-3.2 TB/s at M <= 128 (a bf16 GEMM reads at 2.6-4.1 TB/s), so the halved bytes did not show at
-decode (docs/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
+decode (docs/history/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
 the grid covers N in tiles and K in `split_k` slices, so enough programs stream it. Each
 program accumulates `x_tile @ w_tile^T` in float32 (`tl.dot`), applies the two scales (FP8)
 and writes its partial sum.
@@ -136,7 +136,7 @@ def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
 
 
 def bf16_config(m: int, n: int, k: int) -> dict | None:
-    """Tiles of the 16-bit form at one token, from the H200 sweeps (docs/benchmarks.md, "batch-1
+    """Tiles of the 16-bit form at one token, from the H200 sweeps (docs/history/benchmarks.md, "batch-1
     decode: a split-K GEMM for bf16", and the 32-layer step of scripts/gpu/pdl_chain_micro.py,
     2026-12-03). N up to 8,192 in 64-wide tiles, 128-deep K steps, K split for about 256
     programs, 4 stages (qkv 13.0-13.2 µs against 14.4 for cuBLAS, o 7.7-7.9 against 10.0, down

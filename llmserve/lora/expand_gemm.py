@@ -2,7 +2,7 @@
 
 The Triton expand (llmserve/kernels/lora.py) reads each row block's B tile per slot and
 re-reads the shrink's partial sums for every column block: at 512 decode tokens it ran at a
-third of the bandwidth that its read and write of y need (docs/benchmarks.md, "multi-LoRA").
+third of the bandwidth that its read and write of y need (docs/history/benchmarks.md, "multi-LoRA").
 Here the partial sums are added once, each token's rank-sized row is placed in its slot's
 columns of a [T, slots * max_rank] matrix (zero elsewhere, and zero for tokens without an
 adapter), and cuBLAS adds that matrix times every slot's B (`ProjectionLoRA.b_all`, a view of

@@ -1,4 +1,4 @@
-"""The plot next to docs/benchmarks.md's "mixed-step attention, the sampler, first-run compiles"
+"""The plot next to docs/history/benchmarks.md's "mixed-step attention, the sampler, first-run compiles"
 section: one layer's attention of a mixed step as one launch and as two (bf16 and FP8 caches),
 and the FP8 rows of each device call against issue 19's targets.
 

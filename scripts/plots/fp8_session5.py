@@ -1,4 +1,4 @@
-"""The plot next to docs/benchmarks.md's "FP8 past every target" section (2026-12-02, session 5):
+"""The plot next to docs/history/benchmarks.md's "FP8 past every target" section (2026-12-02, session 5):
 the FP8 rows before and after each change, as a ratio to issue 19's targets, and the fused
 SiLU-and-multiply with FP8 quantization at four token counts before and after (µs).
 
