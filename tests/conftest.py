@@ -54,9 +54,10 @@ FAMILY_OVERRIDES = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
         }
     ),
-    "mistral": dict(),
+    "mistral": dict(sliding_window=32),  # every layer windowed: prompts and outputs cross it
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
     "qwen3": dict(),
+    "gemma3": dict(),  # a window of 16 on five of its six layers (random_model.py)
 }  # fmt: skip
 
 

@@ -40,7 +40,7 @@ def references(model_dirs):
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_greedy_matches_transformers(model_dirs, references, family, variant):
     options = ENGINE_VARIANTS[variant]
     llm = LLM(model_dirs[family], max_model_len=112, **options)
