@@ -114,7 +114,9 @@ def _cfg(ignore: list, method: str = "compressed-tensors") -> dict:
     else:
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ignore,
               "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}}  # fmt: skip
-    return {"num_hidden_layers": 2, "quantization_config": qc}
+    # the family's declarations say which projections the names map onto (model/interface.py)
+    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "quantization_config": qc}  # fmt: skip
 
 
 @pytest.mark.parametrize("method", ["compressed-tensors", "fp8"])

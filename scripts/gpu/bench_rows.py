@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODEL = "/tmp/llama8b"
 MODEL_70B = "/tmp/llama70b"
+MODEL_GEMMA3 = "/tmp/gemma3_270m"  # Gemma 3 270M's shape (sliding window 512 on five of six layers)
 ENGINES = {
     "short": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "2048",
               "--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"],
@@ -45,6 +46,8 @@ ENGINES["fp8kv"] = ENGINES["fp8"] + ["--kv-cache-dtype", "fp8"]
 ENGINES["70b_fp8"] = ["--model", MODEL_70B, "--load-format", "dummy", "--quantization", "fp8", "--max-model-len", "2048",
                       "--max-num-seqs", "256", "--max-num-batched-tokens", "16384"]  # fmt: skip
 A = ["--num-prompts", "512", "--input-len", "512", "--output-len", "256"]
+ENGINES["gemma3"] = ["--model", MODEL_GEMMA3, "--load-format", "dummy", "--max-model-len", "4096",
+                     "--max-num-seqs", "256", "--max-num-batched-tokens", "16384"]  # fmt: skip
 # name: (engine, bench command, flags)
 ROWS = {
     "a": ("short", "throughput", A + ["--temperature", "0"]),
@@ -131,6 +134,13 @@ ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
 # the default since 2026-12-02 (session 3); lora8a: each added by its own kernel, as before
 ENGINES["lora8a"] = ENGINES["lora8"] + ["--no-lora-defer-add"]
 ROWS["b_lora_adds"] = ("lora8a", "latency", ROWS["b_lora"][2])
+# Gemma 3 (issue 50): decode at 256 concurrent requests, beside the Llama 8B shape's; prompts past the window
+DECODE256 = ["--num-prompts", "256", "--input-len", "128", "--output-len", "512", "--temperature", "0"]
+ROWS["decode256"] = ("short", "throughput", DECODE256)
+ROWS["gemma3_decode256"] = ("gemma3", "throughput", DECODE256)
+ROWS["gemma3_long"] = ("gemma3", "throughput", ["--num-prompts", "256", "--input-len", "1536", "--output-len", "256",
+                                                "--temperature", "0"])  # fmt: skip
+ROWS["gemma3_b"] = ("gemma3", "latency", ROWS["b"][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
@@ -194,6 +204,11 @@ def make_model_folder() -> None:
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}  # fmt: skip
+    if not Path(MODEL_GEMMA3, "config.json").is_file():
+        make_random_model(MODEL_GEMMA3, "gemma3", vocab_size=262144, config_only=True, hidden_size=640,
+                          intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                          head_dim=256, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+                          rope_theta=1000000.0)  # fmt: skip
     for path, hidden, inter, layers, heads in ((MODEL, 4096, 14336, 32, 32), (MODEL_70B, 8192, 28672, 80, 64)):
         if not Path(path, "config.json").is_file():
             make_random_model(path, "llama", vocab_size=128256, config_only=True, hidden_size=hidden,
