@@ -57,14 +57,16 @@ def test_quantization_error_is_within_e4m3_precision():
     assert torch.isfinite(sx).all() and (xq.float() == 0).all()
 
 
-def test_engine_quantizes_at_load_and_stays_close(llama_dir):
-    base = LLM(llama_dir, max_model_len=128)
-    fp8 = LLM(llama_dir, max_model_len=128, quantization="fp8")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_engine_quantizes_at_load_and_stays_close(model_dirs, family):
+    base = LLM(model_dirs[family], max_model_len=128)
+    fp8 = LLM(model_dirs[family], max_model_len=128, quantization="fp8")
     layer = fp8.core.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Fp8Linear) and layer.self_attn.qkv_proj.weight.dtype == FP8
     assert isinstance(layer.mlp.down_proj, Fp8Linear)
     assert fp8.core.runner.model.model.embed_tokens.weight.dtype == torch.float32  # embedding and LM head stay
-    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i]} for i in range(4)]
+    # (past Gemma 3's window of 16 too)
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 33, 70 + i] * (1 + 4 * (i % 2))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     a, b = base.generate(prompts, params, use_tqdm=False), fp8.generate(prompts, params, use_tqdm=False)
     for x, y in zip(a, b):

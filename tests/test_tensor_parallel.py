@@ -52,9 +52,10 @@ def _assert_same(single, split) -> None:
                 assert la[token].logprob == pytest.approx(lb[token].logprob, abs=2e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_tp2_equals_tp1(model_dirs, family):
-    """llama: untied LM head, llama3 rope; qwen2: tied embeddings, qkv bias."""
+    """llama: untied LM head, llama3 rope; qwen2: tied embeddings, qkv bias; gemma3: its window,
+    norms and scaled embedding over a vocabulary split in two."""
     _assert_same(_run(model_dirs[family], 1), _run(model_dirs[family], 2))
 
 
