@@ -84,4 +84,4 @@ def greedy_tokens(prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool =
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, **stop)  # fmt: skip
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()

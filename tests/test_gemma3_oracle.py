@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gemma3_oracle import converted_folder, gemma3_gguf, greedy_tokens, hf_gemma3
+
 from llmserve.model.gguf.dequant import dequantize
 
 pytestmark = pytest.mark.unit
