@@ -21,8 +21,10 @@ GATEWAY_MODULES = sorted(f"llmserve.gateway.{p.stem}" for p in (ROOT / "llmserve
 
 def _loaded(*modules: str) -> list[str]:
     """The llmserve modules loaded by importing `modules` in a fresh interpreter."""
-    code = (f"import json, sys; import {', '.join(modules)}; "
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('llmserve'))))")
+    code = (
+        f"import json, sys; import {', '.join(modules)}; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('llmserve'))))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])

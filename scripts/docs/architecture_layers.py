@@ -41,8 +41,12 @@ BOXES = {
 }
 # top-level modules grouped into a box; any other top-level module is a leaf
 GROUPS = {
-    "up": ("up", "up_workdir"), "cli": ("cli", "__main__"), "llm": ("llm",), "config": ("config", "cli_args", "tokenizer"),
-    "metrics": ("metrics",), "pooling": ("pooling",),
+    "up": ("up", "up_workdir"),
+    "cli": ("cli", "__main__"),
+    "llm": ("llm",),
+    "config": ("config", "cli_args", "tokenizer"),
+    "metrics": ("metrics",),
+    "pooling": ("pooling",),
     "http": ("http_errors", "http_limits", "http_head_limit", "http_protocol", "http_connection_table"),
 }
 LEAVES = {"attention_metadata", "chat_template", "errors", "fp8_tokens", "heap", "host_copy", "lora_batch", "lora_request",

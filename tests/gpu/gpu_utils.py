@@ -40,7 +40,7 @@ def hf_greedy_cuda(path: str, prompts: list[list[int]], max_new: int, dtype=torc
         for ids in prompts:
             gen = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=max_new, do_sample=False,
                                  pad_token_id=0)  # fmt: skip
-            outs.append(gen[0, len(ids):].tolist())
+            outs.append(gen[0, len(ids) :].tolist())
     del model
     release()
     return outs

@@ -54,7 +54,9 @@ def test_sampled_rows_forward_equals_the_plain_forward(model_8b_width, dtype):
         end = start + count
         table = list(range(next_block, next_block + -(-end // 16)))
         next_block += len(table)
-        items.append(RowInput(f"r{len(items)}", table, start, count, [rng.randrange(3, 500) for _ in range(end)], samples))
+        items.append(
+            RowInput(f"r{len(items)}", table, start, count, [rng.randrange(3, 500) for _ in range(end)], samples)
+        )
     batch = runner.inputs.build(items)
     with torch.inference_mode():
         input_ids, positions, meta = batch.to_device(runner.device)

@@ -72,7 +72,9 @@ def test_race_kernel_picks_the_reference_tokens_and_draws_at_softmax_frequencies
     logits = torch.randn(ROWS, VOCAB, device="cuda", generator=gen) * 3
     temperature = torch.full((ROWS,), 0.8, device="cuda")
     noise = torch.empty_like(logits).exponential_(generator=gen)
-    assert torch.equal(race(logits, None, temperature, noise=noise), exponential_race(logits / temperature[:, None], noise))
+    assert torch.equal(
+        race(logits, None, temperature, noise=noise), exponential_race(logits / temperature[:, None], noise)
+    )
     row = torch.tensor([1.0, 2.0, 0.5, float("-inf"), 0.0, 1.5, -1.0, 2.5], device="cuda")
     tokens = race(row.repeat(DRAWS, 1), None, torch.full((DRAWS,), 0.8, device="cuda"))
     freq = torch.bincount(tokens, minlength=8).double() / DRAWS
