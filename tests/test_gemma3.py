@@ -1,0 +1,64 @@
+"""Gemma 3 270M from its GGUF (issue 50): llmserve's greedy tokens equal transformers' loading the
+same file in float32, on prompts shorter and longer than the 512-token window, with prefix
+caching, chunked prefill and preemption on in one engine, and through `llmserve serve`.
+Skipped when the model's four PyPI packages are not installed (tests/gemma3_oracle.py)."""
+
+from __future__ import annotations
+
+import pytest
+from gemma3_oracle import gemma3_gguf, greedy_tokens, hf_gemma3
+
+from llmserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MAX_NEW = 8
+SHORT = "The capital of France is"
+# about 830 and 640 tokens: past the window, so the sliding layers see only the last 512
+LONG = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog number {i}." for i in range(45))
+LONG2 = " ".join(f"Step {i}: add {i} to the running total, then write the total down." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    _, tokenizer = hf_gemma3()
+    ids = [tokenizer(text)["input_ids"] for text in (SHORT, LONG, LONG2)]
+    assert len(ids[0]) < 512 < min(len(ids[1]), len(ids[2]))
+    return ids
+
+
+@pytest.fixture(scope="module")
+def references(prompts):
+    return [greedy_tokens(p, MAX_NEW, ignore_eos=True) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # every feature at once: prefix caching, prompts in chunks of 96 tokens, and a KV budget of 64
+    # blocks of 16 (1,024 tokens) for sequences of ~14, ~840 and ~650 tokens: they preempt each other
+    engine = LLM(str(gemma3_gguf()), max_model_len=1024, enable_prefix_caching=True, enable_chunked_prefill=True,
+                 max_num_batched_tokens=96, num_gpu_blocks_override=64, admission_reserve_tokens=0, swap_space=0)  # fmt: skip
+    yield engine
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_gemma3_matches_transformers_short_and_past_the_window(llm, prompts, references):
+    assert _greedy(llm, prompts) == references
+    assert llm.stats().num_preemptions > 0, "the KV budget was meant to force preemption"
+    # the long prompt again: its blocks come from the prefix cache this time
+    hits = llm.stats().prefix_cache_hits
+    assert _greedy(llm, prompts[1:2]) == references[1:2]
+    assert llm.stats().prefix_cache_hits > hits
+
+
+def test_gemma3_text_is_the_detokenized_tokens(llm, prompts, references):
+    _, tokenizer = hf_gemma3()
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                                                          ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    assert out.outputs[0].text == tokenizer.decode(references[0])
+    assert out.outputs[0].text.startswith(" the capital of the country of France")
