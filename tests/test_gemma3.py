@@ -62,3 +62,25 @@ def test_gemma3_text_is_the_detokenized_tokens(llm, prompts, references):
                                                                           ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
     assert out.outputs[0].text == tokenizer.decode(references[0])
     assert out.outputs[0].text.startswith(" the capital of the country of France")
+
+
+def test_gemma3_serves_through_llmserve_serve(tmp_path, prompts, references):
+    """The OpenAI server on the GGUF: completions give transformers' text; chat completions are
+    refused with a clear 400, since this base model's GGUF carries no chat template."""
+    import openai
+    from server_utils import start_server
+
+    _, tokenizer = hf_gemma3()
+    server = start_server(["--model", str(gemma3_gguf()), "--max-model-len", "1024"], str(tmp_path / "serve.log"),
+                          timeout=600)  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt=SHORT, max_tokens=MAX_NEW, temperature=0,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+        assert done.choices[0].text == tokenizer.decode(references[0])
+        assert done.usage.prompt_tokens == len(prompts[0])
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    finally:
+        server.stop()
