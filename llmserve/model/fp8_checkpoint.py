@@ -93,7 +93,6 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     if not qc:
         return None
     method = qc.get("quant_method")
-    num_layers = int(cfg.get("num_hidden_layers") or 0)
     kv = qc.get("kv_cache_scheme")
     if kv:
         if kv.get("type") != "float" or kv.get("num_bits") != 8:
@@ -218,6 +217,7 @@ def _gptq_rounded(source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ..
     projection not `kept`, GPTQ-rounded on the model as llmserve runs it (float32 on a CPU,
     bfloat16 on a GPU)."""
     from llmserve.model.attention import reference_paged_attention
+    from llmserve.model.fp8 import projection_parts
     from llmserve.model.gptq_calibration import calibration_windows, gptq_model, read_calibration_texts
     from llmserve.model.llama import LlamaForCausalLM
     from llmserve.model.loader import load_model
@@ -239,9 +239,10 @@ def _gptq_rounded(source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ..
     print(f"GPTQ: {len(windows)} calibration windows of {gptq.window} tokens from {len(gptq.texts)} text(s), on {device}",
           flush=True)  # fmt: skip
     fused = gptq_model(model, windows, set(kept), gptq.options, on_layer=progress)
+    parts = projection_parts(arch)
     out = {}
     for name, (q, scale) in fused.items():
-        for part in projection_parts(arch)[name]:
+        for part in parts[name]:
             target, shard = LlamaForCausalLM._target(part + ".weight")
             if shard is None:
                 out[part + ".weight"] = (q.cpu(), scale.cpu())

@@ -11,9 +11,8 @@ declares the family to the registry (model/interface.py): its configs, shapes an
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn

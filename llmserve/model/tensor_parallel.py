@@ -12,7 +12,6 @@ per process; `llmserve.engine.tp_workers` sets it up and tears it down).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
