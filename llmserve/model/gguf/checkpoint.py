@@ -1,8 +1,9 @@
 """Open a GGUF file (llama.cpp's single-file checkpoint) and say clearly what is wrong with it.
 
 A GGUF file holds key-value metadata (architecture, shapes, tokenizer, chat template) and
-the tensors, each of one type (float or a block-quantized format). The `gguf` package
-parses the layout; this module checks that the file is whole and of a kind llmserve runs.
+the tensors, each of one type (float or a block-quantized format). gguf/reader.py parses the
+layout (its reference, the `gguf` package's GGUFReader: gguf/reference.py); this module checks
+that the file is whole and of a kind llmserve runs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import numpy as np
 
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.model.gguf.dequant import BLOCKS, SUPPORTED_TYPES
+from llmserve.model.gguf.reader import MAGIC, GGUFFormatError, map_file, read_header, tensor_data
 
-MAGIC = b"GGUF"
-# metadata arrays too large to keep as Python lists (the tokenizer reads them itself)
-_BULKY = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                    "tokenizer.ggml.scores"})  # fmt: skip
+# metadata arrays too large to keep as Python lists (the tokenizer reads them itself): stepped over
+BULKY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                        "tokenizer.ggml.scores"})  # fmt: skip
 
 
 class GGUFError(UnsupportedModelError):
@@ -81,24 +82,20 @@ def open_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
 
 @functools.lru_cache(maxsize=2)
 def _parse(path: Path, _mtime_ns: int, _size: int) -> GGUFCheckpoint:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 - the gguf package raises ValueError/KeyError/IndexError on damage
+        buf = map_file(path)
+        header = read_header(buf, skip=BULKY_KEYS)
+        data = [tensor_data(buf, header, t) for t in header.tensors]
+    except GGUFFormatError as exc:
         raise GGUFError(f"{str(path)!r} is not a readable GGUF file (truncated or damaged: {exc})") from None
-    metadata = {key: field.contents() for key, field in reader.fields.items() if key not in _BULKY}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if header.byte_order != "<":
+        raise GGUFError(f"{str(path)!r} is a big-endian GGUF file; llmserve reads little-endian ones (llama.cpp's "
+                        "gguf_convert_endian.py converts it)")  # fmt: skip
     tensors = {}
-    for t in reader.tensors:
-        type_name = t.tensor_type.name
-        if type_name not in BLOCKS:
-            raise GGUFError(f"{str(path)!r}: tensor {t.name} is of type {type_name}, which llmserve does not "
+    for t, raw in zip(header.tensors, data, strict=True):
+        if t.type_name not in BLOCKS:
+            raise GGUFError(f"{str(path)!r}: tensor {t.name} is of type {t.type_name}, which llmserve does not "
                             f"read (supported: {', '.join(SUPPORTED_TYPES)})")  # fmt: skip
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        per_block, block_bytes = BLOCKS[type_name]
-        if int(t.n_elements) % per_block or t.data.nbytes != int(t.n_elements) // per_block * block_bytes:
-            raise GGUFError(f"{str(path)!r}: tensor {t.name} holds {t.data.nbytes} bytes, not what a {type_name} "
-                            f"tensor of shape {shape} needs (the file is truncated or damaged)")  # fmt: skip
-        tensors[t.name] = GGUFTensor(t.name, type_name, shape, t.data)
-    return GGUFCheckpoint(path, metadata, len(tokens.data) if tokens is not None else 0, tensors)
+        tensors[t.name] = GGUFTensor(t.name, t.type_name, tuple(reversed(t.dims)), raw)
+    metadata = {key: value for key, value in header.metadata.items() if key not in BULKY_KEYS}
+    return GGUFCheckpoint(path, metadata, header.array_lengths.get("tokenizer.ggml.tokens", 0), tensors)
