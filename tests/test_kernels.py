@@ -5,7 +5,8 @@ mixed varlen batches (decodes, fresh prefills, chunks that start after cached to
 empty sequence, a padding token with slot -1), GQA ratios 1/2/4, block sizes 4/8/16,
 padded block tables, head dims 16/24/32, the split-KV path forced on (including splits in
 which some rows see no key), strided q/k views, float32 (tight) and float16; bfloat16 for
-the elementwise kernels.
+the elementwise kernels. Sliding windows (smaller than, equal to and larger than the context,
+not multiples of the block size) in every attention path, and that a window bounds the keys read.
 """
 
 from __future__ import annotations
@@ -120,11 +121,12 @@ def make_batch(
     return q, k, v, kv_cache, meta
 
 
-def check_attention(q, k, v, kv_cache, meta, scale, *, num_splits=None, config=None, kv_scales=(1.0, 1.0)):
+def check_attention(q, k, v, kv_cache, meta, scale, *, num_splits=None, config=None, kv_scales=(1.0, 1.0),
+                    window=None):  # fmt: skip
     ref_cache = kv_cache.clone()
-    ref = reference_paged_attention(q, k, v, ref_cache, meta, scale, kv_scales=kv_scales)
+    ref = reference_paged_attention(q, k, v, ref_cache, meta, scale, kv_scales=kv_scales, window=window)
     out = K.triton_paged_attention(
-        q, k, v, kv_cache, meta, scale, num_splits=num_splits, config=config, kv_scales=kv_scales
+        q, k, v, kv_cache, meta, scale, num_splits=num_splits, config=config, kv_scales=kv_scales, window=window
     )
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(kv_cache, ref_cache, atol=0, rtol=0)  # same K/V written
@@ -420,8 +422,8 @@ def test_fresh_prompts_below_the_sdpa_length_take_the_fresh_kernel(monkeypatch):
     kernel_seqs, sdpa_rows, launches = [], [], []
     original_fresh, original_sdpa, original_launch = (paged_attention.fresh_prefill_attention,
                                                       paged_attention.sdpa_prefill, paged_attention._launch)  # fmt: skip
-    monkeypatch.setattr(paged_attention, "fresh_prefill_attention",
-                        lambda q, k, v, seqs, *a: kernel_seqs.append(seqs) or original_fresh(q, k, v, seqs, *a))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "fresh_prefill_attention", lambda q, k, v, seqs, *a, **kw:
+                        kernel_seqs.append(seqs) or original_fresh(q, k, v, seqs, *a, **kw))  # fmt: skip
     monkeypatch.setattr(paged_attention, "sdpa_prefill",
                         lambda q, *a, **kw: sdpa_rows.append(q.shape[0]) or original_sdpa(q, *a, **kw))  # fmt: skip
     monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: launches.append(a[6:9]) or original_launch(*a, **kw))
@@ -578,6 +580,227 @@ def test_choose_num_splits_policy():
     assert K.choose_num_splits(8, 8, 2048, sms) == 4
     assert K.choose_num_splits(16, 8, 4096, sms) == 2
     assert K.choose_num_splits(128, 8, 1024, sms) == 1
+
+
+# -- sliding window (Gemma 3's local layers, Mistral): the query at p sees keys in (p - W, p] ---------------
+
+
+def dense_window_attention(q, kv_cache, meta, scale, window):
+    """Each query against every key of its sequence by plain float64 products and a masked softmax, the
+    keys read slot by slot through the block table (the K/V already written)."""
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // hkv
+    flat = kv_cache.double().flatten(1, 2)  # [2, slots, Hkv, D]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens.tolist()):
+        first, end = starts[i], starts[i + 1]
+        pos = torch.arange(seq_len)
+        slots = meta.block_tables[i, pos // bs].long() * bs + pos % bs
+        keys, values = flat[0, slots].repeat_interleave(group, 1), flat[1, slots].repeat_interleave(group, 1)
+        q_pos = torch.arange(seq_len - (end - first), seq_len)
+        scores = torch.einsum("thd,khd->htk", q[first:end].double(), keys) * scale
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[first:end] = torch.einsum("htk,khd->thd", probs, values)
+    return out
+
+
+def test_the_reference_window_is_a_dense_masked_softmax():
+    """`reference_paged_attention(window=)` against a plain masked softmax: windows of one key,
+    smaller than a block, not a multiple of the block size, equal to a sequence's length (22) and
+    to the longest (41), longer than all; GQA of 2; the mixed batch (decodes, a fresh prompt, chunks
+    after cached tokens, an empty sequence, a padding token). A window over the whole context is the
+    full attention, bit for bit."""
+    q, k, v, cache, meta = make_batch(MIXED_QLENS, MIXED_SEQLENS, num_heads=4, num_kv_heads=2, head_dim=16,
+                                      block_size=8, dtype=torch.float32, skip_tokens=MIXED_SKIP, seed=12)  # fmt: skip
+    full = reference_paged_attention(q, k, v, cache.clone(), meta, 0.3)
+    for window in (1, 3, 5, 13, 22, 41, 100):
+        written = cache.clone()
+        got = reference_paged_attention(q, k, v, written, meta, 0.3, window=window)
+        torch.testing.assert_close(got.double(), dense_window_attention(q, written, meta, 0.3, window),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        if window >= max(MIXED_SEQLENS):
+            assert torch.equal(got, full)
+        else:
+            assert not torch.equal(got, full)
+    one = reference_paged_attention(q, k, v, cache.clone(), meta, 0.3, window=1)  # each query sees its own key only
+    last = meta.query_start_loc[1:2] - 1  # the decode of sequence 0 (written, not skipped)
+    torch.testing.assert_close(one[last], v[last].repeat_interleave(2, 1), atol=1e-6, rtol=1e-6)
+
+
+# (num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits, window): windows of one key, below a
+# block, not multiples of the block size, equal to sequences' lengths (22, 41), longer than all
+WINDOW_CASES = [
+    pytest.param(4, 4, 32, 16, torch.float32, 1, 5, id="gqa1-bs16-fp32-w5"),
+    pytest.param(4, 2, 16, 8, torch.float32, 3, 13, id="gqa2-bs8-fp32-split3-w13"),
+    pytest.param(4, 1, 16, 4, torch.float32, 1, 1, id="gqa4-bs4-fp32-w1"),
+    pytest.param(4, 1, 24, 8, torch.float32, 4, 22, id="gqa4-bs8-d24-fp32-split4-w22"),
+    pytest.param(4, 2, 16, 4, torch.float32, 2, 41, id="gqa2-bs4-fp32-split2-w41"),
+    pytest.param(4, 2, 16, 8, torch.float32, 1, 100, id="gqa2-bs8-fp32-w100"),
+    pytest.param(4, 1, 32, 16, torch.float16, 2, 7, id="gqa4-bs16-fp16-split2-w7"),
+    pytest.param(4, 2, 16, 4, torch.float16, 1, 17, id="gqa2-bs4-fp16-w17"),
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,dtype,num_splits,window", WINDOW_CASES)
+def test_paged_attention_in_a_sliding_window(num_heads, num_kv_heads, head_dim, block_size, dtype, num_splits,
+                                             window):  # fmt: skip
+    """The kernel with a window against the reference with it, over the mixed batch (decodes, a fresh
+    prompt, chunks after cached tokens, an empty sequence, a padding token), split-KV forced on or off;
+    and multi-tile prefill chunks (the binary search over tiles) in the same window."""
+    batch = make_batch(MIXED_QLENS, MIXED_SEQLENS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, skip_tokens=MIXED_SKIP, seed=window)  # fmt: skip
+    check_attention(*batch, head_dim**-0.5, num_splits=num_splits, window=window)
+    cfg = K.AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)  # tiles of 16 // group tokens
+    batch = make_batch([1, 10, 7], [9, 10, 25], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype, strided_qkv=True, seed=window + 1)  # fmt: skip
+    check_attention(*batch, head_dim**-0.5, config=cfg, num_splits=num_splits, window=window)
+
+
+def test_a_window_over_the_whole_context_gives_the_full_attentions_bits():
+    """The SLIDING variants with a window no query reaches past: the same bits as full attention
+    (the same blocks, sums and order), in the paged kernel (split or not) and the fresh kernel."""
+    from llmserve.kernels.fresh_prefill import fresh_prefill_attention
+
+    q, k, v, cache, meta = make_batch(MIXED_QLENS, MIXED_SEQLENS, num_heads=4, num_kv_heads=2, head_dim=16,
+                                      block_size=8, dtype=torch.float32, skip_tokens=MIXED_SKIP, seed=2)  # fmt: skip
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    for splits in (1, 3):
+        full = K.paged_attention_forward(q, cache, meta, 0.3, num_splits=splits)
+        assert torch.equal(K.paged_attention_forward(q, cache, meta, 0.3, num_splits=splits, window=41), full)
+    assert not torch.equal(K.paged_attention_forward(q, cache, meta, 0.3, num_splits=3, window=40), full)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(40, 2, 16), torch.randn(40, 1, 16), torch.randn(40, 1, 16)
+    seqs, cfg = ((0, 24), (24, 16)), (16, 16, 1, 1)
+    full = fresh_prefill_attention(q, k, v, seqs, 0.3, torch.zeros_like(q), cfg)
+    assert torch.equal(fresh_prefill_attention(q, k, v, seqs, 0.3, torch.zeros_like(q), cfg, window=24), full)
+    assert not torch.equal(fresh_prefill_attention(q, k, v, seqs, 0.3, torch.zeros_like(q), cfg, window=23), full)
+
+
+def poison_before_window(cache, meta, window, block_n):
+    """NaN in every cached key and value of the blocks of `block_n` keys that lie wholly before the
+    window of each sequence's first new query: a kernel that reads one of them returns NaN."""
+    bs = cache.shape[2]
+    flat = cache.view(2, -1, *cache.shape[3:])
+    qlens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    for i, (seq_len, q_len) in enumerate(zip(meta.seq_lens.tolist(), qlens)):
+        first = seq_len - q_len
+        below = max(first - window + 1, 0) // block_n * block_n
+        pos = torch.arange(below)
+        flat[:, meta.block_tables[i, pos // bs].long() * bs + pos % bs] = float("nan")
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice", "ignore:invalid value encountered")  # (the NaN cache, last)
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_the_window_bounds_the_blocks_a_query_reads(num_splits, monkeypatch):
+    """Long contexts in a window of 20: every key block wholly before the window of a sequence's first
+    query is NaN in the cache, and the output is still finite and the reference's (on the clean
+    cache); decodes (split into two launches too) and a chunk after cached tokens. Without the window
+    the same cache gives NaN. The split count is chosen by the keys a tile reads (window + query), not
+    the context's length."""
+    cfg = K.AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+    qlens, slens = [1, 1, 5], [300, 77, 150]
+    q, k, v, cache, meta = make_batch(qlens, slens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                                      dtype=torch.float32, seed=9)  # fmt: skip
+    meta.num_decode_seqs = 2
+    ref = reference_paged_attention(q, k, v, cache.clone(), meta, 0.3, window=20)
+    poison_before_window(cache, meta, 20, cfg.block_n)
+    K.write_kv(k, v, cache, meta.slot_mapping)
+    assert cache.isnan().any()
+    lengths = []
+    original = paged_attention.choose_num_splits
+    monkeypatch.setattr(paged_attention, "choose_num_splits",
+                        lambda *a, **kw: lengths.append(a[2]) or original(*a, **kw))  # fmt: skip
+    for split_decodes in (False, True):
+        got = K.paged_attention_forward(q, cache, meta, 0.3, config=cfg, num_splits=num_splits, window=20,
+                                        split_decodes=split_decodes)  # fmt: skip
+        torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    if num_splits is None:  # one launch: up to 20 + 5 keys; the decodes' own: 20 + 1; the chunk's: 20 + 5
+        assert lengths == [25, 21, 25]
+    assert K.paged_attention_forward(q, cache, meta, 0.3, config=cfg, num_splits=num_splits).isnan().any()
+
+
+def test_the_fresh_prefill_kernel_in_a_sliding_window(monkeypatch):
+    """`fresh_prefill_attention(window=)` against each prompt's masked SDPA (keys in (p - W, p]):
+    windows of one key, not multiples of the tiles, longer than the prompts; GQA of 4, float32 and
+    float16, prompts on and off the tiles, the rows of an unlisted sequence untouched. Each program
+    reads its window's keys and its own: at most W + BLOCK_M + BLOCK_N - 2 of a 200-token prompt."""
+    from llmserve.kernels import fresh_prefill
+
+    hq, hkv, d = 4, 1, 32
+    lens = [70, 5, 64, 129]  # the third not listed
+    rows = sum(lens)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    seqs = tuple((starts[i], lens[i]) for i in (0, 1, 3))
+    for dtype, windows in ((torch.float32, (1, 7, 45, 200)), (torch.float16, (7, 45))):
+        torch.manual_seed(6)
+        qkv = torch.randn(rows, (hq + 2 * hkv) * d, dtype=dtype)
+        q, k, v = (t.view(rows, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], -1))
+        for window in windows:
+            out = torch.full_like(q, 7.0)
+            fresh_prefill.fresh_prefill_attention(q, k, v, seqs, d**-0.5, out, window=window)
+            for first, n in seqs:
+                qs, ks, vs = (t[first:first + n].transpose(0, 1)[None].float() for t in (q, k, v))
+                pos = torch.arange(n)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+                ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+                torch.testing.assert_close(out[first:first + n].float(), ref[0].transpose(0, 1), **TOL[dtype])
+            assert (out[starts[2]:starts[2] + 64] == 7.0).all()
+    read = []  # the keys of each key-range call, in the order the programs run them
+    original = fresh_prefill._attend_keys
+
+    def value(x):  # an interpreter tensor's value, or a plain int
+        return int(x.handle.data.item()) if hasattr(x, "handle") else int(x)
+
+    def spy(acc, l_i, m_i, q, k_base, v_base, lo, hi, *rest):
+        read.append(max(0, value(hi) - value(lo)))
+        return original(acc, l_i, m_i, q, k_base, v_base, lo, hi, *rest)
+
+    monkeypatch.setattr(fresh_prefill, "_attend_keys", spy)
+    torch.manual_seed(7)
+    q, k, v = torch.randn(200, 1, 16), torch.randn(200, 1, 16), torch.randn(200, 1, 16)
+    out = torch.empty_like(q)
+    fresh_prefill.fresh_prefill_attention(q, k, v, ((0, 200),), 0.25, out, (16, 16, 1, 1), window=20)
+    per_program = [sum(read[i:i + 3]) for i in range(0, len(read), 3)]  # three ranges a program in a window
+    assert len(per_program) == 13 and max(per_program) <= 20 + 16 + 16 - 2
+    read.clear()
+    fresh_prefill.fresh_prefill_attention(q, k, v, ((0, 200),), 0.25, out, (16, 16, 1, 1))
+    assert max(sum(read[i:i + 2]) for i in range(0, len(read), 2)) == 200  # full attention: the last tile reads all
+
+
+def test_a_windowed_layer_takes_no_sdpa(monkeypatch):
+    """SDPA's causal mask has no window: with one, the fresh prompts long enough for SDPA go to the
+    fresh kernel (which takes a window), the later chunks SDPA would take to the paged kernel, and
+    every row is the windowed reference's; the same batch without a window takes SDPA as before."""
+    from llmserve.kernels import fresh_prefill
+
+    monkeypatch.setattr(paged_attention, "SDPA_PREFILL_TOKENS", 16)
+    monkeypatch.setattr(paged_attention, "FRESH_KERNEL_TOKENS", 8)
+    monkeypatch.setattr(paged_attention, "SDPA_CHUNK_MIN_TOKENS", 40)
+    qlens, slens = [1, 1, 40, 24, 20, 6], [9, 30, 50, 24, 80, 6]
+    fresh, chunks = ((3, 42, 24), (5, 86, 6)), ((2, 2, 40, 10), (4, 66, 20, 60))
+    calls, kernel_seqs = [], []
+    original_fresh = fresh_prefill.fresh_prefill_attention
+    for name in ("sdpa_prefill", "sdpa_after_prefix"):
+        original = getattr(paged_attention, name)
+        monkeypatch.setattr(paged_attention, name,
+                            lambda *a, _n=name, _f=original, **kw: calls.append(_n) or _f(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(paged_attention, "fresh_prefill_attention", lambda q, k, v, seqs, *a, **kw:
+                        kernel_seqs.append(seqs) or original_fresh(q, k, v, seqs, *a, **kw))  # fmt: skip
+    for window in (None, 12):
+        q, k, v, cache, meta = make_batch(qlens, slens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                          dtype=torch.float32, seed=4)  # fmt: skip
+        meta.num_decode_seqs, meta.fresh_seqs, meta.chunk_seqs = 2, fresh, chunks
+        check_attention(q, k, v, cache, meta, 32**-0.5, window=window)
+    assert calls == ["sdpa_after_prefix", "sdpa_prefill"]  # without the window only
+    assert kernel_seqs == [(), ((42, 24),)]
+    calls.clear()
+    q, k, v, cache, meta = make_batch([40], [40], num_heads=8, num_kv_heads=2, head_dim=32, block_size=8,
+                                      dtype=torch.float32, seed=5)  # fmt: skip
+    assert paged_attention.fresh_single_prefill(meta)  # alone in its step: the fresh kernel too
+    check_attention(q, k, v, cache, meta, 32**-0.5, window=12)
+    assert calls == [] and kernel_seqs[-1] == ((0, 40),)
 
 
 def test_write_kv_matches_reference_and_skips_negative_slots():

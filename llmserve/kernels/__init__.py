@@ -2,7 +2,7 @@
 
 | kernel | module | PyTorch reference |
 | --- | --- | --- |
-| `triton_paged_attention` (drop-in `AttentionBackend`) | `paged_attention` | `llmserve.model.attention.reference_paged_attention` |
+| `triton_paged_attention` (drop-in `AttentionBackend`, sliding `window=` too) | `paged_attention` | `llmserve.model.attention.reference_paged_attention` |
 | `write_kv` (reshape-and-cache) | `cache_write` | `llmserve.model.attention.write_kv_cache` |
 | `rms_norm`, `fused_add_rms_norm` (and `_fp8`: quantized to FP8 per token in the same pass) | `norm` | `llmserve.model.layers.RMSNorm` (then `llmserve.model.fp8.quantize_tokens`) |
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |

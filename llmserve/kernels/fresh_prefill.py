@@ -18,6 +18,10 @@ start first.
 A program whose tile lies past its prompt's end exits at once. The keys below the tile's first
 query need no mask, and the tile's own diagonal blocks are masked. The softmax is online, in
 fp32, with exp2.
+
+A sliding `window` (the query at p sees keys in (p - window, p]; a compile-time SLIDING variant,
+the window itself a runtime number) starts a tile's keys at the block of its first query's first
+key; keys before the last query's window start are masked too.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ def launch_config(longest: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _attend_keys(
-    acc, l_i, m_i, q, k_base, v_base, lo, hi, n, offs_m, offs_n, offs_d, stride_kt, stride_vt, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    acc, l_i, m_i, q, k_base, v_base, lo, hi, n, window, offs_m, offs_n, offs_d, stride_kt, stride_vt, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax accumulation over the prompt's keys [lo, hi) (as `paged_attention._attend_range`,
     with the keys read from the prompt's own rows). MASKED=False: every key in range is visible to
-    every row; True: the causal mask, and no key at or past the prompt's `n` tokens."""
+    every row; True: the causal mask (with SLIDING, keys in (row - window, row] only), and no key at
+    or past the prompt's `n` tokens."""
     for start in range(lo, hi, BLOCK_N):
         cols = start + offs_n
         if MASKED:
@@ -60,9 +65,15 @@ def _attend_keys(
         s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         if MASKED:
             s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+            if SLIDING:
+                s = tl.where(offs_m[:, None] - cols[None, :] < window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if MASKED and SLIDING:  # a row with no key in its window yet keeps m = -inf: subtract 0 (no NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=cols[:, None] < n, other=0.0)
@@ -73,12 +84,12 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_tiles"])  # (one compiled variant per tile shape, whatever the count)
+@triton.jit(do_not_specialize=["num_tiles", "window"])  # (one compiled variant per tile shape, whatever the count)
 def _fresh_prefill_kernel(
     Q, K, V, O, SEQS,  # SEQS: int32 [num_prompts, 2]: first row in the batch, tokens
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, qk_scale,
-    num_tiles, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    num_tiles, window, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PREC: tl.constexpr, SLIDING: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(1)
     head = tl.program_id(2)
@@ -99,10 +110,19 @@ def _fresh_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # keys below the tile's first query are all visible; the tile's own diagonal is causal
-    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, 0, m0, n, offs_m, offs_n, offs_d, stride_kt,
-                                 stride_vt, qk_scale, BLOCK_N, False, DOT_PREC)  # fmt: skip
-    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, m0, tl.minimum(m0 + BLOCK_M, n), n, offs_m,
-                                 offs_n, offs_d, stride_kt, stride_vt, qk_scale, BLOCK_N, True, DOT_PREC)  # fmt: skip
+    free = 0
+    if SLIDING:  # in a window: from the block of the first row's first key, masked up to the last row's
+        lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        free = tl.minimum(tl.cdiv(tl.maximum(m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, m0)
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, lo, free, n, window, offs_m, offs_n, offs_d,
+                                     stride_kt, stride_vt, qk_scale, BLOCK_N, True, SLIDING, DOT_PREC)  # fmt: skip
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, free, m0, n, window, offs_m, offs_n, offs_d,
+                                 stride_kt, stride_vt, qk_scale, BLOCK_N, False, SLIDING, DOT_PREC)  # fmt: skip
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, m0, tl.minimum(m0 + BLOCK_M, n), n, window,
+                                 offs_m, offs_n, offs_d, stride_kt, stride_vt, qk_scale, BLOCK_N, True, SLIDING,
+                                 DOT_PREC)  # fmt: skip
+    if SLIDING:  # a padding row past the prompt's end may see no key in its window
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     tl.store(O + (first + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              acc.to(O.dtype.element_ty), mask=offs_m[:, None] < n)  # fmt: skip
@@ -117,12 +137,13 @@ def _seqs_on_device(seqs: tuple[tuple[int, int], ...], device: torch.device) -> 
 
 def fresh_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: tuple[tuple[int, int], ...], scale: float,
-    out: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor, config: tuple[int, int, int, int] | None = None, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Write into `out` the causal attention of each fresh prompt (first row, tokens) in `seqs` over
     its own rows of q `[T, Hq, D]`, k and v `[T, Hkv, D]` (last dimension contiguous). The other
     rows of `out` are left untouched. `config` (BLOCK_M, BLOCK_N, warps, stages) forces the tiles
-    (sweeps); None: `launch_config`."""
+    (sweeps); None: `launch_config`. A sliding `window`: the query at p sees keys in (p - window, p]."""
+    assert window is None or window >= 1, window
     if not seqs:
         return out
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -133,8 +154,8 @@ def fresh_prefill_attention(
     _fresh_prefill_kernel[(num_tiles, len(seqs), num_heads)](
         q, k, v, out, _seqs_on_device(tuple(seqs), q.device),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        scale * LOG2E, num_tiles, GROUP=num_heads // k.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        scale * LOG2E, num_tiles, window or 0, GROUP=num_heads // k.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", SLIDING=window is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -142,10 +163,10 @@ def fresh_prefill_attention(
 
 def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                          device: torch.device, submit: Callable[[Callable[[], object]], object] | None = None,
-                         ) -> int:  # fmt: skip
+                         window: int | None = None) -> int:  # fmt: skip
     """Compile the kernel for each tile shape `launch_config` picks, on q/k/v laid out as the model
     has them (views of one fused projection); each launch handed to `submit` (None: run at once).
-    Returns how many (0: a head size it does not take)."""
+    A `window`: the sliding-window variants. Returns how many (0: a head size it does not take)."""
     if head_dim != triton.next_power_of_2(head_dim):
         return 0
     lengths = (600, 1100, 1600)  # one of each config's range
@@ -155,7 +176,7 @@ def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype
         qkv = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
         q, k, v = (t.view(n, -1, head_dim) for t in qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
                                                                 num_kv_heads * head_dim], -1))  # fmt: skip
-        fresh_prefill_attention(q, k, v, ((0, n),), head_dim**-0.5, torch.empty_like(q))
+        fresh_prefill_attention(q, k, v, ((0, n),), head_dim**-0.5, torch.empty_like(q), window=window)
 
     for n in lengths:
         (submit or (lambda unit: unit()))(functools.partial(launch, n))

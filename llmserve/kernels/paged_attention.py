@@ -6,7 +6,8 @@ same semantics); `triton_paged_attention` is a drop-in `AttentionBackend`.
 Layout (see `llmserve/model/attention.py`): q `[T, Hq, D]`, k/v `[T, Hkv, D]`, KV cache
 `[2, num_blocks, block_size, Hkv, D]`, block tables `[B, max_blocks]`. Sequence i's new
 tokens are `q[qsl[i]:qsl[i+1]]` at positions `seq_len - query_len .. seq_len - 1`; the query
-at position p attends to keys 0..p (prefill chunks after a prefix-cache hit included).
+at position p attends to keys 0..p (prefill chunks after a prefix-cache hit included), or with
+a sliding `window` W to keys p - W + 1..p only.
 
 How the kernel is organised
 ---------------------------
@@ -24,6 +25,12 @@ How the kernel is organised
     tile exit at once).
 * The key loop is split in two: blocks entirely below the tile's first query position need
   no causal mask; the rest are masked (causal and `< seq_len`).
+* Sliding window (`window=`, the kernel's SLIDING variant; None compiles the code above
+  unchanged): the loop starts at the block of the first key in the window of the tile's first
+  query, so a tile reads about W + BLOCK_Q keys whatever the context; the blocks before the
+  window start of the tile's last query are masked too (a third range, in front). Split-KV
+  shares that window, and the split count is chosen by it. SDPA's causal paths are not taken
+  (`triton_paged_attention`).
 * Split-KV (flash-decoding): with `num_splits > 1`, program `s` of a tile covers the s-th
   share of the tile's key range, writes its normalised partial output and log-sum-exp
   (base 2) to fp32 scratch, and `_reduce_splits_kernel` combines the shares. An empty
@@ -43,6 +50,7 @@ tuned on an H200; `config=` overrides them.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,14 +81,15 @@ FP8_KV_DOT_F16 = True
 def _attend_range(
     acc, l_i, m_i, q,
     k_cache_ptr, v_cache_ptr, bt_row_ptr,
-    kv_lo, kv_hi, kv_end, qpos, head_off, offs_n, offs_d,
+    kv_lo, kv_hi, kv_end, qpos, window, head_off, offs_n, offs_d,
     stride_cb, stride_cs, qk_scale,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, SLIDING: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax accumulation over keys [kv_lo, kv_hi) (BLOCK_N-aligned kv_lo).
 
-    MASKED=False: the caller guarantees every key in range is visible to every row.
+    MASKED=False: the caller guarantees every key in range is visible to every row (inside its
+    window too). MASKED with SLIDING: a row at qpos sees keys in (qpos - window, qpos] only.
     """
     d_ok = offs_d < HEAD_DIM
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -106,6 +115,8 @@ def _attend_range(
         s = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale  # [BM, BN], log2 domain
         if MASKED:
             visible = (n[None, :] <= qpos[:, None]) & n_ok[None, :]
+            if SLIDING:
+                visible = visible & (n[None, :] > qpos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if MASKED:
@@ -133,18 +144,19 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seq0", "num_seqs"])
+@triton.jit(do_not_specialize=["seq0", "num_seqs", "window"])
 def _paged_attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr,
-    seq0, num_seqs, qk_scale, v_scale,
+    seq0, num_seqs, qk_scale, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr, USE_GDC: tl.constexpr,
+    ONE_TILE_PER_SEQ: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F16: tl.constexpr, SLIDING: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     gdc_enter(USE_GDC)
     pid = tl.program_id(0)
@@ -202,34 +214,50 @@ def _paged_attn_kernel(
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # -- this program's share of the keys ---------------------------------------------
+    kv_start = 0
+    if SLIDING:  # from the block of the first key in the window of the tile's first query
+        kv_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
     if NUM_SPLITS == 1:
-        lo_kv = 0
+        lo_kv = kv_start
         hi_kv = kv_end
     else:
-        n_blocks = tl.cdiv(kv_end, BLOCK_N)
+        n_blocks = tl.cdiv(kv_end - kv_start, BLOCK_N)
         per_split = tl.cdiv(n_blocks, NUM_SPLITS) * BLOCK_N
-        lo_kv = split * per_split
+        lo_kv = kv_start + split * per_split
         hi_kv = tl.minimum(lo_kv + per_split, kv_end)
     # blocks fully at or below first_pos are visible to every row: no mask there
     nomask_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     mid_kv = tl.maximum(tl.minimum(nomask_end, hi_kv), lo_kv)
+    if SLIDING:  # ... and only from the first block inside the last query's window: masked before it
+        last_start = tl.maximum(first_pos + tile_len - window, 0)  # its first key
+        window_end = tl.minimum(tl.cdiv(last_start, BLOCK_N) * BLOCK_N, nomask_end)
+        nomask_lo = tl.minimum(tl.maximum(window_end, lo_kv), mid_kv)
+    else:
+        nomask_lo = lo_kv
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     head_off = kvh * stride_ch
+    if SLIDING:
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+            lo_kv, nomask_lo, kv_end, qpos, window, head_off, offs_n, offs_d,
+            stride_cb, stride_cs, qk_scale,
+            PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, SLIDING, DOT_PREC,
+        )  # fmt: skip
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-        lo_kv, mid_kv, kv_end, qpos, head_off, offs_n, offs_d,
+        nomask_lo, mid_kv, kv_end, qpos, window, head_off, offs_n, offs_d,
         stride_cb, stride_cs, qk_scale,
-        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PREC,
+        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, SLIDING, DOT_PREC,
     )  # fmt: skip
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
-        mid_kv, hi_kv, kv_end, qpos, head_off, offs_n, offs_d,
+        mid_kv, hi_kv, kv_end, qpos, window, head_off, offs_n, offs_d,
         stride_cb, stride_cs, qk_scale,
-        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PREC,
+        PAGE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, SLIDING, DOT_PREC,
     )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -387,12 +415,13 @@ def split_counts(max_splits: int = MAX_SPLITS) -> list[int]:
 
 def warmup_paged_attention(
     num_heads: int, kv_cache: torch.Tensor, scale: float, max_batch: int, dtype: torch.dtype,
-    submit: Callable[[Callable[[], object]], object] | None = None,
+    submit: Callable[[Callable[[], object]], object] | None = None, window: int | None = None,
 ) -> int:  # fmt: skip
     """Compile every launch variant (decode and prefill tiles, each split count) now, so
     no request waits for the JIT later. Reads the cache, writes nothing to it. Each launch is
     handed to `submit` (engine/warmup_pool.py: on threads, so the compiles overlap; None: run
-    at once). Returns the number of launches."""
+    at once). A `window` compiles the sliding-window variants instead (any window size: once
+    for a model with sliding layers). Returns the number of launches."""
     submit = submit or (lambda unit: unit())
     _, num_blocks, page, _, head_dim = kv_cache.shape
     device = kv_cache.device
@@ -411,7 +440,8 @@ def warmup_paged_attention(
         )
         q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
         for splits in split_counts():
-            submit(functools.partial(paged_attention_forward, q, kv_cache, meta, scale, num_splits=splits))
+            submit(functools.partial(paged_attention_forward, q, kv_cache, meta, scale, num_splits=splits,
+                                     window=window))  # fmt: skip
             launches += 1
     if device.type == "cuda" and num_blocks * page >= LONG_PREFILL_TOKENS:  # the long-prompt tiles
         n = LONG_PREFILL_TOKENS
@@ -424,7 +454,7 @@ def warmup_paged_attention(
             max_seq_len=n,
         )  # fmt: skip
         submit(functools.partial(paged_attention_forward, torch.randn(n, num_heads, head_dim, dtype=dtype, device=device),
-                                 kv_cache, meta, scale, num_splits=1))  # fmt: skip
+                                 kv_cache, meta, scale, num_splits=1, window=window))  # fmt: skip
         launches += 1
     return launches
 
@@ -454,10 +484,12 @@ def paged_attention_forward(
     out: torch.Tensor | None = None,
     split_decodes: bool | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q `[T, Hq, D]` over the cache only (the new K/V must already be in it).
     An FP8 cache's keys and values count times `kv_scales` (k's folds into the softmax scale,
-    v's into the output).
+    v's into the output). A sliding `window`: the query at p sees keys in (p - window, p] only,
+    and each program's key loop starts at the block of its first query's first key.
 
     A batch that mixes prefill chunks with decodes whose `meta.num_decode_seqs` lead it runs
     as two launches, the decodes with the decode tiles and the rest with the prefill tiles
@@ -470,6 +502,7 @@ def paged_attention_forward(
     _, _, page, num_kv_heads, cache_head_dim = kv_cache.shape
     assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
     assert kv_cache.is_contiguous(), "the KV cache must be contiguous"
+    assert window is None or window >= 1, window
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -485,12 +518,12 @@ def paged_attention_forward(
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
         _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config,
-                scales)  # fmt: skip
+                scales, window=window)  # fmt: skip
         _launch(q, kv_cache, out, qsl, seq_lens, bt, nd, num_seqs - nd, num_tokens - nd, meta.max_query_len,
-                meta.max_seq_len, scale, num_splits, config, scales)  # fmt: skip
+                meta.max_seq_len, scale, num_splits, config, scales, window=window)  # fmt: skip
         return out
     _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, num_seqs, num_tokens, meta.max_query_len, meta.max_seq_len,
-            scale, num_splits, config, scales)  # fmt: skip
+            scale, num_splits, config, scales, window=window)  # fmt: skip
     return out
 
 
@@ -499,11 +532,13 @@ def _launch(
     qsl: torch.Tensor, seq_lens: torch.Tensor, bt: torch.Tensor,
     seq0: int, num_seqs: int, num_tokens: int, max_query_len: int, max_seq_len: int, scale: float,
     num_splits: int | None, config: AttnLaunchConfig | None, kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> None:  # fmt: skip
     """One launch over the batch's sequences seq0 .. seq0 + num_seqs - 1 (the whole batch's
     `qsl`, `seq_lens` and block tables are passed, with the offset: slicing them would give
     pointers of other alignments, each a kernel variant compiled on first use); `num_tokens`
-    rows of q from qsl[seq0] on (padding past the last sequence included)."""
+    rows of q from qsl[seq0] on (padding past the last sequence included). A `window` compiles
+    the kernel's SLIDING variant (one for every window size); None, the full-attention one."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     on_gpu = q.is_cuda
@@ -532,8 +567,9 @@ def _launch(
     one_tile = max_query_len <= block_q
     num_tiles = num_seqs if one_tile else num_tokens // block_q + num_seqs
 
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, num_kv_heads, max_seq_len, num_sms)
+    if num_splits is None:  # by the keys a tile reads: at most its window's and its own in a window
+        keys = max_seq_len if window is None else min(max_seq_len, window + max_query_len)
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, keys, num_sms)
     num_splits = max(1, int(num_splits))
     if (
         config is None and on_gpu and decode_like
@@ -559,7 +595,7 @@ def _launch(
     _paged_attn_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         qsl, seq_lens, bt,
-        seq0, num_seqs, scale * LOG2E * kv_scales[0], kv_scales[1],
+        seq0, num_seqs, scale * LOG2E * kv_scales[0], kv_scales[1], window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
         *p_strides, *l_strides,
@@ -568,7 +604,7 @@ def _launch(
         NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         DOT_PREC=_dot_precision(q.dtype),
         DOT_F16=FP8_KV_DOT_F16 and kv_cache.dtype == FP8_KV and q.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
+        SLIDING=window is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
@@ -592,6 +628,7 @@ def triton_paged_attention(
     config: AttnLaunchConfig | None = None,
     out: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for `reference_paged_attention`: write the new K/V, then attend.
 
@@ -601,22 +638,25 @@ def triton_paged_attention(
     `meta.fresh_seqs`, or one such sequence alone) are attended by torch's SDPA over their
     own q/k/v instead (`sdpa_prefill`), long later chunks where it pays (`meta.chunk_seqs`,
     `pad_front_pays`) by SDPA over their whole sequence (`sdpa_after_prefix`), the rest of the
-    batch by the kernel.
+    batch by the kernel. With a sliding `window` (the query at p sees keys in (p - window, p])
+    SDPA's causal mask does not serve: fresh prompts of any length from FRESH_KERNEL_TOKENS go to
+    `fresh_prefill_attention`, later chunks to the kernel, both reading about `window` keys a query.
     """
     write_kv(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if config is None and num_splits is None:
         # metadata made without the list (outside the engine): one fresh sequence is known from its shapes
         fresh = meta.fresh_seqs or (((0, 0, meta.max_query_len),) if fresh_single_prefill(meta) else ())
-        long = [(seq, first, count, 0) for seq, first, count in fresh if count >= SDPA_PREFILL_TOKENS]
-        long += [c for c in meta.chunk_seqs if pad_front_pays(c[3], c[2])]
+        sdpa_from = SDPA_PREFILL_TOKENS if window is None else math.inf
+        long = [(seq, first, count, 0) for seq, first, count in fresh if count >= sdpa_from]
+        long += [c for c in meta.chunk_seqs if window is None and pad_front_pays(c[3], c[2])]
         own = [(seq, first, count, 0) for seq, first, count in fresh
-               if FRESH_KERNEL_TOKENS <= count < SDPA_PREFILL_TOKENS] if fresh_kernel_takes(q, k, v) else []  # fmt: skip
+               if FRESH_KERNEL_TOKENS <= count < sdpa_from] if fresh_kernel_takes(q, k, v) else []  # fmt: skip
         if long or own:
-            done = _attend_long_by_sdpa(q, k, v, kv_cache, meta, sorted(long), scale, out, kv_scales, own)
+            done = _attend_long_by_sdpa(q, k, v, kv_cache, meta, sorted(long), scale, out, kv_scales, own, window)
             if done is not None:
                 return done
     return paged_attention_forward(q, kv_cache, meta, scale, num_splits=num_splits, config=config, out=out,
-                                   kv_scales=kv_scales)  # fmt: skip
+                                   kv_scales=kv_scales, window=window)  # fmt: skip
 
 
 def pad_front_pays(cached: int, count: int) -> bool:
@@ -640,14 +680,16 @@ def fresh_kernel_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
 def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                          meta: AttentionMetadata, long: list[tuple[int, int, int, int]], scale: float,
                          out: torch.Tensor | None, kv_scales: tuple[float, float],
-                         own: list[tuple[int, int, int, int]] = ()) -> torch.Tensor | None:  # fmt: skip
+                         own: list[tuple[int, int, int, int]] = (), window: int | None = None,
+                         ) -> torch.Tensor | None:  # fmt: skip
     """The `long` sequences (sequence, first row, new tokens, cached tokens; in batch order) by
     SDPA, one call each: a fresh one (0 cached) over its own q/k/v (64 x 7,680 prompts run two
     a step: each 0.8 ms a layer in cuDNN against 1.34 in the long tiles), a later chunk over its
     whole sequence from the cache. The `own` ones (fresh prompts, same form) by one launch of
     `fresh_prefill_attention` over their own q/k/v. Then the sequences between them all by the
     kernel, a launch per run of neighbours (the leading decodes apart when prompts follow them).
-    None: SDPA unavailable here."""
+    A `window` goes to the fresh kernel and the paged one (`long` is then empty). None: SDPA
+    unavailable here."""
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     num_seqs = meta.seq_lens.shape[0]
     if out is None and num_seqs == 1 and long and long[0][2] == q.shape[0]:
@@ -660,7 +702,7 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
         return sdpa_prefill(q, k, v, scale)
     if out is None:
         out = torch.empty_like(q)
-    fresh_prefill_attention(q, k, v, tuple((first, count) for _, first, count, _ in own), scale, out)
+    fresh_prefill_attention(q, k, v, tuple((first, count) for _, first, count, _ in own), scale, out, window=window)
     for seq, first, count, cached in long:
         rows = slice(first, first + count)
         if cached:
@@ -673,7 +715,7 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
 
     def launch(seq0: int, seqs: int, tokens: int, max_query_len: int) -> None:
         _launch(q, kv_cache, out, qsl, seq_lens, bt, seq0, seqs, tokens, max_query_len, meta.max_seq_len, scale,
-                None, None, scales)  # fmt: skip
+                None, None, scales, window=window)  # fmt: skip
 
     seq, token = 0, 0  # the next sequence (and its first row) the kernel has not covered
     for long_seq, first, count, _ in [*sorted([*long, *own]), (num_seqs, q.shape[0], 0, 0)]:

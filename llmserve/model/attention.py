@@ -6,6 +6,10 @@ KV cache layout per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 keys divided by the layer's k_scale and values by its v_scale (`kv_scales`), saturating at
 +-448, read back in the queries' dtype and multiplied by the scales). A token at position p of a sequence lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
+
+Attention is causal: the query at position p sees the keys at positions <= p; with a sliding
+`window` W (Hugging Face's semantics: Mistral, Gemma's local layers) only those with p - W < k <= p,
+W keys including its own.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class AttentionBackend(Protocol):
         *,
         out: torch.Tensor | None = None,  # [T, Hq, D] to write the result into
         kv_scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's key and value scales
+        window: int | None = None,  # sliding window: the query at p sees keys in (p - window, p]; None: all
     ) -> torch.Tensor: ...
 
 
@@ -73,13 +78,16 @@ def reference_paged_attention(
     *,
     out: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Write the new K/V, then attend each sequence's new queries over its whole context.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq, D] (`out`, if given). Causal: the query
-    at position p sees keys at positions <= p. One SDPA call per sequence keeps it obviously
-    correct. An FP8 cache's keys and values are multiplied back by `kv_scales`.
+    at position p sees keys at positions <= p, and with a `window` only those > p - window. One
+    SDPA call per sequence over all its keys, masked, keeps it obviously correct. An FP8 cache's
+    keys and values are multiplied back by `kv_scales`.
     """
+    assert window is None or window >= 1, window
     fp8 = kv_cache.dtype == FP8_KV
     write_kv_cache(k, v, kv_cache, meta.slot_mapping, kv_scales)
     if out is None:
@@ -98,6 +106,8 @@ def reference_paged_attention(
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [Lq, S]
+        if window is not None:
+            mask &= k_pos[None, :] > q_pos[:, None] - window
         attn = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, Lq, D]
             keys.transpose(0, 1),
