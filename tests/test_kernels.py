@@ -803,6 +803,32 @@ def test_a_windowed_layer_takes_no_sdpa(monkeypatch):
     assert calls == [] and kernel_seqs[-1] == ((0, 40),)
 
 
+def test_the_warmups_compile_the_sliding_variants(monkeypatch):
+    """`window=` on the warm-ups (the runner's, for a model with sliding layers): the same launches as
+    the full variants', each with the window (its SLIDING variant), reading the cache and writing nothing."""
+    from llmserve.kernels import fresh_prefill
+
+    kv_cache = torch.randn(2, 6, 4, 2, 16)
+    before = kv_cache.clone()
+    units, windows = [], []
+    launch = paged_attention._launch
+    monkeypatch.setattr(paged_attention, "_launch",
+                        lambda *a, **kw: windows.append(kw.get("window")) or launch(*a, **kw))  # fmt: skip
+    n = paged_attention.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32,
+                                               submit=units.append, window=5)  # fmt: skip
+    assert n == len(units) == 3 * len(paged_attention.split_counts())
+    outs = [units[i]() for i in (0, -1)]  # a decode, split once; the 128-token prefill, split the most
+    assert windows == [5, 5] and all(torch.isfinite(o).all() for o in outs) and torch.equal(kv_cache, before)
+    fresh_units, fresh_windows = [], []
+    original = fresh_prefill.fresh_prefill_attention
+    monkeypatch.setattr(fresh_prefill, "fresh_prefill_attention",
+                        lambda *a, **kw: fresh_windows.append(kw.get("window")) or original(*a, **kw))  # fmt: skip
+    assert fresh_prefill.warmup_fresh_prefill(1, 1, 16, torch.float32, torch.device("cpu"), fresh_units.append,
+                                              window=5) == len(fresh_units) == 3  # fmt: skip
+    fresh_units[0]()
+    assert fresh_windows == [5]
+
+
 def test_write_kv_matches_reference_and_skips_negative_slots():
     g = torch.Generator().manual_seed(5)
     k = torch.randn(6, 2, 16, generator=g)

@@ -344,6 +344,13 @@ class ModelRunner:
                                                       self.dtype, self.device, self.sdpa_chunk_limit))  # fmt: skip
                 # the fresh prompts' own kernel, each tile shape
                 n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device, pool.submit)
+                # sliding layers: the kernels' SLIDING variants too (one compile serves every window size)
+                window = next((w for w in map(a.layer_window, range(a.num_layers)) if w is not None), None)
+                if window is not None:
+                    n += warmup_paged_attention(a.num_heads, self.kv_caches[0], a.head_dim**-0.5, sc.max_num_seqs,
+                                                self.dtype, pool.submit, window=window)  # fmt: skip
+                    n += warmup_fresh_prefill(a.num_heads, a.num_kv_heads, a.head_dim, self.dtype, self.device,
+                                              pool.submit, window=window)  # fmt: skip
                 heads = self._warm_lm_head(pool)
             pooled_s = time.perf_counter() - start
             # the elementwise kernels specialize on token counts (1, multiples of 16, others):
