@@ -79,10 +79,10 @@ def make_random_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[family])
-    kwargs = {**_BASE, "vocab_size": vocab_size, **overrides}
-    if family == "gemma3":  # a small window and head: long prompts cross it (five of six layers slide)
-        kwargs = {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
-                  "pad_token_id": 0, **kwargs}  # fmt: skip
+    # Gemma 3: a small window and head, six layers (five slide, one is global): long prompts cross the window
+    shape = {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
+             "pad_token_id": 0} if family == "gemma3" else {}  # fmt: skip
+    kwargs = {**_BASE, **shape, "vocab_size": vocab_size, **overrides}
     if family == "qwen3":
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
     if family == "mistral":
