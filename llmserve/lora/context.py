@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from llmserve.engine.host_copy import staged
+from llmserve.host_copy import staged
 from llmserve.lora_batch import (
     NO_ADAPTER,
     LoRABatch,
@@ -39,7 +39,7 @@ class LoRAContext:
         tables = 2 * sum(self._table_rows.values())
         # one buffer, [slot_starts | slot_counts | tables | token_slots | sorted_tokens], so that a
         # step's values arrive in two copies from pinned memory (a copy from pageable memory
-        # would wait for the step running on the GPU: llmserve/engine/host_copy.py)
+        # would wait for the step running on the GPU: llmserve/host_copy.py)
         head = 2 * num_slots + tables
         packed = torch.zeros(head + 2 * max_num_tokens, dtype=torch.int32, device=self.device)
         self.slot_starts = packed[:num_slots]
