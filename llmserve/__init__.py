@@ -21,8 +21,17 @@ _EXPORTS = {
     "StructuredOutputsParams": "llmserve.sampling_params",
 }
 
-__all__ = ["LLM", "AsyncEngine", "LoRARequest", "CompletionOutput", "EngineArgs", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "LoRARequest",
+    "CompletionOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -15,9 +15,24 @@ class NoChatTemplateError(ChatTemplateError):
 
 
 # apply_chat_template's own arguments, which chat_template_kwargs must not set
-_RESERVED_KWARGS = frozenset({"chat_template", "tools", "documents", "tokenize", "padding", "truncation", "max_length",
-                              "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-                              "add_generation_prompt", "continue_final_message", "conversation"})
+_RESERVED_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tools",
+        "documents",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "conversation",
+    }
+)
 
 
 def render_chat(

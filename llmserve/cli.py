@@ -119,9 +119,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fp8.add_argument("model", help="a Hugging Face folder (safetensors), a GGUF file, or the default model's name")
     fp8.add_argument("out")
     fp8.add_argument("--format", default="compressed-tensors", choices=["fp8", "compressed-tensors"])
-    fp8.add_argument("--weights", default="channel", choices=["tensor", "channel"], help="a weight scale per tensor or per output channel (fp8: tensor)")
-    fp8.add_argument("--activations", default="dynamic", choices=["dynamic", "static"], help="static: input scales calibrated on a few prompts")
-    fp8.add_argument("--kv-scales", action="store_true", help="each layer's k_scale / v_scale for --kv-cache-dtype fp8 (kv_cache_scheme), calibrated on a few prompts")
+    fp8.add_argument(
+        "--weights",
+        default="channel",
+        choices=["tensor", "channel"],
+        help="a weight scale per tensor or per output channel (fp8: tensor)",
+    )
+    fp8.add_argument(
+        "--activations",
+        default="dynamic",
+        choices=["dynamic", "static"],
+        help="static: input scales calibrated on a few prompts",
+    )
+    fp8.add_argument(
+        "--kv-scales",
+        action="store_true",
+        help="each layer's k_scale / v_scale for --kv-cache-dtype fp8 (kv_cache_scheme), calibrated on a few prompts",
+    )
     fp8.add_argument("--ignore", default=None, help="projections left in 16 bits, comma-separated, as --quantization-ignore "
                      "names them (model.layers.N.PATH, PATH a linear layer of the model's family, or re:PATTERN); written to "
                      "the config's ignore list")  # fmt: skip

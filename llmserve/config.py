@@ -54,7 +54,7 @@ class ModelConfig:
     served_model_name: str
     arch: ModelArch
     quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
-    checkpoint_quantization: "CheckpointQuantization | None" = None  # the FP8 format the checkpoint is in
+    checkpoint_quantization: CheckpointQuantization | None = None  # the FP8 format the checkpoint is in
     quantization_ignore: tuple[str, ...] = ()  # projections kept unquantized (module names or re: patterns)
     fp8_fast_accum_tokens: int = 1024  # FP8 GEMMs of steps this long accumulate fast on a GPU (0: never)
 
@@ -87,9 +87,7 @@ class CacheConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.swap_space_bytes < 0:
             raise ConfigError("swap_space must be >= 0")
 
@@ -128,7 +126,9 @@ class EngineConfig:
     enforce_eager: bool = True  # resolved: CUDA graphs only on GPU with the triton backend
     tensor_parallel_size: int = 1
     async_scheduling: bool = False  # resolved: schedule step N+1 while step N runs
-    max_mixed_graph_tokens: int = 0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
+    max_mixed_graph_tokens: int = (
+        0  # resolved (0 when eager, at most max_num_batched_tokens): piecewise graphs up to this
+    )
     step_timing_log: str | None = None  # the engine core process appends one JSON line per step (engine/step_log.py)
     sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
     enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
@@ -172,7 +172,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = recompute
     kv_cache_dtype: str = "auto"  # auto | fp8 (fp8_e4m3): the KV cache in FP8, twice the tokens
-    calculate_kv_scales: bool | None = None  # FP8 KV: per-layer scales calibrated at start (None: unless the checkpoint has them)
+    calculate_kv_scales: bool | None = (
+        None  # FP8 KV: per-layer scales calibrated at start (None: unless the checkpoint has them)
+    )
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -230,7 +232,9 @@ class EngineArgs:
         quantization = _check_quantization(self.quantization)
         if checkpoint_quant is not None:  # an FP8 checkpoint runs as one
             if quantization not in (None, "fp8"):
-                raise ConfigError(f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply")
+                raise ConfigError(
+                    f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply"
+                )
             quantization = "fp8"
         ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch)
         if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
@@ -358,7 +362,9 @@ def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:
     if problem:
         raise ConfigError(problem)
     if device == "cuda" and size > torch.cuda.device_count():
-        raise ConfigError(f"tensor_parallel_size {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}")
+        raise ConfigError(
+            f"tensor_parallel_size {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}"
+        )
     return size
 
 
@@ -464,13 +470,12 @@ def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
         raise ConfigError(f"max_model_len must be >= 1, got {requested}")
     if requested > limit:
         raise ConfigError(
-            f"max_model_len {requested} is larger than the model's {limit} positions "
-            "(max_position_embeddings)"
+            f"max_model_len {requested} is larger than the model's {limit} positions (max_position_embeddings)"
         )
     return requested
 
 
-def _checkpoint_quantization(path: Path) -> "CheckpointQuantization | None":
+def _checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
     """An FP8 checkpoint's format from its config.json (GGUF files carry none of these)."""
     import json
 
@@ -510,7 +515,9 @@ def _check_quantization(quantization: str | None) -> str | None:
     if quantization in (None, "", "none"):
         return None
     if quantization not in QUANTIZATION_METHODS:
-        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}")
+        raise ConfigError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}"
+        )
     return quantization
 
 

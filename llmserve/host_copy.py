@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
 _NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 

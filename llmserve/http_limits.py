@@ -54,7 +54,9 @@ class BodyLimit:
         await self.app(scope, counted_receive, watched_send)
 
     async def _refuse(self, send) -> None:
-        body = json.dumps(error_body(413, f"the request body is over {self.max_bytes} bytes", "body_too_large")).encode()
+        body = json.dumps(
+            error_body(413, f"the request body is over {self.max_bytes} bytes", "body_too_large")
+        ).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})  # fmt: skip

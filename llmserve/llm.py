@@ -20,14 +20,14 @@ from llmserve.chat_template import render_chat
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType
-from llmserve.lora_request import LoRARequest
-from llmserve.tokenizer import load_tokenizer
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
-from llmserve.engine.request_feed import RequestFeed
 from llmserve.engine.request import SchedulerStats
+from llmserve.engine.request_feed import RequestFeed
 from llmserve.engine.step_log import step_timing_log
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import load_tokenizer
 
 
 def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
@@ -63,9 +63,7 @@ class LLM:
 
         Every prompt is checked before any is queued, so a bad one raises and leaves the
         engine as it was."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params or SamplingParams()
@@ -114,7 +112,9 @@ class LLM:
             raise ValueError("chat needs at least one conversation of at least one message")
         prompts = []
         for conversation in conversations:  # read as the OpenAI server reads `messages`
-            ids = render_chat(self.tokenizer, read_conversation(conversation), add_generation_prompt, chat_template_kwargs, tools)
+            ids = render_chat(
+                self.tokenizer, read_conversation(conversation), add_generation_prompt, chat_template_kwargs, tools
+            )
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -163,7 +163,7 @@ class LLM:
         """Stop the tensor-parallel worker processes (nothing to do with one rank)."""
         self.core.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

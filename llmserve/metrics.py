@@ -41,8 +41,11 @@ class _EngineStateCollector(Collector):
             ("vllm:gpu_cache_usage_perc", "KV-cache usage (vLLM's older name).", s.kv_cache_usage),
             ("vllm:num_kv_blocks_used", "KV blocks held by requests.", s.num_blocks_used),
             ("vllm:num_kv_blocks_total", "KV blocks in the cache.", s.num_blocks_total),
-            ("llmserve:kv_cache_tokens", "Tokens the KV cache holds (blocks x block size; an FP8 cache twice a bf16 one's).",
-             s.kv_cache_tokens),
+            (
+                "llmserve:kv_cache_tokens",
+                "Tokens the KV cache holds (blocks x block size; an FP8 cache twice a bf16 one's).",
+                s.kv_cache_tokens,
+            ),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(value, v)
@@ -76,11 +79,13 @@ class EngineMetrics:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS)
         self.queue_time = histogram(  # vLLM's split: queue and prefill are the engine core's view
-            "vllm:request_queue_time_seconds", "Time in the engine core's queue before first scheduled.",
+            "vllm:request_queue_time_seconds",
+            "Time in the engine core's queue before first scheduled.",
             _LATENCY_BUCKETS,
         )
         self.prefill_time = histogram(
-            "vllm:request_prefill_time_seconds", "From first scheduled to the engine core's first token.",
+            "vllm:request_prefill_time_seconds",
+            "From first scheduled to the engine core's first token.",
             _LATENCY_BUCKETS,
         )
         self.decode_time = histogram(
@@ -89,16 +94,28 @@ class EngineMetrics:
         self.inference_time = histogram(
             "vllm:request_inference_time_seconds", "From first scheduled to the last token.", _LATENCY_BUCKETS
         )
-        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt length of finished requests.", _LENGTH_BUCKETS)
+        self.prompt_len = histogram(
+            "vllm:request_prompt_tokens", "Prompt length of finished requests.", _LENGTH_BUCKETS
+        )
         self.generation_len = histogram(
             "vllm:request_generation_tokens", "Generated length of finished requests.", _LENGTH_BUCKETS
         )
         # children exist from the start, so every series reads 0 before the first request
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
-                       self.prompt_len, self.generation_len):
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.inference_time,
+            self.prompt_len,
+            self.generation_len,
+        ):
             metric.labels(model_name)
         reg.register(_EngineStateCollector(engine, model_name))
         engine.add_stats_listener(self.observe)

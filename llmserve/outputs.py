@@ -27,7 +27,16 @@ class LogprobStore:
     million, and the collections stalled the engine (an H100 ran (a) with logprobs at 70 % of
     greedy). Here they are a few lists a sample; `FlatLogprobs` makes the dicts when read."""
 
-    __slots__ = ("token_ids", "token_values", "token_ranks", "token_texts", "starts", "top_ids", "top_values", "top_texts")
+    __slots__ = (
+        "token_ids",
+        "token_values",
+        "token_ranks",
+        "token_texts",
+        "starts",
+        "top_ids",
+        "top_values",
+        "top_texts",
+    )
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -42,7 +51,9 @@ class LogprobStore:
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def add(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]], text_of: Callable[[int], str]) -> None:
+    def add(
+        self, token: int, logprob: float, rank: int, top: list[tuple[int, float]], text_of: Callable[[int], str]
+    ) -> None:
         """Token `token` (its logprob and rank) and the top-k (id, logprob), best first."""
         self.token_ids.append(token)
         self.token_values.append(logprob)

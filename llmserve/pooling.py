@@ -87,7 +87,7 @@ class SentenceEncoder:
             out[texts] = self.model.encode([items[i] for i in texts], batch_size=self.batch_size, convert_to_numpy=True,
                                            normalize_embeddings=self.normalize, show_progress_bar=False)  # fmt: skip
         for start in range(0, len(rows), self.batch_size):
-            part = rows[start:start + self.batch_size]
+            part = rows[start : start + self.batch_size]
             out[part] = self._embed_ids([items[i] for i in part])
         return out
 

@@ -6,7 +6,6 @@ import json
 import math
 from dataclasses import dataclass, field
 
-
 MAX_N = 128  # samples per request, OpenAI's limit: each is a request of its own in the engine
 MAX_STOP_STRINGS = 256  # each is looked for in the new text of every step (OpenAI allows 4)
 
@@ -164,7 +163,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def clone(self, **changes: object) -> "SamplingParams":
+    def clone(self, **changes: object) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
         values.update(changes)
         return SamplingParams(**values)

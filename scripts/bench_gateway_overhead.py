@@ -82,7 +82,9 @@ def main() -> None:
                           "--no-access-log", "--log-level", "warning"], port, f"{workdir}/upstream.log")  # fmt: skip
         config = {
             "models": {"fake": {"replicas": [upstream.url]}},
-            "keys": [{"name": "bench", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "rpm": 10**9, "tpm": 10**12}],
+            "keys": [
+                {"name": "bench", "sha256": hashlib.sha256(KEY.encode()).hexdigest(), "rpm": 10**9, "tpm": 10**12}
+            ],
         }
         gw: Proc = gateway(config, workdir, log_level="info")  # access log on, as in production
         try:

@@ -70,7 +70,11 @@ def build(tick_s: float) -> Starlette:
         yield
         task.cancel()
 
-    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
     return Starlette(routes=routes, lifespan=lifespan)
 
 

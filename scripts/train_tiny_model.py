@@ -40,9 +40,9 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -87,9 +87,22 @@ SYSTEM_PROMPTS = [
 # Modules that open windows/browsers, print at import, start a REPL, are huge
 # test suites, or are just boilerplate (generated codec modules).
 SKIP_MODULES = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo",
-    "test", "lib2to3", "ensurepip", "pydoc_data", "encodings", "xxsubtype",
-    "xxlimited", "xxlimited_35", "__hello__", "__phello__",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "test",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "encodings",
+    "xxsubtype",
+    "xxlimited",
+    "xxlimited_35",
+    "__hello__",
+    "__phello__",
 }
 SKIP_PARTS = {"test", "tests", "idle_test", "__main__"}
 BOILERPLATE = ("Initialize self.", "Create and return a new object.")
@@ -130,8 +143,7 @@ def quiet_import(name: str):
         return None
     sink = io.StringIO()
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), \
-                contextlib.redirect_stderr(sink):
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
     except BaseException:  # ImportError, SystemExit, platform errors, ...
@@ -213,8 +225,7 @@ def module_entries(module) -> list[DocEntry]:
             continue
         for mname, member in class_methods(obj):
             if doc := clean_doc(getattr(member, "__doc__", None)):
-                entries.append(DocEntry(mod, f"{qual}.{mname}", signature_of(member),
-                                        "method", doc))
+                entries.append(DocEntry(mod, f"{qual}.{mname}", signature_of(member), "method", doc))
     return entries
 
 
@@ -292,10 +303,19 @@ def debian_html_documents(limit_mb: float = 20.0) -> list[str]:
 # --------------------------------------------------------------------------
 
 QUESTIONS = {
-    "module": ["What is the `{n}` module?", "Tell me about the {n} module.",
-               "What is {n} used for?", "What does the `{n}` module provide?"],
-    "other": ["What does `{n}` do?", "What is `{n}`?", "Explain {n} briefly.",
-              "What is {n} used for?", "Can you describe `{n}`?"],
+    "module": [
+        "What is the `{n}` module?",
+        "Tell me about the {n} module.",
+        "What is {n} used for?",
+        "What does the `{n}` module provide?",
+    ],
+    "other": [
+        "What does `{n}` do?",
+        "What is `{n}`?",
+        "Explain {n} briefly.",
+        "What is {n} used for?",
+        "Can you describe `{n}`?",
+    ],
 }
 
 
@@ -324,8 +344,7 @@ def chat_example(entries: list[DocEntry], rng: random.Random) -> list[dict] | No
             return None
         kind = "module" if entry.kind == "module" else "other"
         question = rng.choice(QUESTIONS[kind]).format(n=entry.name)
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": answer}]
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return messages
 
 
@@ -343,17 +362,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
         additional_special_tokens=[SYSTEM, USER, ASSISTANT, END],
-        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
-        model_max_length=1024)
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1024,
+    )
 
 
 def save_tokenizer(tokenizer, out: Path) -> None:
@@ -367,8 +396,12 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     config["additional_special_tokens"] = [SYSTEM, USER, ASSISTANT, END]
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    special = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-               "additional_special_tokens": [SYSTEM, USER, ASSISTANT, END]}
+    special = {
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "additional_special_tokens": [SYSTEM, USER, ASSISTANT, END],
+    }
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
@@ -377,11 +410,14 @@ def check_tokenizer(tokenizer) -> None:
     sample = "def f(x):\n    return {'a': x}  # ünïcode ✓\n\n\tdone  "
     ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == sample, "tokenizer does not round-trip"
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
-                {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A"},
+        {"role": "user", "content": "Q2"},
+    ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    expected = (f"{BOS}{SYSTEM}\nS{END}{USER}\nQ{END}{ASSISTANT}\nA{EOS}"
-                f"{USER}\nQ2{END}{ASSISTANT}\n")
+    expected = f"{BOS}{SYSTEM}\nS{END}{USER}\nQ{END}{ASSISTANT}\nA{EOS}{USER}\nQ2{END}{ASSISTANT}\n"
     assert text == expected, f"unexpected chat rendering: {text!r}"
 
 
@@ -405,8 +441,7 @@ def encode_chats(tokenizer, chats: list[list[dict]]) -> list[list[int]]:
     return [enc.ids for enc in encodings]
 
 
-def make_chats(entries: list[DocEntry], n_tokens: int, tokenizer,
-               rng: random.Random) -> list[list[int]]:
+def make_chats(entries: list[DocEntry], n_tokens: int, tokenizer, rng: random.Random) -> list[list[int]]:
     """Generate chat examples until they hold about ``n_tokens`` tokens."""
     usable = [e for e in entries if summary(e.doc)]
     chats: list[list[int]] = []
@@ -419,8 +454,9 @@ def make_chats(entries: list[DocEntry], n_tokens: int, tokenizer,
     return chats
 
 
-def split_validation(docs: list[list[int]], rng: random.Random,
-                     val_tokens: int = 20_000) -> tuple[list[list[int]], list[list[int]]]:
+def split_validation(
+    docs: list[list[int]], rng: random.Random, val_tokens: int = 20_000
+) -> tuple[list[list[int]], list[list[int]]]:
     """Hold out random whole documents totalling about ``val_tokens`` tokens."""
     docs = docs[:]
     rng.shuffle(docs)
@@ -438,11 +474,10 @@ def pack(docs: list[list[int]], rng: random.Random) -> torch.Tensor:
     return torch.tensor([t for d in docs for t in d], dtype=torch.long)
 
 
-def random_batch(stream: torch.Tensor, batch: int, seq: int,
-                 gen: torch.Generator) -> torch.Tensor:
+def random_batch(stream: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     """``batch`` random windows of ``seq`` tokens from the stream."""
     starts = torch.randint(0, len(stream) - seq, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq] for s in starts.tolist()])
 
 
 # --------------------------------------------------------------------------
@@ -455,12 +490,20 @@ def build_model(vocab_size: int, args: argparse.Namespace, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        intermediate_size=args.intermediate, max_position_embeddings=1024,
-        tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -488,14 +531,16 @@ def evaluate(model, stream: torch.Tensor, seq: int, n_batches: int = 8) -> float
     return sum(losses) / len(losses)
 
 
-def train(model, train_stream: torch.Tensor, val_stream: torch.Tensor,
-          args: argparse.Namespace) -> float:
+def train(model, train_stream: torch.Tensor, val_stream: torch.Tensor, args: argparse.Namespace) -> float:
     """Train until the wall-clock budget (or --max-steps) is used; return loss."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optim = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                               {"params": no_decay, "weight_decay": 0.0}],
-                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    optim = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     start, step, ema = time.time(), 0, None
     model.train()
@@ -515,13 +560,17 @@ def train(model, train_stream: torch.Tensor, val_stream: torch.Tensor,
         step += 1
         if step % args.log_every == 0:
             tps = step * args.batch * args.seq / (time.time() - start)
-            print(f"step {step:5d}  {elapsed / 60:5.1f} min  loss {loss.item():.3f}  "
-                  f"ema {ema:.3f}  lr {optim.param_groups[0]['lr']:.2e}  {tps:.0f} tok/s",
-                  flush=True)
+            print(
+                f"step {step:5d}  {elapsed / 60:5.1f} min  loss {loss.item():.3f}  "
+                f"ema {ema:.3f}  lr {optim.param_groups[0]['lr']:.2e}  {tps:.0f} tok/s",
+                flush=True,
+            )
         if step % args.eval_every == 0:
             print(f"  val loss {evaluate(model, val_stream, args.seq):.3f}", flush=True)
-    print(f"trained {step} steps, {step * args.batch * args.seq:,} tokens in "
-          f"{(time.time() - start) / 60:.1f} min", flush=True)
+    print(
+        f"trained {step} steps, {step * args.batch * args.seq:,} tokens in {(time.time() - start) / 60:.1f} min",
+        flush=True,
+    )
     return ema
 
 
@@ -538,8 +587,8 @@ def save_model(model, tokenizer, out: Path, max_bytes: int) -> int:
     model = model.to(torch.float16)
     model.config.dtype = torch.float16
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         model.save_pretrained(out, safe_serialization=True)
     else:  # transformers >= 5 always writes safetensors
@@ -559,19 +608,23 @@ def print_samples(out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     check_tokenizer(tokenizer)
-    prompts = {text: tokenizer(text, return_tensors="pt").input_ids
-               for text in ("The json module", "Return a new list", "The os.path module")}
-    for question in ("What does `json.dumps` do?", "What is the `collections` module?",
-                     "How do I read a file?"):
+    prompts = {
+        text: tokenizer(text, return_tensors="pt").input_ids
+        for text in ("The json module", "Return a new list", "The os.path module")
+    }
+    for question in ("What does `json.dumps` do?", "What is the `collections` module?", "How do I read a file?"):
         chat = [{"role": "user", "content": question}]
         prompts[f"chat: {question}"] = tokenizer.apply_chat_template(
-            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True).input_ids
+            chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        ).input_ids
     for label, ids in prompts.items():
-        for mode, kwargs in (("greedy", {"do_sample": False}),
-                             ("sampled", {"do_sample": True, "temperature": 0.8, "top_p": 0.95})):
+        for mode, kwargs in (
+            ("greedy", {"do_sample": False}),
+            ("sampled", {"do_sample": True, "temperature": 0.8, "top_p": 0.95}),
+        ):
             torch.manual_seed(0)
             gen = model.generate(ids, max_new_tokens=60, **kwargs)
-            text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=False)
+            text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=False)
             print(f"--- [{mode}] {label!r}\n{text}\n", flush=True)
 
 
@@ -612,10 +665,13 @@ def gather_corpus() -> tuple[list[DocEntry], list[str]]:
     entries = gather_stdlib_entries()
     docs = entries_to_documents(entries)
     topics, html_docs = pydoc_topic_documents(), debian_html_documents()
-    print(f"stdlib: {len(entries)} docstrings in {len(docs)} modules, "
-          f"{sum(map(len, docs)) / 1e6:.2f} MB; pydoc topics: {len(topics)} "
-          f"({sum(map(len, topics)) / 1e6:.2f} MB); python3-doc html: {len(html_docs)} pages "
-          f"({sum(map(len, html_docs)) / 1e6:.2f} MB)  [{time.time() - t0:.0f}s]", flush=True)
+    print(
+        f"stdlib: {len(entries)} docstrings in {len(docs)} modules, "
+        f"{sum(map(len, docs)) / 1e6:.2f} MB; pydoc topics: {len(topics)} "
+        f"({sum(map(len, topics)) / 1e6:.2f} MB); python3-doc html: {len(html_docs)} pages "
+        f"({sum(map(len, html_docs)) / 1e6:.2f} MB)  [{time.time() - t0:.0f}s]",
+        flush=True,
+    )
     return entries, docs + topics + html_docs
 
 
@@ -629,17 +685,22 @@ def main() -> None:
     entries, documents = gather_corpus()
     tokenizer = train_tokenizer(documents, args.vocab_size)
     check_tokenizer(tokenizer)
-    print(f"tokenizer: {len(tokenizer)} tokens; specials "
-          f"{ {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} }", flush=True)
+    print(
+        f"tokenizer: {len(tokenizer)} tokens; specials "
+        f"{ {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} }",
+        flush=True,
+    )
 
     train_docs, val_docs = split_validation(encode_documents(tokenizer, documents), rng)
     n_text = sum(map(len, train_docs))
-    chats = make_chats(entries, int(n_text * args.chat_fraction / (1 - args.chat_fraction)),
-                       tokenizer, rng)
+    chats = make_chats(entries, int(n_text * args.chat_fraction / (1 - args.chat_fraction)), tokenizer, rng)
     train_stream, val_stream = pack(train_docs + chats, rng), pack(val_docs, rng)
-    print(f"train tokens: {len(train_stream):,} ({n_text:,} text + "
-          f"{len(train_stream) - n_text:,} in {len(chats):,} chats); "
-          f"val tokens: {len(val_stream):,}", flush=True)
+    print(
+        f"train tokens: {len(train_stream):,} ({n_text:,} text + "
+        f"{len(train_stream) - n_text:,} in {len(chats):,} chats); "
+        f"val tokens: {len(val_stream):,}",
+        flush=True,
+    )
 
     model = build_model(len(tokenizer), args, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())

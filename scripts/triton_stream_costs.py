@@ -89,7 +89,9 @@ async def read_stream(url: str, n: int, check_cancel: bool, switch_s: float) -> 
 
     client = grpcclient.InferenceServerClient(url)
     text = grpcclient.InferInput("request", [1], "BYTES")
-    text.set_data_from_numpy(np.array([json.dumps({"n": n, "check_cancel": check_cancel, "switch_s": switch_s}).encode()], dtype=np.object_))
+    text.set_data_from_numpy(
+        np.array([json.dumps({"n": n, "check_cancel": check_cancel, "switch_s": switch_s}).encode()], dtype=np.object_)
+    )
 
     async def one():
         yield {"model_name": "spray", "inputs": [text], "request_id": "r"}

@@ -94,7 +94,9 @@ def main() -> None:
                 row.setdefault(name, took)  # the first call of each (the step's)
             if run >= 2:
                 rows.append(row)
-            print(f"run {run}: host before the forward {row['host_before_forward']:.3f} ms", file=sys.stderr, flush=True)
+            print(
+                f"run {run}: host before the forward {row['host_before_forward']:.3f} ms", file=sys.stderr, flush=True
+            )
     print(f"{TREE} ({PROMPT_LEN} tokens, median of {len(rows)} runs, ms):")
     for key in ["host_before_forward", "host_total"] + [p[2] for p in PARTS if p[2] != "forward"]:
         print(f"  {key:22s} {statistics.median(r[key] for r in rows):7.3f}")

@@ -46,6 +46,7 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
+
 # per family: what makes it that family, on top of the small shared shape
 FAMILY_OVERRIDES = {
     "llama": dict(
@@ -87,7 +88,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
                 torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                 pad_token_id=0,
             )  # fmt: skip
-            outs.append(gen[0, len(ids):].tolist())
+            outs.append(gen[0, len(ids) :].tolist())
     return outs
 
 

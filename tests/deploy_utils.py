@@ -66,7 +66,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\$\w+", "", expr)  # Grafana variables ($__rate_interval, $job)
     names = set()
     for m in _NAME.finditer(expr):
-        if expr[m.end():].lstrip().startswith("(") or m.group().lower() in _PROMQL_WORDS:
+        if expr[m.end() :].lstrip().startswith("(") or m.group().lower() in _PROMQL_WORDS:
             continue  # a function or a keyword
         names.add(m.group())
     return names

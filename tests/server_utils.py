@@ -67,7 +67,9 @@ def wait_healthy(server: ServerProcess, timeout: float = 120.0) -> ServerProcess
     raise RuntimeError(f"not healthy after {timeout} s:\n{server.log()}")
 
 
-def start_server(args: list[str], log_path: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    args: list[str], log_path: str, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "llmserve", "serve", "--port", str(port), *args]
     return wait_healthy(spawn(cmd, port, log_path, env), timeout)

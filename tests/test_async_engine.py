@@ -8,8 +8,8 @@ import signal
 import time
 
 import pytest
-
 from conftest import hf_greedy
+
 from llmserve import AsyncEngine, EngineArgs, SamplingParams
 from llmserve.engine.core_client import EngineDeadError, EngineStartError
 from llmserve.engine.input_processor import PromptTooLongError
@@ -180,6 +180,9 @@ def test_messages_between_front_and_core_are_typed():
 
     from llmserve.engine.ipc import Kind, Message, UtilityCall, UtilityResult
 
-    for msg in (Message(Kind.UTILITY, UtilityCall(3, "reset_prefix_cache")), Message(Kind.UTILITY_RESULT, UtilityResult(3, True))):
+    for msg in (
+        Message(Kind.UTILITY, UtilityCall(3, "reset_prefix_cache")),
+        Message(Kind.UTILITY_RESULT, UtilityResult(3, True)),
+    ):
         again = pickle.loads(pickle.dumps(msg))
         assert again.kind is msg.kind and again.payload == msg.payload

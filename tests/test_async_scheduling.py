@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import assert_no_leak
 from test_scheduler import make_request, make_scheduler
 
@@ -167,7 +166,15 @@ def test_step_timing_log(llama_dir, tmp_path):
     steps = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(steps) == new_tokens  # the prompts' step samples the first token, then 5 decodes
     assert steps[0] | {"launch": 0, "launched": 0, "done": 0} == {
-        "launch": 0, "launched": 0, "done": 0, "reqs": 3, "new": 3, "tokens": sum(lens), "prefill": sum(lens), "waiting": 0}
+        "launch": 0,
+        "launched": 0,
+        "done": 0,
+        "reqs": 3,
+        "new": 3,
+        "tokens": sum(lens),
+        "prefill": sum(lens),
+        "waiting": 0,
+    }
     for s in steps[1:]:
         assert (s["reqs"], s["new"], s["tokens"], s["prefill"], s["waiting"]) == (3, 0, 3, 0, 0)
     assert all(s["launch"] <= s["launched"] <= s["done"] for s in steps)

@@ -8,16 +8,16 @@ import math
 from pathlib import Path
 
 import pytest
+from server_utils import free_port, start_server
 
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import parse_percentiles, summarize
 from llmserve.bench.serve import arrival_offsets
-from llmserve.bench.server_metrics import parse, server_side
 from llmserve.bench.serve_client import RequestResult, Target, _carries_tokens
 from llmserve.bench.serve_metrics import compute_metrics, parse_goodput, peak_concurrency
+from llmserve.bench.server_metrics import parse, server_side
 from llmserve.bench.throughput import make_prompts
 from llmserve.cli import main
-from server_utils import free_port, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -240,9 +240,12 @@ def result(start: float, ttft: float, latency: float, tokens: int, ok: bool = Tr
 def test_server_side_metrics_from_prometheus_text():
     """Two scrapes of vLLM-named histograms (two models, so label sets are summed): the
     observations in between, their means and the bucket holding each percentile."""
+
     def text(ttft_sum: float, buckets: dict[str, float], queue_sum: float) -> str:
-        lines = ["# HELP vllm:time_to_first_token_seconds Time to first token.",
-                 "# TYPE vllm:time_to_first_token_seconds histogram"]
+        lines = [
+            "# HELP vllm:time_to_first_token_seconds Time to first token.",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+        ]
         for model in ("a", "b"):
             for le, n in buckets.items():
                 lines.append(f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="{model}"}} {n / 2}')
@@ -265,7 +268,7 @@ def test_server_side_metrics_from_prometheus_text():
     assert got["p99_ttft_bucket_ms"] == pytest.approx(250.0) and got["p99.9_ttft_bucket_ms"] == pytest.approx(250.0)
     assert "mean_prefill_ms" not in got  # a server without that histogram
     assert server_side(None, after, [99]) is None and server_side(before, before, [99]) is None
-    assert parse("vllm:time_to_first_token_seconds_sum{model_name=\"a\"} not-a-number\n") == {}
+    assert parse('vllm:time_to_first_token_seconds_sum{model_name="a"} not-a-number\n') == {}
 
 
 def test_metrics_definitions():
@@ -352,12 +355,22 @@ def test_gpu_summary_table(tmp_path):
         "p99_ttft_ms": 90.0, "p99_tpot_ms": 8.0, "mean_ttft_ms": 41.0,
         "server_metrics": {"mean_ttft_ms": 30.0, "mean_queue_ms": 12.5, "mean_prefill_ms": 17.5},
     }))  # fmt: skip
-    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts/gpu/summary.py"), str(tmp_path)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).parents[1] / "scripts/gpu/summary.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "| (a) 512 x 512/256, output tok/s | 10,150.0 | >= 10,150 | 1.00 |" in out
-    assert "| (a) / HF of the same call | 5.00x | >= 5x | 1.00 |" in out and "| 1/2 within tolerance | all | FAIL |" in out
+    assert (
+        "| (a) / HF of the same call | 5.00x | >= 5x | 1.00 |" in out and "| 1/2 within tolerance | all | FAIL |" in out
+    )
     assert "(b) batch 1" in out and "(c)" not in out and (tmp_path / "summary.md").read_text() == out
     assert "| (d) 16 req/s TTFT p99 ms (d_rate16_x) | 90.0 | <= 99 | 1.10 |" in out
-    assert "| (d) server side: mean TTFT / queue / prefill ms (d_rate16_x) | 30.0 / 12.5 / 17.5 | client mean TTFT 41.0 |" in out
+    assert (
+        "| (d) server side: mean TTFT / queue / prefill ms (d_rate16_x) | 30.0 / 12.5 / 17.5 | client mean TTFT 41.0 |"
+        in out
+    )
 
 
 def test_serve_stalls_finds_a_stall_of_every_stream(tmp_path):
@@ -424,7 +437,14 @@ def test_step_times_from_a_step_log(tmp_path):
     timed = mod.device_times(list(reversed(steps)))  # any order in: launch order out
     assert [round(s["device_ms"], 3) for s in timed] == [6.0, 33.0, 6.0]
     assert [mod.bucket_of(n) for n in (0, 1, 512, 513, 1536, 2048, 5000)] == [
-        "decode only", "1-512", "1-512", "513-1024", "1025-1536", "1537-2048", "> 2048"]
+        "decode only",
+        "1-512",
+        "1-512",
+        "513-1024",
+        "1025-1536",
+        "1537-2048",
+        "> 2048",
+    ]
     log = tmp_path / "steps.jsonl"
     log.write_text("".join(json.dumps(s) + "\n" for s in steps))
     out = subprocess.run([sys.executable, mod.__file__, str(log), "--split-s", "0.03"], capture_output=True, text=True,

@@ -190,7 +190,7 @@ def test_serve_answers_408_to_a_body_that_stops_but_waits_for_a_slow_one(serve):
     conn = connect(serve)
     conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())  # fmt: skip
-    pieces = [body[i * len(body) // 4:(i + 1) * len(body) // 4] for i in range(4)]
+    pieces = [body[i * len(body) // 4 : (i + 1) * len(body) // 4] for i in range(4)]
     for piece in pieces:
         time.sleep(BODY_TIMEOUT_S * 0.6)
         conn.sendall(piece)

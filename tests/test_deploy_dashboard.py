@@ -33,7 +33,9 @@ def test_parse_metrics_reads_the_vllm_names():
 
 
 def test_span_point_rates_and_mean_latencies():
-    a = Sample(100.0, {"generation_tokens": 1000.0, "ttft_sum": 0.5, "ttft_count": 10.0, "e2e_sum": 8.0, "e2e_count": 4.0})
+    a = Sample(
+        100.0, {"generation_tokens": 1000.0, "ttft_sum": 0.5, "ttft_count": 10.0, "e2e_sum": 8.0, "e2e_count": 4.0}
+    )
     b = Sample(102.0, {"generation_tokens": 1300.0, "ttft_sum": 0.8, "ttft_count": 12.0, "e2e_sum": 8.0,
                        "e2e_count": 4.0, "running": 5.0, "waiting": 1.0, "kv_usage": 0.5})  # fmt: skip
     p = span_point(a, b)

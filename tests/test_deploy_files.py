@@ -82,7 +82,7 @@ def test_hadolint_finds_faults():
 def test_dockerfile_shape(name):
     text = (DEPLOY / "docker" / name).read_text()
     assert len(re.findall(r"^FROM .* AS (\w+)$", text, re.MULTILINE)) == 2  # build stage + runtime stage
-    runtime = text[text.index("AS runtime"):]
+    runtime = text[text.index("AS runtime") :]
     assert re.search(r"^USER 10001", runtime, re.MULTILINE), "the runtime stage runs as a non-root user"
     assert "HEALTHCHECK" in runtime and "/health" in runtime
     assert "COPY --from=build /opt/llmserve /opt/llmserve" in runtime
@@ -210,7 +210,9 @@ def test_compose_file_validates(tmp_path):
 def test_compose_validation_rejects_a_typo(tmp_path):
     bad = tmp_path / "compose.yaml"
     bad.write_text((DEPLOY / "compose.yaml").read_text().replace("shm_size:", "shm_sise:"))
-    proc = subprocess.run([tool("docker-compose"), "-f", str(bad), "config"], check=False, capture_output=True, text=True)
+    proc = subprocess.run(
+        [tool("docker-compose"), "-f", str(bad), "config"], check=False, capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "shm_sise" in proc.stderr
 
 

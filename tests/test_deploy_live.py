@@ -68,7 +68,17 @@ def platform(tmp_path_factory):
     scraping all three, started together."""
     tmp = tmp_path_factory.mktemp("deploy")
     port = free_port()
-    cmd = [sys.executable, "-m", "llmserve", "serve", str(TINY_MODEL_DIR), "--port", str(port), "--max-model-len", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve",
+        "serve",
+        str(TINY_MODEL_DIR),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+    ]
     server = spawn(cmd, port, str(tmp / "server.log"))
     triton = TritonServer(
         str(echo_repo(tmp / "repo")), http_port=free_port(), grpc_port=free_port(), metrics_port=free_port(),
@@ -144,6 +154,7 @@ def test_prometheus_scrapes_engine_gateway_and_triton(platform):
     series = _wait(lambda: [r for r in _query(prometheus, "vllm:generation_tokens_total") if float(r["value"][1]) >= 8],
                    15, "vllm:generation_tokens_total scraped after a request")  # fmt: skip
     assert series[0]["metric"]["job"] == "llmserve-engine" and series[0]["metric"]["model_name"] == MODEL
+
     def up() -> dict[str, str]:
         return {r["metric"]["job"]: r["value"][1] for r in _query(prometheus, "up")}
 
@@ -155,12 +166,14 @@ def test_prometheus_scrapes_engine_gateway_and_triton(platform):
     # the shipped rules load and evaluate in the real Prometheus
     groups = httpx.get(prometheus.base_url + "/api/v1/rules").json()["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    assert {"LLMServeKVCacheNearlyFull", "TritonQueueDurationGrowing", "llmserve:queue_time_seconds:p99_5m"} <= set(rules)
+    assert {"LLMServeKVCacheNearlyFull", "TritonQueueDurationGrowing", "llmserve:queue_time_seconds:p99_5m"} <= set(
+        rules
+    )
     _wait(lambda: all(r["health"] == "ok" for g in httpx.get(prometheus.base_url + "/api/v1/rules").json()["data"]
                       ["groups"] for r in g["rules"]), 5, "every rule evaluated without error")  # fmt: skip
 
     # every dashboard query is valid PromQL for this Prometheus (Grafana's variables filled in)
-    for board, expr in _dashboard_queries():
+    for _board, expr in _dashboard_queries():
         expr = expr.replace("$__rate_interval", "1m").replace('"$job"', '".*"').replace('"$model"', '".*"')
         _query(prometheus, expr)
 
@@ -184,7 +197,11 @@ def test_every_dashboard_and_alert_query_names_an_exported_metric(platform):
     httpx.post(platform.gateway.base_url + "/v1/completions", json={"model": "nope"})  # a rejection: 404
     echo_infer(platform.triton.url)
     live = _live_names(platform)
-    assert {"vllm:generation_tokens_total", "llmserve_gateway_rejections_total", "nv_inference_queue_duration_us"} <= live
+    assert {
+        "vllm:generation_tokens_total",
+        "llmserve_gateway_rejections_total",
+        "nv_inference_queue_duration_us",
+    } <= live
 
     queries = _dashboard_queries()
     assert len(queries) > 30
@@ -236,7 +253,7 @@ class Load:
 
 
 def _cell(url: str, field: str) -> str:
-    return f"document.querySelector('#upstreams td[data-key=\"{url}\"][data-field=\"{field}\"]')?.textContent"
+    return f'document.querySelector(\'#upstreams td[data-key="{url}"][data-field="{field}"]\')?.textContent'
 
 
 def test_status_page_shows_live_numbers_while_load_runs(platform, tmp_path):
@@ -256,7 +273,10 @@ def test_status_page_shows_live_numbers_while_load_runs(platform, tmp_path):
             assert len(set(readings)) >= 3, f"tokens/s did not change while load ran: {readings}"
             browser.wait_for(f"Number({_cell(url, 'running')}) > 0", 10)
             assert float(browser.evaluate(_cell(url, "ttft_ms"))) > 0
-            assert browser.evaluate("document.querySelector('[data-key=\"chat\"][data-field=\"replicas_up\"]').textContent") == "1/1"
+            assert (
+                browser.evaluate('document.querySelector(\'[data-key="chat"][data-field="replicas_up"]\').textContent')
+                == "1/1"
+            )
             browser.wait_for("document.querySelectorAll('#cards path').length >= 6")  # the charts drew
             shot = Path(os.environ.get("LLMSERVE_DASHBOARD_PNG", tmp_path / "dashboard.png"))
             browser.screenshot(shot)  # LLMSERVE_DASHBOARD_PNG=docs/dashboard.png keeps one for the docs
@@ -314,7 +334,7 @@ def test_image_healthcheck_command_against_a_live_server(platform, dockerfile):
     """The exact HEALTHCHECK command of each image: 0 while /health answers 200, not 0 otherwise."""
     text = (DEPLOY / "docker" / dockerfile).read_text().replace("\\\n", " ")
     line = next(line for line in text.splitlines() if line.startswith("HEALTHCHECK"))
-    cmd = json.loads(line[line.index("CMD") + 3:])
+    cmd = json.loads(line[line.index("CMD") + 3 :])
     assert cmd[0] in ("python", "python3")
     cmd[0] = sys.executable  # the image's interpreter, here
 

@@ -104,10 +104,14 @@ def test_fast_path_is_token_exact_against_the_reference_on_cpu(llama_dir, tokens
 def test_dummy_weights_and_biases_in_fp8(model_dirs):
     """Random FP8 weights (benchmarks) and a model with q/k/v biases (Qwen2)."""
     with LLM(model_dirs["llama"], load_format="dummy", quantization="fp8", max_model_len=64) as llm:
-        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+        assert (
+            len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+        )
     with LLM(model_dirs["qwen2"], quantization="fp8", max_model_len=64) as llm:
         assert llm.core.runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
-        assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+        assert (
+            len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+        )
 
 
 def test_the_tiny_model_in_fp8_mostly_agrees_with_float32():
@@ -147,12 +151,20 @@ def test_projections_kept_unquantized_load_as_they_are(llama_dir):
     everything, plain = build("fp8", ("re:.*",)), build(None)
     assert not any(isinstance(m, Fp8Linear) for m in everything.modules())
     want = plain.state_dict()
-    assert all(torch.equal(t, want[n]) for n, t in everything.state_dict().items()) and len(want) == len(everything.state_dict())
-    llm = LLM(llama_dir, max_model_len=128, quantization="fp8", quantization_ignore=f"{last}, re:model\\.layers\\.0\\..*")
+    assert all(torch.equal(t, want[n]) for n, t in everything.state_dict().items()) and len(want) == len(
+        everything.state_dict()
+    )
+    llm = LLM(
+        llama_dir, max_model_len=128, quantization="fp8", quantization_ignore=f"{last}, re:model\\.layers\\.0\\..*"
+    )
     assert llm.config.model_config.quantization_ignore == (last, "re:model\\.layers\\.0\\..*")
     layers = llm.core.runner.model.model.layers
-    assert not isinstance(layers[0].self_attn.qkv_proj, Fp8Linear) and isinstance(layers[1].self_attn.qkv_proj, Fp8Linear)
-    assert len(llm.generate([{"prompt_token_ids": [1, 5, 9, 33]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+    assert not isinstance(layers[0].self_attn.qkv_proj, Fp8Linear) and isinstance(
+        layers[1].self_attn.qkv_proj, Fp8Linear
+    )
+    assert (
+        len(llm.generate([{"prompt_token_ids": [1, 5, 9, 33]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 16
+    )
 
 
 def test_projections_kept_unquantized_split_over_two_ranks(llama_dir):
@@ -160,10 +172,14 @@ def test_projections_kept_unquantized_split_over_two_ranks(llama_dir):
     ranks give one rank's tokens."""
     ignore = "model.layers.0.self_attn.o_proj,model.layers.1.self_attn.qkv_proj"
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70]}]
-    with LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore) as one, \
-            LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore, tensor_parallel_size=2) as two:
-        assert one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4] == \
-            two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+    with (
+        LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore) as one,
+        LLM(llama_dir, max_model_len=64, quantization="fp8", quantization_ignore=ignore, tensor_parallel_size=2) as two,
+    ):
+        assert (
+            one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+            == two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+        )
 
 
 def test_weight_bytes_count_projections_kept_unquantized_in_the_model_dtype(llama_dir):
@@ -234,9 +250,12 @@ def test_a_channel_wise_dynamic_checkpoint_equals_quantizing_at_load(llama_dir, 
     from_file = LLM(str(fp8_checkpoints[("compressed-tensors", "channel", "dynamic")]), max_model_len=64)
     a = at_load.core.runner.model.model.layers[1].mlp.gate_up_proj
     b = from_file.core.runner.model.model.layers[1].mlp.gate_up_proj
-    assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)) and torch.equal(a.weight_scale, b.weight_scale)
+    assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)) and torch.equal(
+        a.weight_scale, b.weight_scale
+    )
     assert [o.outputs[0].token_ids for o in at_load.generate(prompts, GREEDY, use_tqdm=False)] == [
-        o.outputs[0].token_ids for o in from_file.generate(prompts, GREEDY, use_tqdm=False)]
+        o.outputs[0].token_ids for o in from_file.generate(prompts, GREEDY, use_tqdm=False)
+    ]
 
 
 def test_an_fp8_checkpoint_splits_over_two_ranks(fp8_checkpoints):
@@ -244,8 +263,10 @@ def test_an_fp8_checkpoint_splits_over_two_ranks(fp8_checkpoints):
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 70]}]
     with LLM(path, max_model_len=64) as one, LLM(path, max_model_len=64, tensor_parallel_size=2) as two:
         # per-tensor scales and a static input scale: the ranks' slices quantize alike
-        assert one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4] == \
-            two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+        assert (
+            one.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+            == two.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0].token_ids[:4]
+        )
 
 
 @pytest.mark.parametrize(("qc", "reason"), [
@@ -393,7 +414,9 @@ def test_an_fp8_kv_cache_calibrates_per_layer_scales_at_start(small_values_dir):
         ids = calibration_token_ids(runner.config.model_config.arch.vocab_size, 128)  # max_model_len's
         amax = record_amax(runner.model, lambda: runner._dummy_forward(1, len(ids), ids))
         for (k, v), (ak, av) in zip(scales.scales, amax):  # (calibration attends over unquantized keys and values)
-            assert k == pytest.approx(ak * HEADROOM / 448, rel=1e-6) and v == pytest.approx(av * HEADROOM / 448, rel=1e-6)
+            assert k == pytest.approx(ak * HEADROOM / 448, rel=1e-6) and v == pytest.approx(
+                av * HEADROOM / 448, rel=1e-6
+            )
             assert v < 1e-4  # values under 2^-6: subnormal with scale 1
         assert one.core.runner.kv_scales.source == "one" and set(one.core.runner.kv_scales.scales) == {(1.0, 1.0)}
         assert exact.core.runner.kv_scales.scales == ()  # not an FP8 cache: no scales
@@ -428,7 +451,8 @@ def test_a_checkpoint_s_kv_scales_are_used_as_they_are(llama_dir, tmp_path):
     with LLM(str(path), kv_cache_dtype="fp8", **budget) as llm:
         got = llm.core.runner.kv_scales
         assert got.source == "checkpoint" and [tuple(round(x, 6) for x in p) for p in got.scales[:2]] == [
-            tuple(round(x, 6) for x in p) for p in want]
+            tuple(round(x, 6) for x in p) for p in want
+        ]
         out = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 70]}], GREEDY, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 16
     with LLM(str(path), kv_cache_dtype="fp8", calculate_kv_scales=True, **budget) as llm:
@@ -526,7 +550,10 @@ def test_bench_accuracy_reads_an_fp8_kv_cache_with_the_engine_s_scales(tmp_path,
     cal, one = results["calibrated"], results["one"]
     assert "scales calibrated: k " in cal["candidate"] and "scales one" in one["candidate"]
     assert "KV auto" in cal["baseline"] and cal["perplexity_baseline"] == one["perplexity_baseline"]
-    assert abs(cal["perplexity_change_pct"]) < abs(one["perplexity_change_pct"]) / 3, (cal, one)  # 0.015 against 0.072 %
+    assert abs(cal["perplexity_change_pct"]) < abs(one["perplexity_change_pct"]) / 3, (
+        cal,
+        one,
+    )  # 0.015 against 0.072 %
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -561,7 +588,9 @@ def test_fp8_fast_accumulation_threshold_is_configured_and_checked(llama_dir):
 
     config = EngineArgs(model=str(llama_dir), quantization="fp8", fp8_fast_accum_tokens=0).create_engine_config()
     assert config.model_config.fp8_fast_accum_tokens == 0
-    assert EngineArgs(model=str(llama_dir)).create_engine_config().model_config.fp8_fast_accum_tokens == FAST_ACCUM_TOKENS
+    assert (
+        EngineArgs(model=str(llama_dir)).create_engine_config().model_config.fp8_fast_accum_tokens == FAST_ACCUM_TOKENS
+    )
     with pytest.raises(ConfigError, match="fp8_fast_accum_tokens must be >= 0"):
         EngineArgs(model=str(llama_dir), fp8_fast_accum_tokens=-1).create_engine_config()
     ops = triton_ops(4096)

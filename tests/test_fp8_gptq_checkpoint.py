@@ -126,8 +126,15 @@ def test_ignore_lists_map_onto_the_fused_projections(method):
     assert read(_cfg(["lm_head", "re:.*mlp\\.gate$"], method)).ignore == ()  # an MoE router this model lacks
     got = read(_cfg(["re:model\\.layers\\.0\\.self_attn\\.[qkv]_proj", "model.layers.1.mlp.gate_proj",
                      "model.layers.1.mlp.up_proj", "model.layers.1.self_attn.o_proj"], method)).ignore  # fmt: skip
-    assert got == ("model.layers.0.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj")
-    assert read(_cfg(["re:.*down_proj"], method)).ignore == ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj")
+    assert got == (
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.1.mlp.gate_up_proj",
+    )
+    assert read(_cfg(["re:.*down_proj"], method)).ignore == (
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.down_proj",
+    )
     for bad, message in (
         (["model.layers.0.self_attn.q_proj"], "q_proj left unquantized without model.layers.0.self_attn.k_proj"),
         (["model.layers.1.mlp.up_proj"], "runs them as one projection, gate_up_proj"),
@@ -138,7 +145,9 @@ def test_ignore_lists_map_onto_the_fused_projections(method):
             read(_cfg(bad, method))
     # compressed-tensors' reading: a pattern matches from the name's start
     assert read(_cfg(["re:.*layers\\.1\\.self_attn"], method)).ignore == (
-        "model.layers.1.self_attn.qkv_proj", "model.layers.1.self_attn.o_proj")
+        "model.layers.1.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+    )
     with pytest.raises(Exception, match="without num_hidden_layers"):
         read({"quantization_config": _cfg(["re:.*down_proj"], method)["quantization_config"]})
 

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.unit
 def _layer(seed: int = 0, tokens: int = 1024, cols: int = 192, rows: int = 48):
     g = torch.Generator().manual_seed(seed)
     # correlated inputs, as a layer's are: a few directions carry most of their energy
-    x = torch.randn(tokens, 32, generator=g) @ torch.randn(32, cols, generator=g) + 0.3 * torch.randn(tokens, cols, generator=g)
+    x = torch.randn(tokens, 32, generator=g) @ torch.randn(32, cols, generator=g) + 0.3 * torch.randn(
+        tokens, cols, generator=g
+    )
     w = torch.randn(rows, cols, generator=g) * 0.05
     return x, w
 

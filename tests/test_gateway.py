@@ -25,7 +25,10 @@ from llmserve.gateway.limits import LimitExceeded, LimitsUnavailable, OverCapaci
 pytestmark = pytest.mark.integration
 
 KEYS = {
-    "good": "sk-good", "revoked": "sk-revoked", "lite-only": "sk-lite-only", "limited": "sk-limited",
+    "good": "sk-good",
+    "revoked": "sk-revoked",
+    "lite-only": "sk-lite-only",
+    "limited": "sk-limited",
     "tokens": "sk-tokens",
 }
 LONG = {"max_tokens": 200, "extra_body": {"ignore_eos": True}}
@@ -37,8 +40,13 @@ def _config(tiny_urls: list[str], lite_url: str) -> dict:
             "tiny": {"replicas": tiny_urls, "model": "tiny-up", "fallback": "lite"},
             "lite": {"replicas": [lite_url], "model": "lite-up"},
             "capped": {"replicas": [lite_url], "model": "lite-up", "max_concurrency": 1, "fallback": "tiny"},
-            "sticky": {"replicas": tiny_urls, "model": "tiny-up", "routing": "prefix_affinity",
-                       "affinity_prefix_chars": 64, "affinity_max_imbalance": 1},
+            "sticky": {
+                "replicas": tiny_urls,
+                "model": "tiny-up",
+                "routing": "prefix_affinity",
+                "affinity_prefix_chars": 64,
+                "affinity_max_imbalance": 1,
+            },
         },
         "keys": [
             {"name": "good", "sha256": hash_key(KEYS["good"])},
@@ -480,7 +488,9 @@ class _BreakingUpstream:
                 if head.startswith(b"GET"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
                     continue
-                event = b'data: {"id":"x","object":"text_completion","model":"m","choices":[{"index":0,"text":"a"}]}\n\n'
+                event = (
+                    b'data: {"id":"x","object":"text_completion","model":"m","choices":[{"index":0,"text":"a"}]}\n\n'
+                )
                 if self.cut == "eof":
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
                                  + event * 2)  # fmt: skip
@@ -671,7 +681,9 @@ def test_a_busy_replica_is_shed_at_once_and_a_request_that_breaks_its_replica_is
                 assert busy.status_code == 503 and time.monotonic() - start < 1.5, busy.text
                 assert first.result().status_code == 200
             start = time.monotonic()
-            broken = httpx.post(gateway.base_url + "/v1/completions", json={"model": "breaker", "prompt": "x"}, timeout=90)
+            broken = httpx.post(
+                gateway.base_url + "/v1/completions", json={"model": "breaker", "prompt": "x"}, timeout=90
+            )
             assert broken.status_code in (502, 503) and time.monotonic() - start < 10, broken.text
             assert len(posts) == 2, posts  # the first try and one more
         finally:
@@ -689,7 +701,7 @@ def test_a_triton_streams_event_leaves_whole_before_the_next_one_exists():
     from llmserve.gateway.triton_upstream import Backend, TritonClients, _generate, chat_events
 
     def chunk(text: str) -> str:
-        return 'data: {"id":"x","model":"chat","choices":[{"index":0,"delta":{"content":"%s"}}]}' % text
+        return 'data: {"id":"x","model":"chat","choices":[{"index":0,"delta":{"content":"' + text + '"}}]}'
 
     async def main() -> list[str]:
         gate = asyncio.Event()
@@ -703,7 +715,9 @@ def test_a_triton_streams_event_leaves_whole_before_the_next_one_exists():
         clients = TritonClients()
         clients.events = lambda *args, **kw: chat_events(responses(), 5.0, Backend())
         ctx = RequestContext("r", "/v1/chat/completions", "chat", {"stream": True}, True, None)
-        pick = Pick("chat", ModelRoute(kind="triton", replicas=["http://127.0.0.1:1"]), Replica("chat", "http://127.0.0.1:1"))
+        pick = Pick(
+            "chat", ModelRoute(kind="triton", replicas=["http://127.0.0.1:1"]), Replica("chat", "http://127.0.0.1:1")
+        )
         opened = await _generate(clients, ctx, pick, "chat")
         writes = [_rewrite_model(opened.first, "chat", ctx) + "\n"]  # what the gateway's relay writes
         assert not gate.is_set()
@@ -743,7 +757,9 @@ def test_triton_over_http_reads_big_events_and_tells_failures_apart():
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         body = await request.json()
-        await resp.write(b"data: " + json.dumps({"model_name": model, "status": [200], "response": big}).encode() + b"\n\n")
+        await resp.write(
+            b"data: " + json.dumps({"model_name": model, "status": [200], "response": big}).encode() + b"\n\n"
+        )
         if model == "fails":
             await resp.write(b'data: {"error": "Stub process is not healthy."}\n\n')
         await resp.write(b"data: " + json.dumps({"status": 200, "response": body["endpoint"]}).encode() + b"\n\n")

@@ -14,8 +14,8 @@ from server_utils import free_port, metric, wait_healthy
 
 from llmserve.config import TINY_MODEL_DIR
 from llmserve.gateway.admission import Admission, Refused
-from llmserve.gateway.dashboard import Sample, engine_queue_delay
 from llmserve.gateway.config import AdmissionConfig, hash_key
+from llmserve.gateway.dashboard import Sample, engine_queue_delay
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,9 @@ def test_placement_over_llmserve_servers(tmp_path):
             wait_healthy(server, 180)
         assert httpx.get(next(iter(servers.values())).base_url + "/footprint", timeout=10).status_code == 401
         rows = {n: httpx.get(s.base_url + "/footprint", headers=admin, timeout=10).json() for n, s in servers.items()}
-        assert all(r["is_sleeping"] is False and r["weight_bytes"] > 0 and r["kv_cache_bytes"] > 0 for r in rows.values())
+        assert all(
+            r["is_sleeping"] is False and r["weight_bytes"] > 0 and r["kv_cache_bytes"] > 0 for r in rows.values()
+        )
         size = max(r["weight_bytes"] + r["kv_cache_bytes"] for r in rows.values())
         config = {"models": {n: {"replicas": [s.base_url], "admin_api_key_env": "PLACEMENT_KEY"} for n, s in servers.items()},
                   "placement": {"gpu_memory_budget": int(size * 2.5), "models": NAMES, "prewarm_interval_s": 0.2}}  # fmt: skip
@@ -73,7 +75,9 @@ def test_placement_over_llmserve_servers(tmp_path):
         assert len(set(texts)) == 1  # the same tiny model behind each name: the same greedy answer
         placement = httpx.get(gateway.base_url + "/health").json()["placement"]
         assert placement["device_bytes"] <= placement["budget_bytes"]
-        assert sum(m["wakes"] for m in placement["models"]) >= 1 and all(m["in_flight"] == 0 for m in placement["models"])
+        assert sum(m["wakes"] for m in placement["models"]) >= 1 and all(
+            m["in_flight"] == 0 for m in placement["models"]
+        )
         for name, server in servers.items():  # each server's own account agrees, nothing leaked
             row = httpx.get(server.base_url + "/footprint", headers=admin).json()
             state = next(m["state"] for m in placement["models"] if m["model"] == name)

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from conftest import hf_greedy
+
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, default_model_path
 from llmserve.model.gguf.dequant import BLOCKS, dequantize
@@ -96,7 +96,16 @@ def test_dequantize_matches_the_gguf_package(type_name):
 def test_quantize_round_trips_within_the_types_precision(type_name):
     w = (np.random.default_rng(2).standard_normal((6, 512)) * 0.05).astype(np.float32)
     back = dequantize(quantize(w, type_name), type_name, w.shape).numpy()
-    bound = {"F32": 0, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 1e-2, "Q6_K": 3e-2, "Q5_K": 5e-2, "Q5_0": 5e-2, "Q5_1": 5e-2}.get(type_name, 0.1)
+    bound = {
+        "F32": 0,
+        "F16": 1e-3,
+        "BF16": 5e-3,
+        "Q8_0": 1e-2,
+        "Q6_K": 3e-2,
+        "Q5_K": 5e-2,
+        "Q5_0": 5e-2,
+        "Q5_1": 5e-2,
+    }.get(type_name, 0.1)
     assert np.abs(back - w).max() <= bound * np.abs(w).max()
 
 

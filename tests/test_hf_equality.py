@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import assert_no_leak, hf_greedy
+
 from llmserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.unit
@@ -33,10 +33,7 @@ ENGINE_VARIANTS = {
 
 @pytest.fixture(scope="module")
 def references(model_dirs):
-    return {
-        family: hf_greedy(path, _prompts(i), MAX_NEW)
-        for i, (family, path) in enumerate(model_dirs.items())
-    }
+    return {family: hf_greedy(path, _prompts(i), MAX_NEW) for i, (family, path) in enumerate(model_dirs.items())}
 
 
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))

@@ -32,7 +32,6 @@ def test_a_mixed_step_is_flattened_row_by_row():
     assert batch.num_decode_seqs == 0  # the decode is not at the front
 
 
-
 def reference_flat(rows: list[RowInput], block_size: int, last_rows: dict[str, int]) -> tuple[list, list, list, list]:
     """Token by token: each new token's id, position, KV slot; and the fill positions."""
     ids, positions, slots, fills = [], [], [], []
@@ -50,7 +49,7 @@ def test_decode_rows_as_lists_chunks_as_arrays_match_the_token_by_token_referenc
     import random
 
     rng = random.Random(3)
-    for trial in range(60):
+    for _trial in range(60):
         builder = InputBuilder(block_size=4, max_num_seqs=8, max_blocks=16)
         rows, last_rows = [], {}
         for i in range(rng.randrange(1, 7)):

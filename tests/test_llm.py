@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import assert_no_leak, hf_greedy
+
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError
 from llmserve.engine.input_processor import PromptError, PromptTooLongError
@@ -85,13 +85,21 @@ def test_stop_strings_and_tokens(llm):
     text = free.text
     assert len(text) > 4
     stop = text[2:4]
-    cut = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        [ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
-    kept = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop, include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        [ids(1, 20, 21)],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
     tok = free.token_ids[3]
-    by_id = llm.generate([ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tok]), use_tqdm=False)[0].outputs[0]
+    by_id = llm.generate(
+        [ids(1, 20, 21)], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tok]), use_tqdm=False
+    )[0].outputs[0]
     assert by_id.token_ids == free.token_ids[: free.token_ids.index(tok) + 1]
     assert by_id.finish_reason == "stop" and by_id.stop_reason == tok
     assert_no_leak(llm)
@@ -196,7 +204,9 @@ def test_sharded_checkpoint_loads(tmp_path, llama_dir):
     assert (sharded / "model.safetensors.index.json").exists()
     prompt = [1, 40, 41, 42]
     want = hf_greedy(llama_dir, [prompt], 6)[0]
-    got = LLM(str(sharded), max_model_len=64).generate([ids(*prompt)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    got = LLM(str(sharded), max_model_len=64).generate(
+        [ids(*prompt)], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
     assert got[0].outputs[0].token_ids == want
 
 
@@ -226,8 +236,12 @@ def test_tiny_model_matches_transformers_and_reads_as_text():
     text = outs[0].outputs[0].text
     words = [w for w in text.split() if w.strip('".,():').isalpha()]
     assert len(words) >= 5, text  # language, not noise
-    chat = tok.apply_chat_template([{"role": "user", "content": "What does `os.getcwd` do?"}], add_generation_prompt=True, tokenize=False)
-    answer = llm.generate([ids(*tok.encode(chat, add_special_tokens=False))], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What does `os.getcwd` do?"}], add_generation_prompt=True, tokenize=False
+    )
+    answer = llm.generate(
+        [ids(*tok.encode(chat, add_special_tokens=False))], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False
+    )[0]
     assert answer.outputs[0].finish_reason == "stop" and answer.outputs[0].text.strip()
     # vLLM's LLM.chat: the same conversation through the template gives the same reply
     question = [{"role": "user", "content": "What does `os.getcwd` do?"}]
@@ -236,10 +250,21 @@ def test_tiny_model_matches_transformers_and_reads_as_text():
                        SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)  # fmt: skip
     assert replies[0].outputs[0].token_ids == answer.outputs[0].token_ids and len(replies) == 2
     assert len(replies[1].prompt_token_ids) > len(replies[0].prompt_token_ids)
-    assert llm.chat(question, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text == answer.outputs[0].text
+    assert (
+        llm.chat(question, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+        == answer.outputs[0].text
+    )
     # read as the OpenAI server reads messages: text parts joined
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What does "}, {"type": "text", "text": "`os.getcwd` do?"}]}]
-    assert llm.chat(parts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].prompt_token_ids == answer.prompt_token_ids
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "What does "}, {"type": "text", "text": "`os.getcwd` do?"}],
+        }
+    ]
+    assert (
+        llm.chat(parts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].prompt_token_ids
+        == answer.prompt_token_ids
+    )
     with pytest.raises(ValueError):
         llm.chat([])
     with pytest.raises(ValueError):
@@ -293,13 +318,19 @@ def test_scheduler_budgets_default_by_device_and_command(monkeypatch, llama_dir)
     assert default_budgets("cpu", "llm") == default_budgets("cpu", "api_server") == (256, 2048)
     for memory, want in ((141 << 30, {"llm": (1024, 16384), "api_server": (256, 2048)}),
                          (24 << 30, {"llm": (256, 8192), "api_server": (256, 2048)})):  # fmt: skip
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _i, m=memory: types.SimpleNamespace(total_memory=m))
+        monkeypatch.setattr(
+            torch.cuda, "get_device_properties", lambda _i, m=memory: types.SimpleNamespace(total_memory=m)
+        )
         assert {ctx: default_budgets("cuda", ctx) for ctx in want} == want
     with pytest.raises(ConfigError, match="usage_context"):
         default_budgets("cpu", "browser")
     sc = EngineArgs(model=llama_dir, device="cpu").create_engine_config().scheduler_config
     assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (256, 2048)
-    sc = EngineArgs(model=llama_dir, device="cpu", max_num_seqs=7, max_num_batched_tokens=300).create_engine_config().scheduler_config
+    sc = (
+        EngineArgs(model=llama_dir, device="cpu", max_num_seqs=7, max_num_batched_tokens=300)
+        .create_engine_config()
+        .scheduler_config
+    )
     assert (sc.max_num_seqs, sc.max_num_batched_tokens) == (7, 300)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -348,7 +379,9 @@ def test_the_core_checks_the_ids_again_only_when_the_front_did_not(llm, monkeypa
     assert llm.core.add_request(sent) is None
     assert passes == []
     for claimed in (None, vocab + 1):
-        out = llm.core.add_request(EngineCoreRequest(f"bad-{claimed}", [1, vocab], params, 2, (2,), ids_checked_vocab=claimed))
+        out = llm.core.add_request(
+            EngineCoreRequest(f"bad-{claimed}", [1, vocab], params, 2, (2,), ids_checked_vocab=claimed)
+        )
         assert out.finish_reason == "abort" and "outside the vocabulary" in out.error
     assert passes == [2, 2]
     llm.core.abort_requests(["front"])
@@ -367,10 +400,10 @@ def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkey
     step's worth at a time while the device runs: the steps (requests, tokens, prompt tokens of
     each, from the step timing log) and the tokens are those of queueing everything first. A
     request the core refuses mid-feed fails the call and leaves nothing behind."""
+    import random
+
     from llmserve.engine import request_feed
     from llmserve.llm import StepPipeline
-
-    import random
 
     rng = random.Random(3)
     prompts = [ids(*(rng.randrange(1, 200) for _ in range(rng.randrange(5, 40)))) for _ in range(40)]
@@ -381,7 +414,9 @@ def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkey
         llm = LLM(llama_dir, max_model_len=256, block_size=16, max_num_batched_tokens=64, max_num_seqs=8,
                   step_timing_log=str(log))  # fmt: skip
         events, add = [], llm.core.add_request
-        monkeypatch.setattr(llm.core, "add_request", lambda req, add=add, events=events: events.append("add") or add(req))
+        monkeypatch.setattr(
+            llm.core, "add_request", lambda req, add=add, events=events: events.append("add") or add(req)
+        )
         monkeypatch.setattr(StepPipeline, "launch", lambda self, events=events: events.append("launch") or launch(self))
         monkeypatch.setattr(request_feed, "LEAD_STEPS", lead)
         out = llm.generate(prompts, params, use_tqdm=False)
@@ -414,7 +449,9 @@ def test_lm_head_and_sampler_warm_up_leave_nothing_behind(llm):
     before = llm.generate([ids(5, 6, 7)], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.core.runner
     batches, sample = [], runner.sampler.sample_async
-    runner.sampler.sample_async = lambda logits, reqs, *a: batches.append([r.sampling_params for r in reqs]) or sample(logits, reqs, *a)
+    runner.sampler.sample_async = lambda logits, reqs, *a: (
+        batches.append([r.sampling_params for r in reqs]) or sample(logits, reqs, *a)
+    )
     try:
         assert runner._warm_lm_head() == len(warm_counts(llm.config.scheduler_config.max_num_seqs))
     finally:

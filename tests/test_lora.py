@@ -158,8 +158,13 @@ def test_four_adapters_and_the_base_in_one_batch_equal_merged_peft(base_dir, ada
         assert any(not torch.equal(oracle[name][i].argmax(-1), oracle[None][i].argmax(-1)) for i in range(3)), name
 
 
-@pytest.mark.parametrize("family, shape", [("qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
-                                           ("qwen3", dict(head_dim=32))])  # q/k norms; q_size 128 != hidden 64
+@pytest.mark.parametrize(
+    "family, shape",
+    [
+        ("qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
+        ("qwen3", dict(head_dim=32)),
+    ],
+)  # q/k norms; q_size 128 != hidden 64
 def test_other_families_equal_merged_peft(family, shape, tmp_path):
     base = str(make_random_model(tmp_path / family, family, seed=1, **shape))
     folder = make_adapter(base, tmp_path / "adapter", 0, r=8, lora_alpha=16, target_modules=ALL)

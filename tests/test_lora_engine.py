@@ -10,12 +10,12 @@ import shutil
 
 import pytest
 import torch
+from test_lora import ADAPTERS, make_adapter
 
 from llmserve import LLM, LoRARequest, SamplingParams
 from llmserve.engine.output_processor import RequestFailedError
 from llmserve.lora.errors import UNUSABLE_PATH_MESSAGE
 from llmserve.model.random_model import make_random_model
-from test_lora import ADAPTERS, make_adapter
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def merged_greedy(base: str, adapter, prompts: list[list[int]]) -> list[list[int
     with torch.no_grad():
         for p in prompts:
             gen = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 
@@ -124,7 +124,6 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
 
     import httpx
     from openai import OpenAI
-
     from server_utils import start_server
 
     base, paths = lora_setup
@@ -138,6 +137,7 @@ def test_the_server_serves_adapters_by_model_name_and_loads_and_unloads_them(lor
     client = OpenAI(base_url=srv.base_url + "/v1", api_key="none")
     prompt = PROMPTS[0]
     try:
+
         def tokens(model: str) -> str:
             return client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
                                              extra_body={"ignore_eos": True}).choices[0].text.rstrip("\ufffd")  # fmt: skip
@@ -209,7 +209,6 @@ def test_runtime_lora_loading_is_an_explicit_choice_with_one_answer_for_every_un
     import sys
 
     import httpx
-
     from server_utils import free_port, spawn, wait_healthy
 
     base, paths = lora_setup
@@ -240,13 +239,18 @@ def test_runtime_lora_loading_is_an_explicit_choice_with_one_answer_for_every_un
     try:
         wait_healthy(closed, 240)
         wait_healthy(open_, 240)
-        for route, body in (("load", {"lora_name": "x", "lora_path": str(paths["r8-all"])}), ("unload", {"lora_name": "qv"})):
+        for route, body in (
+            ("load", {"lora_name": "x", "lora_path": str(paths["r8-all"])}),
+            ("unload", {"lora_name": "qv"}),
+        ):
             assert httpx.post(f"{closed.base_url}/v1/{route}_lora_adapter", json=body).status_code == 404
         answers = [httpx.post(open_.base_url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path})
                    for path in ("/root/.ssh", "/nowhere/at/all", "/etc", "/etc/passwd", str(roots / "nowhere"),
                                 str(roots / "empty"), str(roots / "a file"), str(roots / "adapter"),
                                 str(roots / "qv" / ".." / ".." / ".."))]  # fmt: skip
-        assert {a.status_code for a in answers} == {400} and len({a.text for a in answers}) == 1, [a.text for a in answers]
+        assert {a.status_code for a in answers} == {400} and len({a.text for a in answers}) == 1, [
+            a.text for a in answers
+        ]
         assert answers[0].json()["error"]["message"] == UNUSABLE_PATH_MESSAGE
         load = {"lora_name": "qv", "lora_path": str(roots / "qv")}
         assert httpx.post(open_.base_url + "/v1/load_lora_adapter", json=load).status_code == 200  # no key: allowed

@@ -156,7 +156,14 @@ def test_the_model_with_lora_kernels_equals_the_reference_ops(tmp_path, monkeypa
     import contextlib
     import dataclasses
 
-    from llmserve.lora import REFERENCE_LORA_OPS, LoRAAdapter, LoRAModuleWeights, LoRASlotStore, apply_lora, triton_lora_ops
+    from llmserve.lora import (
+        REFERENCE_LORA_OPS,
+        LoRAAdapter,
+        LoRAModuleWeights,
+        LoRASlotStore,
+        apply_lora,
+        triton_lora_ops,
+    )
     from llmserve.lora.deferred import ActAddingDelta, NormAddingDelta
     from llmserve.lora.projections import module_shapes
     from llmserve.model.arch import read_model_arch

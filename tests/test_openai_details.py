@@ -10,9 +10,9 @@ import json
 import httpx
 import openai
 import pytest
+from server_utils import start_server
 
 from llmserve.engine.detokenizer import stable_prompt_text
-from server_utils import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +49,7 @@ def _post(server, path: str, body: dict) -> httpx.Response:
 def _token_bytes(token: str) -> bytes:
     """A completions token's bytes: "bytes:\\xNN..." or its text."""
     if token.startswith("bytes:"):
-        return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+        return bytes(int(h, 16) for h in token[len("bytes:") :].split("\\x")[1:])
     return token.encode()
 
 
@@ -115,7 +115,9 @@ def test_echo_with_logprobs_gives_the_prompts_tokens_first(client, tokenizer):
     assert choice.text.startswith(prompt) and lp.text_offset[p] == len(prompt)
     asked = client.completions.create(**{**GREEDY, "extra_body": {"ignore_eos": True, "prompt_logprobs": 2}},
                                       prompt=prompt).choices[0]  # fmt: skip
-    by_position = [None] + [e[str(t)]["logprob"] for e, t in zip(asked.prompt_logprobs[1:], tokenizer.encode(prompt)[1:])]
+    by_position = [None] + [
+        e[str(t)]["logprob"] for e, t in zip(asked.prompt_logprobs[1:], tokenizer.encode(prompt)[1:])
+    ]
     assert lp.token_logprobs[:p] == pytest.approx(by_position, abs=1e-5)
     chunks = list(client.completions.create(prompt=prompt, echo=True, logprobs=2, stream=True, **GREEDY))
     tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
@@ -196,9 +198,13 @@ def test_every_error_code_is_a_string(server):
 
 def test_system_fingerprint_on_every_answer_and_chunk(client):
     messages = [{"role": "user", "content": "hi"}]
-    prints = {client.completions.create(model="tiny", prompt="a", max_tokens=2).system_fingerprint,
-              client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).system_fingerprint}
-    prints |= {c.system_fingerprint for c in client.completions.create(model="tiny", prompt="a", max_tokens=2, stream=True)}
+    prints = {
+        client.completions.create(model="tiny", prompt="a", max_tokens=2).system_fingerprint,
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2).system_fingerprint,
+    }
+    prints |= {
+        c.system_fingerprint for c in client.completions.create(model="tiny", prompt="a", max_tokens=2, stream=True)
+    }
     prints |= {c.system_fingerprint for c in client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True})}  # fmt: skip
     assert len(prints) == 1 and next(iter(prints)).startswith("fp_")
@@ -218,7 +224,15 @@ def test_token_bytes_of_byte_level_and_sentencepiece_tokenizers(tokenizer):
     own = TokenBytes(tokenizer)
     assert b"".join(map(own, ids)).decode() == text
     assert any(token_text(own(t)).startswith("bytes:") for t in ids)
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁": 257, "o": 258, "k": 259, "ok": 260, "▁ok": 261}
+    vocab = {
+        "<unk>": 0,
+        **{f"<0x{b:02X}>": 1 + b for b in range(256)},
+        "▁": 257,
+        "o": 258,
+        "k": 259,
+        "ok": 260,
+        "▁ok": 261,
+    }
     sp = Tokenizer(models.BPE(vocab, [("o", "k"), ("▁", "ok")], unk_token="<unk>", byte_fallback=True))
     sp.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import hf_greedy, mixed_batch
+
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.cuda_graphs import PiecewiseGraphs, mixed_capture_sizes
@@ -74,7 +74,9 @@ def test_engine_on_the_piecewise_path_matches_transformers(llama_dir):
     calls = []
     run = runner.mixed_graphs.run
     runner.mixed_graphs.run = lambda *a, **k: calls.append(a[0].shape[0]) or run(*a, **k)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs] == want
     assert len(calls) >= 3 and max(calls) == 24  # the chunks went through the pieces
 

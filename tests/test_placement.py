@@ -203,6 +203,7 @@ def test_a_drain_covers_again_when_an_idle_model_takes_a_request():
 def test_controller_a_waiter_on_a_drained_model_runs_when_the_drain_ends():
     """a is busy and drained for b; b's request gives up; the request waiting on a must run
     (the drain's end signals it), not time out."""
+
     async def main():
         p = Placement(_models(2, asleep=("b",)), budget_bytes=150, drain_after_s=0.05)
         ctl = PlacementController(p, RecordingActuator(), wake_timeout_s=0.3, prewarm_interval_s=0.02)
@@ -384,6 +385,7 @@ def test_four_engines_two_fit_mixed_traffic(model_dirs, drain_after_s, arenas):
                                                               kv_cache_memory_bytes=1 << 20, enable_sleep_mode=arenas))
                    for f in families}  # fmt: skip
         try:
+
             async def run(engine, prompt):
                 final = None
                 async for out in engine.generate(prompt, greedy):
@@ -481,8 +483,10 @@ def test_gateway_placement_settings_are_checked():
     assert GatewayConfig.model_validate(ok).placement.policy == "demand"
     bad = [
         ({**ok, "placement": {**ok["placement"], "models": ["a", "zzz"]}}, "one replica"),
-        ({**ok, "models": {"a": grpc, "b": {**grpc, "replicas": ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]}}},
-         "one replica"),
+        (
+            {**ok, "models": {"a": grpc, "b": {**grpc, "replicas": ["grpc://127.0.0.1:1", "grpc://127.0.0.1:2"]}}},
+            "one replica",
+        ),
         ({**ok, "models": {"a": {**grpc, "fallback": "b"}, "b": grpc}}, "fallback"),
         ({**ok, "models": {"a": grpc, "b": grpc, "c": {**grpc, "fallback": "a"}}}, "fallback"),
         ({**ok, "placement": {**ok["placement"], "policy": "fifo"}}, "policy"),

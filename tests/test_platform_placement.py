@@ -150,7 +150,7 @@ def test_mixed_traffic_over_four_models_no_failure_same_answers_no_leak(up):
         if _states(up["url"]) == states:
             break
         time.sleep(0.2)
-    assert 'llmserve_model_wakes_total{model=' in metrics and "llmserve_model_sleep_seconds_bucket" in metrics
+    assert "llmserve_model_wakes_total{model=" in metrics and "llmserve_model_sleep_seconds_bucket" in metrics
     assert f"llmserve_placement_budget_bytes {float(BUDGET)}" in metrics or \
         f"llmserve_placement_budget_bytes {BUDGET:.6e}" in metrics  # fmt: skip
     resident = [line for line in metrics.splitlines() if line.startswith('llmserve_model_state{') and
@@ -205,7 +205,10 @@ def test_a_wake_that_takes_longer_than_the_wait_is_a_503_with_retry_after(up, tm
             refusals += 1
             time.sleep(0.2)
         assert retry.status_code == 200, retry.text
-        assert f'llmserve_model_wake_timeouts_total{{model="{asleep}"}} {float(refusals)}' in httpx.get(url + "/metrics").text
+        assert (
+            f'llmserve_model_wake_timeouts_total{{model="{asleep}"}} {float(refusals)}'
+            in httpx.get(url + "/metrics").text
+        )
     finally:
         gateway.stop()
 
@@ -219,6 +222,7 @@ def test_bad_placement_settings_fail_at_start(tmp_path):
         ({"models": spec["models"], "placement": {"policy": "lru"}}, "needs a gpu_memory_budget"),
         ({**spec, "gpu_memory_budget": 1.5}, "fraction"),
     ]
+
     def start(i: int, case: dict) -> subprocess.CompletedProcess:
         path = tmp_path / f"p{i}.yaml"
         path.write_text(yaml.safe_dump(case))

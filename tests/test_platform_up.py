@@ -116,7 +116,9 @@ def test_default_chat_model_knows_paris_and_usage_counts_what_was_streamed(clien
     assert usage.prompt_tokens == len(tok.apply_chat_template(FRANCE, add_generation_prompt=True)["input_ids"])
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert whole.usage.model_dump() == usage.model_dump()
-    plain = list(client.chat.completions.create(model="chat", messages=FRANCE, temperature=0, max_tokens=32, stream=True))
+    plain = list(
+        client.chat.completions.create(model="chat", messages=FRANCE, temperature=0, max_tokens=32, stream=True)
+    )
     assert all(c.usage is None and c.choices for c in plain)  # not asked: not sent
 
 
@@ -127,12 +129,15 @@ def test_usage_through_the_platform_equals_llmserve_serve(client, default_server
     assert [m.id for m in direct.models.list().data] == ["SmolLM2-135M-Instruct"]
     asks = [
         ("chat", dict(messages=FRANCE, temperature=0, max_tokens=32)),
-        ("chat", dict(messages=[{"role": "user", "content": "Write a haiku about the sea."}], temperature=0,
-                      max_tokens=12)),  # fmt: skip
+        (
+            "chat",
+            dict(messages=[{"role": "user", "content": "Write a haiku about the sea."}], temperature=0, max_tokens=12),
+        ),  # fmt: skip
         ("completions", dict(prompt="The capital of France is", temperature=0, max_tokens=9)),
         ("completions", dict(prompt="Lists in Python", temperature=0, max_tokens=20, extra_body={"ignore_eos": True})),
     ]
     for kind, ask in asks:
+
         def endpoint(c):
             return c.chat.completions if kind == "chat" else c.completions
 
@@ -238,7 +243,10 @@ def test_a_prompt_cut_inside_a_character_returns_only_what_the_output_adds(up, c
         whole = c.completions.create(**ask)
         output = whole.choices[0].token_ids
         everything = tok.decode(EMOJI_CUT + output)
-        assert whole.choices[0].text == everything[len("The json module "):] and whole.choices[0].prompt_token_ids == EMOJI_CUT
+        assert (
+            whole.choices[0].text == everything[len("The json module ") :]
+            and whole.choices[0].prompt_token_ids == EMOJI_CUT
+        )
         assert not whole.choices[0].text.startswith("The json")
         streamed = list(c.completions.create(stream=True, **ask))
         assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
@@ -265,7 +273,9 @@ def test_triton_over_http_equals_triton_over_grpc(up, tmp_path):
 
     assert all(url.startswith("http://") for url in httpx.get(up["url"] + "/health").json()["upstreams"])
     grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
-    gateway = start_gateway({"models": {"chat": {"kind": "triton", "replicas": [grpc_url]}}}, free_port(), str(tmp_path))
+    gateway = start_gateway(
+        {"models": {"chat": {"kind": "triton", "replicas": [grpc_url]}}}, free_port(), str(tmp_path)
+    )
     cases = [*PARITY[-2:], PARITY[1], ("/v1/chat/completions", {"messages": FRANCE, "max_tokens": -1}),
              ("/v1/completions", {"prompt": "x", "stream": True, "max_tokens": 2, "logprobs": 99})]  # fmt: skip
     try:
@@ -275,7 +285,9 @@ def test_triton_over_http_equals_triton_over_grpc(up, tmp_path):
                                   for base in (up["url"], gateway.base_url))  # fmt: skip
             assert via_http.status_code == via_grpc.status_code, (path, body, via_http.text[:300], via_grpc.text[:300])
             if body.get("stream") and via_http.status_code == 200:
-                assert via_http.text.rstrip().endswith("data: [DONE]") and via_grpc.text.rstrip().endswith("data: [DONE]")
+                assert via_http.text.rstrip().endswith("data: [DONE]") and via_grpc.text.rstrip().endswith(
+                    "data: [DONE]"
+                )
                 got, want = _events(via_http), _events(via_grpc)
             else:
                 got, want = via_http.json(), via_grpc.json()
@@ -341,7 +353,9 @@ def test_structured_outputs_and_logit_bias_reach_the_triton_chat_model(client):
         client.completions.create(model="chat", prompt="x", max_tokens=4, extra_body={"guided_regex": "(oops"})
     forced = client.completions.create(model="chat", prompt="x", max_tokens=3, temperature=0, logit_bias={"7": 100},
                                        extra_body={"ignore_eos": True})  # fmt: skip
-    free = client.completions.create(model="chat", prompt="x", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(
+        model="chat", prompt="x", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert forced.choices[0].text != free.choices[0].text
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="chat", prompt="x", max_tokens=2, logit_bias={"x": 1})
@@ -575,7 +589,7 @@ def test_embeddings_and_rerank_settle_the_token_limits_with_their_usage(up, tmp_
 
     def charged(log: str, request_id: str) -> int:
         line = next(line for line in log.splitlines() if f'"request_id": "{request_id}"' in line)
-        return json.loads(line[line.index("{"):])["tokens"]
+        return json.loads(line[line.index("{") :])["tokens"]
 
     grpc_url = f"grpc://127.0.0.1:{up['ports']['grpc']}"
     config = {"models": {alias: {"kind": "triton", "replicas": [grpc_url]} for alias in ("embed", "rerank")},
@@ -630,6 +644,7 @@ def test_a_client_leaving_a_whole_request_is_counted_once_and_aborted_in_the_eng
     nobody (499), and counts it; it crashed with InvalidStateError before. And the engine stops
     it: Triton's HTTP server notices a closed call only when it writes to it, so before the chat
     model's keep-alives such a request ran to its last token for nobody (2,000 tokens: a minute)."""
+
     def answered_499() -> float:
         text = httpx.get(up["url"] + "/metrics").text
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -680,7 +695,7 @@ def test_a_request_past_its_deadline_is_stopped_in_the_triton_engine(up):
     assert time.monotonic() - start < 6
     with httpx.stream("POST", up["url"] + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
         events = [line for line in stream.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "request_timeout", events[-3:]
+    assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "request_timeout", events[-3:]
     assert events[-1] == "data: [DONE]"
     _engine_idle_within(up, 10)
 
@@ -799,7 +814,9 @@ def test_sigterm_stops_the_gateway_and_triton(up):
     assert proc.wait(60) == 0
     log = (up["workdir"] / "up.log").read_text()
     assert "stopping Triton" in log
-    found = subprocess.run(["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True, check=False)
+    found = subprocess.run(
+        ["pgrep", "-f", f"http-port={up['ports']['http']}"], capture_output=True, text=True, check=False
+    )
     assert found.stdout.strip() == "", "tritonserver left running"
     assert not glob.glob(f"/dev/shm/triton_python_backend_shm_region_llmserve{proc.pid}_*")
     # the temporary folder the platform made for itself (no --workdir) is gone, Triton's server tree too

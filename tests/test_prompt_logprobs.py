@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_no_leak
+
 from llmserve import LLM, SamplingParams
 from llmserve.engine import model_runner
 from llmserve.engine.input_builder import RowInput
@@ -42,7 +42,9 @@ def _check(out, prompt: list[int], reference: dict, k: int) -> None:
         assert entry[token].rank == 1 + int((row > row[token]).sum())
         top = sorted((e for e in entry.values() if e.rank <= k), key=lambda e: e.rank)
         assert [e.logprob for e in top] == pytest.approx(row.topk(k).values.tolist(), abs=2e-4)
-        assert [t for t, e in sorted(entry.items(), key=lambda x: x[1].rank) if e.rank <= k] == row.topk(k).indices.tolist()
+        assert [t for t, e in sorted(entry.items(), key=lambda x: x[1].rank) if e.rank <= k] == row.topk(
+            k
+        ).indices.tolist()
 
 
 @pytest.mark.parametrize("config", [

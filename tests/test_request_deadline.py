@@ -25,7 +25,9 @@ LONG = {"model": "tiny", "prompt": "a long story", "max_tokens": 3500, "ignore_e
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("deadline")
-    model = make_random_model(root / "model", "llama", max_position_embeddings=4096, num_hidden_layers=4)  # long answers, slow enough
+    model = make_random_model(
+        root / "model", "llama", max_position_embeddings=4096, num_hidden_layers=4
+    )  # long answers, slow enough
     srv = start_server(["--model", str(model), "--max-model-len", "4096", "--served-model-name", "tiny",
                         "--request-timeout-s", str(CAP_S)], str(root / "server.log"))  # fmt: skip
     yield srv
@@ -73,7 +75,7 @@ def test_a_stream_cut_by_its_deadline_closes_its_source():
     events = asyncio.run(run())
     assert closed == [True]
     assert 3 <= len(events) - 2 < 20, events
-    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "request_timeout"
+    assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "request_timeout"
     assert events[-1] == "data: [DONE]\n\n"
 
 
@@ -108,7 +110,7 @@ def test_a_stream_past_its_deadline_ends_with_the_error_event_and_done(server):
         events = [line for line in resp.iter_lines() if line.startswith("data: ")]
     assert 1 <= time.monotonic() - start < 1 + 0.7
     assert sum(1 for e in events if '"choices"' in e) >= 1  # tokens came before the deadline
-    error = json.loads(events[-2][len("data: "):])["error"]
+    error = json.loads(events[-2][len("data: ") :])["error"]
     assert error["code"] == "request_timeout", events[-3:]
     assert events[-1] == "data: [DONE]"
     _idle(server)

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import hf_greedy, mixed_batch
+
 from llmserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.unit

@@ -203,7 +203,9 @@ def test_random_rows_are_grouped_by_the_path_that_samples_them():
     got = {path: (g.rows, g.seeded) for path, g in _groups(random, use_kernels=True)}
     assert got == {"filtered": ([0, 3, 5], [0, 2]), "top_k": ([2], [0]), "sort": ([4], [0])}
     assert sorted(path for path, _ in _groups(random, use_kernels=False)) == ["sort", "top_k"]
-    assert [path for path, _ in _groups(_random_rows(_requests([dict(temperature=0.5)] * 3)), use_kernels=True)] == ["race"]
+    assert [path for path, _ in _groups(_random_rows(_requests([dict(temperature=0.5)] * 3)), use_kernels=True)] == [
+        "race"
+    ]
     plain = _random_rows(_requests([dict(temperature=0.5), dict(temperature=0.5, top_p=0.9)]))
     assert [(path, g is plain) for path, g in _groups(plain, use_kernels=True)] == [("filtered", True)]
 
@@ -230,10 +232,12 @@ def test_fast_paths_of_uniform_batches_equal_the_reference():
     of the rows and, at temperature 1, no division): the same tokens as the reference, step
     after step, ties in bfloat16 included."""
     cpu = torch.device("cpu")
-    for specs in ([dict(temperature=0)] * 5,
-                  [dict(temperature=1.0, seed=20 + i) for i in range(5)],
-                  [dict(temperature=0.8, seed=30 + i, top_p=0.9) for i in range(5)],
-                  [dict(temperature=1.0, seed=40 + i, min_p=0.1) for i in range(4)] + [dict(temperature=0)]):
+    for specs in (
+        [dict(temperature=0)] * 5,
+        [dict(temperature=1.0, seed=20 + i) for i in range(5)],
+        [dict(temperature=0.8, seed=30 + i, top_p=0.9) for i in range(5)],
+        [dict(temperature=1.0, seed=40 + i, min_p=0.1) for i in range(4)] + [dict(temperature=0)],
+    ):
         got = _run_steps(Sampler(cpu), specs, 20)
         want = _run_steps(ReferenceSampler(cpu), specs, 20)
         assert [g[0] for g in got] == [w[0] for w in want], specs

@@ -18,8 +18,9 @@ BS = 4
 
 def make_scheduler(num_blocks=64, budget=64, max_seqs=8, chunked=True, caching=True, cpu_blocks=0, reserve=256):
     kv = KVCacheManager(num_blocks, BS, caching, cpu_blocks)
-    cfg = SchedulerConfig(max_seqs, budget, chunked, max_model_len=min(256, num_blocks * BS),
-                          admission_reserve_tokens=reserve)
+    cfg = SchedulerConfig(
+        max_seqs, budget, chunked, max_model_len=min(256, num_blocks * BS), admission_reserve_tokens=reserve
+    )
     return Scheduler(cfg, kv, swap_enabled=cpu_blocks > 0)
 
 
@@ -262,7 +263,7 @@ def test_siblings_wait_for_shared_prompt_blocks():
 def reference_keys(tokens, num_full):
     keys, parent = [], None
     for i in range(num_full):
-        keys.append(BlockKey(parent, tuple(tokens[i * BS:(i + 1) * BS]), None))
+        keys.append(BlockKey(parent, tuple(tokens[i * BS : (i + 1) * BS]), None))
         parent = hash(keys[-1])
     return keys
 

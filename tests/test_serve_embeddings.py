@@ -13,10 +13,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from server_utils import free_port, spawn, start_server, wait_healthy
 
 from llmserve.openai.errors import default_code
 from llmserve.pooling import default_embedding_model_dir
-from server_utils import free_port, spawn, start_server, wait_healthy
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +88,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_vectors(server, r
 
     async def run() -> list[list[float]]:
         async with httpx.AsyncClient(timeout=60) as client:
+
             async def one(t: str) -> list[float]:
                 r = await client.post(f"{server.base_url}/v1/embeddings", json={"input": t}, headers=AUTH)
                 assert r.status_code == 200, r.text
@@ -119,8 +120,11 @@ def test_rerank_orders_documents_by_cosine_similarity(server, reference):
         assert [x["index"] for x in r["results"]] == list(np.argsort(-want))
         np.testing.assert_allclose([x["relevance_score"] for x in r["results"]], np.sort(want)[::-1], atol=2e-5)
         assert r["results"][0]["document"]["text"] == docs[int(np.argmax(want))]
-    r = httpx.post(f"{server.base_url}/v1/rerank", headers=AUTH,
-                   json={"query": q, "documents": docs, "top_n": 1, "return_documents": False}).json()
+    r = httpx.post(
+        f"{server.base_url}/v1/rerank",
+        headers=AUTH,
+        json={"query": q, "documents": docs, "top_n": 1, "return_documents": False},
+    ).json()
     assert len(r["results"]) == 1 and "document" not in r["results"][0] and r["usage"]["total_tokens"] > 0
 
 
@@ -173,7 +177,8 @@ def test_not_json_and_missing_key(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0).embeddings.create(
-            model="embed", input="hi")
+            model="embed", input="hi"
+        )
 
 
 def test_bad_model_folder_fails_fast(tmp_path):
@@ -208,7 +213,8 @@ def test_behind_the_gateway(tmp_path, reference):
         assert r.status_code == 200 and r.json()["results"][0]["index"] == 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="sk-nope", max_retries=0).embeddings.create(
-                model="vectors", input="hi")
+                model="vectors", input="hi"
+            )
     finally:
         gateway.stop()
         upstream.stop()

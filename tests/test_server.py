@@ -10,7 +10,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_utils import metric, start_server
 
 pytestmark = pytest.mark.integration
@@ -111,7 +110,9 @@ def test_max_completion_tokens_and_logprobs(client):
     bare = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                           max_completion_tokens=3, logprobs=True)  # fmt: skip
     assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
-    comp = client.completions.create(model="tiny", prompt="a", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True})
+    comp = client.completions.create(
+        model="tiny", prompt="a", max_tokens=4, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and len(lp.top_logprobs) == 4
     assert lp.text_offset == sorted(lp.text_offset) and all(v <= 0 for v in lp.token_logprobs)
@@ -242,7 +243,11 @@ def test_disconnect_mid_stream_frees_blocks(server):
     async def give_up_on_non_streaming() -> None:
         async with httpx.AsyncClient() as http:
             task = asyncio.create_task(
-                http.post(f"{server.base_url}/v1/completions", json={**body, "max_tokens": 240, "stream": False}, headers=headers)
+                http.post(
+                    f"{server.base_url}/v1/completions",
+                    json={**body, "max_tokens": 240, "stream": False},
+                    headers=headers,
+                )
             )
             while metric(server.base_url, "vllm:num_requests_running") == 0:
                 await asyncio.sleep(0.01)
@@ -271,34 +276,80 @@ BAD_REQUESTS = [
     ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404),
     ("chat no messages", "/v1/chat/completions", {"messages": []}, 400),
     ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
-    ("chat top_logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, 400),
-    ("chat unknown model", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    (
+        "chat top_logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99},
+        400,
+    ),
+    (
+        "chat unknown model",
+        "/v1/chat/completions",
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        404,
+    ),
     ("stream bad params", "/v1/completions", {"prompt": "x", "stream": True, "temperature": -2}, 400),
     ("detokenize bad ids", "/detokenize", {"tokens": [-1]}, 400),
     ("seed beyond 64 bits", "/v1/completions", {"prompt": "x", "seed": 10**30}, 400),
     ("n too many", "/v1/completions", {"prompt": "x", "n": 129}, 400),
-    ("n as a huge string", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": "9" * 50}, 400),
+    (
+        "n as a huge string",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "n": "9" * 50},
+        400,
+    ),
     ("top_k huge", "/v1/completions", {"prompt": "x", "top_k": 10**30}, 400),
     ("stop_token_ids huge", "/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [10**30]}, 400),
-    ("stop_token_ids out of vocab", "/v1/completions", {"prompt": "x", "min_tokens": 2, "stop_token_ids": [99999]}, 400),
+    (
+        "stop_token_ids out of vocab",
+        "/v1/completions",
+        {"prompt": "x", "min_tokens": 2, "stop_token_ids": [99999]},
+        400,
+    ),
     ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
     ("logit_bias token out of vocab", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400),
     ("logit_bias above 100", "/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400),
-    ("logit_bias negative id", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}}, 400),
+    (
+        "logit_bias negative id",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-3": 1}},
+        400,
+    ),
     # a lone UTF-16 surrogate (as JSON escapes it): no tokenizer takes it (a TypeError, a 500, before)
     ("infinite temperature", "/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400),
     ("infinite repetition_penalty", "/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e999}', 400),
     ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400),
-    ("a client's own chat template", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}}, 400),
-    ("tokenize with a client's template", "/tokenize",
-     {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}}, 400),
-    ("stream_options without a stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
-    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400),
+    (
+        "a client's own chat template",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 'hi' }}"}},
+        400,
+    ),
+    (
+        "tokenize with a client's template",
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+        400,
+    ),
+    (
+        "stream_options without a stream",
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+    ),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        400,
+    ),
     ("vLLM's allowed_token_ids, not done here", "/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}, 400),
-    ("vLLM's beam search, not done here", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}, 400),
+    (
+        "vLLM's beam search, not done here",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
+        400,
+    ),
     ("too many stop strings", "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(257)]}, 400),
     ("repetition_penalty zero", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("lone surrogate prompt", "/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
@@ -365,7 +416,6 @@ def test_random_hostile_fields_never_get_a_5xx_nor_stop_the_engine(server):
         assert http.get(f"{server.base_url}/health").status_code == 200
 
 
-
 def test_chat_stream_sends_a_chunk_per_output_even_without_text(llama_dir):
     """Each engine output that brings tokens gets its chunk, with those tokens' logprobs,
     even when the tokens add no text (a special token, half a character), as vLLM does;
@@ -375,10 +425,10 @@ def test_chat_stream_sends_a_chunk_per_output_even_without_text(llama_dir):
 
     from transformers import AutoTokenizer
 
-    from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
     from llmserve.openai.chat import _Answer, _stream
     from llmserve.openai.protocol import ChatCompletionRequest
     from llmserve.openai.token_bytes import TokenBytes
+    from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 
     texts = ["", "", "Hi", "Hi", "Hi!"]  # cumulative text after each of five tokens
 
@@ -390,7 +440,9 @@ def test_chat_stream_sends_a_chunk_per_output_even_without_text(llama_dir):
 
     async def collect():
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, stream=True)
-        answer = _Answer(req, "tiny", "chatcmpl-1", "fp_test", TokenBytes(AutoTokenizer.from_pretrained(llama_dir)), None)
+        answer = _Answer(
+            req, "tiny", "chatcmpl-1", "fp_test", TokenBytes(AutoTokenizer.from_pretrained(llama_dir)), None
+        )
         return [e async for e in _stream(answer, outputs())]
 
     events = [json_.loads(e.removeprefix("data: ")) for e in asyncio.run(collect())]
@@ -409,8 +461,12 @@ def test_seeds_of_n_samples_wrap_past_64_bits(client):
                                          extra_body={"ignore_eos": True})  # fmt: skip
         choices = [c for chunk in resp for c in chunk.choices] if stream else resp.choices
         assert {c.index for c in choices} == {0, 1}
-    again = client.completions.create(model="tiny", prompt="hi", max_tokens=3, n=2, seed=top, extra_body={"ignore_eos": True})
-    wrapped = client.completions.create(model="tiny", prompt="hi", max_tokens=3, seed=0, extra_body={"ignore_eos": True})
+    again = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=3, n=2, seed=top, extra_body={"ignore_eos": True}
+    )
+    wrapped = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=3, seed=0, extra_body={"ignore_eos": True}
+    )
     assert again.choices[1].text == wrapped.choices[0].text  # the second sample's seed is 0
 
 
@@ -449,9 +505,21 @@ def test_echo_of_a_token_id_prompt_shows_its_text(client, server):
 
 def test_null_fields_take_their_defaults(client, server):
     """`null` for an optional field means "not given", as OpenAI's API reads it."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": None, "n": None,
-            "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "min_tokens": None, "ignore_eos": None}
-    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": None,
+        "n": None,
+        "presence_penalty": None,
+        "frequency_penalty": None,
+        "logprobs": None,
+        "min_tokens": None,
+        "ignore_eos": None,
+    }
+    resp = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    )
     assert resp.status_code == 200 and len(resp.json()["choices"]) == 1, resp.text
     bad = httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "messages": None},
                      headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
@@ -479,14 +547,18 @@ def test_a_request_head_over_the_limit_is_a_431_and_the_connection_closes(server
     assert long_url.startswith(b"HTTP/1.1 431")
     # a body of 1 MB is not a head: the chat route reads it (and refuses the content, not the size)
     body = _json.dumps({"model": "x", "prompt": "a" * 1_000_000}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
     answer = raw_http(server.base_url, head, body)
     assert not answer.startswith(b"HTTP/1.1 431") and answer.startswith(b"HTTP/1.1 4"), answer[:100]
     # pipelined: a 100 KB body and the next request's head in one read are not one big head
     small = _json.dumps({"model": "x", "prompt": "a" * 100_000}).encode()
-    first = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-             f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(small)}\r\n\r\n").encode()
+    first = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(small)}\r\n\r\n"
+    ).encode()
     import socket
 
     with socket.create_connection(("127.0.0.1", int(server.base_url.rsplit(":", 1)[1])), timeout=10) as conn:

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 import uvicorn
+from server_utils import children, free_port, start_server
 
 from llmserve import AsyncEngine, EngineArgs
 from llmserve.serve.app import build_app
 from llmserve.serve.state import ServerConfig
-from server_utils import children, free_port, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_a_killed_engine_core_fails_its_requests_and_stops_the_server(llama_dir,
         reader.join(10)
         assert not reader.is_alive() and events[-1] == "data: [DONE]"
         assert '"error"' in events[-2] and "engine core process was killed by signal 9" in events[-2]
-        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_dead"
+        assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "engine_dead"
         assert srv.proc.wait(timeout=20) == 1
         assert "the engine core died" in srv.log()
     finally:

@@ -9,9 +9,9 @@ import sys
 
 import httpx
 import pytest
+from server_utils import free_port, spawn, start_server, wait_healthy
 
 from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
-from server_utils import free_port, spawn, start_server, wait_healthy
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +88,7 @@ def test_requests_during_sleep_wait_for_the_wake_and_complete(llama_dir):
     async def main():
         engine = AsyncEngine.from_engine_args(EngineArgs(model=llama_dir, max_model_len=128))
         try:
+
             async def run(prompt, params=GREEDY, started=None):
                 final = None
                 async for out in engine.generate(prompt, params):
@@ -141,7 +142,10 @@ def _sleep_routes(llama_dir, tmp_path) -> None:
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
         assert "adm1n" not in open(tmp_path / "server.log").read()  # never logged
         assert httpx.post(url + "/sleep", params={"level": 3}, headers=admin).status_code == 400
-        assert httpx.post(url + "/sleep", params={"level": 1}, headers=admin).json() == {"is_sleeping": True, "level": 1}
+        assert httpx.post(url + "/sleep", params={"level": 1}, headers=admin).json() == {
+            "is_sleeping": True,
+            "level": 1,
+        }
         assert httpx.get(url + "/is_sleeping", headers=admin).json() == {"is_sleeping": True}
         assert httpx.get(url + "/health").status_code == 200  # asleep is healthy: requests wake it
         with concurrent.futures.ThreadPoolExecutor(4) as pool:  # requests during sleep wait, then all succeed

@@ -11,12 +11,12 @@ import httpx
 import openai
 import pytest
 import torch
+from server_utils import start_server
 
 from llmserve import LLM, SamplingParams, StructuredOutputsParams
 from llmserve.config import TINY_MODEL_DIR
 from llmserve.engine.structured_output import StructuredOutputs, allowed_tokens, apply_grammar_masks
 from llmserve.sampling_params import MAX_STRUCTURED_SPEC_CHARS, SamplingParamsError
-from server_utils import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_bitmask_equals_the_matcher_asked_token_by_token():
     structured = StructuredOutputs(str(TINY_MODEL_DIR), 4096)
     matcher = structured.matcher(StructuredOutputsParams(json=SCHEMA), [2])
     free = structured.matcher(StructuredOutputsParams(regex=REGEX), [2])
-    for step in range(4):  # at the start and after a few accepted tokens
+    for _step in range(4):  # at the start and after a few accepted tokens
         logits = torch.zeros(3, 4096)
         apply_grammar_masks(logits, [_Row(matcher), _Row(None), _Row(free)])
         assert torch.isfinite(logits[1]).all()  # an unconstrained row is untouched
@@ -61,8 +61,9 @@ def test_bitmask_equals_the_matcher_asked_token_by_token():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(TINY_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60,
-               admission_reserve_tokens=0)  # admissions that fill the blocks, so that requests preempt
+    return LLM(
+        str(TINY_MODEL_DIR), max_model_len=256, block_size=8, num_gpu_blocks_override=60, admission_reserve_tokens=0
+    )  # admissions that fill the blocks, so that requests preempt
 
 
 def generate(llm, spec: StructuredOutputsParams, n: int = 4, max_tokens: int = 120, **kw):
@@ -111,13 +112,13 @@ def test_a_slow_compile_does_not_hold_other_requests_and_can_be_aborted(llm):
 
     core.structured.matcher = slow
     try:
-        params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX))]
+        params = [
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=REGEX)),
+        ]
         outs = llm.generate(["Describe a list in Python:"] * 2, params, use_tqdm=False)  # fmt: skip
         assert len(outs[0].outputs[0].token_ids) == 8 and re.fullmatch(REGEX, outs[1].outputs[0].text)
-        from llmserve.engine.request import EngineCoreRequest
-
-        from llmserve.engine.request import RequestStatus
+        from llmserve.engine.request import EngineCoreRequest, RequestStatus
 
         core.add_request(EngineCoreRequest("compiling", [1, 5, 9], params[1], 20, (2,)))
         # it waits in the scheduler's queue, which passes it over: the step schedules nothing
@@ -185,8 +186,13 @@ def test_bad_specs_are_refused_before_the_engine(llm):
     limit = MAX_STRUCTURED_SPEC_CHARS
     assert StructuredOutputsParams(regex="a" * limit).size == limit
     assert StructuredOutputsParams(choice=["ab"] * (limit // 2)).size == limit
-    for kind, value in (("regex", "a" * (limit + 1)), ("grammar", "b" * (limit + 1)), ("choice", ["c"] * (limit + 1)),
-                        ("json", '"' + "d" * (limit - 1) + '"'), ("json", {"description": "e" * limit})):
+    for kind, value in (
+        ("regex", "a" * (limit + 1)),
+        ("grammar", "b" * (limit + 1)),
+        ("choice", ["c"] * (limit + 1)),
+        ("json", '"' + "d" * (limit - 1) + '"'),
+        ("json", {"description": "e" * limit}),
+    ):
         with pytest.raises(SamplingParamsError, match=f"the {kind} constraint is [0-9,]+ characters long; at most"):
             StructuredOutputsParams(**{kind: value})
     deep: dict = {}

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_utils import children, start_server
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, EngineArgs
 from llmserve.engine.tp_workers import WorkerDiedError
 from llmserve.model.random_model import make_random_model
-from server_utils import children, start_server
 
 pytestmark = pytest.mark.integration
 
@@ -63,8 +63,14 @@ def test_tp2_odd_vocab_chunked_prefill_and_preemption(tmp_path):
     """A vocabulary that does not split evenly (the last rank's rows are padded), with
     chunked prefill and preemption by swapping KV blocks out and back on every rank."""
     model = str(make_random_model(tmp_path / "m", "mistral", seed=5, vocab_size=517))
-    opts = dict(block_size=8, num_gpu_blocks_override=16, max_model_len=128, swap_space=0.001, max_num_batched_tokens=24,
-                admission_reserve_tokens=0)  # admissions that fill the blocks, so that requests preempt
+    opts = dict(
+        block_size=8,
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+        swap_space=0.001,
+        max_num_batched_tokens=24,
+        admission_reserve_tokens=0,
+    )  # admissions that fill the blocks, so that requests preempt
     _assert_same(_run(model, 1, **opts), _run(model, 2, **opts))
 
 
@@ -220,7 +226,7 @@ def test_a_script_without_a_main_guard_or_file_starts_engine_processes(llama_dir
     proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("TOKENS "))
-    assert json.loads(line[len("TOKENS "):]) == [want, want]
+    assert json.loads(line[len("TOKENS ") :]) == [want, want]
     assert proc.stdout.count("TOKENS") == 1  # the script ran once, not again in each child
 
 

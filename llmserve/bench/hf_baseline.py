@@ -17,8 +17,14 @@ from llmserve.bench.prompts import random_requests
 from llmserve.bench.report import banner, row, write_json
 from llmserve.config import TINY_MODEL_DIR
 
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "fp32": "float32", "float32": "float32"}
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 
 
 def add_parser(subparsers) -> None:
@@ -30,8 +36,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=128, help="static batch size")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16 or fp32")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json, built on the device")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights from config.json, built on the device",
+    )
     p.add_argument("--attn-implementation", default=None, help="transformers attention (default: its own choice)")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)

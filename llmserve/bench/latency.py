@@ -41,7 +41,9 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def weight_bytes_per_step(arch, dtype, quantization: str | None = None, quantization_ignore: tuple[str, ...] = ()) -> int:
+def weight_bytes_per_step(
+    arch, dtype, quantization: str | None = None, quantization_ignore: tuple[str, ...] = ()
+) -> int:
     """Bytes of weights one decode step reads: every matrix once (one byte a weight in FP8,
     whose LM head and `quantization_ignore`'s projections stay in `dtype`); the input embedding
     only for its few rows (so it counts only when tied to the LM head). Norms and scales are
@@ -149,8 +151,16 @@ def format_report(r: dict) -> str:
         row("Batch size:", r["batch_size"]),
         row("Input / output length:", f"{r['input_len']} / {r['output_len']}"),
         row("Iterations:", r["num_iters"]),
-        *([row("LoRA adapters (rank, slots):", f"{r['lora']['adapters']} ({r['lora']['rank']}, "
-                                                 f"{r['lora']['max_loras']})")] if r.get("lora") else []),
+        *(
+            [
+                row(
+                    "LoRA adapters (rank, slots):",
+                    f"{r['lora']['adapters']} ({r['lora']['rank']}, {r['lora']['max_loras']})",
+                )
+            ]
+            if r.get("lora")
+            else []
+        ),
         row("Median TTFT (ms):", r["ttft_ms"]),
         row("Mean TTFT (ms):", r["mean_ttft_ms"]),
     ]

@@ -63,8 +63,12 @@ class BenchAdapters:
         times an adapter was written into a slot during the run (warm-up included)."""
         if not self.requests:
             return None
-        return {"adapters": len(self.requests), "rank": self.rank, "max_loras": llm.config.lora.max_loras,
-                "slot_loads": llm.stats().lora_slot_loads - self._loads_before}
+        return {
+            "adapters": len(self.requests),
+            "rank": self.rank,
+            "max_loras": llm.config.lora.max_loras,
+            "slot_loads": llm.stats().lora_slot_loads - self._loads_before,
+        }
 
     def close(self) -> None:
         if self._root is not None:

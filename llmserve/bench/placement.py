@@ -86,13 +86,17 @@ def run_all(costs: str, duration_s: float, rate: float, slo_ttft_s: float, seed:
     rows = []
     for spec in traces(duration_s, rate):
         trace = make_trace(spec, names, seed)
-        rows.append(asdict(simulate_static(models, budget, trace, spec.name, duration_s, slo_ttft_s)) | {"costs": costs})
+        rows.append(
+            asdict(simulate_static(models, budget, trace, spec.name, duration_s, slo_ttft_s)) | {"costs": costs}
+        )
         for name in POLICIES:
             policy = make_policy(name, **({"slo_ttft_s": slo_ttft_s} if name == "demand" else {}))
             if name == "q_learning":  # it starts from one earlier trace's learning (another seed)
                 simulate(models, budget, policy, make_trace(spec, names, seed + 100), spec.name, duration_s, slo_ttft_s,
                          drain_after_s=drain_after_s)  # fmt: skip
-            result = simulate(models, budget, policy, trace, spec.name, duration_s, slo_ttft_s, drain_after_s=drain_after_s)
+            result = simulate(
+                models, budget, policy, trace, spec.name, duration_s, slo_ttft_s, drain_after_s=drain_after_s
+            )
             rows.append(asdict(result) | {"costs": costs})
         print(f"  {costs} costs, trace {spec.name}: {len(trace)} requests simulated", flush=True)
     return rows
@@ -100,6 +104,7 @@ def run_all(costs: str, duration_s: float, rate: float, slo_ttft_s: float, seed:
 
 def best_policy(rows: list[dict]) -> str:
     """The policy with the highest mean SLO attainment over the traces (fewer wakes breaks a tie)."""
+
     def score(name: str) -> tuple[float, float]:
         mine = [r for r in rows if r["policy"] == name]
         return (sum(r["slo_attainment"] for r in mine) / len(mine), -sum(r["wakes_per_hour"] for r in mine))
@@ -160,7 +165,9 @@ def plot(rows: list[dict], path: str, slo_ttft_s: float) -> None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("placement", help="placement policies on simulated traffic: SLO attainment, wakes, memory")
+    p = subparsers.add_parser(
+        "placement", help="placement policies on simulated traffic: SLO attainment, wakes, memory"
+    )
     p.add_argument("--costs", nargs="+", default=["measured", "no_arenas"],
                    help="wake/sleep cost tables: measured (H200, sleep mode's arenas), no_arenas (H200, the "
                         "first measurement), target (the issue's 1.0 s for 8B), or a JSON file {model: {wake_s, sleep_s}}")  # fmt: skip

@@ -16,7 +16,7 @@ WIDTH = 50
 
 
 def parse_percentiles(text: str) -> list[float]:
-    """"50,90,99" -> [50.0, 90.0, 99.0]; each must be in (0, 100]."""
+    """ "50,90,99" -> [50.0, 90.0, 99.0]; each must be in (0, 100]."""
     values = [float(p) for p in text.split(",") if p.strip()]
     if not values or any(not 0 < p <= 100 for p in values):
         raise ValueError(f"percentiles must be a comma-separated list in (0, 100], got {text!r}")

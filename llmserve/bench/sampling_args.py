@@ -48,7 +48,9 @@ def sampling_mix(text: str) -> list[dict]:
             kind = SAMPLING_FLAGS[name][0]
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or (kind is int and not isinstance(value, int))):  # fmt: skip
-                raise argparse.ArgumentTypeError(f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}")
+                raise argparse.ArgumentTypeError(
+                    f"{name}: {value!r} is not {'an integer' if kind is int else 'a number'}"
+                )
         try:  # each entry must make valid settings on its own (over the defaults)
             SamplingParams(max_tokens=1, **{k: v for k, v in entry.items() if k != "sampling_seed"})
         except (TypeError, ValueError) as e:
@@ -77,7 +79,9 @@ def sampling_params(args: argparse.Namespace, max_tokens: int, index: int = 0):
 
 def sampling_label(args: argparse.Namespace) -> dict:
     """The settings that differ from the defaults, for reports (and the mix, when there is one)."""
-    label = {name: getattr(args, name) for name, (_, default, _) in SAMPLING_FLAGS.items() if getattr(args, name) != default}
+    label = {
+        name: getattr(args, name) for name, (_, default, _) in SAMPLING_FLAGS.items() if getattr(args, name) != default
+    }
     mix = getattr(args, "sampling_mix", None)
     if mix:
         label["mix"] = mix

@@ -29,8 +29,8 @@ from llmserve import heap
 from llmserve.bench.prompts import SyntheticRequest, random_requests
 from llmserve.bench.report import banner, metric_rows, parse_percentiles, percentile_word, row, write_json
 from llmserve.bench.serve_client import RequestResult, Target, send
-from llmserve.bench.server_metrics import PHASES, scrape, server_side
 from llmserve.bench.serve_metrics import LATENCY_METRICS, compute_metrics, parse_goodput
+from llmserve.bench.server_metrics import PHASES, scrape, server_side
 
 METRIC_TITLES = {  # name -> (section header, label), as vLLM prints them
     "ttft": ("Time to First Token", "TTFT"),
@@ -59,10 +59,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="prompt and arrival seed (default: fresh each run)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension): exact output lengths")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
-    p.add_argument("--percentiles", "--metric-percentiles", default="90,99",
-                   help="comma-separated, e.g. 50,90,99 (mean and median are always reported)")
+    p.add_argument(
+        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000"
+    )
+    p.add_argument(
+        "--percentiles",
+        "--metric-percentiles",
+        default="90,99",
+        help="comma-separated, e.g. 50,90,99 (mean and median are always reported)",
+    )
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to print")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first (own prompts)")
     p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
@@ -96,13 +101,18 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:
         from llmserve.bench.plot import plot_serve
 
-        plot_serve(results, args.plot, f"{target.model} @ {args.base_url}: {args.num_prompts} req, "
-                   f"{args.input_len} in / {args.output_len} out, rate {args.request_rate}")
+        plot_serve(
+            results,
+            args.plot,
+            f"{target.model} @ {args.base_url}: {args.num_prompts} req, "
+            f"{args.input_len} in / {args.output_len} out, rate {args.request_rate}",
+        )
     return result
 
 
-async def _benchmark(args: argparse.Namespace, seed: int,
-                     percentiles: Sequence[float]) -> tuple[Target, list[RequestResult], float, dict | None]:
+async def _benchmark(
+    args: argparse.Namespace, seed: int, percentiles: Sequence[float]
+) -> tuple[Target, list[RequestResult], float, dict | None]:
     timeout = httpx.Timeout(args.request_timeout, connect=min(30.0, args.request_timeout))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no silent cap at 100
     # trust_env=False: no proxy between the client and the server being measured
@@ -110,23 +120,27 @@ async def _benchmark(args: argparse.Namespace, seed: int,
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         target = Target(args.base_url, args.endpoint, None, api_key, args.ignore_eos, args.temperature)
         target.model = args.model or await first_model(client, target)
-        reqs = random_requests(args.warmup + args.num_prompts, args.input_len, args.output_len,
-                               args.vocab_size, seed, args.range_ratio)
+        reqs = random_requests(
+            args.warmup + args.num_prompts, args.input_len, args.output_len, args.vocab_size, seed, args.range_ratio
+        )
         prompts = await chat_prompts(client, target, reqs, seed) if target.chat else [r.prompt_token_ids for r in reqs]
         if args.warmup:
             await _warmup(client, target, reqs[: args.warmup], prompts[: args.warmup])
-        reqs, prompts = reqs[args.warmup:], prompts[args.warmup:]
+        reqs, prompts = reqs[args.warmup :], prompts[args.warmup :]
         offsets = arrival_offsets(len(reqs), args.request_rate, args.burstiness, seed)
-        print(f"Traffic request rate: {args.request_rate}, burstiness factor: {args.burstiness}"
-              f"{' (Poisson process)' if args.burstiness == 1.0 else ''}, "
-              f"maximum request concurrency: {args.max_concurrency}, seed: {seed}")
+        print(
+            f"Traffic request rate: {args.request_rate}, burstiness factor: {args.burstiness}"
+            f"{' (Poisson process)' if args.burstiness == 1.0 else ''}, "
+            f"maximum request concurrency: {args.max_concurrency}, seed: {seed}"
+        )
         before = await scrape(client, target.base_url, target.headers())
         # the client's own full collections would stall every stream at once (~0.1 s with
         # 190k start-up objects on the GPU host), read as the server's latency: keep the
         # heap built so far out of their scans while measuring
         with heap.frozen("bench serve client"):
-            results, duration = await run_load(client, target, reqs, prompts, offsets, args.max_concurrency,
-                                               progress=not args.disable_tqdm)
+            results, duration = await run_load(
+                client, target, reqs, prompts, offsets, args.max_concurrency, progress=not args.disable_tqdm
+            )
         server = server_side(before, await scrape(client, target.base_url, target.headers()), percentiles)
     return target, results, duration, server
 
@@ -138,13 +152,15 @@ async def first_model(client: httpx.AsyncClient, target: Target) -> str | None:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except Exception as exc:  # noqa: BLE001 - the requests themselves will report the failure
-        print(f"warning: could not read /v1/models ({type(exc).__name__}: {exc}); sending no model name",
-              file=sys.stderr)
+        print(
+            f"warning: could not read /v1/models ({type(exc).__name__}: {exc}); sending no model name", file=sys.stderr
+        )
         return None
 
 
-async def chat_prompts(client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest],
-                       seed: int) -> list[str]:
+async def chat_prompts(
+    client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest], seed: int
+) -> list[str]:
     """Chat needs text: the server's /detokenize of the random ids, else random common words.
 
     The server re-tokenizes (and adds its chat template), so the input length it reports
@@ -176,8 +192,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
 async def _warmup(client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest], prompts: list) -> None:
     print(f"Warming up with {len(reqs)} request(s)...")
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(send(client, target, p, r.prompt_len, r.output_len, t0)
-                                     for r, p in zip(reqs, prompts)))
+    results = await asyncio.gather(
+        *(send(client, target, p, r.prompt_len, r.output_len, t0) for r, p in zip(reqs, prompts))
+    )
     failed = [r for r in results if not r.success]
     if failed and len(failed) == len(results) and failed[0].error.startswith("HTTP 4"):
         # the server refuses the benchmark's own requests: every timed one would fail the same way
@@ -189,9 +206,15 @@ async def _warmup(client: httpx.AsyncClient, target: Target, reqs: Sequence[Synt
         print(f"warning: {len(failed)} warm-up request(s) failed: {failed[0].error}", file=sys.stderr)
 
 
-async def run_load(client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest], prompts: list,
-                   offsets: Sequence[float], max_concurrency: int | None,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
+async def run_load(
+    client: httpx.AsyncClient,
+    target: Target,
+    reqs: Sequence[SyntheticRequest],
+    prompts: list,
+    offsets: Sequence[float],
+    max_concurrency: int | None,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float]:
     """Send every request at its offset (waiting for a slot under `max_concurrency`);
     returns the results in request order and the duration, start to last response."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
@@ -216,10 +239,19 @@ async def run_load(client: httpx.AsyncClient, target: Target, reqs: Sequence[Syn
     return results, duration
 
 
-def format_report(m: dict, args: argparse.Namespace, shown: Sequence[str], percentiles: Sequence[float],
-                  goodput: bool, server: dict | None = None) -> str:
-    lines = [banner("Serving Benchmark Result"), row("Successful requests:", m["completed"]),
-             row("Failed requests:", m["failed"])]
+def format_report(
+    m: dict,
+    args: argparse.Namespace,
+    shown: Sequence[str],
+    percentiles: Sequence[float],
+    goodput: bool,
+    server: dict | None = None,
+) -> str:
+    lines = [
+        banner("Serving Benchmark Result"),
+        row("Successful requests:", m["completed"]),
+        row("Failed requests:", m["failed"]),
+    ]
     if args.max_concurrency is not None:
         lines.append(row("Maximum request concurrency:", args.max_concurrency))
     if not math.isinf(args.request_rate):
@@ -262,8 +294,15 @@ def _print_errors(results: Sequence[RequestResult]) -> None:
         print(f"... and {len(errors) - 5} other distinct errors", file=sys.stderr)
 
 
-def _result_json(args: argparse.Namespace, target: Target, seed: int, percentiles: Sequence[float],
-                 slos: dict[str, float], metrics: dict, results: Sequence[RequestResult]) -> dict:
+def _result_json(
+    args: argparse.Namespace,
+    target: Target,
+    seed: int,
+    percentiles: Sequence[float],
+    slos: dict[str, float],
+    metrics: dict,
+    results: Sequence[RequestResult],
+) -> dict:
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": "openai-chat" if target.chat else "openai",

@@ -100,8 +100,9 @@ def _carries_tokens(choice: dict, chat: bool) -> bool:
     return bool(text) or choice.get("finish_reason") is None
 
 
-async def send(client: httpx.AsyncClient, target: Target, prompt: list[int] | str, prompt_len: int,
-               max_tokens: int, t0: float) -> RequestResult:
+async def send(
+    client: httpx.AsyncClient, target: Target, prompt: list[int] | str, prompt_len: int, max_tokens: int, t0: float
+) -> RequestResult:
     """Send one streamed request; every failure is returned in the result, never raised.
 
     `t0` is the benchmark's start on the perf_counter clock."""
@@ -119,14 +120,22 @@ async def send(client: httpx.AsyncClient, target: Target, prompt: list[int] | st
     return res
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, prompt: list[int] | str, max_tokens: int,
-                  res: RequestResult, sent: float, t0: float) -> None:
+async def _stream(
+    client: httpx.AsyncClient,
+    target: Target,
+    prompt: list[int] | str,
+    max_tokens: int,
+    res: RequestResult,
+    sent: float,
+    t0: float,
+) -> None:
     """Read the SSE stream into `res`; sets `res.error` for an HTTP or in-stream error."""
     last = sent
     chunks = 0
     usage: dict = {}
-    async with client.stream("POST", target.url, json=target.payload(prompt, max_tokens),
-                             headers=target.headers()) as resp:
+    async with client.stream(
+        "POST", target.url, json=target.payload(prompt, max_tokens), headers=target.headers()
+    ) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             res.error = f"HTTP {resp.status_code}: {body[:300]}"

@@ -42,7 +42,9 @@ def parse(text: str) -> Snapshot:
             continue
         key = name
         if name.endswith("_bucket"):
-            le = next((p.split("=", 1)[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("le=")), None)
+            le = next(
+                (p.split("=", 1)[1].strip('"') for p in labels.rstrip("}").split(",") if p.startswith("le=")), None
+            )
             if le is None:
                 continue
             key = f"{name}|{le}"

@@ -35,7 +35,7 @@ import httpx
 from llmserve.bench.serve import first_model
 from llmserve.bench.serve_client import Target, add_target_args
 from llmserve.bench.soak_probes import ProcessProbe, scrape_gauges
-from llmserve.bench.soak_traffic import TrafficMix, Outcome, send_one
+from llmserve.bench.soak_traffic import Outcome, TrafficMix, send_one
 
 
 @dataclass
@@ -75,8 +75,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens a request asks for")
     p.add_argument("--short-words", type=int, default=40, help="words of a short prompt, at most (80 %% of requests)")
     p.add_argument("--long-words", type=int, default=400, help="words of a long prompt, at most (20 %% of requests)")
-    p.add_argument("--chat-share", type=float, default=0.6, help="fraction of chat requests (the rest: completions; "
-                   "0 for a model without a chat template)")
+    p.add_argument(
+        "--chat-share",
+        type=float,
+        default=0.6,
+        help="fraction of chat requests (the rest: completions; 0 for a model without a chat template)",
+    )
     p.add_argument("--pids", default="", help="comma-separated PIDs of the platform's processes (children included)")
     p.add_argument("--warmup-windows", type=int, default=5, help="windows before memory growth is measured")
     p.add_argument("--seed", type=int, default=0)
@@ -90,8 +94,9 @@ def run(args: argparse.Namespace) -> dict:
     if not 0 <= args.chat_share <= 1:
         raise SystemExit("llmserve bench soak: --chat-share must be in [0, 1]")
     if min(args.rate, args.duration, args.window, args.max_tokens, args.short_words, args.long_words) <= 0:
-        raise SystemExit("llmserve bench soak: --rate, --duration, --window, --max-tokens and the word counts "
-                         "must be positive")
+        raise SystemExit(
+            "llmserve bench soak: --rate, --duration, --window, --max-tokens and the word counts must be positive"
+        )
     pids = [int(p) for p in args.pids.split(",") if p.strip()]
     result = asyncio.run(soak(args, pids))
     print(format_summary(result))
@@ -184,7 +189,7 @@ def summarize(windows: list[Window], warmup: int) -> dict:
             errors[kind] = errors.get(kind, 0) + n
         for kind, text in w.error_examples.items():
             examples.setdefault(kind, text)
-    after = windows[min(warmup, len(windows) - 1):] if windows else []
+    after = windows[min(warmup, len(windows) - 1) :] if windows else []
     growth = {}
     if after:
         first, last = after[0].rss_mb, after[-1].rss_mb

@@ -135,8 +135,12 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         f"{result.output_tokens_per_s:.1f} output tokens/s "
         f"({result.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {elapsed:.2f} s; "
         f"engine ready in {startup:.1f} s)"
-        + (f"; {result.lora['adapters']} LoRA adapters of rank {result.lora['rank']} in turn, "
-           f"{result.lora['max_loras']} device slots" if result.lora else "")
+        + (
+            f"; {result.lora['adapters']} LoRA adapters of rank {result.lora['rank']} in turn, "
+            f"{result.lora['max_loras']} device slots"
+            if result.lora
+            else ""
+        )
     )
     if usage is not None:
         print(usage.line())

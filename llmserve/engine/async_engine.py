@@ -21,14 +21,14 @@ from typing import Any
 
 from llmserve.config import EngineArgs, EngineConfig
 from llmserve.engine.core_client import CoreClient, EngineDeadError
-from llmserve.lora_request import LoRARequest
 from llmserve.engine.input_processor import InputProcessor, PromptType
-from llmserve.tokenizer import load_tokenizer
+from llmserve.engine.ipc import Kind, UtilityCall, UtilityResult
 from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
 from llmserve.engine.request import EngineCoreOutputs, SchedulerStats
-from llmserve.engine.ipc import Kind, UtilityCall, UtilityResult
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class AsyncEngine:
         self.client = CoreClient(config, self._on_message, self._on_dead, start_timeout)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncEngine":
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
         return cls(args.create_engine_config(), **kwargs)
 
     # -- public API -----------------------------------------------------------------------

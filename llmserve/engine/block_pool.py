@@ -152,7 +152,7 @@ class SwapPool:
 
     def allocate(self, count: int) -> list[int]:
         taken = self.free_ids[-count:] if count else []
-        del self.free_ids[len(self.free_ids) - count:]
+        del self.free_ids[len(self.free_ids) - count :]
         return taken[::-1]
 
     def free(self, block_ids: Iterable[int]) -> None:

@@ -19,8 +19,8 @@ import zmq
 
 from llmserve.config import EngineConfig
 from llmserve.engine.core_process import run_engine_core
-from llmserve.errors import EngineDeadError  # noqa: F401 - re-exported
 from llmserve.engine.ipc import Kind, Message
+from llmserve.errors import EngineDeadError  # noqa: F401 - re-exported
 from llmserve.processes import start_spawned
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,7 @@ class CoreClient:
                 if msg.kind is Kind.ERROR:
                     raise EngineStartError(f"engine core failed to start: {msg.payload}")
             elif not self.proc.is_alive():
-                raise EngineStartError(
-                    f"engine core exited during start-up (exit code {self.proc.exitcode})"
-                )
+                raise EngineStartError(f"engine core exited during start-up (exit code {self.proc.exitcode})")
         raise EngineStartError(f"engine core not ready after {timeout:.0f} s")
 
     def send(self, kind: Kind, payload: Any = None) -> None:

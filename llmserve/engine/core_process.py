@@ -24,8 +24,9 @@ from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
 
 logger = logging.getLogger(__name__)
-UTILITIES = frozenset({"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "memory_footprint", "add_lora",
-                       "remove_lora"})  # EngineCore methods the front may call
+UTILITIES = frozenset(
+    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "memory_footprint", "add_lora", "remove_lora"}
+)  # EngineCore methods the front may call
 
 _SHUTDOWN = Message(Kind.SHUTDOWN)
 
@@ -68,7 +69,9 @@ class EngineCoreProc:
         sender.start()
         stats = self.core.stats()
         workers = self.core.tp_driver.worker_pids if self.core.tp_driver else []
-        self._send(Message(Kind.READY, {"num_blocks": stats.num_blocks_total, "pid": os.getpid(), "worker_pids": workers}))
+        self._send(
+            Message(Kind.READY, {"num_blocks": stats.num_blocks_total, "pid": os.getpid(), "worker_pids": workers})
+        )
         try:
             self._loop()
         except Exception:

@@ -43,7 +43,9 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks: int, max_seq_len: int, device: torch.device) -> None:
+    def __init__(
+        self, model: torch.nn.Module, max_batch: int, max_blocks: int, max_seq_len: int, device: torch.device
+    ) -> None:
         self.model = model
         self.device = device
         self.max_seq_len = max_seq_len
@@ -86,9 +88,15 @@ class DecodeGraphs:
         return padded_size(self.sizes, n)
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            seq_lens: torch.Tensor, block_tables: torch.Tensor,
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Inputs are host tensors of the real batch (n rows); `fill` completes the input
         ids on the device (tokens of the previous step). Returns hidden [n, H]."""
         n = input_ids.shape[0]
@@ -170,15 +178,24 @@ class PiecewiseGraphs:
                 pool = graph.pool()
                 graphs.append(graph)
             self.graphs[n] = graphs
-        logger.info("captured piecewise CUDA graphs for %d token counts up to %d (%d graphs)",
-                    len(self.sizes), self.sizes[-1], len(self.sizes) * (len(self.layers) + 1))
+        logger.info(
+            "captured piecewise CUDA graphs for %d token counts up to %d (%d graphs)",
+            len(self.sizes),
+            self.sizes[-1],
+            len(self.sizes) * (len(self.layers) + 1),
+        )
 
     def padded_size(self, n: int) -> int | None:
         return padded_size(self.sizes, n)
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        fill: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
         """Input ids and positions of the real batch (n tokens; host tensors, pinned on a
         GPU, or device tensors); `fill` completes the input ids on the device. Returns
         hidden [n, H]. Pieces replay their graphs when captured, else run."""

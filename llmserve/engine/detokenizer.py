@@ -45,7 +45,7 @@ def _window(tokenizer: PreTrainedTokenizerBase, prompt: list[int], skip_special:
     if not whole.endswith(REPLACEMENT):
         return context, 0, 0  # (the usual case: one decode)
     for tail in range(1, min(_MAX_PARTIAL_TOKENS, len(prompt)) + 1):
-        context = list(prompt[-(_PROMPT_CONTEXT + tail):])
+        context = list(prompt[-(_PROMPT_CONTEXT + tail) :])
         head = tokenizer.decode(context[:-tail], skip_special_tokens=skip_special)
         if not head.endswith(REPLACEMENT):
             whole = tokenizer.decode(context, skip_special_tokens=skip_special)

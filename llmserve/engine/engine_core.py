@@ -6,7 +6,9 @@ import logging
 import time
 
 from llmserve.config import ConfigError, EngineConfig
+from llmserve.engine.grammar_manager import GrammarManager
 from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.model_runner import ModelRunner, PendingStep
 from llmserve.engine.request import (
     EngineCoreOutput,
@@ -16,12 +18,10 @@ from llmserve.engine.request import (
     RequestStatus,
     SchedulerStats,
 )
-from llmserve.engine.grammar_manager import GrammarManager
-from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.request_checks import PromptError, check_request
-from llmserve.engine.step_plan import PlanBuilder
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.step_log import StepTimingLog
+from llmserve.engine.step_plan import PlanBuilder
 from llmserve.engine.structured_output import StructuredOutputs
 from llmserve.engine.tp_workers import TPDriver
 from llmserve.lora.errors import LoRAAdapterError
@@ -88,9 +88,7 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         phase("CUDA graphs")
         logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
-        self.kv = KVCacheManager(
-            num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks
-        )
+        self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None)  # fmt: skip
         self.loras = LoRAManager(config.lora, config.model_config.arch, self.runner.lora) if self.runner.lora else None
@@ -115,7 +113,9 @@ class EngineCore:
         mc = self.config.model_config
         try:
             front_checked = req.ids_checked_vocab == mc.arch.vocab_size  # the front's pass over the ids stands
-            check_request(req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size, front_checked)
+            check_request(
+                req.prompt_token_ids, req.sampling_params, mc.max_model_len, mc.arch.vocab_size, front_checked
+            )
             if req.request_id in self.scheduler.requests:
                 raise PromptError(f"request id {req.request_id!r} is already in use")
             if req.lora_request is not None:

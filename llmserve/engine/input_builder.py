@@ -20,7 +20,6 @@ from llmserve.engine.block_table import BlockTableBuffer
 from llmserve.engine.request import PLACEHOLDER
 from llmserve.host_copy import to_device
 
-
 TABLE_WIDTH_STEP = 16
 
 
@@ -66,7 +65,11 @@ class BatchInputs:
     sample_seqs: list[int] = field(default_factory=list)  # the sequence of each row in logits_indices
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return to_device(self.input_ids, torch.long, device), to_device(self.positions, torch.long, device), self.metadata(device)
+        return (
+            to_device(self.input_ids, torch.long, device),
+            to_device(self.positions, torch.long, device),
+            self.metadata(device),
+        )
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         def t(values, dtype):

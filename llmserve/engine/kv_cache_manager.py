@@ -115,9 +115,7 @@ class KVCacheManager:
         new = max(0, -(-total // self.block_size) - have)
         return new + sum(1 for b in computed if self.pool.is_free(b))
 
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed: list[int] = (), reserve: int = 0
-    ) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = (), reserve: int = 0) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after `computed` cache hits),
         keeping `reserve` blocks free. All or nothing."""
         if not computed:  # the common decode case: the last block still has room

@@ -35,8 +35,11 @@ class RunnerLoRA:
         self.model = model
         # B is stored output-major (one matrix over every slot) only where some projection of this
         # rank expands through the GEMM; elsewhere the slot-major layout the Triton expand was tuned on
-        gemm_expand = use_kernels and config.expand_gemm_tokens > 0 and any(
-            spec.out_features >= GEMM_EXPAND_MIN_WIDTH for spec in projection_specs(model.shard))
+        gemm_expand = (
+            use_kernels
+            and config.expand_gemm_tokens > 0
+            and any(spec.out_features >= GEMM_EXPAND_MIN_WIDTH for spec in projection_specs(model.shard))
+        )
         self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device,
                                    output_major_b=gemm_expand)  # fmt: skip
         self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)

@@ -21,27 +21,27 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
-from llmserve.engine.lora_runner import RunnerLoRA
+from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
-from llmserve.engine.argmax import row_argmax
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
+from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from llmserve.engine.request import TokenLogprobs
+from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
-from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.host_copy import staged, to_device
 from llmserve.lora.adapter import LoRAAdapter
-from llmserve.sampling_params import SamplingParams
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
 from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
+from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def on_every_rank(method: Callable) -> Callable:
     driver, the call (name and arguments) goes to the workers first."""
 
     @functools.wraps(method)
-    def call(self: "ModelRunner", *args):
+    def call(self: ModelRunner, *args):
         if self.mirror is None or self._mirroring:  # a worker, or a call made inside a mirrored one
             return method(self, *args)
         self.mirror(method.__name__, args)
@@ -256,7 +256,11 @@ class ModelRunner:
         # what other processes held at start does not count: the fraction is this engine's
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device) - self._gpu_used_at_start
         # (weights in an arena are outside torch's allocator: counted in `non_torch` instead)
-        weights = 0 if self.sleep_mode.weights_arena is not None else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = (
+            0
+            if self.sleep_mode.weights_arena is not None
+            else sum(p.numel() * p.element_size() for p in self.model.parameters())
+        )
         budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
         return self.tp.min_over_ranks(budget)
 
@@ -284,9 +288,7 @@ class ModelRunner:
         if arena and self.config.enable_sleep_mode and num_blocks:
             self.kv_caches = self.sleep_mode.arena_kv_caches(num_blocks, shape, self.kv_dtype)
         else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)
-            ]
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)]
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
         self.init_cpu_caches(num_cpu_blocks)
@@ -300,7 +302,9 @@ class ModelRunner:
             self.kv_scales = KVScales("none (the cache is not FP8)", ())
             return self.kv_scales
         sc = self.config.scheduler_config
-        n = calibration_length(sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size)
+        n = calibration_length(
+            sc.max_num_batched_tokens, sc.max_model_len, self.kv_caches[0].shape[1] * self.block_size
+        )
         self.kv_scales = choose_scales(self.model, self.config.cache_config.calculate_kv_scales,
                                        lambda ids: self._dummy_forward(1, len(ids), ids),
                                        self.config.model_config.arch.vocab_size, n)  # fmt: skip
@@ -391,7 +395,9 @@ class ModelRunner:
         threads = pool is not None and pool.workers > 1 and type(self.sampler) is Sampler
         for i, batch in enumerate(b for b in warm_sampling_batches() if len(b) <= len(logits)):
             requests = [RunnerRequest(f"warmup-{i}-{j}", [0], params, (), [0, 0], []) for j, params in enumerate(batch)]
-            sampler = Sampler(self.device, self.sampler.vocab_size, self.sampler.use_kernels) if threads else self.sampler
+            sampler = (
+                Sampler(self.device, self.sampler.vocab_size, self.sampler.use_kernels) if threads else self.sampler
+            )
             unit = functools.partial(_sample_once, sampler, logits[: len(requests)], requests)
             if threads:
                 pool.submit(unit)
@@ -470,7 +476,7 @@ class ModelRunner:
         self.requests.forget(request_ids)
 
     @torch.inference_mode()
-    def execute_async(self, plan: StepPlan) -> "PendingStep":
+    def execute_async(self, plan: StepPlan) -> PendingStep:
         """Launch the step on the device; `.result()` waits for its sampled tokens. The plan is
         plain data (engine/step_plan.py): the runner keeps each request's tokens and blocks."""
         self.sampler.forget(plan.finished_request_ids)
@@ -507,9 +513,14 @@ class ModelRunner:
         pad = self.device.type == "cuda"
         prompt = None
         if step.prompt_rows is not None:  # (every rank: the LM head's all-gather under tensor parallelism)
-            prompt = compute_prompt_logprobs(self.model.compute_logits, hidden, step.prompt_rows,
-                                             self.config.attention_backend == "triton", pad,
-                                             self.config.scheduler_config.max_num_seqs)  # (the warmed LM head counts)
+            prompt = compute_prompt_logprobs(
+                self.model.compute_logits,
+                hidden,
+                step.prompt_rows,
+                self.config.attention_backend == "triton",
+                pad,
+                self.config.scheduler_config.max_num_seqs,
+            )  # (the warmed LM head counts)
         if not rows:
             return None, prompt
         # on a GPU the LM head runs on few distinct row counts, each warmed up (engine/logits_rows.py)

@@ -173,7 +173,11 @@ class OutputProcessor:
 
     @staticmethod
     def _record_timing(
-        state: _RequestState, sample: _Sample, out: EngineCoreOutput, now: float, core_time: float,
+        state: _RequestState,
+        sample: _Sample,
+        out: EngineCoreOutput,
+        now: float,
+        core_time: float,
         stats: IterationStats,
     ) -> None:
         m = state.metrics

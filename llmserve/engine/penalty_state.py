@@ -102,7 +102,9 @@ class PenaltyState:
             if ids:
                 # (a device tensor as the value: a Python True is a host scalar, and its copy waits for the device)
                 true = torch.ones((), dtype=torch.bool, device=self.device)
-                self.prompt_seen.index_put_((to_device(rows, torch.long, self.device), to_device(ids, torch.long, self.device)), true)
+                self.prompt_seen.index_put_(
+                    (to_device(rows, torch.long, self.device), to_device(ids, torch.long, self.device)), true
+                )
 
     def apply(self, logits: torch.Tensor, pen: PenaltyRows) -> torch.Tensor:
         """The penalties on their rows of `logits` [B, V] (float32), as the reference applies
@@ -113,7 +115,11 @@ class PenaltyState:
 
         rows = kept_on_device(pen, "rows", torch.long, self.device)
         slots = kept_on_device(pen, "slots", torch.long, self.device)
-        rep = kept_on_device(pen, "repetition", torch.float32, self.device) if any(r != 1.0 for r in pen.repetition) else None
+        rep = (
+            kept_on_device(pen, "repetition", torch.float32, self.device)
+            if any(r != 1.0 for r in pen.repetition)
+            else None
+        )
         add = any(pen.presence) or any(pen.frequency)
         presence = kept_on_device(pen, "presence", torch.float32, self.device) if add else None
         frequency = kept_on_device(pen, "frequency", torch.float32, self.device) if add else None

@@ -68,7 +68,7 @@ def prompt_rows(rows: list[RowInput], query_start: list[int], asking: dict[str, 
 
 def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                             plan: PromptRows, use_kernels: bool, pad: bool,
-                            max_rows: int = ROWS_AT_ONCE) -> "PendingPromptLogprobs":  # fmt: skip
+                            max_rows: int = ROWS_AT_ONCE) -> PendingPromptLogprobs:  # fmt: skip
     """Queue the logprobs of `plan`'s rows of `hidden` (the step's final hidden states, every row);
     `.result()` reads them. `pad`: the LM head's row counts padded as a step's (logits_rows.py);
     `max_rows`: rows a time (at most ROWS_AT_ONCE)."""

@@ -145,7 +145,9 @@ class Request:
         self.matcher = None  # structured outputs: the grammar matcher following this output
         self.logit_bias = None  # (token ids, biases) as device tensors, built on first use
         # prompt logprobs computed and not yet sent (None: not asked), and how many were sent
-        self.prompt_logprobs: list[TokenLogprobs] | None = [] if req.sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs] | None = (
+            [] if req.sampling_params.prompt_logprobs is not None else None
+        )
         self.prompt_logprobs_sent = 0
 
     @property
@@ -170,7 +172,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def sort_key(self) -> tuple[int, float]:

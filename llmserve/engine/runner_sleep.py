@@ -178,7 +178,9 @@ class RunnerSleep:
         runner = self.runner
         mc = runner.config.model_config
         fill_weights(runner.model, mc.model, mc.arch, mc.load_format, mc.seed, runner.tp, progress=False)
-        if runner.kv_scales.scales:  # a reload puts a checkpoint's KV scales back: keep the ones in use (and in the graphs)
+        if (
+            runner.kv_scales.scales
+        ):  # a reload puts a checkpoint's KV scales back: keep the ones in use (and in the graphs)
             apply_scales(runner.model, runner.kv_scales)
 
     # -- what it holds ----------------------------------------------------------------------
@@ -200,7 +202,9 @@ class RunnerSleep:
             # what torch's allocator holds besides the weights and KV cache (graph pools,
             # activations, buffers): stays while asleep (the CUDA context, ~0.5 GiB, is not counted)
             reserved = torch.cuda.memory_reserved(device)
-            row["overhead_bytes"] = reserved if self.weights_arena is not None else max(0, reserved - row["device_bytes"])
+            row["overhead_bytes"] = (
+                reserved if self.weights_arena is not None else max(0, reserved - row["device_bytes"])
+            )
             row["device_total_bytes"] = torch.cuda.mem_get_info(device)[1]
         else:  # the host's memory is this device's
             row["overhead_bytes"] = 0

@@ -28,10 +28,10 @@ from operator import attrgetter
 import torch
 
 from llmserve.engine import seeded_noise
+from llmserve.engine.argmax import row_argmax
 from llmserve.engine.penalty_state import PenaltyRows, PenaltyState
 from llmserve.engine.request import Request
 from llmserve.engine.sampler_output import PendingSample, SampledLogprobs, SamplerOutput
-from llmserve.engine.argmax import row_argmax
 from llmserve.engine.sampler_reference import apply_top_k_top_p_min_p, exponential_race, mass_above
 from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 from llmserve.host_copy import kept_on_device, to_device
@@ -97,7 +97,9 @@ class _Plan:
     logprobs: _LogprobRows | None  # the rows that ask for logprobs
     penalties: PenaltyRows | None
     random: _Random  # without keys (a seeded row's key follows its output count)
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the logit bias's (rows, token ids, values) on the device, made on first use
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = (
+        None  # the logit bias's (rows, token ids, values) on the device, made on first use
+    )
 
 
 _request_id = attrgetter("request_id")
@@ -135,7 +137,9 @@ class Sampler:
         on the core side (None: from the requests' own matchers, if they have any)."""
         plan = self._plan_for(logits, requests)
         if grammar is None and plan.greedy and not _short_of_min_tokens(requests, plan.min_tokens_rows):
-            return PendingSample(row_argmax(logits), None)  # argmax of the 16-bit logits: .float() is exact, the same winner
+            return PendingSample(
+                row_argmax(logits), None
+            )  # argmax of the 16-bit logits: .float() is exact, the same winner
         asked, raw = plan.logprobs, None
         fused = asked is not None and self.use_kernels and asked.k <= STATS_MAX_K
         if fused:  # the kernel reads the model's logits after sampling: kept as they are
@@ -191,7 +195,9 @@ class Sampler:
         if not any(r.sampling_params.has_penalties for r in requests):
             return None
         if self.penalties is None:
-            self.penalties = PenaltyState(self.vocab_size or logits.shape[-1], logits.device, use_kernel=self.use_kernels)
+            self.penalties = PenaltyState(
+                self.vocab_size or logits.shape[-1], logits.device, use_kernel=self.use_kernels
+            )
         return self.penalties.rows_for(requests)
 
     def penalties_and_masks(self, logits: torch.Tensor, requests: list[Request], pen: PenaltyRows | None = None,
@@ -222,7 +228,9 @@ class Sampler:
         """The tokens of the rows `r` (a group of `_groups`) by `path`."""
         device = logits.device
         rows = kept_on_device(r, "rows", torch.long, device) if len(r.rows) < logits.shape[0] else None
-        temperature = kept_on_device(r, "temperature", torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
+        temperature = (
+            kept_on_device(r, "temperature", torch.float32, device) if any(t != 1.0 for t in r.temperature) else None
+        )
         if path == "race":  # temperature alone, no seed: one kernel over the vocabulary
             from llmserve.kernels.sampling import race
 
@@ -258,10 +266,14 @@ class Sampler:
         values = values.masked_fill(ranks >= kept_on_device(r, "top_k", torch.long, device)[:, None], float("-inf"))
         if any(p < 1.0 for p in r.top_p):
             before = mass_above(values, torch.softmax(values, dim=-1))
-            values = values.masked_fill(before > kept_on_device(r, "top_p", torch.float32, device)[:, None], float("-inf"))
+            values = values.masked_fill(
+                before > kept_on_device(r, "top_p", torch.float32, device)[:, None], float("-inf")
+            )
         if any(m > 0.0 for m in r.min_p):
             probs = torch.softmax(values, dim=-1)
-            threshold = kept_on_device(r, "min_p", torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = (
+                kept_on_device(r, "min_p", torch.float32, device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            )
             values = values.masked_fill(probs < threshold, float("-inf"))
         noise = torch.empty_like(values).exponential_()
         if r.seeded:
@@ -341,7 +353,9 @@ def _random_rows(requests: list[Request]) -> _Random:
     return r
 
 
-def _bias_tensors(requests: list[Request], among, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _bias_tensors(
+    requests: list[Request], among, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The logit biases of the rows `among` as (row index, token id, value), one entry per biased token."""
     rows: list[int] = []
     ids: list[int] = []
@@ -354,7 +368,11 @@ def _bias_tensors(requests: list[Request], among, device: torch.device) -> tuple
             values.extend(bias.values())
     if not rows:
         return None
-    return to_device(rows, torch.long, device), to_device(ids, torch.long, device), to_device(values, torch.float32, device)
+    return (
+        to_device(rows, torch.long, device),
+        to_device(ids, torch.long, device),
+        to_device(values, torch.float32, device),
+    )
 
 
 def _min_tokens(logits: torch.Tensor, requests: list[Request], among: list[int] | None = None) -> None:

@@ -37,7 +37,7 @@ class SampledLogprobs:
             self.tensors = [_to_host(t) for t in (token_lp, rank, top_values, top_ids)]
 
     @classmethod
-    def ready(cls, per_row: list[TokenLogprobs | None]) -> "SampledLogprobs":
+    def ready(cls, per_row: list[TokenLogprobs | None]) -> SampledLogprobs:
         """Already made on the host, one per row (the reference sampler's)."""
         return cls([], [], ready=per_row)
 

@@ -101,13 +101,11 @@ def apply_penalties(
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
         if seen.numel():
             vals = logits[seen]
-            logits[seen] = torch.where(
-                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
-            )
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if output_ids and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(
-            torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]
-        ).to(logits.dtype)
+        counts = torch.bincount(torch.tensor(output_ids, device=logits.device), minlength=logits.shape[-1]).to(
+            logits.dtype
+        )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 

@@ -35,7 +35,7 @@ class ScheduledRequest:
     samples: bool
 
     @classmethod
-    def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> "ScheduledRequest":
+    def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> ScheduledRequest:
         return cls(req, num_new_tokens, block_table, req.num_computed_tokens + num_new_tokens == req.num_tokens)
 
 
@@ -136,9 +136,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(
-                    ScheduledRequest.scheduled(req, num_new, self.kv.block_table(req.request_id))
-                )
+                out.scheduled.append(ScheduledRequest.scheduled(req, num_new, self.kv.block_table(req.request_id)))
                 budget -= num_new
                 i += 1
                 continue
@@ -232,9 +230,7 @@ class Scheduler:
         shared_blocks = req.num_prompt_tokens // self.block_size
         return self.kv.num_cached_blocks(req) < shared_blocks
 
-    def _admit(
-        self, req: Request, budget: int, reserve: int, out: SchedulerOutput
-    ) -> int | None:
+    def _admit(self, req: Request, budget: int, reserve: int, out: SchedulerOutput) -> int | None:
         """Give a waiting request its blocks; returns its new-token count, or None."""
         if req.status == RequestStatus.SWAPPED:
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)

@@ -80,7 +80,7 @@ class PlanBuilder:
             known = sent.get(rid)
             if known is not None and known[0] == preemptions:
                 new = None
-                new_blocks = blocks[known[1]:] if n > known[1] else ()
+                new_blocks = blocks[known[1] :] if n > known[1] else ()
                 if n != known[1]:
                     sent[rid] = (preemptions, n)
             else:
@@ -103,7 +103,7 @@ class PlanBuilder:
 
 
 def _known_outputs(req: Request) -> list[int]:
-    out = req.all_token_ids[len(req.prompt_token_ids):]
+    out = req.all_token_ids[len(req.prompt_token_ids) :]
     assert PLACEHOLDER not in out, f"request {req.request_id} restarts with a token still on the device"
     return list(out)
 
@@ -128,7 +128,7 @@ class RunnerRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
 
 class RunnerRequests:

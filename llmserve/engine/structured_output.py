@@ -82,7 +82,7 @@ class StructuredOutputs:
                                                      cache_limit_bytes=CACHE_BYTES)  # fmt: skip
             return self._compiler
 
-    def compile(self, spec: StructuredOutputsParams) -> "xgr.CompiledGrammar":
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
@@ -98,7 +98,7 @@ class StructuredOutputs:
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError for bad specs
             raise StructuredOutputError(f"invalid structured output ({spec.kind}): {_clean(exc)}") from None
 
-    def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> "xgr.GrammarMatcher":
+    def matcher(self, spec: StructuredOutputsParams, stop_token_ids: list[int]) -> xgr.GrammarMatcher:
         """A matcher for one request; the request's own end-of-sequence ids end the grammar."""
         return _xgrammar().GrammarMatcher(self.compile(spec), override_stop_tokens=list(stop_token_ids))
 
@@ -118,7 +118,7 @@ class GrammarMask:
     rows: list[int]
 
 
-def grammar_mask(requests: list["Request"], vocab_size: int) -> GrammarMask | None:
+def grammar_mask(requests: list[Request], vocab_size: int) -> GrammarMask | None:
     """Fill the bitmask from the requests' matchers (None: no request has a grammar)."""
     rows = [i for i, r in enumerate(requests) if getattr(r, "matcher", None) is not None]
     if not rows:
@@ -141,13 +141,13 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask | None) -> None:
     _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=mask.rows)
 
 
-def apply_grammar_masks(logits: torch.Tensor, requests: list["Request"], mask: GrammarMask | None = None) -> None:
+def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], mask: GrammarMask | None = None) -> None:
     """`mask` when given (the engine's path: filled on the core side), else one filled from the
     requests' own matchers (requests used directly, as in the tests)."""
     apply_grammar_mask(logits, mask if mask is not None else grammar_mask(requests, logits.shape[-1]))
 
 
-def allowed_tokens(matcher: "xgr.GrammarMatcher", vocab_size: int) -> set[int]:
+def allowed_tokens(matcher: xgr.GrammarMatcher, vocab_size: int) -> set[int]:
     """Reference: the tokens the matcher accepts next, asked one by one (slow; tests)."""
     allowed = set()
     for token in range(vocab_size):

@@ -55,9 +55,13 @@ class AdapterHoldings:
                 resp = await client.post(url + "/v1/load_lora_adapter", json=body, headers=route.control_headers(),
                                          timeout=timeout_s)  # fmt: skip
             except httpx.HTTPError as exc:
-                raise UpstreamFailed(f"loading the adapter {name!r} on {url}: {type(exc).__name__}", unavailable=True) from exc
+                raise UpstreamFailed(
+                    f"loading the adapter {name!r} on {url}: {type(exc).__name__}", unavailable=True
+                ) from exc
             if resp.status_code != 200 and _code(resp) != "already_loaded":
-                message = f"the replica could not load the LoRA adapter {name!r} ({resp.status_code}): {resp.text[:300]}"
+                message = (
+                    f"the replica could not load the LoRA adapter {name!r} ({resp.status_code}): {resp.text[:300]}"
+                )
                 content = error_body(502, message, code="adapter_load_failed")
                 raise UpstreamFailed(message, 502, json.dumps(content).encode())
             self._held.setdefault(url, set()).add(name)

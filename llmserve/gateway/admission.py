@@ -108,7 +108,9 @@ class Admission:
             return Slot(self)
         if self.waiting() >= self.config.max_queue:
             raise Refused("queue_full", 1.0)
-        waiter = _Waiter((-priority, next(self._arrivals)), time.monotonic(), asyncio.get_running_loop().create_future())
+        waiter = _Waiter(
+            (-priority, next(self._arrivals)), time.monotonic(), asyncio.get_running_loop().create_future()
+        )
         heapq.heappush(self._queue, waiter)
         timeout = min(self.config.queue_timeout_s, limit)
         try:

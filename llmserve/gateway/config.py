@@ -37,7 +37,9 @@ class ModelRoute(_Strict):
     # http(s)://host:port (openai); triton: grpc://host:port (its gRPC port) or http://host:port (its HTTP port)
     replicas: list[str] = Field(min_length=1)
     model: str | None = None  # the name the upstreams know; the alias when unset
-    lora: str | None = None  # a LoRA adapter the upstream serves: sent as the body's model (to Triton: model stays its chat model)
+    lora: str | None = (
+        None  # a LoRA adapter the upstream serves: sent as the body's model (to Triton: model stays its chat model)
+    )
     # the adapter's folder as the replicas see it: the gateway prefers replicas holding `lora` and
     # loads it on demand onto the one it picks (POST /v1/load_lora_adapter with the admin key)
     lora_path: str | None = None
@@ -119,7 +121,9 @@ class PlacementConfig(_Strict):
     wakes a model for its requests, puts idle ones to sleep to make room, and pre-warms."""
 
     gpu_memory_budget: int | float | str  # bytes, a fraction or percentage of the device, or "40GiB"
-    models: list[str] = Field(min_length=1)  # aliases, one replica each: Triton chat models or llmserve servers, sleep mode on
+    models: list[str] = Field(
+        min_length=1
+    )  # aliases, one replica each: Triton chat models or llmserve servers, sleep mode on
     policy: str = "demand"  # lru | lru_prewarm | q_learning | demand (llmserve bench placement)
     sleep_level: Literal[1, 2] = 1  # 1: weights kept in host memory; 2: read again on wake
     wake_timeout_s: float = Field(default=60.0, gt=0)  # a request waits this long for a wake, then 503
@@ -202,12 +206,16 @@ class GatewayConfig(_Strict):
             for alias in placed:
                 route = self.models.get(alias)
                 if route is None or len(route.replicas) != 1:
-                    raise ValueError(f"placement: {alias!r} must be an alias with one replica (a Triton chat model, "
-                                     "or an `llmserve serve --enable-sleep-mode` server)")
+                    raise ValueError(
+                        f"placement: {alias!r} must be an alias with one replica (a Triton chat model, "
+                        "or an `llmserve serve --enable-sleep-mode` server)"
+                    )
             for alias, route in self.models.items():  # a request is held for the model that serves it
                 if route.fallback is not None and (alias in placed or route.fallback in placed):
-                    raise ValueError(f"alias {alias!r}: a fallback to or from a placed model is not supported "
-                                     "(the placement holds requests for the alias they name)")
+                    raise ValueError(
+                        f"alias {alias!r}: a fallback to or from a placed model is not supported "
+                        "(the placement holds requests for the alias they name)"
+                    )
         names = [k.name for k in self.keys]
         if len(set(names)) != len(names):
             raise ValueError("key names must be unique")

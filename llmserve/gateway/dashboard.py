@@ -39,21 +39,23 @@ LATEST_SPAN = 5  # the headline numbers are rates over the last five samples
 PAGE = Path(__file__).resolve().parents[1] / "assets" / "dashboard.html"
 
 # sample field -> the upstream's metric (summed over its label sets)
-_METRICS = MappingProxyType({
-    "running": "vllm:num_requests_running",
-    "waiting": "vllm:num_requests_waiting",
-    "kv_usage": "vllm:kv_cache_usage_perc",
-    "generation_tokens": "vllm:generation_tokens_total",
-    "prompt_tokens": "vllm:prompt_tokens_total",
-    "ttft_sum": "vllm:time_to_first_token_seconds_sum",
-    "ttft_count": "vllm:time_to_first_token_seconds_count",
-    "itl_sum": "vllm:inter_token_latency_seconds_sum",
-    "itl_count": "vllm:inter_token_latency_seconds_count",
-    "e2e_sum": "vllm:e2e_request_latency_seconds_sum",
-    "e2e_count": "vllm:e2e_request_latency_seconds_count",
-    "queue_sum": "vllm:request_queue_time_seconds_sum",
-    "queue_count": "vllm:request_queue_time_seconds_count",
-})
+_METRICS = MappingProxyType(
+    {
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
+        "kv_usage": "vllm:kv_cache_usage_perc",
+        "generation_tokens": "vllm:generation_tokens_total",
+        "prompt_tokens": "vllm:prompt_tokens_total",
+        "ttft_sum": "vllm:time_to_first_token_seconds_sum",
+        "ttft_count": "vllm:time_to_first_token_seconds_count",
+        "itl_sum": "vllm:inter_token_latency_seconds_sum",
+        "itl_count": "vllm:inter_token_latency_seconds_count",
+        "e2e_sum": "vllm:e2e_request_latency_seconds_sum",
+        "e2e_count": "vllm:e2e_request_latency_seconds_count",
+        "queue_sum": "vllm:request_queue_time_seconds_sum",
+        "queue_count": "vllm:request_queue_time_seconds_count",
+    }
+)
 _NAMES = MappingProxyType({metric: field for field, metric in _METRICS.items()})
 _MODEL_NAME = re.compile(r'model_name="((?:[^"\\]|\\.)*)"')
 
@@ -153,6 +155,7 @@ def _ratio(num: float | None, den: float | None, scale: float = 1.0) -> float | 
 
 def span_point(a: Sample, b: Sample) -> Point:
     """What happened between two samples of one upstream."""
+
     def delta(field: str) -> float | None:
         if field in a.values and field in b.values:
             return b.values[field] - a.values[field]

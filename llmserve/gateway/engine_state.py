@@ -66,7 +66,9 @@ def engine_state(samples: Sequence[Scrape], stuck_after_s: float, saturated_afte
         else:
             break
     if gauges["running"] and last_answer.t - idle_since >= stuck_after_s:
-        return EngineState("stuck", **gauges, why=f"requests running and no token made for {last_answer.t - idle_since:.0f} s")
+        return EngineState(
+            "stuck", **gauges, why=f"requests running and no token made for {last_answer.t - idle_since:.0f} s"
+        )
     if gauges["waiting"] and last_answer.t - waiting_since >= saturated_after_s:
         return EngineState("saturated", **gauges,
                            why=f"requests waiting in the engine's queue for {last_answer.t - waiting_since:.0f} s")  # fmt: skip

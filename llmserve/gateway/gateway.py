@@ -21,10 +21,10 @@ from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.context import RequestContext, log_access
 from llmserve.gateway.dashboard import StatusSampler
 from llmserve.gateway.engine_state import STATES
-from llmserve.gateway.metrics_pages import merged_pages
 from llmserve.gateway.keys import KeyStore
 from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.metrics_pages import merged_pages
 from llmserve.gateway.placement import GatewayPlacement
 from llmserve.gateway.router import Replica, Router, health_loop
 from llmserve.gateway.triton_upstream import TritonClients
@@ -60,7 +60,9 @@ class Gateway:
         self.adapters = AdapterHoldings()  # LoRA adapters on the replicas of routes with `lora`
         self.router = Router(config, self.adapters)
         self.metrics = GatewayMetrics()
-        self.triton = TritonClients(config.upstream_timeout_s, config.request_timeout_s)  # gRPC clients of Triton replicas, opened on first use
+        self.triton = TritonClients(
+            config.upstream_timeout_s, config.request_timeout_s
+        )  # gRPC clients of Triton replicas, opened on first use
         # several chat models on one GPU: requests wait for their model to wake
         self.placement = None if config.placement is None else \
             GatewayPlacement(config.placement, config, self.triton, self.metrics)  # fmt: skip

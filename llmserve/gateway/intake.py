@@ -138,7 +138,9 @@ async def take_slot(gateway: Gateway, ctx: RequestContext, request: Request) -> 
             ctx.slot = await acquire
     except Refused as exc:
         await gateway.give_back(ctx)
-        raise Rejected(503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after) from None
+        raise Rejected(
+            503, exc.reason, f"the gateway is overloaded ({exc.reason}): retry later", exc.retry_after
+        ) from None
 
 
 async def wait_for_model(gateway: Gateway, ctx: RequestContext, request: Request) -> None:

@@ -16,7 +16,7 @@ class KeyStore:
         """The key behind an `Authorization: Bearer ...` header, or None when missing, wrong or revoked."""
         if not authorization or not authorization.startswith("Bearer "):
             return None
-        digest = hash_key(authorization[len("Bearer "):].strip())
+        digest = hash_key(authorization[len("Bearer ") :].strip())
         key = self._by_hash.get(digest)
         # the dict lookup already matched; compare_digest keeps the final check constant-time
         if key is None or key.revoked or not hmac.compare_digest(key.sha256, digest):

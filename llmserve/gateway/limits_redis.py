@@ -44,7 +44,9 @@ end
 
 # KEYS: buckets; ARGV: capacity, amount for each. Returns {0, "0"} when taken from all, or
 # {i, wait_seconds} naming the first bucket that is short (nothing taken).
-RESERVE = _REFILL + """
+RESERVE = (
+    _REFILL
+    + """
 local now = now_s()
 local levels = {}
 for i = 1, #KEYS do
@@ -60,14 +62,18 @@ for i = 1, #KEYS do
 end
 return {0, '0'}
 """
+)
 
 # KEYS[1]: a bucket; ARGV: capacity, delta (> 0 gives back, < 0 takes; never above capacity)
-SETTLE = _REFILL + """
+SETTLE = (
+    _REFILL
+    + """
 local now = now_s()
 local cap = tonumber(ARGV[1])
 store(KEYS[1], cap, math.min(cap, refilled(KEYS[1], cap, now) + tonumber(ARGV[2])), now)
 return 0
 """
+)
 
 
 class RedisLimiter:

@@ -44,7 +44,8 @@ class GatewayMetrics:
             "llmserve_gateway_queue_waiting", "Requests waiting for an admission slot.", registry=self.registry
         )
         self.queueing_delay = Gauge(
-            "llmserve_gateway_queueing_delay_seconds", "How long the oldest waiting request has waited.",
+            "llmserve_gateway_queueing_delay_seconds",
+            "How long the oldest waiting request has waited.",
             registry=self.registry,
         )
         self.routing = Counter(

@@ -247,7 +247,9 @@ class GatewayPlacement:
     def aliases_of(self, url: str, model: str) -> list[str]:
         """The placed aliases served by Triton model `model` on `url`."""
         triton = self.actuator.by_alias
-        return [a for a, act in triton.items() if isinstance(act, TritonActuator) and act.targets.get(a) == (url, model)]
+        return [
+            a for a, act in triton.items() if isinstance(act, TritonActuator) and act.targets.get(a) == (url, model)
+        ]
 
     def _on_event(self, model: str, event: str, seconds: float) -> None:
         if event in ("wake", "prewarm"):

@@ -39,7 +39,7 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
     if '"usage":{' not in body and '"usage": {' not in body and _model_field(served) in body:
         return line
     try:
-        chunk = json.loads(body[len("data: "):])
+        chunk = json.loads(body[len("data: ") :])
     except json.JSONDecodeError:
         return line
     if isinstance(chunk, dict):
@@ -47,7 +47,7 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
             chunk["model"] = served
         if isinstance(chunk.get("usage"), dict):
             ctx.used_tokens = chunk["usage"].get("total_tokens", ctx.used_tokens)
-    return "data: " + json.dumps(chunk, separators=(",", ":")) + line[len(body):]
+    return "data: " + json.dumps(chunk, separators=(",", ":")) + line[len(body) :]
 
 
 async def _lines(response: aiohttp.ClientResponse) -> AsyncIterator[str]:
@@ -81,7 +81,9 @@ async def _open_openai(gateway: Gateway, ctx: RequestContext, pick: Pick) -> Ope
 
 
 async def _load_adapter(gateway: Gateway, pick: Pick) -> None:
-    if await gateway.adapters.ensure_loaded(gateway.client, pick.route, pick.replica.url, gateway.config.upstream_timeout_s):
+    if await gateway.adapters.ensure_loaded(
+        gateway.client, pick.route, pick.replica.url, gateway.config.upstream_timeout_s
+    ):
         gateway.metrics.adapter_loads.labels(pick.alias, pick.replica.url).inc()
 
 
@@ -214,6 +216,7 @@ async def _finish_plain(
 
 def _stream(gateway: Gateway, ctx: RequestContext, pick: Pick, sent: InFlight, opened: Opened) -> StreamingResponse:
     ctx.used_tokens = ctx.reserved_tokens  # kept unless a chunk reports the real usage
+
     async def relay() -> AsyncIterator[str]:
         status = 200
         try:

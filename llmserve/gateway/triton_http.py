@@ -27,7 +27,9 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, tri
 # Triton's HTTP status -> the gRPC status it gives for the same error
 _STATUS = {400: "StatusCode.INVALID_ARGUMENT", 404: "StatusCode.NOT_FOUND", 429: "StatusCode.RESOURCE_EXHAUSTED",
            500: "StatusCode.INTERNAL", 501: "StatusCode.UNIMPLEMENTED", 503: "StatusCode.UNAVAILABLE"}  # fmt: skip
-MAX_EVENT_BYTES = 1 << 28  # one event may hold a whole answer (n, logprobs: megabytes); aiohttp's own line limit is 512 KiB
+MAX_EVENT_BYTES = (
+    1 << 28
+)  # one event may hold a whole answer (n, logprobs: megabytes); aiohttp's own line limit is 512 KiB
 
 
 class CallBroken(Exception):

@@ -202,7 +202,7 @@ async def _embeddings(clients: TritonClients, url: str, ctx: RequestContext, mod
     inputs = call.token_ids or call.texts
     rows, counts = [], []
     for start in range(0, len(inputs), EMBED_BATCH):
-        part = inputs[start:start + EMBED_BATCH]
+        part = inputs[start : start + EMBED_BATCH]
         tensor = ("token_ids", _id_rows(part)) if call.token_ids else ("text", _texts(part, [len(part), 1]))
         outputs = await clients.infer(url, model, [tensor])
         rows.extend(outputs["embedding"])
@@ -384,7 +384,7 @@ def _usage_only(line: str) -> dict | None:
     if not line.startswith('data: {"') or '"usage"' not in line:
         return None
     try:
-        chunk = json.loads(line[len("data: "):])
+        chunk = json.loads(line[len("data: ") :])
     except ValueError:
         return None
     return chunk["usage"] if isinstance(chunk, dict) and not chunk.get("choices") and chunk.get("usage") else None

@@ -24,7 +24,6 @@ from llmserve.fp8_tokens import Fp8Tokens
 from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
 from llmserve.kernels.pdl import gdc_enter, launch_options
 
-
 ACTIVATIONS = ("silu", "gelu_tanh")  # the kernels' ACT
 
 

@@ -33,12 +33,8 @@ def _write_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
     t64 = t.to(tl.int64)
-    key = tl.load(
-        k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
-    )
-    val = tl.load(
-        v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
-    )
+    key = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    val = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if FP8_MAX > 0:  # an FP8 cache: divided by the layer's scales, saturated, as the reference does
         key = tl.minimum(tl.maximum(key.to(tl.float32) * k_inv, -FP8_MAX), FP8_MAX)
         val = tl.minimum(tl.maximum(val.to(tl.float32) * v_inv, -FP8_MAX), FP8_MAX)
@@ -48,7 +44,10 @@ def _write_kv_kernel(
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scatter k/v `[T, Hkv, D]` into `kv_cache` `[2, num_blocks, block_size, Hkv, D]`

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.kernels.split_k_gemm import fp8_gemm_small_m
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8
+from llmserve.kernels.split_k_gemm import fp8_gemm_small_m
 
 SMALL_M_ROWS = 64  # = fp8_gemm.MAX_M
 FAST_ACCUM_TOKENS = 1024  # the engine's --fp8-fast-accum-tokens default

@@ -159,7 +159,11 @@ def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets
     slices = slice_offsets.shape[0] - 1
     if t.dim() == 3:
         t = t.unsqueeze(0)
-    assert t.shape[1:] == (num_tokens, slices, rank) and y.stride(-1) == 1 and b.stride(-1) == 1, (t.shape, y.shape, b.shape)
+    assert t.shape[1:] == (num_tokens, slices, rank) and y.stride(-1) == 1 and b.stride(-1) == 1, (
+        t.shape,
+        y.shape,
+        b.shape,
+    )
     assert t.stride(-1) == 1, t.stride()
     if num_tokens == 0:
         return

@@ -58,10 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.attention_metadata import FP8_KV, AttentionMetadata
 from llmserve.kernels.cache_write import write_kv
 from llmserve.kernels.fresh_prefill import fresh_prefill_attention
 from llmserve.kernels.pdl import gdc_enter, launch_options
-from llmserve.attention_metadata import FP8_KV, AttentionMetadata
 
 LOG2E = 1.4426950408889634
 
@@ -103,12 +103,11 @@ def _attend_range(
         if MASKED:
             k = tl.load(
                 k_cache_ptr + row_off[None, :] + offs_d[:, None],
-                mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
             )  # [D, BN]
         elif HEAD_DIM_PAD != HEAD_DIM:
-            k = tl.load(
-                k_cache_ptr + row_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0
-            )
+            k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         else:
             k = tl.load(k_cache_ptr + row_off[None, :] + offs_d[:, None])
         k = k.to(q.dtype)  # an FP8 cache is read back in the queries' dtype (a no-op otherwise)
@@ -130,12 +129,11 @@ def _attend_range(
         if MASKED:
             v = tl.load(
                 v_cache_ptr + row_off[:, None] + offs_d[None, :],
-                mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
             )  # [BN, D]
         elif HEAD_DIM_PAD != HEAD_DIM:
-            v = tl.load(
-                v_cache_ptr + row_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0
-            )
+            v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         else:
             v = tl.load(v_cache_ptr + row_off[:, None] + offs_d[None, :])
         v = v.to(q.dtype)
@@ -295,9 +293,7 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < NUM_SPLITS
-    lse = tl.load(
-        part_lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf")
-    )
+    lse = tl.load(part_lse_ptr + t * stride_lt + h * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)  # empty shares: exp2(-inf) = 0
@@ -350,6 +346,7 @@ def long_tiles_fit(dtype: torch.dtype, head_dim_pad: int) -> bool:
     both. In float32 at 128 they asked for 263,680 bytes where an H100 has 232,448 (the warm-up
     failed there, 2026-12-06); 16-bit at 256 would ask as much. Those take the 128 x 32 tiles."""
     return dtype.itemsize * head_dim_pad <= 2 * 128
+
 
 # one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
 # else flash) on the new tokens' own q/k/v, 0.78 ms for 7,680 tokens (622 TFLOP/s)
@@ -513,8 +510,11 @@ def paged_attention_forward(
     qsl, seq_lens, bt = meta.query_start_loc, meta.seq_lens, meta.block_tables
     nd = meta.num_decode_seqs
     if split_decodes is None:
-        split_decodes = (config is None and num_splits is None
-                         and (nd >= MIN_DECODES_TO_SPLIT or long_prefill_beside(nd, num_seqs, num_tokens)))
+        split_decodes = (
+            config is None
+            and num_splits is None
+            and (nd >= MIN_DECODES_TO_SPLIT or long_prefill_beside(nd, num_seqs, num_tokens))
+        )
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     if split_decodes and 0 < nd < num_seqs and meta.max_query_len > 1:
         _launch(q, kv_cache, out, qsl, seq_lens, bt, 0, nd, nd, 1, meta.max_seq_len, scale, num_splits, config,
@@ -579,12 +579,8 @@ def _launch(
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
-        part_out = torch.empty(
-            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
-        )
+        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
         p_strides = part_out.stride()[:3]
         l_strides = part_lse.stride()[:2]
     else:
@@ -752,7 +748,11 @@ def sdpa_bucket(num_tokens: int) -> int:
 
 
 def sdpa_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
     pad_to: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of one sequence over its own new keys and values (q `[T, Hq, D]`,
@@ -779,8 +779,14 @@ def sdpa_prefill(
 
 
 def sdpa_after_prefix(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cached: int, scale: float,
-    out: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0), pad_to: int | None = None,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cached: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+    pad_to: int | None = None,
 ) -> torch.Tensor | None:
     """Causal attention of a chunk (q `[T, Hq, D]`, its K/V already written) after `cached`
     tokens of its sequence, by one SDPA call over the whole sequence: the keys and values of

@@ -94,8 +94,9 @@ def apply_rotary(
     if inplace:
         q_out, k_out = q, k
     else:
-        q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-            k, memory_format=torch.contiguous_format
+        q_out, k_out = (
+            torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
         )
     if num_tokens == 0:
         return q_out, k_out

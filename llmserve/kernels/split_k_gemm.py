@@ -60,9 +60,13 @@ def _split_k_gemm_kernel(
     if PRELOAD_W:  # the first weight tile (constant: no earlier kernel writes it) read before the wait
         ks = k_start + tl.arange(0, BLOCK_K)
         in_k = ks < k_end
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0
+        )
         gdc_enter(USE_GDC)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0
+        )
         acc = _dot_acc(acc, x, w, DOT_F32)
         k_first = k_start + BLOCK_K
     else:
@@ -71,8 +75,12 @@ def _split_k_gemm_kernel(
     for k in range(k_first, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         in_k = ks < k_end
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0
+        )
         acc = _dot_acc(acc, x, w, DOT_F32)
     if SCALED:  # FP8: the tokens' and the weight rows' scales
         sx = tl.load(sx_ptr + rows, mask=rows < M, other=0.0)
@@ -150,8 +158,13 @@ def bf16_config(m: int, n: int, k: int) -> dict | None:
     if n >= 16384:
         return {"block_n": 128, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": None}  # (None: Triton's 3)
     tiles = triton.cdiv(n, 64)
-    return {"block_n": 64, "block_k": 128, "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
-            "num_warps": 4, "num_stages": 4}
+    return {
+        "block_n": 64,
+        "block_k": 128,
+        "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
+        "num_warps": 4,
+        "num_stages": 4,
+    }
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -16,7 +16,9 @@ def _reference_expand(y, t, lora, batch) -> None:
 
 @dataclass(frozen=True, slots=True)
 class LoRAOps:
-    shrink: Callable = lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32 (or splits of it)
+    shrink: Callable = (
+        lora_shrink_reference  # (x, a, scaling, batch) -> t [T, slices, max_rank] float32 (or splits of it)
+    )
     expand: Callable = _reference_expand  # (y, t, lora: ProjectionLoRA, batch) -> None, y += in place
     # layer inputs of at most this many rows: the adapter on a second CUDA stream beside the base
     # GEMM (LoRALinear; CUDA only, 0: never)
@@ -48,6 +50,8 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         else:
             lora_expand(y, t, lora.b, lora.slice_offsets, lora.max_slice_width, batch)
 
-    if gemm_expand_min_tokens > 0:  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
+    if (
+        gemm_expand_min_tokens > 0
+    ):  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
         overlap_max_tokens = min(overlap_max_tokens, gemm_expand_min_tokens - 1)
     return LoRAOps(lora_shrink, expand, overlap_max_tokens, defer_add)

@@ -43,7 +43,9 @@ def parse_peft_config(data: object, max_rank: int, supported: tuple[str, ...]) -
         raise _invalid(f"adapter_config.json must hold a JSON object, not {type(data).__name__}")
     peft_type = data.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_FEATURE, f"peft_type {peft_type!r}: only LORA adapters are served")
+        raise LoRAAdapterError(
+            LoRAErrorKind.UNSUPPORTED_FEATURE, f"peft_type {peft_type!r}: only LORA adapters are served"
+        )
     _refuse_features(data)
     rank = data.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:

@@ -26,7 +26,9 @@ def supported_modules(arch: ModelArch) -> tuple[str, ...]:
 
 def row_parallel(arch: ModelArch) -> frozenset[str]:
     """The layers (by attribute name) whose input is split over tensor-parallel ranks, and their parts."""
-    return frozenset(name for spec in projection_specs(arch) if spec.parallel == "row" for name in (spec.name, *spec.parts))
+    return frozenset(
+        name for spec in projection_specs(arch) if spec.parallel == "row" for name in (spec.name, *spec.parts)
+    )
 
 
 def module_parent(arch: ModelArch, module: str) -> str:

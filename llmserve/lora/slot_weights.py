@@ -100,7 +100,11 @@ class SlotWeights:
             raise LoRAAdapterError(LoRAErrorKind.UNSUPPORTED_MODULE, f"module {module!r} is not supported")
         spec: ProjectionSpec = self.specs[self._place[module][0]]
         width = spec.widths[self._place[module][1]]
-        if layer >= self.arch.num_layers or tuple(a_shape) != (rank, spec.in_features) or tuple(b_shape) != (width, rank):
+        if (
+            layer >= self.arch.num_layers
+            or tuple(a_shape) != (rank, spec.in_features)
+            or tuple(b_shape) != (width, rank)
+        ):
             raise LoRAAdapterError(LoRAErrorKind.SHAPE_MISMATCH,
                                    f"layer {layer} {module}: A {list(a_shape)} / B {list(b_shape)} do not fit the "
                                    f"base model ([{rank}, {spec.in_features}] / [{width}, {rank}])")  # fmt: skip

@@ -110,7 +110,5 @@ def parse_rope(cfg: dict, params: dict | None = None) -> RopeConfig:
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )

@@ -21,9 +21,15 @@ import torch.nn.functional as F
 
 from llmserve.attention_metadata import FP8_KV, FP8_KV_MAX, AttentionMetadata, to_cache_dtype
 
-
-__all__ = ["FP8_KV", "FP8_KV_MAX", "AttentionBackend", "AttentionMetadata", "reference_paged_attention",
-           "to_cache_dtype", "write_kv_cache"]
+__all__ = [
+    "FP8_KV",
+    "FP8_KV_MAX",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "reference_paged_attention",
+    "to_cache_dtype",
+    "write_kv_cache",
+]
 
 
 class AttentionBackend(Protocol):
@@ -43,7 +49,10 @@ class AttentionBackend(Protocol):
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Scatter the new tokens' keys and values into their cache slots (slot < 0: skip); an FP8
@@ -57,9 +66,7 @@ def write_kv_cache(
     flat[1, slot_mapping] = to_cache_dtype(v, flat.dtype, kv_scales[1])
 
 
-def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one sequence's first `seq_len` positions: [seq_len, Hkv, D] each."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)

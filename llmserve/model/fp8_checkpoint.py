@@ -177,6 +177,7 @@ def _calibrate(model_dir: Path, prompts: list[list[int]]) -> tuple[dict[str, flo
     hooks = []
     for name, module in model.named_modules():
         if name.split(".")[-1] in _PROJECTIONS:
+
             def hook(_m, args, _out, name=name):
                 amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
 
@@ -212,7 +213,9 @@ class GptqCalibration:
     device: str = "auto"  # cuda when there is one
 
 
-def _gptq_rounded(source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _gptq_rounded(
+    source: Path, arch, gptq: GptqCalibration, kept: tuple[str, ...]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(FP8 weight, row scales) by checkpoint tensor name (`...q_proj.weight`) for every
     projection not `kept`, GPTQ-rounded on the model as llmserve runs it (float32 on a CPU,
     bfloat16 on a GPU)."""
@@ -358,5 +361,9 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
         load_tokenizer(str(source)).save_pretrained(out)
         return
     for extra in source.iterdir():
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
+        if (
+            extra.is_file()
+            and extra.suffix != ".safetensors"
+            and extra.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy(extra, out / extra.name)

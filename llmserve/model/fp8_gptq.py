@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.model.fp8 import FP8, FP8_MAX, _MIN_SCALE
+from llmserve.model.fp8 import _MIN_SCALE, FP8, FP8_MAX
 
 
 def input_hessian(x: torch.Tensor) -> torch.Tensor:

@@ -299,6 +299,8 @@ FAMILY = ModelFamily(
     gguf_config=_gguf_config,
     gguf_tensor_name=gguf_name_mapper(GGUF_GLOBAL, GGUF_LAYER, "Gemma 3"),
     gguf_tensor_values=_gguf_values,
-    unsupported={"lora": "its post-attention and post-feed-forward norms sit where the Llama family's fused "
-                         "LoRA adds are; not implemented yet"},  # fmt: skip
+    unsupported={
+        "lora": "its post-attention and post-feed-forward norms sit where the Llama family's fused "
+        "LoRA adds are; not implemented yet"
+    },  # fmt: skip
 )

@@ -23,7 +23,16 @@ if TYPE_CHECKING:
     from llmserve.attention_metadata import AttentionMetadata, SampledRows
     from llmserve.model.gguf.checkpoint import GGUFCheckpoint
 
-__all__ = ["AttentionSpec", "CausalLM", "Feature", "LinearSpec", "ModelArch", "ModelFamily", "layer_module_name", "local_arch"]
+__all__ = [
+    "AttentionSpec",
+    "CausalLM",
+    "Feature",
+    "LinearSpec",
+    "ModelArch",
+    "ModelFamily",
+    "layer_module_name",
+    "local_arch",
+]
 
 # the features a family may refuse, by the name its error message uses
 Feature = Literal["lora", "fp8", "tensor_parallel", "fp8_kv_cache"]

@@ -89,7 +89,9 @@ def wants_calibration(calculate_kv_scales: bool | None, source: str) -> bool:
     return calculate_kv_scales if calculate_kv_scales is not None else source != "checkpoint"
 
 
-def calibration_token_ids(vocab_size: int, num_tokens: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED) -> list[int]:
+def calibration_token_ids(
+    vocab_size: int, num_tokens: int = CALIBRATION_TOKENS, seed: int = CALIBRATION_SEED
+) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_tokens,), generator=g).tolist()
 

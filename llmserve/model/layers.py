@@ -166,9 +166,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (
-        rope.high_freq_factor - rope.low_freq_factor
-    )
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -196,8 +194,6 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table (after the module was created on the meta device)."""
         self.cos_sin = self._table().to(device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; positions: [T]."""
         return self.ops.apply_rotary(q, k, positions, self.cos_sin)

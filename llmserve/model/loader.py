@@ -91,9 +91,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / name for name in sorted(set(weight_map.values()))]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(
-            f"no *.safetensors weights in {model_dir}; use load_format='dummy' for random weights"
-        )
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}; use load_format='dummy' for random weights")
     return files
 
 

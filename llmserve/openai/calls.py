@@ -11,10 +11,10 @@ from pydantic import ValidationError
 
 from llmserve.engine.protocol import EngineClient
 from llmserve.errors import EngineDeadError
+from llmserve.lora_request import LoRARequest
 from llmserve.openai.chat import chat_completion
 from llmserve.openai.completions import completion
 from llmserve.openai.deadline import effective_timeout, with_deadline
-from llmserve.lora_request import LoRARequest
 from llmserve.openai.errors import APIError, engine_dead, validation_message
 from llmserve.openai.protocol import ChatCompletionRequest, CompletionRequest
 from llmserve.openai.reply import Reply
@@ -35,7 +35,9 @@ def read_request(endpoint: str, body: bytes) -> ChatCompletionRequest | Completi
     try:
         payload = json.loads(body, parse_constant=_no_constant)
     except (ValueError, RecursionError):
-        raise APIError(400, "the request body is not valid JSON (or is nested too deeply)", code="invalid_json") from None
+        raise APIError(
+            400, "the request body is not valid JSON (or is nested too deeply)", code="invalid_json"
+        ) from None
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
     if has_lone_surrogate(body, payload):

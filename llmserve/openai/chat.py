@@ -13,7 +13,6 @@ from transformers import PreTrainedTokenizerBase
 
 from llmserve import chat_template
 from llmserve.chat_template import ChatTemplateError, NoChatTemplateError
-from llmserve.outputs import RequestOutput
 from llmserve.engine.protocol import EngineClient
 from llmserve.lora_request import LoRARequest
 from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
@@ -35,6 +34,7 @@ from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
+from llmserve.outputs import RequestOutput
 
 
 def render_chat(
@@ -45,7 +45,9 @@ def render_chat(
     try:
         return chat_template.render_chat(tokenizer, messages, add_generation_prompt, template_kwargs, tools)
     except ChatTemplateError as exc:
-        raise APIError(400, str(exc), code="no_chat_template" if isinstance(exc, NoChatTemplateError) else None) from None
+        raise APIError(
+            400, str(exc), code="no_chat_template" if isinstance(exc, NoChatTemplateError) else None
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,9 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
     prompt_tokens = 0
     ids = req.return_token_ids
 
-    def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_ids: list[int] | None = None) -> str:
+    def chunk(
+        choices: list[ChatStreamChoice], usage: UsageInfo | None = None, prompt_ids: list[int] | None = None
+    ) -> str:
         return sse(ChatCompletionChunk(id=a.request_id, created=created, model=a.model, system_fingerprint=a.fingerprint,
                                        choices=choices, usage=usage, prompt_token_ids=prompt_ids))  # fmt: skip
 
@@ -153,7 +157,9 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
                     continue  # text held back: its tokens' logprobs go with the next chunk
                 step = (None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
             content, calls, finish = step
-            logprobs = chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0, a.token_bytes) if req.logprobs else None
+            logprobs = (
+                chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0, a.token_bytes) if req.logprobs else None
+            )
             new_ids = comp.token_ids[tokens_sent[i] :] if ids else None
             tokens_sent[i] = len(comp.token_ids)
             yield chunk([ChatStreamChoice(
@@ -162,5 +168,7 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
             )])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
         completion = deltas.completion_tokens
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
+        )
         yield chunk([], usage)

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from llmserve.engine.detokenizer import stable_prompt_text
-from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.engine.protocol import EngineClient
 from llmserve.lora_request import LoRARequest
 from llmserve.openai.engine_calls import adapter_kwargs, merge_streams, resolve_max_tokens
@@ -27,6 +26,7 @@ from llmserve.openai.protocol import (
 from llmserve.openai.reply import Reply
 from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
+from llmserve.outputs import CompletionOutput, RequestOutput
 
 
 def _prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -82,7 +82,9 @@ async def completion(engine: EngineClient, req: CompletionRequest, model: str,
     tokenized = []
     vocab = engine.model_config.arch.vocab_size
     # off the event loop: a long prompt takes seconds to tokenize (the tokenizer lets go of the GIL)
-    encoded = await asyncio.to_thread(lambda: [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts])
+    encoded = await asyncio.to_thread(
+        lambda: [engine.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    )
     for p, ids in zip(prompts, encoded):
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -97,8 +99,14 @@ async def completion(engine: EngineClient, req: CompletionRequest, model: str,
     request_id = random_id("cmpl")
     answer = _Answer(req, model, request_id, system_fingerprint(engine, lora_request), token_bytes_of(engine.tokenizer))
     streams = [
-        engine.generate({"prompt_token_ids": ids, "prompt": text}, params, f"{request_id}-{i}", req.priority, arrival,
-                        **adapter_kwargs(lora_request))
+        engine.generate(
+            {"prompt_token_ids": ids, "prompt": text},
+            params,
+            f"{request_id}-{i}",
+            req.priority,
+            arrival,
+            **adapter_kwargs(lora_request),
+        )
         for i, (text, ids) in enumerate(tokenized)
     ]
     if req.stream:
@@ -167,7 +175,12 @@ async def _stream(a: _Answer, streams: list[AsyncIterator[RequestOutput]]) -> As
 
     def choice(index: int, out: RequestOutput, text: str, logprobs: CompletionLogprobs | None, token_ids: list[int],
                **rest) -> dict:  # fmt: skip
-        body = {"index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None, **rest}
+        body = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs.model_dump() if logprobs is not None else None,
+            **rest,
+        }
         if req.return_token_ids:
             if index not in started:
                 body["prompt_token_ids"] = out.prompt_token_ids

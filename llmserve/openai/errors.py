@@ -66,7 +66,9 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 def engine_dead(reason: object = None) -> APIError:
     """The 503 of a request that meets a dead engine core (whole replies; streams end with an event)."""
-    return APIError(503, "the engine is not running" + (f": {reason}" if reason is not None else ""), code="engine_dead")
+    return APIError(
+        503, "the engine is not running" + (f": {reason}" if reason is not None else ""), code="engine_dead"
+    )
 
 
 def sse_error(status: int, message: str, code: str | None = None) -> str:

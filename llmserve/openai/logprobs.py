@@ -34,7 +34,9 @@ class TextOffsets:
         begin a character the first token completes)."""
         self.token_bytes = token_bytes
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.decoder.decode(b"".join(map(token_bytes, before[-_PRIMER_TOKENS:])))  # (only an unfinished character stays)
+        self.decoder.decode(
+            b"".join(map(token_bytes, before[-_PRIMER_TOKENS:]))
+        )  # (only an unfinished character stays)
         self.offset = start
 
     def next(self, data: bytes) -> int:
@@ -69,14 +71,18 @@ def chat_logprobs(out: CompletionOutput, start: int, top_n: int, token_bytes: To
     content = []
     for token, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
         chosen = entry[token]
-        top = sorted(((t, e) for t, e in entry.items() if e.rank is not None and e.rank <= top_n), key=lambda x: x[1].rank)
+        top = sorted(
+            ((t, e) for t, e in entry.items() if e.rank is not None and e.rank <= top_n), key=lambda x: x[1].rank
+        )
         content.append(
             ChatTokenLogprob(
                 token=chosen.decoded_token or "",
                 logprob=_finite(chosen.logprob),
                 bytes=list(token_bytes(token)),
-                top_logprobs=[TopLogprob(token=e.decoded_token or "", logprob=_finite(e.logprob), bytes=list(token_bytes(t)))
-                              for t, e in top],  # fmt: skip
+                top_logprobs=[
+                    TopLogprob(token=e.decoded_token or "", logprob=_finite(e.logprob), bytes=list(token_bytes(t)))
+                    for t, e in top
+                ],  # fmt: skip
             )
         )
     return ChatLogprobs(content=content)

@@ -68,8 +68,14 @@ def structured_outputs_from(fields: dict[str, Any]) -> StructuredOutputsParams |
 
 # vLLM request fields with an effect this server does not have (beam search, per-token masks,
 # truncation): a request naming one is refused rather than served differently
-UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
-                           "truncate_prompt_tokens", "logits_processors")
+UNSUPPORTED_VLLM_FIELDS = (
+    "use_beam_search",
+    "length_penalty",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "logits_processors",
+)
 
 
 class OpenAIModel(BaseModel):

@@ -20,5 +20,5 @@ class Reply:
     error: dict | None = None
 
     @classmethod
-    def refused(cls, exc: APIError) -> "Reply":
+    def refused(cls, exc: APIError) -> Reply:
         return cls(status=exc.status, error=error_body(exc.status, exc.message, exc.code, exc.param))

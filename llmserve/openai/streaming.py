@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from llmserve.errors import EngineDeadError
-from llmserve.outputs import CompletionOutput
 from llmserve.openai.errors import APIError, sse_error
+from llmserve.outputs import CompletionOutput
 
 logger = logging.getLogger(__name__)
 

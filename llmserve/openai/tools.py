@@ -23,7 +23,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -35,6 +34,7 @@ from llmserve.openai.protocol import (
     random_id,
     schema_text,
 )
+from llmserve.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
 MAX_TOOLS = 128
@@ -330,7 +330,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, []
-        calls.append(ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {})))))
+        calls.append(
+            ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {}))))
+        )
     content = text[: text.index(_HERMES_START)]
     return content if content.strip() else None, calls
 

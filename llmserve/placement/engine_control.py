@@ -26,7 +26,7 @@ async def control_call(engine, endpoint: str, body: bytes) -> tuple[int, dict]:
         try:
             args = json.loads(body or b"{}")
         except ValueError:
-            return 400, error_body(400, "the /sleep body must be JSON such as {\"level\": 1}")
+            return 400, error_body(400, 'the /sleep body must be JSON such as {"level": 1}')
         level = args.get("level", 1) if isinstance(args, dict) else None
         if level not in (1, 2) or isinstance(level, bool):
             return 400, error_body(400, f"sleep level must be 1 or 2, got {level!r}")

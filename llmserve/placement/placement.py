@@ -123,7 +123,6 @@ class Placement:
     def _idle(self, but: PlacedModel | None = None) -> list[PlacedModel]:
         return [m for m in self.models.values() if m.state is RESIDENT and m.idle and m is not but]
 
-
     def plan_wake(self, name: str, now: float) -> WakePlan | None:
         """Wake `name` for its waiting requests, putting idle models to sleep as the policy
         orders them (those drained for it first); None while that cannot be done (every other
@@ -171,7 +170,9 @@ class Placement:
         """A wake ahead of requests, if the policy wants one (one at a time)."""
         if sum(m.state is WAKING and m.prewarming for m in self.models.values()) >= self.max_prewarms:
             return None
-        asleep = [m for m in self.models.values() if m.state is ASLEEP and not m.in_flight and not self._backing_off(m, now)]
+        asleep = [
+            m for m in self.models.values() if m.state is ASLEEP and not m.in_flight and not self._backing_off(m, now)
+        ]
         idle = self._idle()
         choice = self.policy.prewarm(asleep, idle, self.free_bytes, now, self.demand) if asleep else None
         if choice is None:

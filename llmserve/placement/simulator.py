@@ -131,7 +131,10 @@ class Simulation:
                  slo_ttft_s: float, wake_timeout_s: float = 60.0, prewarm_interval_s: float = 1.0,
                  start_resident: Sequence[str] = (), drain_after_s: float | None = None) -> None:  # fmt: skip
         self.spec = {m.name: m for m in models}
-        placed = [PlacedModel(m.name, m.footprint, ModelState.ASLEEP, wake_cost_s=m.wake_s, sleep_cost_s=m.sleep_s) for m in models]
+        placed = [
+            PlacedModel(m.name, m.footprint, ModelState.ASLEEP, wake_cost_s=m.wake_s, sleep_cost_s=m.sleep_s)
+            for m in models
+        ]
         self.placement = Placement(placed, budget_bytes, policy, drain_after_s=drain_after_s)
         for name in start_resident:
             self.placement.models[name].state = ModelState.RESIDENT
@@ -245,8 +248,9 @@ class Simulation:
 def simulate(models: Sequence[SimModel], budget_bytes: int, policy: Policy, trace: Sequence[tuple[float, str]],
              trace_name: str, duration_s: float, slo_ttft_s: float, wake_timeout_s: float = 60.0,
              drain_after_s: float | None = None) -> SimResult:  # fmt: skip
-    sim = Simulation(models, budget_bytes, policy, slo_ttft_s=slo_ttft_s, wake_timeout_s=wake_timeout_s,
-                     drain_after_s=drain_after_s)
+    sim = Simulation(
+        models, budget_bytes, policy, slo_ttft_s=slo_ttft_s, wake_timeout_s=wake_timeout_s, drain_after_s=drain_after_s
+    )
     sim.run(trace, duration_s)
     return sim.result(policy.name, trace_name, duration_s)
 

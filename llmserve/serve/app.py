@@ -11,14 +11,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from llmserve import __version__
 from llmserve.engine.protocol import EngineClient
+from llmserve.http_errors import install_error_handlers
+from llmserve.http_limits import BodyLimit
 from llmserve.metrics import EngineMetrics
 from llmserve.openai.chat import chat_completion, render_chat
 from llmserve.openai.completions import completion
 from llmserve.openai.deadline import effective_timeout, with_deadline
-from llmserve.openai.reply import Reply
-from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.openai.errors import APIError
-from llmserve.http_errors import install_error_handlers
 from llmserve.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,7 +26,9 @@ from llmserve.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from llmserve.http_limits import BodyLimit
+from llmserve.openai.reply import Reply
+from llmserve.openai.tools import template_messages, template_tools
+from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.lora_routes import add_lora_routes
 from llmserve.serve.state import (
     ServerConfig,
@@ -39,7 +40,6 @@ from llmserve.serve.state import (
 )
 from llmserve.serve.text_checks import refuse_lone_surrogates
 from llmserve.serve.timing_log import RequestTimingLog
-from llmserve.openai.tools import template_messages, template_tools
 
 logger = logging.getLogger(__name__)
 
@@ -121,13 +121,17 @@ def build_app(
     async def completions(req: CompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
         reply = await completion(engine, req, model, s.adapter(model))
-        return await respond(request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s)))
+        return await respond(
+            request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s))
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
         reply = await chat_completion(engine, req, model, s.config.tool_call_parser, s.adapter(model))
-        return await respond(request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s)))
+        return await respond(
+            request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s))
+        )
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:
@@ -140,7 +144,9 @@ def build_app(
             ids = await asyncio.to_thread(render_chat, engine.tokenizer, template_messages(req.messages),
                                           req.add_generation_prompt, req.chat_template_kwargs, tools)  # fmt: skip
         else:
-            ids = await asyncio.to_thread(engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await asyncio.to_thread(
+                engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
         return TokenizeResponse(count=len(ids), max_model_len=engine.model_config.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
@@ -190,4 +196,3 @@ def add_sleep_routes(app: FastAPI) -> None:
         size), for a placement controller sharing the GPU between servers (docs/placement.md)."""
         engine = s.require_engine()
         return {**await engine.memory_footprint(), "is_sleeping": await engine.is_sleeping()}
-

@@ -46,7 +46,7 @@ class MicroBatcher(Generic[T, R]):
         for start in range(0, len(items), self.max_items):
             if start and gone is not None and await gone():
                 raise asyncio.CancelledError("the client left")
-            results += await self._submit_one(items[start:start + self.max_items])
+            results += await self._submit_one(items[start : start + self.max_items])
         return results
 
     async def _submit_one(self, items: Sequence[T]) -> list[R]:
@@ -107,5 +107,5 @@ class MicroBatcher(Generic[T, R]):
                 start = 0
                 for p in batch:
                     if not p.future.done():
-                        p.future.set_result(list(results[start:start + len(p.items)]))
+                        p.future.set_result(list(results[start : start + len(p.items)]))
                     start += len(p.items)

@@ -18,11 +18,9 @@ from fastapi import Depends, FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from llmserve import __version__
-from llmserve.pooling import PoolingInput, SentenceEncoder, cosine_scores
-from llmserve.serve.batcher import MicroBatcher
-from llmserve.serve.common import add_common_routes, background_loader
-from llmserve.openai.errors import APIError
 from llmserve.http_errors import install_error_handlers
+from llmserve.http_limits import BodyLimit
+from llmserve.openai.errors import APIError
 from llmserve.openai.pooling_protocol import (
     MAX_DOCUMENTS,
     MAX_INPUTS,
@@ -37,7 +35,9 @@ from llmserve.openai.pooling_protocol import (
     embedding_json,
     rerank_order,
 )
-from llmserve.http_limits import BodyLimit
+from llmserve.pooling import PoolingInput, SentenceEncoder, cosine_scores
+from llmserve.serve.batcher import MicroBatcher
+from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.state import ServerConfig, check_api_key, resolve_model
 from llmserve.serve.text_checks import refuse_lone_surrogates
 
@@ -206,4 +206,3 @@ def _check_lengths(encoder: SentenceEncoder, texts: list[PoolingInput], param: s
             raise APIError(400, f"{where} is {n} tokens long; this model takes at most {encoder.max_tokens}",
                            param=param)  # fmt: skip
     return sum(counts)
-

@@ -32,16 +32,30 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model with the OpenAI API (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("LLMSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on the API (default: $LLMSERVE_API_KEY; a key on "
-                   "the command line shows in the process list)")
-    p.add_argument("--admin-api-key", default=os.environ.get("LLMSERVE_ADMIN_API_KEY"),
-                   help="the key the admin routes (/sleep, /wake_up, /is_sleeping, /footprint, the runtime LoRA "
-                   "routes) need instead of --api-key (default: $LLMSERVE_ADMIN_API_KEY)")
-    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="413 for a request body over this size")
-    p.add_argument("--max-request-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
-                   help="431 for a request line and headers over this size")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on the API (default: $LLMSERVE_API_KEY; a key on "
+        "the command line shows in the process list)",
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("LLMSERVE_ADMIN_API_KEY"),
+        help="the key the admin routes (/sleep, /wake_up, /is_sleeping, /footprint, the runtime LoRA "
+        "routes) need instead of --api-key (default: $LLMSERVE_ADMIN_API_KEY)",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="413 for a request body over this size",
+    )
+    p.add_argument(
+        "--max-request-header-bytes",
+        type=int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="431 for a request line and headers over this size",
+    )
     p.add_argument("--header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="408 (and the connection closed) for a request head not whole this long after the "
                         "connection opened or its last response ended (default: %(default)s)")  # fmt: skip
@@ -55,8 +69,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-connections-per-client", type=int, default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
                    help="connections held at once from one address, likewise (429); 0: no cap (behind a proxy, "
                         "every client has the proxy's address; default: %(default)s)")  # fmt: skip
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served from the start, each named as a model (needs --enable-lora)",
+    )
     p.add_argument("--enable-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; off: "
                         "404, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); they need the admin key "
@@ -78,13 +97,24 @@ def add_parser(subparsers) -> None:
                    help="generate: completions and chat (an llmserve engine); embed: /v1/embeddings and "
                    "/v1/rerank from a sentence-transformers model (default all-MiniLM-L6-v2)")  # fmt: skip
     p.add_argument("--max-batch-inputs", type=int, default=64, help="--task embed: texts encoded in one batch")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='serve tool_choice "auto": the model\'s output is read for tool calls (needs --tool-call-parser)')
-    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,  # serve/tools.TOOL_CALL_PARSERS
-                   help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)")
-    p.add_argument("--request-timing-log", default=None, metavar="PATH",
-                   help="append one JSON line per finished request with its wall-clock times (HTTP arrival, "
-                   "core queue, first step, first token in the core and in the API, finish) to PATH")
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto": the model\'s output is read for tool calls (needs --tool-call-parser)',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,  # serve/tools.TOOL_CALL_PARSERS
+        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)",
+    )
+    p.add_argument(
+        "--request-timing-log",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per finished request with its wall-clock times (HTTP arrival, "
+        "core queue, first step, first token in the core and in the API, finish) to PATH",
+    )
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 

@@ -11,9 +11,9 @@ from typing import TypeVar
 from fastapi import Request
 
 from llmserve.engine.protocol import EngineClient
-from llmserve.metrics import EngineMetrics
 from llmserve.http_limits import DEFAULT_MAX_BODY_BYTES
 from llmserve.lora_request import LoRARequest
+from llmserve.metrics import EngineMetrics
 from llmserve.openai.errors import APIError, engine_dead
 
 T = TypeVar("T")

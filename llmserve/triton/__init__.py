@@ -2,8 +2,15 @@
 
 from llmserve.triton.build_repo import build_repo, write_model
 from llmserve.triton.repo_config import (
-    DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorSpec,
-    chat_config, embed_config, platform_models, rerank_config,
+    DynamicBatching,
+    InstanceGroup,
+    ModelConfig,
+    QueuePolicy,
+    TensorSpec,
+    chat_config,
+    embed_config,
+    platform_models,
+    rerank_config,
 )  # fmt: skip
 from llmserve.triton.server import TritonServer
 

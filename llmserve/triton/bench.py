@@ -106,7 +106,7 @@ def chat_throughput(url: str, model: str = "chat", num_prompts: int = 64, max_to
                     continue
                 for event in split_events(json.loads(line[5:])["response"]):  # one or more events
                     if event.startswith("data: {"):
-                        choices = json.loads(event[len("data: "):])["choices"]
+                        choices = json.loads(event[len("data: ") :])["choices"]
                         finish = (choices[0]["finish_reason"] if choices else None) or finish
         return finish == "length"
 

@@ -29,7 +29,9 @@ def write_model(repo: Path, model: ModelConfig, version: int = 1) -> Path:
     (folder / str(version)).mkdir(parents=True, exist_ok=True)
     (folder / "config.pbtxt").write_text(model.render())
     shutil.copyfile(MODELS_DIR / f"{model.kind}.py", folder / str(version) / "model.py")
-    shutil.copyfile(MODELS_DIR / "server_path.py", folder / str(version) / "server_path.py")  # model.py imports it first
+    shutil.copyfile(
+        MODELS_DIR / "server_path.py", folder / str(version) / "server_path.py"
+    )  # model.py imports it first
     return folder
 
 

@@ -153,7 +153,7 @@ class TritonServer:
         cmd += [f"--load-model={name}" for name in self.load_models]
         return cmd
 
-    def start(self) -> "TritonServer":
+    def start(self) -> TritonServer:
         if not self.workdir:
             sweep_stale_workdirs()
             self.workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
@@ -170,7 +170,7 @@ class TritonServer:
         )  # fmt: skip
         return self
 
-    def restart(self) -> "TritonServer":
+    def restart(self) -> TritonServer:
         """Start again after the process exited (it crashed): its stray stubs, shared memory and
         temporary tree are cleaned up first; the same ports, repository and models."""
         self.cleanup()

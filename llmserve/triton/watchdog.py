@@ -50,7 +50,7 @@ def stub_instances(repository: Path, proc_root: str = "/proc") -> dict[str, set[
             continue
         if len(argv) < 3 or not argv[0].endswith(STUB_BINARY) or not argv[1].startswith(prefix):
             continue
-        parts = Path(argv[1][len(prefix):]).parts  # model, version, model.py
+        parts = Path(argv[1][len(prefix) :]).parts  # model, version, model.py
         args = [a for a in argv if a]
         if len(parts) == 3 and len(args) >= 3:
             found.setdefault(parts[0], set()).add(args[-2])
@@ -77,7 +77,7 @@ class Watchdog:
     _thread: threading.Thread | None = None
     _recent: deque = field(default_factory=deque)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread = threading.Thread(target=self._run, name="llmserve-watchdog", daemon=True)
         self._thread.start()
         return self

@@ -193,7 +193,12 @@ def visible_pairs(query_lens, seq_lens) -> int:
 
 def checks(quick: bool) -> None:
     from llmserve.kernels import (
-        apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul, triton_paged_attention, write_kv,
+        apply_rotary,
+        fused_add_rms_norm,
+        rms_norm,
+        silu_and_mul,
+        triton_paged_attention,
+        write_kv,
     )  # fmt: skip
     from llmserve.model.arch import RopeConfig
     from llmserve.model.attention import reference_paged_attention, write_kv_cache
@@ -248,7 +253,9 @@ def checks(quick: bool) -> None:
             q, k, v, cache, meta = make_batch(fresh_q, fresh_s, dtype=dt)
             starts = [sum(fresh_q[:i]) for i in range(len(fresh_q))]
             meta.num_decode_seqs = 2
-            meta.fresh_seqs = tuple((i, starts[i], n) for i, (n, s) in enumerate(zip(fresh_q, fresh_s)) if n == s and n > 1)
+            meta.fresh_seqs = tuple(
+                (i, starts[i], n) for i, (n, s) in enumerate(zip(fresh_q, fresh_s)) if n == s and n > 1
+            )
             ref_cache = cache.clone()
             ref = reference_paged_attention(q, k, v, ref_cache, meta, HEAD_DIM**-0.5)
             out = triton_paged_attention(q, k, v, cache, meta, HEAD_DIM**-0.5)
@@ -381,7 +388,9 @@ def decode(quick: bool) -> None:
     for b in batches:
         for ctx in contexts:
             if over_budget():
-                RESULTS["errors"].append({"section": "decode", "name": f"b{b} ctx{ctx}", "error": "skipped: time budget"})
+                RESULTS["errors"].append(
+                    {"section": "decode", "name": f"b{b} ctx{ctx}", "error": "skipped: time budget"}
+                )
                 continue
             kv_bytes = b * ctx * HKV * HEAD_DIM * 2 * elt
             try:
@@ -395,7 +404,9 @@ def decode(quick: bool) -> None:
                 variants.append(("triton_nosplit", 1))
             for name, splits in variants:
                 try:
-                    ms, mode = bench_ms(lambda s=splits: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=s))
+                    ms, mode = bench_ms(
+                        lambda s=splits: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=s)
+                    )
                     row = dict(batch=b, ctx=ctx, impl=name, splits=splits, ms=ms, mode=mode,
                                tbps=kv_bytes / (ms * 1e-3) / 1e12)  # fmt: skip
                     RESULTS["decode"].append(row)
@@ -443,8 +454,12 @@ def decode_sweeps(quick: bool) -> None:
         kv_bytes = b * ctx * HKV * HEAD_DIM * 2 * elt
         for s in split_values:
             try:
-                ms, mode = bench_ms(lambda s=s: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=s), iters=15)
-                RESULTS["decode_split_sweep"].append(dict(batch=b, ctx=ctx, splits=s, ms=ms, mode=mode, tbps=kv_bytes / (ms * 1e-3) / 1e12))
+                ms, mode = bench_ms(
+                    lambda s=s: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=s), iters=15
+                )
+                RESULTS["decode_split_sweep"].append(
+                    dict(batch=b, ctx=ctx, splits=s, ms=ms, mode=mode, tbps=kv_bytes / (ms * 1e-3) / 1e12)
+                )
                 log(f"split sweep b{b} ctx{ctx} splits={s}: {ms:.4f} ms {kv_bytes / (ms * 1e-3) / 1e12:.2f} TB/s")
             except Exception as exc:  # noqa: BLE001
                 record_error("decode_split_sweep", f"b{b} ctx{ctx} s{s}", exc)
@@ -474,7 +489,10 @@ def decode_sweeps(quick: bool) -> None:
             try:
                 out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=splits, config=cfg)
                 diff = (out.float() - base.float()).abs().max().item()
-                ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=splits, config=c), iters=15)
+                ms, mode = bench_ms(
+                    lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, num_splits=splits, config=c),
+                    iters=15,
+                )
                 row = dict(batch=b, ctx=ctx, block_n=bn, num_warps=nw, num_stages=ns, ms=ms, mode=mode,
                            tbps=kv_bytes / (ms * 1e-3) / 1e12, max_diff_vs_default=diff)  # fmt: skip
                 RESULTS["decode_config_sweep"].append(row)
@@ -499,7 +517,9 @@ def sweep_tiles(section: str, case: str, configs, q, cache, meta, base, flops: f
         try:
             out = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=cfg)
             diff = (out.float() - base.float()).abs().max().item()
-            ms, mode = bench_ms(lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c), iters=iters)
+            ms, mode = bench_ms(
+                lambda c=cfg: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5, config=c), iters=iters
+            )
             row = dict(case=case, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns, impl=f"triton bm{bm} bn{bn} w{nw} s{ns}",
                        ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12, max_diff_vs_default=diff)  # fmt: skip
             RESULTS[section].append(row)
@@ -521,7 +541,9 @@ def prefill(quick: bool) -> None:
         write_kv(k, v, cache, meta.slot_mapping)
         base = paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5)
         ms, mode = bench_ms(lambda: paged_attention_forward(q, cache, meta, HEAD_DIM**-0.5))
-        RESULTS["prefill"].append(dict(case="16x1024 causal", impl="triton", ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12))
+        RESULTS["prefill"].append(
+            dict(case="16x1024 causal", impl="triton", ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12)
+        )
         log(f"prefill 16x1024 triton: {ms:.4f} ms {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s")
     except Exception as exc:  # noqa: BLE001
         record_error("prefill", "triton 16x1024", exc)
@@ -533,7 +555,9 @@ def prefill(quick: bool) -> None:
         for name, backend in _sdpa_backends():
             try:
                 ms, mode = bench_ms(_sdpa_call(backend, qs, ks, vs, True))
-                RESULTS["prefill"].append(dict(case="16x1024 causal", impl=name, ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12))
+                RESULTS["prefill"].append(
+                    dict(case="16x1024 causal", impl=name, ms=ms, mode=mode, tflops=flops / (ms * 1e-3) / 1e12)
+                )
                 log(f"prefill 16x1024 {name}: {ms:.4f} ms {flops / (ms * 1e-3) / 1e12:.1f} TFLOP/s")
             except Exception as exc:  # noqa: BLE001
                 record_error("prefill", name, exc)
@@ -759,7 +783,9 @@ def elementwise() -> None:
     def add(name, impl, fn, nbytes):
         try:
             ms, mode = bench_ms(fn, iters=20)
-            RESULTS["elementwise"].append(dict(kernel=name, impl=impl, ms=ms, mode=mode, gbps=nbytes / (ms * 1e-3) / 1e9))
+            RESULTS["elementwise"].append(
+                dict(kernel=name, impl=impl, ms=ms, mode=mode, gbps=nbytes / (ms * 1e-3) / 1e9)
+            )
             log(f"{name} {impl}: {ms:.4f} ms {nbytes / (ms * 1e-3) / 1e9:.0f} GB/s")
         except Exception as exc:  # noqa: BLE001
             record_error("elementwise", f"{name} {impl}", exc)
@@ -813,10 +839,12 @@ def elementwise() -> None:
 def table(rows, cols) -> list[str]:
     if not rows:
         return ["  (none)"]
+
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.4g}"
         return str(v)
+
     widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in cols]
     lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths))]
     for r in rows:
@@ -837,14 +865,22 @@ def write_report() -> None:
     lines += ["", "Decode split sweep:"]
     lines += table(RESULTS["decode_split_sweep"], ["batch", "ctx", "splits", "ms", "tbps"])
     lines += ["", "Decode tile sweep (block_m 16):"]
-    lines += table(RESULTS["decode_config_sweep"], ["batch", "ctx", "block_n", "num_warps", "num_stages", "ms", "tbps", "max_diff_vs_default"])
+    lines += table(
+        RESULTS["decode_config_sweep"],
+        ["batch", "ctx", "block_n", "num_warps", "num_stages", "ms", "tbps", "max_diff_vs_default"],
+    )
     lines += ["", "Prefill (TFLOP/s, causal pairs):"]
     lines += table(RESULTS["prefill"], ["case", "impl", "ms", "tflops", "mode"])
     lines += ["", "Prefill tile sweep (16x1024):"]
-    lines += table(RESULTS["prefill_config_sweep"], ["block_m", "block_n", "num_warps", "num_stages", "ms", "tflops", "max_diff_vs_default"])
+    lines += table(
+        RESULTS["prefill_config_sweep"],
+        ["block_m", "block_n", "num_warps", "num_stages", "ms", "tflops", "max_diff_vs_default"],
+    )
     lines += ["", "Long prefill, one sequence (TFLOP/s, causal pairs):"]
-    lines += table(RESULTS.get("long_prefill", []), ["case", "impl", "ms", "tflops", "max_diff_vs_default",
-                                                     "max_diff_vs_reference"])
+    lines += table(
+        RESULTS.get("long_prefill", []),
+        ["case", "impl", "ms", "tflops", "max_diff_vs_default", "max_diff_vs_reference"],
+    )
     lines += ["", "Elementwise kernels:"]
     lines += table(RESULTS["elementwise"], ["kernel", "impl", "ms", "gbps", "mode"])
     lines += ["", f"Errors ({len(RESULTS['errors'])}):"]
@@ -860,7 +896,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining timings after this")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and sweeps")
-    ap.add_argument("--only", default="", help="comma list of sections: checks,decode,sweeps,prefill,long,sdpa_lengths,fresh,chunks,elementwise")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list of sections: checks,decode,sweeps,prefill,long,sdpa_lengths,fresh,chunks,elementwise",
+    )
     ap.add_argument("--decode-configs", default="", help="e.g. 128x4x2,64x2x3 (block_n x warps x stages)")
     ap.add_argument("--prefill-configs", default="", help="e.g. 128x32x4x3 (block_m x block_n x warps x stages)")
     ap.add_argument("--split-points", default="", help="e.g. 1x8192,16x2048 (batch x ctx) for the split sweep")

@@ -174,7 +174,11 @@ def check_sampler_on_gpu() -> dict:
         reqs = [Request(EngineCoreRequest(f"r{i}", list(range(10 + i, 200 + i)), SamplingParams(
             max_tokens=50, seed=i if kinds[i % 6].get("temperature") else None, **kinds[i % 6]), 50, (2,)))
             for i in range(64)]  # fmt: skip
-        sampler, out, lps = (sampler_cls(device, use_kernels=True) if sampler_cls is Sampler else sampler_cls(device)), [], []
+        sampler, out, lps = (
+            (sampler_cls(device, use_kernels=True) if sampler_cls is Sampler else sampler_cls(device)),
+            [],
+            [],
+        )
         for _ in range(12):
             logits = torch.randn(64, 128256, device=device, generator=gen) * 3
             step = sampler(logits, reqs)
@@ -194,7 +198,9 @@ def check_sampler_on_gpu() -> dict:
         (batched, lp_b), (reference, lp_r) = run(Sampler, kinds), run(ReferenceSampler, kinds)
         same = sum(a == b for step_a, step_b in zip(batched, reference) for a, b in zip(step_a, step_b))
         result[name] = f"{same} of {64 * 12} equal"
-        result[name + "_logprobs"] = f"{sum(map(same_logprobs, lp_b, lp_r))} of {len(lp_r)} equal" if len(lp_b) == len(lp_r) else "rows differ"
+        result[name + "_logprobs"] = (
+            f"{sum(map(same_logprobs, lp_b, lp_r))} of {len(lp_r)} equal" if len(lp_b) == len(lp_r) else "rows differ"
+        )
     return result
 
 
@@ -227,7 +233,7 @@ def cpu_smoke() -> None:
     for engine, flags in ENGINES.items():
         quant = ["--quantization", "fp8"] if "--quantization" in flags else []
         quant += ["--kv-cache-dtype", "fp8"] if "--kv-cache-dtype" in flags else []
-        quant += flags[flags.index("--enable-lora"):] if "--enable-lora" in flags else []
+        quant += flags[flags.index("--enable-lora") :] if "--enable-lora" in flags else []
         ENGINES[engine] = ["--model", MODEL, "--max-model-len", "1024" if engine == "long" else "512",
                            "--max-num-seqs", "16", *quant]  # fmt: skip
     for name, (engine, command, flags) in list(ROWS.items()):

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from llmserve.kernels.split_k_gemm import MAX_M, fp8_gemm_small_m  # noqa: E402
 from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from llmserve.kernels.fp8_linear import fp8_gemm_fast  # noqa: E402
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402
 from llmserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8  # noqa: E402
+from llmserve.kernels.split_k_gemm import MAX_M, fp8_gemm_small_m  # noqa: E402
 from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tokens  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -125,8 +125,12 @@ def main() -> None:
                                                          ref.float().abs().max()).item(), 5)  # fmt: skip
                 row["bf16_us"] = round(graph_time_us(lambda: x @ w.t()), 2)
                 row["quant_us"] = round(graph_time_us(lambda: quantize_tokens(x)), 2)
-                row["scaled_mm_us"] = round(graph_time_us(
-                    lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)), 2)
+                row["scaled_mm_us"] = round(
+                    graph_time_us(
+                        lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=torch.bfloat16)
+                    ),
+                    2,
+                )
                 row["fp8_total_us"] = round(row["quant_us"] + row["scaled_mm_us"], 2)
                 # the fused quantization kernel (llmserve/kernels/fp8_quant.py): bytes as the reference's
                 fq, fs = quantize_tokens_fp8(x)
@@ -138,7 +142,9 @@ def main() -> None:
                     small = fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)
                     row["small_m_max_rel_err_vs_reference"] = round(((small.float() - ref.float()).abs().max() /
                                                                      ref.float().abs().max()).item(), 5)  # fmt: skip
-                    row["small_m_us"] = round(graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)), 2)
+                    row["small_m_us"] = round(
+                        graph_time_us(lambda: fp8_gemm_small_m(xq, xs, wq, ws, torch.bfloat16)), 2
+                    )
                     row["weight_gb_per_s_small_m"] = round(n * k / row["small_m_us"] / 1e3, 0)
                     if SWEEP:
                         row["small_m_sweep"] = sweep_small_m(xq, xs, wq, ws)

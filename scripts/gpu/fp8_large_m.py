@@ -150,11 +150,15 @@ def gemm_rows() -> None:
                     us = graph_time_us(fn)
                     row[label] = {"us": round(us, 2), "tflops": round(flop / us / 1e6, 1)}
                     if label == "rowwise_fast_accum":
-                        row[label]["max_rel_diff_vs_rowwise"] = round(((out - ref).abs().max() / ref.abs().max()).item(), 5)
+                        row[label]["max_rel_diff_vs_rowwise"] = round(
+                            ((out - ref).abs().max() / ref.abs().max()).item(), 5
+                        )
                     if label.startswith("rowwise"):  # error against float64, relative to the largest output
                         err = (out - exact).abs()
                         row[label]["max_err_vs_f64"] = round((err.max() / exact.abs().max()).item(), 6)
-                        row[label]["rms_err_vs_f64"] = round((err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item(), 6)
+                        row[label]["rms_err_vs_f64"] = round(
+                            (err.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()).item(), 6
+                        )
                 except Exception as exc:  # noqa: BLE001
                     row[label] = {"error": f"{type(exc).__name__}: {exc}"[:160]}
             record(row)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
-import io
-import pstats
 import gc
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -124,7 +124,9 @@ def main() -> None:
     for workload, run in jobs:
         n, inp, out, temperature = WORKLOADS[workload]
         # each run its own prompts (seed): a run never hits the prefix cache of the one before
-        prompts, outs = make_prompts(n, inp, out, 0.0, llm.config.model_config.arch.vocab_size, 1 + len(results["runs"]))
+        prompts, outs = make_prompts(
+            n, inp, out, 0.0, llm.config.model_config.arch.vocab_size, 1 + len(results["runs"])
+        )
         state.update(workload=workload, run=run)
         params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True) for o in outs]
         log.clear()
@@ -142,8 +144,11 @@ def main() -> None:
                "device_mallocs": after[0] - before_mallocs[0], "device_frees": after[1] - before_mallocs[1],
                "parts": list(log)}  # fmt: skip
         results["runs"].append(row)
-        print(f"RESULT {workload} run {run}: {row['output_tok_s']} tok/s, wall {row['wall_s']} s, "
-              f"{len(row['triton_compiles'])} Triton compiles, {row['device_mallocs']} device mallocs", flush=True)
+        print(
+            f"RESULT {workload} run {run}: {row['output_tok_s']} tok/s, wall {row['wall_s']} s, "
+            f"{len(row['triton_compiles'])} Triton compiles, {row['device_mallocs']} device mallocs",
+            flush=True,
+        )
         for part in log:
             print(f"RESULT   {part}", flush=True)
     (OUT / "front_probe.json").write_text(json.dumps(results, indent=1))

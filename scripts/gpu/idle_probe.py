@@ -34,7 +34,8 @@ VARIANTS = ["now", "no_split", "one_stage_argmax", "old_tiles", "all_old", "now"
 
 def set_variant(name: str) -> None:
     from llmserve.engine import argmax
-    from llmserve.kernels import paged_attention, split_k_gemm as fp8_gemm
+    from llmserve.kernels import paged_attention
+    from llmserve.kernels import split_k_gemm as fp8_gemm
 
     old = name == "all_old"
     paged_attention.MIN_DECODES_TO_SPLIT = 10**9 if old or name == "no_split" else 64

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from event_timer import median_ms  # noqa: E402
+
 from llmserve.attention_metadata import AttentionMetadata  # noqa: E402
 from llmserve.kernels import pdl, split_k_gemm  # noqa: E402
 from llmserve.kernels.activation import silu_and_mul  # noqa: E402

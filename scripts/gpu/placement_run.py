@@ -47,8 +47,13 @@ RATE = float(os.environ.get("RATE", "4"))
 PROMPT_LEN, MAX_TOKENS = 256, 128
 CHECK_PROMPT = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}
 OUT = os.environ.get("OUT", "out")
-RESULT: dict = {"date": time.strftime("%Y-%m-%d"), "duration_s": DURATION, "rate": RATE, "slo_ttft_s": SLO_S,
-                "drain_after_s": DRAIN_S}
+RESULT: dict = {
+    "date": time.strftime("%Y-%m-%d"),
+    "duration_s": DURATION,
+    "rate": RATE,
+    "slo_ttft_s": SLO_S,
+    "drain_after_s": DRAIN_S,
+}
 
 
 def save() -> None:
@@ -136,20 +141,28 @@ class Run:
         ttfts = sorted(r["ttft_s"] for r in ok if r["ttft_s"] is not None)
         failed = [r for r in self.rows if r["status"].startswith("failed")]
         return {
-            "requests": len(self.rows), "served": len(ok), "refused": sum(r["status"] == "refused" for r in self.rows),
-            "failed": len(failed), "failures": [r["status"] for r in failed][:5],
+            "requests": len(self.rows),
+            "served": len(ok),
+            "refused": sum(r["status"] == "refused" for r in self.rows),
+            "failed": len(failed),
+            "failures": [r["status"] for r in failed][:5],
             "slo_attainment": round(sum(t <= SLO_S for t in ttfts) / max(1, len(self.rows)), 4),
             "slo_attainment_of_served": round(sum(t <= SLO_S for t in ttfts) / max(1, len(ttfts)), 4),
             "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
             "ttft_p99_s": round(ttfts[int(0.99 * (len(ttfts) - 1))], 3) if ttfts else None,
-            "output_tokens": sum(r["tokens"] for r in self.rows), "wall_s": round(wall, 1),
+            "output_tokens": sum(r["tokens"] for r in self.rows),
+            "wall_s": round(wall, 1),
             "output_tok_per_s": round(sum(r["tokens"] for r in self.rows) / wall, 1),
             "device_used_gib_mean": round(statistics.mean(self.memory), 2) if self.memory else None,
             "device_used_gib_peak": round(max(self.memory), 2) if self.memory else None,
-            "by_model": {m: {"requests": sum(r["model"] == m for r in self.rows),
-                             "served": sum(r["model"] == m and r["status"] == "ok" for r in self.rows),
-                             "ttft_p99_s": _p99([r["ttft_s"] for r in ok if r["model"] == m and r["ttft_s"] is not None])}
-                         for m in MODELS},  # fmt: skip
+            "by_model": {
+                m: {
+                    "requests": sum(r["model"] == m for r in self.rows),
+                    "served": sum(r["model"] == m and r["status"] == "ok" for r in self.rows),
+                    "ttft_p99_s": _p99([r["ttft_s"] for r in ok if r["model"] == m and r["ttft_s"] is not None]),
+                }
+                for m in MODELS
+            },  # fmt: skip
         }
 
 
@@ -181,7 +194,9 @@ async def main() -> None:
     placed = [PlacedModel(n, Footprint.from_row(r),
                           ModelState.RESIDENT) for n, r in rows.items()]  # fmt: skip
     RESULT["overheads_gib"] = {m.name: round(m.footprint.overhead_bytes / 2**30, 2) for m in placed}
-    placement = Placement(placed, budget, make_policy("demand", slo_ttft_s=SLO_S), drain_after_s=DRAIN_S if DRAIN_S >= 0 else None)
+    placement = Placement(
+        placed, budget, make_policy("demand", slo_ttft_s=SLO_S), drain_after_s=DRAIN_S if DRAIN_S >= 0 else None
+    )
     controller = PlacementController(placement, EngineActuator(engines), wake_timeout_s=60.0, on_event=on_event)
     t1 = time.perf_counter()
     await controller.fit()

@@ -20,9 +20,14 @@ PROMPT_LEN = int(os.environ.get("PROMPT_LEN", 512))
 
 
 def main() -> None:
-    llm = LLM(MODEL, load_format="dummy", max_model_len=int(os.environ.get("MAX_LEN", 2048)), max_num_seqs=8,
-              max_num_batched_tokens=max(16384, PROMPT_LEN),
-              max_mixed_graph_tokens=int(os.environ.get("MIXED", 1024)))
+    llm = LLM(
+        MODEL,
+        load_format="dummy",
+        max_model_len=int(os.environ.get("MAX_LEN", 2048)),
+        max_num_seqs=8,
+        max_num_batched_tokens=max(16384, PROMPT_LEN),
+        max_mixed_graph_tokens=int(os.environ.get("MIXED", 1024)),
+    )
     rng = random.Random(0)
 
     def once(temperature: float) -> float:
@@ -37,9 +42,7 @@ def main() -> None:
             once(temperature)
         times = [once(temperature) for _ in range(5)]
         print(f"RESULT ttft temperature={temperature}: " + " ".join(f"{x:.1f}" for x in times) + " ms", flush=True)
-    from torch.profiler import ProfilerActivity, profile
-
-    from torch.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("ttft_once"):
@@ -69,9 +72,12 @@ def print_timeline(prof) -> None:
         if stop > end:
             end, before = stop, e
     first, last = kernels[0].time_range.start, end
-    print(f"RESULT timeline: host before first kernel {(first - whole.start) / 1e3:.2f} ms, after last "
-          f"{(whole.end - last) / 1e3:.2f} ms, kernel span {(last - first) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, "
-          f"gaps {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in {len(gaps)}", flush=True)
+    print(
+        f"RESULT timeline: host before first kernel {(first - whole.start) / 1e3:.2f} ms, after last "
+        f"{(whole.end - last) / 1e3:.2f} ms, kernel span {(last - first) / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, "
+        f"gaps {sum(g for g, _, _ in gaps) / 1e3:.2f} ms in {len(gaps)}",
+        flush=True,
+    )
     for gap, a, b in sorted(gaps, reverse=True)[:8]:
         print(f"RESULT gap {gap / 1e3:.3f} ms after {a} before {b}", flush=True)
 

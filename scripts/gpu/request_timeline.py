@@ -84,12 +84,16 @@ def while_waiting(rec: dict, steps: list[dict]) -> str:
     first = next((s for s in steps if s["launch"] <= scheduled <= s["launched"]), None)
     text = f"{len(waited)} steps ({sum(1 for s in waited if s['prefill'])} with prefill)"
     if first is not None:
-        text += (f"; its step: {first['reqs']} reqs, {first['tokens']} tokens ({first['prefill']} prefill), "
-                 f"{(first['done'] - first['launch']) * 1000:.1f} ms launch to done")
+        text += (
+            f"; its step: {first['reqs']} reqs, {first['tokens']} tokens ({first['prefill']} prefill), "
+            f"{(first['done'] - first['launch']) * 1000:.1f} ms launch to done"
+        )
     return text
 
 
-def slowest(rows: list[dict], n: int, records: dict[str, dict] | None = None, steps: list[dict] | None = None) -> list[str]:
+def slowest(
+    rows: list[dict], n: int, records: dict[str, dict] | None = None, steps: list[dict] | None = None
+) -> list[str]:
     names = [p[0] for p in PHASES]
     lines = [f"{'run':<5}{'at s':>7}{'ttft':>8}" + "".join(f"{x:>10}" for x in names)]
     for r in sorted(rows, key=lambda r: -r["ttft_ms"])[:n]:

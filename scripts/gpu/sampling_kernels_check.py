@@ -160,7 +160,8 @@ def sampler_ms() -> dict:
         for kernels in (False, True):
             sampler = Sampler(DEV, use_kernels=kernels)
             out[f"{name}@{ROWS}{' kernels' if kernels else ''}"] = round(
-                median_ms(lambda: sampler.sample_async(logits, reqs), iters=20, warmup=5), 3)
+                median_ms(lambda: sampler.sample_async(logits, reqs), iters=20, warmup=5), 3
+            )
     return out
 
 

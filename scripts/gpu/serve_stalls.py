@@ -25,7 +25,7 @@ def stalls(run: dict, gap_s: float) -> list[dict]:
         for k, gap in enumerate(itls):
             if gap > gap_s:
                 after = 0
-                for g in itls[k + 1:]:
+                for g in itls[k + 1 :]:
                     if g >= 0.001:
                         break
                     after += 1
@@ -50,17 +50,29 @@ def worst(run: dict, n: int = 5, window_s: float = 0.15) -> list[dict]:
     starts, ttfts = run["start_times"], run["ttfts"]
     t0 = min(starts)
     order = sorted(range(len(ttfts)), key=lambda i: -ttfts[i])[:n]
-    return [{"at_s": round(starts[i] - t0, 3), "ttft_ms": round(ttfts[i] * 1000, 1),
-             "arrived_before": sum(1 for s in starts if 0 < starts[i] - s <= window_s)} for i in order]
+    return [
+        {
+            "at_s": round(starts[i] - t0, 3),
+            "ttft_ms": round(ttfts[i] * 1000, 1),
+            "arrived_before": sum(1 for s in starts if 0 < starts[i] - s <= window_s),
+        }
+        for i in order
+    ]
 
 
 def summarize(path: Path, gap_s: float) -> dict:
     run = json.loads(path.read_text())
     if "ttfts" not in run:
         raise SystemExit(f"{path}: no per-request detail (run bench serve with --save-detailed)")
-    return {"run": path.stem, "seed": run.get("seed"), "p99_ttft_ms": run["p99_ttft_ms"],
-            "mean_ttft_ms": run["mean_ttft_ms"], "p99_tpot_ms": run["p99_tpot_ms"],
-            "stalls": stalls(run, gap_s), "worst_ttft": worst(run)}
+    return {
+        "run": path.stem,
+        "seed": run.get("seed"),
+        "p99_ttft_ms": run["p99_ttft_ms"],
+        "mean_ttft_ms": run["mean_ttft_ms"],
+        "p99_tpot_ms": run["p99_tpot_ms"],
+        "stalls": stalls(run, gap_s),
+        "worst_ttft": worst(run),
+    }
 
 
 def plot(paths: list[Path], summaries: list[dict], out: Path) -> None:
@@ -95,9 +107,13 @@ def main() -> None:
     for s in summaries:
         st = ", ".join(f"{x['max_gap_ms']:.0f} ms at {x['at_s']:.1f} s ({x['streams']} streams)" for x in s["stalls"]
                        if x["streams"] >= 3) or "none"  # fmt: skip
-        print(f"{s['run']}: TTFT p99 {s['p99_ttft_ms']:.1f} ms, mean {s['mean_ttft_ms']:.1f}; TPOT p99 "
-              f"{s['p99_tpot_ms']:.2f} ms; stalls: {st}; slowest first tokens: "
-              + ", ".join(f"{w['ttft_ms']:.0f} ms ({w['arrived_before']} arrived 150 ms before)" for w in s["worst_ttft"][:3]))
+        print(
+            f"{s['run']}: TTFT p99 {s['p99_ttft_ms']:.1f} ms, mean {s['mean_ttft_ms']:.1f}; TPOT p99 "
+            f"{s['p99_tpot_ms']:.2f} ms; stalls: {st}; slowest first tokens: "
+            + ", ".join(
+                f"{w['ttft_ms']:.0f} ms ({w['arrived_before']} arrived 150 ms before)" for w in s["worst_ttft"][:3]
+            )
+        )
     if args.plot:
         plot(args.runs, summaries, args.plot)
     if args.summary:

@@ -53,7 +53,9 @@ def table(steps: list[dict]) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log", type=Path)
-    p.add_argument("--split-s", type=float, default=None, help="compare each busy period's first S seconds with the rest")
+    p.add_argument(
+        "--split-s", type=float, default=None, help="compare each busy period's first S seconds with the rest"
+    )
     p.add_argument("--idle-s", type=float, default=2.0, help="a gap this long between steps starts a new busy period")
     args = p.parse_args()
     steps = device_times([json.loads(line) for line in args.log.read_text().splitlines() if line.strip()])

@@ -108,8 +108,11 @@ def main() -> None:
                "parts": list(log)}  # fmt: skip
         if run >= 2:
             runs.append(row)
-        print(f"RESULT run {run}: wall {wall:.2f} ms = host before {before:.2f} + device {device_ms:.2f} + after "
-              f"{row['after_device_ms']:.2f}", flush=True)
+        print(
+            f"RESULT run {run}: wall {wall:.2f} ms = host before {before:.2f} + device {device_ms:.2f} + after "
+            f"{row['after_device_ms']:.2f}",
+            flush=True,
+        )
         for part in log:
             print(f"RESULT   {part}", flush=True)
     if os.environ.get("PROFILE", "1") == "1":  # one more run under cProfile: where the host parts go

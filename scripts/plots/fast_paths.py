@@ -30,7 +30,7 @@ def main() -> None:
            label="two launches, FP8 read back as bf16")  # fmt: skip
     ax.bar([i + 0.27 for i in x], [r["two_launches_ms"] for r in rows], 0.27, label="two launches (now)")
     ax.set_xticks(list(x))
-    ax.set_xticklabels([f'{kv[r["kv"]]}\n{r["decodes"]} decodes' for r in rows], fontsize=8)
+    ax.set_xticklabels([f"{kv[r['kv']]}\n{r['decodes']} decodes" for r in rows], fontsize=8)
     ax.set_ylabel("ms, one layer's attention")
     ax.set_title("Mixed step: decodes (context ~1.1k) + 15 chunks of 1,024", fontsize=10)
     ax.legend(fontsize=8)

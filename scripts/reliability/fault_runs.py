@@ -242,8 +242,11 @@ def run_redis(workdir: Path) -> dict:
         "limits": {"backend": "redis", "url": f"redis://127.0.0.1:{port}/0", "timeout_s": 0.5, "fail_open": False},
     }))  # fmt: skip
     gw_port = free_port()
-    gateway = subprocess.Popen([PY, "-m", "llmserve", "gateway", "--config", str(config), "--port", str(gw_port)],
-                               stdout=open(workdir / "gateway_redis.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    gateway = subprocess.Popen(
+        [PY, "-m", "llmserve", "gateway", "--config", str(config), "--port", str(gw_port)],
+        stdout=open(workdir / "gateway_redis.log", "w"),
+        stderr=subprocess.STDOUT,
+    )  # noqa: SIM115
     gw = f"http://127.0.0.1:{gw_port}"
     wait_http(gw + "/health")
     body = {"model": "tiny", "prompt": "a story", "max_tokens": 16, "ignore_eos": True}

@@ -36,7 +36,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from fault_runs import TINY, serve_cmd, wait_http  # noqa: E402 - the same tiny server as the fault runs
+from fault_runs import serve_cmd, wait_http  # noqa: E402 - the same tiny server as the fault runs
 
 from llmserve.net import free_port  # noqa: E402
 
@@ -69,9 +69,10 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
         async with gate:
             try:
                 reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)), 15)
+                    asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0)), 15
+                )
                 writer.write(HALF_HEAD)
-            except (OSError, asyncio.TimeoutError):
+            except (TimeoutError, OSError):
                 counts["failed"] += 1
                 return
         counts["open"] += 1
@@ -80,7 +81,7 @@ def hold_connections(worker: int, workers: int, idle: int, slow: int, sources: i
             while True:
                 try:
                     data = await asyncio.wait_for(reader.read(4096), SLOW_EVERY_S if is_slow else None)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     writer.write(b"x")  # one more byte of a header that never ends
                     continue
                 except OSError:
@@ -275,8 +276,12 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1000.0,
                    help="new connections a second (the first ones and those opened again), all workers together "
                         "(0: as fast as they can)")  # fmt: skip
-    p.add_argument("--reconnect-s", type=float, default=0.0,
-                   help="a connection the server closes is opened again this long after (0: not again)")
+    p.add_argument(
+        "--reconnect-s",
+        type=float,
+        default=0.0,
+        help="a connection the server closes is opened again this long after (0: not again)",
+    )
     p.add_argument("--attack-s", type=float, default=90.0, help="how long the attack lasts")
     p.add_argument("--recovery-s", type=float, default=20.0, help="how long to watch after it stops")
     p.add_argument("--output-json", default=None)

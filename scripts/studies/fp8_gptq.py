@@ -217,7 +217,9 @@ def study(opts: argparse.Namespace, variants: list[str], stack: ExitStack) -> No
         nll = sum(v[0] for v in got.values()) / len(got)
         change = 100 * (math.exp(nll - base_nll) - 1)
         per_text = {t: round(100 * (math.exp(got[t][0] - base[t][0]) - 1), 3) for t in texts}
-        agree = sum(sum(a == b for a, b in zip(got[t][1], base[t][1])) for t in texts) / sum(len(base[t][1]) for t in texts)
+        agree = sum(sum(a == b for a, b in zip(got[t][1], base[t][1])) for t in texts) / sum(
+            len(base[t][1]) for t in texts
+        )
         rows[name] = {"perplexity": round(math.exp(nll), 4), "change_pct": round(change, 3),
                       "top1_agreement": round(agree, 4), "per_text_change_pct": per_text}  # fmt: skip
         if scales is not None:

@@ -99,12 +99,15 @@ def main() -> None:
                     if n != last_down:
                         m.weight.copy_(fake_quant(original[n], E4M3, None))
                         hooks.append(m.register_forward_pre_hook(lambda _m, args: (fake_quant(args[0], E4M3, None),)))
-        for mode in ("bf16", "scale 1", "per layer", "per token and head")[weights == "bf16":]:
+        for mode in ("bf16", "scale 1", "per layer", "per token and head")[weights == "bf16" :]:
             started = time.perf_counter()
             state["mode"] = mode
             change = 100 * (math.exp(mean_nll() - base) - 1)
             rows[f"weights {weights}, KV {mode}"] = {"change_pct": round(change, 3)}
-            print(f"weights {weights}, KV {mode}: perplexity {change:+.2f} % ({time.perf_counter() - started:.0f} s)", flush=True)
+            print(
+                f"weights {weights}, KV {mode}: perplexity {change:+.2f} % ({time.perf_counter() - started:.0f} s)",
+                flush=True,
+            )
         for hook in hooks:
             hook.remove()
         with torch.no_grad():

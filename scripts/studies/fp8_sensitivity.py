@@ -51,7 +51,9 @@ def main() -> None:
             for n, m in modules.items():
                 m.weight.copy_(original[n] if keep(n) else quantized[n])
                 if not keep(n):
-                    hooks.append(m.register_forward_pre_hook(lambda _m, args: (fake_quant(args[0], torch.float8_e4m3fn, None),)))
+                    hooks.append(
+                        m.register_forward_pre_hook(lambda _m, args: (fake_quant(args[0], torch.float8_e4m3fn, None),))
+                    )
         change = 100 * (math.exp(mean_nll() - base) - 1)
         for hook in hooks:
             hook.remove()

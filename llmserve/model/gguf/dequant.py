@@ -122,7 +122,9 @@ def dequantize(raw: torch.Tensor | np.ndarray, type_name: str, shape: tuple[int,
     if type_name not in BLOCKS:
         raise ValueError(f"GGUF tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
     if isinstance(raw, np.ndarray):
-        raw = torch.from_numpy(np.array(raw, copy=True).view(np.uint8).reshape(-1))  # a copy: the file's map is read-only
+        raw = torch.from_numpy(
+            np.array(raw, copy=True).view(np.uint8).reshape(-1)
+        )  # a copy: the file's map is read-only
     raw = raw.reshape(-1)
     numel = int(np.prod(shape)) if shape else 1
     per_block, block_bytes = BLOCKS[type_name]

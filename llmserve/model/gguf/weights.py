@@ -38,7 +38,9 @@ def unpermute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(ckpt: GGUFCheckpoint, arch: ModelArch, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(
+    ckpt: GGUFCheckpoint, arch: ModelArch, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every weight, in file order."""
     family = family_for_gguf(ckpt.architecture)
     tensors = list(ckpt.tensors.values())

@@ -59,7 +59,8 @@ def llama3_rope_factors(arch: ModelArch) -> np.ndarray:
             factors.append(rope.factor)
         else:
             smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
-                rope.high_freq_factor - rope.low_freq_factor)
+                rope.high_freq_factor - rope.low_freq_factor
+            )
             factors.append(1.0 / ((1 - smooth) / rope.factor + smooth))
     return np.array(factors, dtype=np.float32)
 

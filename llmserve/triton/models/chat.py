@@ -142,8 +142,12 @@ class TritonPythonModel:
         from llmserve.triton.stream_sends import stream_sends
 
         # streams' responses: from a thread of their own (a stream's waiting events together), or from the loop
-        self.sends = stream_sends(params.get("stream_sends") or "thread", lambda text: _response(200, text), FINAL,
-                                  lambda message: pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
+        self.sends = stream_sends(
+            params.get("stream_sends") or "thread",
+            lambda text: _response(200, text),
+            FINAL,
+            lambda message: pb_utils.InferenceResponse(error=pb_utils.TritonError(message)),
+        )
         self.engine = AsyncEngine.from_engine_args(EngineArgs(**_engine_args(params), usage_context="api_server"))
         from llmserve.metrics import EngineMetrics
         from llmserve.triton.inflight import InFlightWatch
