@@ -21,9 +21,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from llmserve.attention_metadata import SampledRows
+from llmserve.model import llama
 from llmserve.model.arch import FULL, SLIDING, ModelArch, UnsupportedModelError, eos_token_ids, parse_rope
-from llmserve.model.attention import AttentionBackend, AttentionMetadata
+from llmserve.model.attention import AttentionBackend
 from llmserve.model.interface import ModelFamily
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.llama import (
@@ -40,10 +40,13 @@ from llmserve.model.tensor_parallel import SINGLE, TPGroup, VocabParallelEmbeddi
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(llama.DecoderLayer):
+    """Llama's layer (its forward, sampled rows and the part before attention) with Gemma's norms
+    around the attention output and the MLP."""
+
     def __init__(self, arch: ModelArch, backend: AttentionBackend, rotary: RotaryEmbedding, ops: LayerOps,
                  tp: TPGroup, quantization: str | None, window: int | None) -> None:  # fmt: skip
-        super().__init__()
+        nn.Module.__init__(self)
         eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, eps, ops)
         self.self_attn = Attention(arch, backend, rotary, ops, tp, quantization, window)
@@ -52,45 +55,23 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, ops, tp, quantization)
         self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, ops)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        q, k, v, residual = self.begin(positions, x, residual)
-        return self.finish(self.self_attn.attend(q, k, v, meta), residual)
-
-    def forward_sampled(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                        sampled: SampledRows) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """`forward`'s output for `sampled.rows` alone (every row's keys and values are cached)."""
-        q, k, v, residual = self.begin(positions, x, residual)
-        rows = sampled.rows
-        attn_out = self.self_attn.attend(q[rows], k, v, sampled.meta)
-        if rows.shape[0] == 0:
-            return attn_out, residual[:0]
-        return self.finish(attn_out, residual[rows])
-
-    def begin(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """`x`: the embedding (`residual` None) or the previous layer's post-feed-forward output,
-        which the input norm adds to the residual first."""
-        norm = self.input_layernorm.fp8 if takes_fp8_tokens(self.self_attn.qkv_proj) else self.input_layernorm
-        if residual is None:
-            residual, x = x, norm(x)
-        else:
-            x, residual = norm(x, residual)
-        return (*self.self_attn.project(positions, x), residual)
-
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention norm, its sum with the residual normed for the MLP, the MLP and the
-        post-feed-forward norm: (this layer's output before its residual add, the residual)."""
+        post-feed-forward norm: (this layer's output before its residual add, the residual). The
+        next layer's input norm (or the final norm) adds it to the residual."""
         h = self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
         norm = self.pre_feedforward_layernorm
         x, residual = (norm.fp8 if takes_fp8_tokens(self.mlp.gate_up_proj) else norm)(h, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(llama.LlamaModel):
+    """Llama's model (forward, sampled rows, CUDA-graph pieces) with Gemma's layers, two rotary
+    tables (global and local) and the scaled embedding."""
+
     def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int, ops: LayerOps, tp: TPGroup,
                  quantization: str | None = None) -> None:  # fmt: skip
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.embed_scale = arch.hidden_size**0.5  # multiplied in the weights' dtype, as transformers does
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
@@ -108,31 +89,6 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # the scale rounded to the activations' dtype first (a Python number: CUDA graphs keep it)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                sampled: SampledRows | None = None) -> torch.Tensor:  # fmt: skip
-        x = self.embed(input_ids)
-        residual = None
-        layers = self.layers if sampled is None else self.layers[:-1]
-        for layer in layers:
-            x, residual = layer(positions, x, residual, meta)
-        if sampled is not None:
-            x, residual = self.layers[-1].forward_sampled(positions, x, residual, sampled)
-            if x.shape[0] == 0:
-                return x
-        return self.norm(x, residual)[0]
-
-    def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.layers[0].begin(positions, self.embed(input_ids), None)
-
-    def middle_piece(self, i: int, attn_out: torch.Tensor, residual: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        x, residual = self.layers[i - 1].finish(attn_out, residual)
-        return self.layers[i].begin(positions, x, residual)
-
-    def last_piece(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        x, residual = self.layers[-1].finish(attn_out, residual)
-        return self.norm(x, residual)[0]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -178,13 +178,16 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         sampled: SampledRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The final hidden states of every row, or with `sampled` of its rows alone (in order):
         the last layer then runs past its cache write on those rows only."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         layers = self.layers if sampled is None else self.layers[:-1]
         for layer in layers:
@@ -203,7 +206,7 @@ class LlamaModel(nn.Module):
     def first_piece(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.layers[0].begin(positions, self.embed_tokens(input_ids), None)
+        return self.layers[0].begin(positions, self.embed(input_ids), None)
 
     def middle_piece(
         self, i: int, attn_out: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
@@ -224,14 +227,6 @@ _STACKED = {
     ".gate_proj.": (".gate_up_proj.", 0),
     ".up_proj.": (".gate_up_proj.", 1),
 }
-
-
-def checkpoint_parts(module: str) -> list[str]:
-    """The Hugging Face module names one of this model's projections loads from: the parts of
-    a fused one (`...qkv_proj` -> q_proj, k_proj, v_proj), else the name itself."""
-    parts = [module.replace(fused[:-1], fragment[:-1]) for fragment, (fused, _) in _STACKED.items()
-             if module.endswith(fused[:-1])]  # fmt: skip
-    return parts or [module]
 
 
 def _is_vocab(target: str) -> bool:
