@@ -11,7 +11,9 @@ from gemma3_oracle import converted_folder, gemma3_gguf, greedy_tokens, hf_gemma
 
 from llmserve.model.gguf.dequant import dequantize
 
-pytestmark = pytest.mark.unit
+# a fresh machine's first test converts the GGUF for transformers once (about 4 minutes on 2 busy
+# cores, tests/gemma3_oracle.py) inside its fixtures: more than the suite's 300 s a test
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(1200)]
 
 # GGUF tensor name (blk.N.<part>) -> transformers' name (model.layers.N.<part>), as transformers maps them
 LAYER_PARTS = {
