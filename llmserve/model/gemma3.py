@@ -25,7 +25,7 @@ from llmserve.model import llama
 from llmserve.model.arch import FULL, SLIDING, ModelArch, UnsupportedModelError, eos_token_ids, parse_rope
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.interface import ModelFamily
-from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from llmserve.model.layers import LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.llama import (
     MLP,
     Attention,
@@ -35,7 +35,7 @@ from llmserve.model.llama import (
     linear_specs,
     takes_fp8_tokens,
 )
-from llmserve.model.tensor_parallel import SINGLE, TPGroup, VocabParallelEmbedding, local_arch
+from llmserve.model.tensor_parallel import TPGroup, VocabParallelEmbedding, local_arch
 
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 
@@ -94,24 +94,7 @@ class Gemma3Model(llama.LlamaModel):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """The Llama causal LM's loading and logits over a Gemma 3 model."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
-                 ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE, quantization: str | None = None,
-                 quantization_ignore: tuple[str, ...] = ()) -> None:  # fmt: skip
-        nn.Module.__init__(self)
-        self.arch = arch
-        self.tp = tp
-        self.quantization = quantization
-        self.shard = local_arch(arch, tp.world_size)
-        self.model = Gemma3Model(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
-        self.linear = ops.linear
-        self.kv_scales_source = "one"
-        self._kv_scales_read: set[tuple[int, str]] = set()
-        if quantization == "fp8" and quantization_ignore:
-            from llmserve.model.fp8 import keep_unquantized
-
-            keep_unquantized(self, quantization_ignore)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
+    model_class = Gemma3Model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

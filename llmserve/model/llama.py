@@ -243,6 +243,8 @@ def _split_dim(target: str) -> int | None:
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel  # the decoder stack (a family that extends this causal LM brings its own)
+
     def __init__(
         self, arch: ModelArch, backend: AttentionBackend, max_positions: int | None = None,
         ops: LayerOps = REFERENCE_OPS, tp: TPGroup = SINGLE, quantization: str | None = None,
@@ -256,7 +258,9 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.quantization = quantization
         self.shard = local_arch(arch, tp.world_size)
-        self.model = LlamaModel(arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization)
+        self.model = self.model_class(
+            arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization
+        )
         self.linear = ops.linear  # the LM head's product
         self.kv_scales_source = "one"  # an FP8 KV cache's scales: "checkpoint" once a checkpoint gives them
         self._kv_scales_read: set[tuple[int, str]] = set()  # (layer, "k" | "v") a checkpoint gave
