@@ -74,6 +74,7 @@ class Gemma3Model(llama.LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.embed_scale = arch.hidden_size**0.5  # multiplied in the weights' dtype, as transformers does
+        self._rounded_scales: dict[torch.dtype, float] = {}  # embed_scale rounded to each activations' dtype
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
         self.rotary_local = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_local or arch.rope, ops)
         shard = local_arch(arch, tp.world_size)
@@ -88,7 +89,10 @@ class Gemma3Model(llama.LlamaModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # the scale rounded to the activations' dtype first (a Python number: CUDA graphs keep it)
-        return x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        scale = self._rounded_scales.get(x.dtype)
+        if scale is None:  # once per dtype, not a tensor made every step
+            scale = self._rounded_scales[x.dtype] = torch.tensor(self.embed_scale, dtype=x.dtype).item()
+        return x * scale
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
