@@ -1173,33 +1173,6 @@ def test_gemm_small_m_against_f_linear(m, n, k, split_k):
         gemm_small_m(x.float(), weight)  # operands of two dtypes: F.linear's job
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_split_k_gemm_reading_the_first_weight_tile_early_changes_no_bit(scaled):
-    """The first weight tile read before the PDL wait (PRELOAD_W, a peeled first step) and the
-    plain loop add the same products in the same order: equal results, 16-bit and FP8 forms,
-    slices of one step and of several."""
-    from llmserve.kernels.split_k_gemm import fp8_gemm_small_m, gemm_small_m
-
-    g = torch.Generator().manual_seed(7)
-    for m, n, k, split_k in ((1, 40, 320, 2), (3, 64, 128, 2), (2, 33, 200, 1)):
-        w = torch.randn(n, k, generator=g) * 0.05
-        x = torch.randn(m, k, generator=g)
-        if scaled:
-            xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-            sx, sw = torch.rand(m, 1, generator=g) + 0.5, torch.rand(n, 1, generator=g) + 0.5
-
-            def run(preload):
-                return fp8_gemm_small_m(xq, sx, wq, sw, torch.float32, split_k=split_k, block_n=32, block_k=64,
-                                        preload=preload)  # fmt: skip
-        else:
-
-            def run(preload):
-                return gemm_small_m(x.to(torch.bfloat16), w.to(torch.bfloat16), split_k=split_k, block_n=32,
-                                    block_k=64, preload=preload)  # fmt: skip
-
-        assert torch.equal(run(True), run(False)), (m, n, k, split_k)
-
-
 def test_pdl_is_off_where_it_cannot_run(monkeypatch):
     """Off a GPU (and with LLMSERVE_PDL=0's switch) the kernels launch plainly: USE_GDC False and
     no `launch_pdl`, so the interpreter never meets griddepcontrol."""

@@ -29,11 +29,6 @@ from llmserve.kernels.pdl import gdc_enter, launch_options
 MAX_M = 64  # rows this kernel is for; more rows: torch._scaled_mm
 SMALL_TILE_ROWS = 8  # up to this many rows: the batch-1 tiles of `default_config`
 _MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the widest projection
-# True: each program reads its first weight tile before it waits for the kernel before it (PDL,
-# llmserve/kernels/pdl.py), so the read of constant weights overlaps that kernel's tail. Off:
-# measured slower on an H200 (2026-12-03, pdl_chain_micro.py, 32-layer batch-1 decode step:
-# 4.434 ms with it against 4.375 without; the early loads hold registers through the wait)
-PRELOAD_WEIGHTS = False
 _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
 
@@ -48,7 +43,7 @@ def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
 def _split_k_gemm_kernel(
     x_ptr, w_ptr, sx_ptr, sw_ptr, part_ptr, out_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr, DOT_F32: tl.constexpr, PRELOAD_W: tl.constexpr, USE_GDC: tl.constexpr,
+    SCALED: tl.constexpr, DOT_F32: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -57,22 +52,8 @@ def _split_k_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PRELOAD_W:  # the first weight tile (constant: no earlier kernel writes it) read before the wait
-        ks = k_start + tl.arange(0, BLOCK_K)
-        in_k = ks < k_end
-        w = tl.load(
-            w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0.0
-        )
-        gdc_enter(USE_GDC)
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0
-        )
-        acc = _dot_acc(acc, x, w, DOT_F32)
-        k_first = k_start + BLOCK_K
-    else:
-        gdc_enter(USE_GDC)
-        k_first = k_start
-    for k in range(k_first, k_end, BLOCK_K):
+    gdc_enter(USE_GDC)
+    for k in range(k_start, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         in_k = ks < k_end
         x = tl.load(
@@ -169,7 +150,7 @@ def bf16_config(m: int, n: int, k: int) -> dict | None:
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      out_dtype: torch.dtype, split_k: int | None = None, block_n: int | None = None,
-                     block_k: int | None = None, num_warps: int = 4, preload: bool | None = None) -> torch.Tensor:  # fmt: skip
+                     block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """`(xq * sx) @ (weight * weight_scale)^T` for FP8 `xq` [M, K] (M <= MAX_M) with float32
     scales `sx` [M, 1], FP8 `weight` [N, K] with `weight_scale` [N, 1]; returned in `out_dtype`."""
     m, k = xq.shape
@@ -183,13 +164,13 @@ def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
         return out.to(out_dtype)
     auto = default_config(m, n, k, _deep_tiles_fit(xq.device))
     _launch(xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out,
-            block_n or auto["block_n"], block_k or auto["block_k"], split_k, num_warps, preload=preload)  # fmt: skip
+            block_n or auto["block_n"], block_k or auto["block_k"], split_k, num_warps)  # fmt: skip
     return out.to(out_dtype)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, sx: torch.Tensor | None, sw: torch.Tensor | None,
             out: torch.Tensor, block_n: int, block_k: int, split_k: int | None, num_warps: int,
-            num_stages: int | None = None, preload: bool | None = None) -> None:  # fmt: skip
+            num_stages: int | None = None) -> None:  # fmt: skip
     m, k = x.shape
     n = weight.shape[0]
     tiles_n = triton.cdiv(n, block_n)
@@ -205,14 +186,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, sx: torch.Tensor | None, sw: 
         x, weight, sx if scaled else partials, sw if scaled else partials, partials, out,
         _counters(x.device), m, n, k, k_per_split, x.stride(0), weight.stride(0),
         SPLIT_K=split_k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        SCALED=scaled, DOT_F32=not x.is_cuda and not scaled, PRELOAD_W=PRELOAD_WEIGHTS if preload is None else preload,
+        SCALED=scaled, DOT_F32=not x.is_cuda and not scaled,
         num_warps=num_warps, **extra, **launch_options(x.device),
     )  # fmt: skip
 
 
 def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = None, block_n: int | None = None,
                  block_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, preload: bool | None = None) -> torch.Tensor:  # fmt: skip
+                 num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
     """`x @ weight^T` (`F.linear` without a bias) for 16-bit `x` [M, K] (M <= MAX_M) and `weight`
     [N, K] of the same dtype: float32 accumulation, one rounding to x's dtype at the end."""
     m, k = x.shape
@@ -227,5 +208,5 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = No
     auto = bf16_config(m, n, k) or {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": 4, "num_stages": None}
     _launch(x, weight, None, None, out, block_n or auto["block_n"], block_k or auto["block_k"],
             split_k if split_k is not None else auto["split_k"], num_warps or auto["num_warps"],
-            num_stages if num_stages is not None else auto["num_stages"], preload)  # fmt: skip
+            num_stages if num_stages is not None else auto["num_stages"])  # fmt: skip
     return out.to(x.dtype)

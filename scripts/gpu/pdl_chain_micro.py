@@ -1,9 +1,8 @@
 """One bf16 batch-1 decode step of the 8B shape as the engine's kernels run it (32 layers of
 norm, qkv, rotary, KV write, paged attention and its reduce, o, add + norm, gate/up, SiLU, down;
 then the final norm and the LM head), captured in one CUDA graph and replayed: with and without
-programmatic dependent launch (llmserve/kernels/pdl.py), with and without the split-K GEMM's
-weight tile read before the wait, and with cuBLAS or the split-K kernel for qkv and gate/up.
-Every variant's logits are compared with the plain variant's (PDL and the preload change no
+programmatic dependent launch (llmserve/kernels/pdl.py), and with cuBLAS or the split-K kernel
+for qkv and gate/up. Every variant's logits are compared with the plain variant's (PDL changes no
 result: equal bit for bit) and timed per step. Writes $OUT/pdl_chain_micro.json.
 
     python3 scripts/gpu/pdl_chain_micro.py
@@ -93,21 +92,19 @@ def main() -> None:
     print("pdl supported:", pdl.pdl_supported(DEV), flush=True)
     engine_set = {"qkv", "o", "down", "lm_head"}  # bf16_config today
     variants = {
-        "plain": (False, False, engine_set),
-        "pdl": (True, False, engine_set),
-        "pdl_preload": (True, True, engine_set),
-        "pdl_gate_up": (True, False, engine_set | {"gate_up"}),
-        "pdl_gate_up64": (True, False, engine_set | {"gate_up64"}),
-        "pdl_gate_up64s2": (True, False, engine_set | {"gate_up64s2"}),
-        "pdl_qkv_cublas": (True, False, engine_set - {"qkv"}),
-        "pdl_gate_up_qkv_cublas": (True, False, (engine_set | {"gate_up"}) - {"qkv"}),
-        "plain_qkv_cublas": (False, False, engine_set - {"qkv"}),
-        "plain_gate_up": (False, False, engine_set | {"gate_up"}),
+        "plain": (False, engine_set),
+        "pdl": (True, engine_set),
+        "pdl_gate_up": (True, engine_set | {"gate_up"}),
+        "pdl_gate_up64": (True, engine_set | {"gate_up64"}),
+        "pdl_gate_up64s2": (True, engine_set | {"gate_up64s2"}),
+        "pdl_qkv_cublas": (True, engine_set - {"qkv"}),
+        "pdl_gate_up_qkv_cublas": (True, (engine_set | {"gate_up"}) - {"qkv"}),
+        "plain_qkv_cublas": (False, engine_set - {"qkv"}),
+        "plain_gate_up": (False, engine_set | {"gate_up"}),
     }
     results, reference = {}, None
-    for name, (use_pdl, preload, split_k) in variants.items():
+    for name, (use_pdl, split_k) in variants.items():
         pdl.ENABLED = use_pdl
-        split_k_gemm.PRELOAD_WEIGHTS = preload
         try:
             caches = [layer["cache"].clone() for layer in model["layers"]]
             stream = torch.cuda.Stream()
@@ -126,7 +123,7 @@ def main() -> None:
             same = bool(torch.equal(logits, reference))
             err = (logits.float() - reference.float()).abs().max().item()
             ms = median_ms(graph.replay, iters=5, warmup=0) / STEPS
-            results[name] = {"pdl": use_pdl, "preload": preload, "split_k": sorted(split_k), "ms_per_step": round(ms, 4),
+            results[name] = {"pdl": use_pdl, "split_k": sorted(split_k), "ms_per_step": round(ms, 4),
                              "equal_to_plain": same, "max_abs_diff": err}  # fmt: skip
             for layer, c in zip(model["layers"], caches):
                 layer["cache"].copy_(c)
