@@ -1,0 +1,269 @@
+"""Fused mixture of experts in Triton: routing, tokens grouped by expert, two grouped GEMMs, the sum.
+
+PyTorch reference: `llmserve.model.moe.fused_moe_reference` (route_reference, experts_reference).
+
+Five launches, none of which waits on the host (so a CUDA graph captures them for a token count
+and replays them for any routing):
+1. route: one program a token: the router's softmax over E in float32, the top k (picked on the
+   logits, which order as the probabilities do), renormalised over the k when asked.
+2. align: one program: the T * k (token, slot) rows sorted by expert, each expert's run padded to
+   a multiple of BLOCK_M (pad rows hold the sentinel T * k), and each block's expert. The number
+   of blocks is bounded by ceil(T * k / BLOCK_M) + min(E, T * k), which fixes the grid; programs
+   past the real count return at once. Experts no token chose get no block and are not read.
+3. gate/up: one program per (block, column block of I): the block's tokens times its expert's
+   gate and up rows, two float32 accumulators, SiLU(gate) * up written per (token, slot) row.
+4. down: one program per (block, column block of H): that times the expert's down rows, scaled
+   by the row's routing weight (float32), written per (token, slot) row.
+5. reduce: each token's k rows summed in slot order (deterministic: no atomics).
+
+Tile configs are data (below): `TUNED_TILES` holds per-(card, E, H, I) tables measured on a GPU
+(none yet); any other shape takes `DEFAULT_TILES`, a heuristic keyed by batch bucket (the token
+count's bucket: tokens per expert grow with it, and BLOCK_M follows them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# batch bucket (the largest token count it covers; the last covers every larger count) -> tiles
+DEFAULT_TILES: dict[int, dict[str, int]] = {
+    32: dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    256: dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
+    1 << 30: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+}
+# (card name as torch reports it, num_experts, hidden, moe_intermediate) -> batch bucket -> tiles
+TUNED_TILES: dict[tuple[str, int, int, int], dict[int, dict[str, int]]] = {}
+
+
+def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int,
+                card: str | None = None) -> dict[str, int]:  # fmt: skip
+    """The tiles for a step of `num_tokens` tokens: the tuned table of this shape on this card,
+    else the default one; the smallest bucket that holds the count."""
+    table = TUNED_TILES.get((card or "", num_experts, hidden, intermediate), DEFAULT_TILES)
+    buckets = sorted(table)
+    return table[next((b for b in buckets if num_tokens <= b), buckets[-1])]
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TOPK: tl.constexpr, RENORMALIZE: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    logits = tl.load(logits_ptr + t * stride_l + es, mask=e_ok, other=float("-inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    p = tl.where(e_ok, tl.exp(logits - top), 0.0)
+    denom = tl.sum(p, axis=0)
+    slots = tl.arange(0, BLOCK_TOPK)
+    chosen_p = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+    chosen_e = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+    left = logits
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(left, axis=0)
+        pick = es == best
+        chosen_p = tl.where(slots == j, tl.sum(tl.where(pick, p, 0.0), axis=0), chosen_p)
+        chosen_e = tl.where(slots == j, best.to(tl.int32), chosen_e)
+        left = tl.where(pick, float("-inf"), left)
+    w = chosen_p / denom
+    if RENORMALIZE:
+        w = w / tl.sum(tl.where(slots < TOP_K, w, 0.0), axis=0)
+    tl.store(weights_ptr + t * TOP_K + slots, w, mask=slots < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + slots, chosen_e, mask=slots < TOP_K)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E, MAX_BLOCKS,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr):  # fmt: skip
+    es = tl.arange(0, BLOCK_E)
+    e_ok = es < E
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for start in range(0, N, CHUNK):  # rows per expert
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+        counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    seen = tl.zeros([BLOCK_E], dtype=tl.int32)  # rows of each expert placed so far
+    for start in range(0, N, CHUNK):  # each row to its expert's run, in row order
+        offs = start + tl.arange(0, CHUNK)
+        ok = offs < N
+        ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+        onehot = (ids[:, None] == es[None, :]).to(tl.int32)
+        before = tl.cumsum(onehot, axis=0) - onehot  # rows of the same expert earlier in the chunk
+        pos = tl.sum(onehot * (starts + seen)[None, :] + onehot * before, axis=1)
+        tl.store(sorted_ptr + pos, offs, mask=ok)
+        seen += tl.sum(onehot, axis=0)
+    for b0 in range(0, MAX_BLOCKS, BLOCK_B):  # each block's expert: the experts ending at or before it
+        bs = b0 + tl.arange(0, BLOCK_B)
+        first = bs * BLOCK_M
+        e = tl.sum(((ends[None, :] <= first[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + bs, tl.where(e < E, e, -1), mask=bs < MAX_BLOCKS)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, H, I,
+    stride_xm, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last block of this step
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # N: padding
+    row_ok = rows < N
+    tok = rows // TOP_K
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < I
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + tok[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        w_gate = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        w_up = tl.load(w_base + (ns + I)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        acc_gate += tl.dot(a, w_gate, input_precision=DOT_PREC)
+        acc_up += tl.dot(a, w_up, input_precision=DOT_PREC)
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SiLU(gate) * up
+    tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, H, I,
+    stride_am, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last block of this step
+        return
+    e = tl.load(block_expert_ptr + pid_m)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # N: padding
+    row_ok = rows < N
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < H
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < I
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PREC)
+    acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _reduce_kernel(rows_ptr, out_ptr, H, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(rows_ptr + (t * TOP_K + j) * stride_r + hs, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + hs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), best first."""
+    num_tokens, num_experts = router_logits.shape
+    assert 1 <= top_k <= num_experts and router_logits.stride(-1) == 1, (router_logits.shape, top_k)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](
+            router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize,
+        )  # fmt: skip
+    return weights, ids
+
+
+def max_blocks(rows: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the blocks `rows` (token, slot) rows fill when each expert's run is padded
+    to `block_m`: every block full but one per expert that has rows."""
+    return triton.cdiv(rows, block_m) + min(num_experts, rows)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted rows [max_blocks * block_m]: (token, slot) rows t * k + j grouped by
+    expert in expert order, each run padded with T * k to a multiple of block_m; each block's
+    expert [max_blocks] (-1 past the last); the padded row count [1])."""
+    n = ids.numel()
+    blocks = max_blocks(n, num_experts, block_m)
+    sorted_rows = torch.full((blocks * block_m,), n, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=ids.device)
+    if n:
+        _align_kernel[(1,)](
+            ids.reshape(-1), sorted_rows, block_expert, num_padded, n, num_experts, blocks, BLOCK_M=block_m,
+            BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=64, BLOCK_B=64,
+        )  # fmt: skip
+    return sorted_rows, block_expert, num_padded
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [T, H] through its experts `ids [T, k]` (w13 [E, 2I, H], w2 [E, H, I]), summed with
+    `weights [T, k]`: [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_i, hidden_w = w13.shape
+    inter = two_i // 2
+    top_k = ids.shape[1]
+    assert hidden_w == hidden and w2.shape == (num_experts, hidden, inter), (x.shape, w13.shape, w2.shape)
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.dtype == w13.dtype == w2.dtype, (w13.dtype, x.dtype)
+    out = torch.empty_like(x)
+    if num_tokens == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    card = torch.cuda.get_device_name(x.device) if x.is_cuda else None
+    t = tiles or tile_config(num_tokens, num_experts, hidden, inter, card)
+    bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+    launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
+    sorted_rows, block_expert, num_padded = align(ids, num_experts, bm)
+    n = num_tokens * top_k
+    blocks = block_expert.shape[0]
+    prec = _dot_precision(x.dtype)
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
+        x, w13, act, sorted_rows, block_expert, num_padded, n, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, **launch,
+    )  # fmt: skip
+    rows = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    weights = weights.to(torch.float32).contiguous()
+    _down_kernel[(blocks, triton.cdiv(hidden, bn))](
+        act, w2, weights, rows, sorted_rows, block_expert, num_padded, n, hidden, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, **launch,
+    )  # fmt: skip
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        rows, out, hidden, rows.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h
+    )
+    return out
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """The routed experts' output [T, H]: `route` then `fused_experts` (`LayerOps.fused_moe`)."""
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    weights, ids = route(router_logits, top_k, renormalize)
+    return fused_experts(x, w13, w2, weights, ids, tiles)

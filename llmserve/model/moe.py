@@ -1,0 +1,71 @@
+"""Mixture of experts in plain PyTorch: the reference the fused kernels (kernels/fused_moe.py) are
+tested against, and the path the model runs on CPU.
+
+A router scores each token against E experts; the token goes to its `top_k` best, each a gated MLP
+(down(silu(gate(x)) * up(x))), and its output is their sum weighted by the router's softmax
+probabilities (renormalised over the chosen k when asked). Qwen2-MoE adds a shared expert that
+every token passes, scaled by a sigmoid gate. Written in transformers' op order (softmax in float32,
+`torch.topk`, experts in index order, `index_add_`), because greedy equality with it is the oracle.
+
+Layouts: the experts' gate and up rows stacked as one tensor `w13 [E, 2 * I, H]` (gate rows
+first, as transformers' fused `gate_up_proj` holds them) and `w2 [E, H, I]`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), best first."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, H]; each token through its experts `ids [T, k]`, outputs summed with `weights [T, k]`
+    (the product in float32, rounded to x's dtype before the sum): [T, H]."""
+    out = torch.zeros_like(x)
+    num_experts = w13.shape[0]
+    hit = torch.zeros(num_experts, dtype=torch.bool, device=x.device)
+    hit[ids.reshape(-1)] = True
+    for e in hit.nonzero().reshape(-1).tolist():  # only experts that some token chose
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
+def fused_moe_reference(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
+) -> torch.Tensor:
+    """The routed experts' output [T, H] (`LayerOps.fused_moe`'s signature: kernels/fused_moe.py
+    `fused_moe` computes the same)."""
+    weights, ids = route_reference(router_logits, top_k, renormalize)
+    return experts_reference(x, w13, w2, weights, ids)
+
+
+def shared_expert_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor:
+    """Qwen2-MoE's shared expert: sigmoid(x @ gate^T) * down(silu(x @ g^T) * (x @ u^T)), with
+    `gate_up [2 * I_shared, H]` (gate rows first), `down [H, I_shared]`, `gate [1, H]`."""
+    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+    return torch.sigmoid(F.linear(x, gate)) * F.linear(F.silu(g) * u, down)
+
+
+def moe_block_reference(
+    x: torch.Tensor, router: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A whole sparse MoE block: router `[E, H]` logits, the routed experts, plus the shared expert
+    (gate_up, down, gate) where given."""
+    out = fused_moe_reference(x, F.linear(x, router), w13, w2, top_k, renormalize)
+    return out if shared is None else out + shared_expert_reference(x, *shared)

@@ -1,0 +1,126 @@
+"""The fused MoE kernels (kernels/fused_moe.py) against the PyTorch reference (model/moe.py), on CPU
+under the Triton interpreter, float32 with tight tolerances.
+
+Shapes are tiny (the interpreter runs every program in Python) but cover: E = 4, 8, 16, 64; top_k
+1, 2, 4, 8 (k = E too); 1 token and a few dozen; tokens where most experts get none; widths that
+are not multiples of the tiles; each default tile bucket's BLOCK_M; renormalised or not; the align
+step's sorted rows and block experts; the Qwen2-MoE shared expert beside the fused routed experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; run this file in its own process",
+                allow_module_level=True)  # fmt: skip
+
+from llmserve.kernels import fused_moe as fm  # noqa: E402
+from llmserve.model.moe import (  # noqa: E402
+    experts_reference,
+    fused_moe_reference,
+    moe_block_reference,
+    route_reference,
+    shared_expert_reference,
+)
+
+pytestmark = pytest.mark.unit
+
+TOL = dict(atol=2e-6, rtol=2e-5)
+
+
+def _weights(num_experts: int, hidden: int, inter: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
+    return w13, w2
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, renormalize",
+    [
+        (1, 8, 2, 64, 32, True),  # one decode token: two blocks, six experts unread
+        (5, 4, 1, 48, 40, False),  # top-1, widths off the tile grid
+        (3, 64, 2, 32, 16, True),  # six rows over 64 experts: most get none
+        (7, 8, 8, 32, 24, False),  # k = E: every expert, every token
+        (37, 16, 4, 64, 96, True),  # a prefill's worth: several full blocks per expert
+    ],
+)  # fmt: skip
+def test_fused_moe_equals_the_reference(tokens, experts, top_k, hidden, inter, renormalize):
+    gen = torch.Generator().manual_seed(tokens * 1000 + experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    weights, ids = fm.route(logits, top_k, renormalize)
+    ref_weights, ref_ids = route_reference(logits, top_k, renormalize)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(weights, ref_weights, atol=1e-6, rtol=1e-6)
+    out = fm.fused_moe(x, logits, w13, w2, top_k, renormalize)
+    torch.testing.assert_close(out, fused_moe_reference(x, logits, w13, w2, top_k, renormalize), **TOL)
+
+
+@pytest.mark.parametrize("bucket", sorted(fm.DEFAULT_TILES))
+def test_every_default_tile_bucket(bucket):
+    """Each bucket's tiles (BLOCK_M 16 to 64, BLOCK_N up to 128) on the same rows, a few of which
+    land on an expert alone (a block mostly padding)."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, experts, top_k, hidden, inter = 9, 8, 2, 40, 72
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    out = fm.fused_experts(x, w13, w2, weights, ids, tiles=fm.DEFAULT_TILES[bucket])
+    torch.testing.assert_close(out, experts_reference(x, w13, w2, weights, ids.long()), **TOL)
+
+
+def test_align_groups_rows_by_expert_in_padded_blocks():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [5, 3]], dtype=torch.int32)  # rows 0..7, E = 6
+    sorted_rows, block_expert, num_padded = fm.align(ids, 6, 4)
+    n = ids.numel()
+    assert num_padded.item() == 16  # experts 0, 1, 3, 5: one block of 4 each
+    assert block_expert.tolist()[:4] == [0, 1, 3, 5] and set(block_expert.tolist()[4:]) == {-1}
+    runs = sorted_rows[:16].view(4, 4).tolist()
+    assert runs == [[1, 4, n, n], [3, n, n, n], [0, 2, 5, 7], [6, n, n, n]]  # row order kept inside a run
+    assert len(block_expert) == fm.max_blocks(n, 6, 4)
+
+
+def test_route_picks_the_top_k_by_probability_and_renormalises():
+    logits = torch.tensor([[0.0, 2.0, -1.0, 1.0], [5.0, 4.0, 3.0, -2.0]])
+    weights, ids = fm.route(logits, 2, True)
+    assert ids.tolist() == [[1, 3], [0, 1]]
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    plain, _ = fm.route(logits, 2, False)
+    torch.testing.assert_close(plain, F.softmax(logits, -1).gather(1, ids.long()))
+
+
+def test_tile_config_buckets_and_tuned_tables(monkeypatch):
+    assert fm.tile_config(1, 8, 64, 32) == fm.DEFAULT_TILES[32]
+    assert fm.tile_config(33, 8, 64, 32) == fm.DEFAULT_TILES[256]
+    assert fm.tile_config(10**9 + 7, 8, 64, 32) == fm.DEFAULT_TILES[max(fm.DEFAULT_TILES)]
+    tuned = {64: dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2)}
+    monkeypatch.setitem(fm.TUNED_TILES, ("card", 8, 64, 32), tuned)
+    assert fm.tile_config(100, 8, 64, 32, "card") == tuned[64]  # past the last bucket: the last
+    assert fm.tile_config(100, 8, 64, 32, "other card") == fm.DEFAULT_TILES[256]
+
+
+def test_the_shared_expert_block_and_no_tokens():
+    gen = torch.Generator().manual_seed(3)
+    tokens, experts, hidden, inter, shared_inter = 6, 8, 32, 16, 48
+    x = torch.randn(tokens, hidden, generator=gen)
+    router = torch.randn(experts, hidden, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    shared = (torch.randn(2 * shared_inter, hidden, generator=gen) * 0.2, torch.randn(hidden, shared_inter, generator=gen)
+              * 0.2, torch.randn(1, hidden, generator=gen))  # fmt: skip
+    fused = fm.fused_moe(x, F.linear(x, router), w13, w2, 2, False) + shared_expert_reference(x, *shared)
+    torch.testing.assert_close(fused, moe_block_reference(x, router, w13, w2, 2, False, shared), **TOL)
+    empty = fm.fused_moe(x[:0], F.linear(x[:0], router), w13, w2, 2, False)
+    assert empty.shape == (0, hidden)
