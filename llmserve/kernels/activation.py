@@ -26,6 +26,28 @@ from llmserve.kernels.pdl import gdc_enter, launch_options
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the kernels' ACT
 
+# Launch tuning, all of it (measurements behind the values: docs/history/benchmarks.md)
+PLAIN_BLOCK = 1024  # plain kernel: columns a program, at most (wider rows take several programs)
+COLS_PER_WARP = 128  # plain kernel: a warp per this many columns of its block, 1 to MAX_WARPS
+ONE_PASS_COLS = 16384  # FP8 kernel: longest row held in registers at once (a looped row waits on its loads in turn)
+LOOP_BLOCK = 2048  # FP8 kernel: columns per step for longer rows
+FP8_COLS_PER_WARP = 256  # FP8 kernel: a warp per this many columns of its block, 1 to MAX_WARPS
+FP8_WIDE_BLOCK = 8192  # FP8 kernel: a one-pass row of at least this many columns runs on FP8_WIDE_WARPS
+FP8_WIDE_WARPS = 16
+MAX_WARPS = 8
+
+
+def _warps(block: int) -> int:
+    """The plain kernel's warps for a block of `block` columns."""
+    return max(1, min(MAX_WARPS, block // COLS_PER_WARP))
+
+
+def _fp8_warps(block: int, one_pass: bool) -> int:
+    """The FP8 kernel's warps for a block of `block` columns."""
+    if one_pass and block >= FP8_WIDE_BLOCK:
+        return FP8_WIDE_WARPS
+    return max(1, min(MAX_WARPS, block // FP8_COLS_PER_WARP))
+
 
 @triton.jit
 def _act(gate, ACT: tl.constexpr):
@@ -55,10 +77,6 @@ def _act_and_mul_kernel(
         up = (up.to(tl.float32) + tl.load(d_row + n_cols + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
     out = _act(gate, ACT) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-ONE_PASS_COLS = 16384  # longest row the FP8 kernel holds in registers at once
-LOOP_BLOCK = 2048  # columns per step for longer rows
 
 
 @triton.jit
@@ -120,13 +138,11 @@ def _act_and_mul_fp8(x: torch.Tensor, act: str) -> Fp8Tokens:
     q = torch.empty((rows, inter), dtype=torch.float8_e4m3fn if x.is_cuda else torch.float32, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and inter:
-        # rows up to ONE_PASS_COLS (the 8B's 14,336) are held whole: a looped row cost 7.4 µs at
-        # one token on an H200, mostly the latency of its 14 dependent loads
         one_pass = inter <= ONE_PASS_COLS
         block = triton.next_power_of_2(inter) if one_pass else LOOP_BLOCK
         _act_and_mul_fp8_kernel[(rows,)](
             x2, q, scale, x2.stride(0), q.stride(0), inter, BLOCK=block, ONE_PASS=one_pass, FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE, ACT=act, num_warps=16 if one_pass and block >= 8192 else max(1, min(8, block // 256)),
+            MIN_SCALE=MIN_SCALE, ACT=act, num_warps=_fp8_warps(block, one_pass),
             **launch_options(x.device),
         )  # fmt: skip
     return Fp8Tokens(q.to(torch.float8_e4m3fn), scale, x.dtype)
@@ -162,9 +178,9 @@ def _act_and_mul(x: torch.Tensor, delta: torch.Tensor | None, act: str) -> torch
     out2 = out.view(-1, inter)
     rows = x2.shape[0]
     if rows and inter:
-        block = min(1024, triton.next_power_of_2(inter))
+        block = min(PLAIN_BLOCK, triton.next_power_of_2(inter))
         _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](
             x2, out2, d2, x2.stride(0), out2.stride(0), d2.stride(0), inter, BLOCK=block, HAS_DELTA=delta is not None,
-            ACT=act, num_warps=max(1, min(8, block // 128)), **launch_options(x.device),
+            ACT=act, num_warps=_warps(block), **launch_options(x.device),
         )  # fmt: skip
     return out

@@ -33,7 +33,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+# Launch tuning, all of it (one program a row)
 FILTER_BLOCK = 2048  # vocabulary columns a step of a program's loop
+FILTER_WARPS = 8
+
 _NONE = tl.constexpr(2147483647)  # "no candidate"
 _MUL = tl.constexpr(0x45D9F3B)  # seeded_noise's multiplier and salt
 _SALT = tl.constexpr(0x9E3779B9)
@@ -232,6 +235,6 @@ def filtered_race(
         noise if noise is not None else logits, seed if seed is not None else logits, out,
         logits.stride(0), noise.stride(0) if noise is not None else 0, logits.shape[-1],
         BLOCK=FILTER_BLOCK, HAS_ROWS=rows is not None, HAS_TEMP=temperature is not None, HAS_KEYS=has_keys,
-        HAS_NOISE=noise is not None, LIBDEVICE=logits.is_cuda, num_warps=8,
+        HAS_NOISE=noise is not None, LIBDEVICE=logits.is_cuda, num_warps=FILTER_WARPS,
     )  # fmt: skip
     return out

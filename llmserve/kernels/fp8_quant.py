@@ -27,6 +27,16 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_SCALE = 1e-12  # the reference's floor: an all-zero token keeps a finite scale
 
+# Launch tuning, all of it (one program a token, looping over its row in blocks)
+MAX_BLOCK = 4096  # columns a block, at most (a narrower row: the next power of two of its width)
+COLS_PER_WARP = 256  # a warp per this many columns of the block, 1 to MAX_WARPS
+MAX_WARPS = 8
+
+
+def _warps(block: int) -> int:
+    """Warps for a block of `block` columns."""
+    return max(1, min(MAX_WARPS, block // COLS_PER_WARP))
+
 
 @triton.jit
 def fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
@@ -87,11 +97,11 @@ def quantize_tokens_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows and cols:
         static = static_scale.reshape(1).to(device=x.device, dtype=torch.float32) if static_scale is not None else scale
-        block = min(4096, triton.next_power_of_2(cols))
+        block = min(MAX_BLOCK, triton.next_power_of_2(cols))
         _quantize_rows_kernel[(rows,)](
             x, q, scale, static, cols, x.stride(0), q.stride(0),
             HAS_STATIC=static_scale is not None, BLOCK=block, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            num_warps=max(1, min(8, block // 256)), **launch_options(x.device),
+            num_warps=_warps(block), **launch_options(x.device),
         )  # fmt: skip
     elif rows and static_scale is not None:
         scale.fill_(float(static_scale.reshape(-1)[0]))

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-STATS_BLOCK = 2048
+# Launch tuning, all of it
+STATS_BLOCK = 2048  # vocabulary columns a program
+STATS_WARPS = 8
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def logprob_stats(logits: torch.Tensor, tokens: torch.Tensor, k: int, rows: torc
     top_i = torch.empty(count, blocks * width, dtype=torch.int32, device=device)
     _stats_kernel[(count, blocks)](logits, tokens if rows is None else rows, tokens, counts, maxes, sums, top_v, top_i,
                                    logits.stride(0), vocab, BLOCK=STATS_BLOCK, K=width, HAS_ROWS=rows is not None,
-                                   num_warps=8)  # fmt: skip
+                                   num_warps=STATS_WARPS)  # fmt: skip
     peak = maxes.max(dim=-1, keepdim=True).values
     lse = peak + (sums * torch.exp(maxes - peak)).sum(dim=-1, keepdim=True).log()  # [R, 1]
     values, where = top_v.topk(min(k, blocks * width), dim=-1)

@@ -36,6 +36,17 @@ import triton.language as tl
 
 from llmserve.lora_batch import LoRABatch, max_row_blocks, row_block
 
+# Launch tuning, all of it (row blocks of BLOCK_M tokens: llmserve/lora_batch.py `row_block`)
+SHRINK_BLOCK_K = 64  # shrink: input columns a step
+SHRINK_PROGRAMS = 128  # shrink: K is split until the step has about this many programs
+SHRINK_MIN_K_BLOCKS = 4  # shrink: each split keeps at least this many K steps of work
+EXPAND_BLOCK_N = 64  # expand: output columns a program
+# expand, row blocks of 64: wider column blocks, half the programs, each re-reading the shrink's
+# partial sums half as often (at 512 tokens the 64-wide blocks ran at a third of the bandwidth)
+EXPAND_BLOCK_N_WIDE = 128
+EXPAND_WIDE_BLOCK_M = 64
+NUM_WARPS = 4  # both kernels
+
 
 @triton.jit
 def _block_rows(blocks_ptr, sorted_ptr, starts_ptr, counts_ptr, pid, BLOCK_M: tl.constexpr):
@@ -113,17 +124,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
-def shrink_splits(num_tokens: int, slices: int, in_features: int, block_k: int = 64) -> int:
-    """How many programs share the input dimension: enough for about one wave of programs on a
-    large GPU when the step has few row blocks, one when it has many; each split keeps at least
-    four K blocks of work. A function of the token count alone (CUDA graphs)."""
+def shrink_splits(num_tokens: int, slices: int, in_features: int, block_k: int = SHRINK_BLOCK_K) -> int:
+    """How many programs share the input dimension: enough for about SHRINK_PROGRAMS (one wave
+    of programs on a large GPU) when the step has few row blocks, one when it has many; each
+    split keeps at least SHRINK_MIN_K_BLOCKS K blocks of work. A function of the token count
+    alone (CUDA graphs)."""
     programs = max(1, triton.cdiv(num_tokens, row_block(num_tokens)) * slices)
-    most = max(1, in_features // (4 * block_k))
-    return max(1, min(most, 128 // programs))
+    most = max(1, in_features // (SHRINK_MIN_K_BLOCKS * block_k))
+    return max(1, min(most, SHRINK_PROGRAMS // programs))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: LoRABatch,
-                block_k: int = 64, num_warps: int = 4, splits: int | None = None) -> torch.Tensor:  # fmt: skip
+                block_k: int = SHRINK_BLOCK_K, num_warps: int = NUM_WARPS,
+                splits: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, in], a [slots, slices, max_rank, in], scaling [slots] -> t [splits, T, slices,
     max_rank] float32, whose sum over the first axis is scaling[s] * x @ a[s, j]^T for each token
     of slot s; rows of tokens without a slot are not written. `splits`: how many parts of the
@@ -150,7 +163,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, scaling: torch.Tensor, batch: 
 
 
 def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets: torch.Tensor, max_slice_width: int,
-                batch: LoRABatch, block_n: int | None = None, num_warps: int = 4) -> None:  # fmt: skip
+                batch: LoRABatch, block_n: int | None = None, num_warps: int = NUM_WARPS) -> None:  # fmt: skip
     """y [T, out] += t[:, j] @ b[s, offsets[j]:offsets[j + 1]]^T for each token of slot s and each
     slice j, in place (t rounded to b's dtype, the sum in float32); tokens without a slot keep y.
     t: [T, slices, max_rank], or the shrink's [splits, T, slices, max_rank] (summed here)."""
@@ -168,9 +181,7 @@ def lora_expand(y: torch.Tensor, t: torch.Tensor, b: torch.Tensor, slice_offsets
     if num_tokens == 0:
         return
     block_m = row_block(num_tokens)
-    # wider column blocks for row blocks of 64: half the programs, each re-reading the shrink's
-    # partial sums half as often (at 512 tokens the 64-wide blocks ran at a third of the bandwidth)
-    block_n = block_n or (64 if block_m < 64 else 128)
+    block_n = block_n or (EXPAND_BLOCK_N_WIDE if block_m >= EXPAND_WIDE_BLOCK_M else EXPAND_BLOCK_N)
     n_blocks = triton.cdiv(max_slice_width, block_n)
     _expand_kernel[(max_row_blocks(num_tokens, num_slots), slices * n_blocks)](
         t, b, y, slice_offsets, batch.row_blocks, batch.sorted_tokens, batch.slot_starts, batch.slot_counts, t.shape[0],

@@ -27,6 +27,15 @@ from llmserve.fp8_tokens import Fp8Tokens
 from llmserve.kernels.fp8_quant import FP8_MAX, MIN_SCALE, fp8_reciprocal, fp8_scale, fp8_scaled
 from llmserve.kernels.pdl import gdc_enter, launch_options
 
+# Launch tuning, all of it (one program a row, its block the next power of two of its width)
+COLS_PER_WARP = 256  # a warp per this many columns of the block, 1 to MAX_WARPS
+MAX_WARPS = 16
+
+
+def _warps(block: int) -> int:
+    """Warps for a row block of `block` columns."""
+    return min(MAX_WARPS, max(1, block // COLS_PER_WARP))
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -100,7 +109,7 @@ def _launch(x, residual, weight, eps, quantize: bool = False, delta: torch.Tenso
             x2.stride(0), r2.stride(0), out2.stride(0), nr2.stride(0), d2.stride(0),
             hidden, eps,
             HAS_RESIDUAL=residual is not None, QUANTIZE=quantize, HAS_DELTA=delta is not None, BLOCK=block,
-            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=min(16, max(1, block // 256)), **launch_options(x.device),
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=_warps(block), **launch_options(x.device),
         )  # fmt: skip
     if quantize:
         return Fp8Tokens(out.to(torch.float8_e4m3fn), scale, sum_dtype), new_res

@@ -15,6 +15,11 @@ import triton.language as tl
 
 from llmserve.kernels.pdl import gdc_enter, launch_options
 
+# Launch tuning, all of it (one program a token, every head of it)
+WIDE_Q_ELEMENTS = 2048  # a token's query heads of at least this many values (n_q_heads * head_dim) are wide
+WIDE_WARPS = 4  # warps for a wide token
+NARROW_WARPS = 1  # warps for a narrower one
+
 
 @triton.jit
 def _rotate_heads(
@@ -109,6 +114,6 @@ def apply_rotary(
         n_q, n_k,
         HALF=half, HALF_PAD=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(n_q), BLOCK_HK=triton.next_power_of_2(n_k),
-        num_warps=4 if n_q * head_dim >= 2048 else 1, **launch_options(q.device),
+        num_warps=WIDE_WARPS if n_q * head_dim >= WIDE_Q_ELEMENTS else NARROW_WARPS, **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out

@@ -28,8 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+# Launch tuning, all of it
 PENALTY_BLOCK = 2048  # vocabulary columns a program
+PENALTY_WARPS = 4
 RACE_BLOCK = 4096  # columns a program in the race (four draws of Philox each: BLOCK / 4 calls)
+RACE_WARPS = 8
 
 
 @triton.jit
@@ -82,7 +85,7 @@ def apply_penalties_(
         frequency if frequency is not None else logits,
         logits.stride(0), counts.stride(0), seen.stride(0), vocab,
         BLOCK=PENALTY_BLOCK, HAS_REP=repetition is not None, HAS_SEEN=has_seen, HAS_ADD=presence is not None,
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=PENALTY_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return logits
 
@@ -172,7 +175,7 @@ def race(
         noise if noise is not None else logits, seed if seed is not None else logits, best, where,
         logits.stride(0), noise.stride(0) if noise is not None else 0, vocab,
         BLOCK=RACE_BLOCK, HAS_ROWS=rows is not None, HAS_TEMP=temperature is not None, HAS_NOISE=noise is not None,
-        num_warps=8,
+        num_warps=RACE_WARPS,
     )  # fmt: skip
     block = best.argmax(dim=-1, keepdim=True)  # the first block with the best score: the first column
     return where.gather(-1, block).squeeze(-1).to(torch.long)

@@ -3,9 +3,9 @@ FP8 operands with row-wise scales (`fp8_gemm_small_m`), and 16-bit operands (`ge
 the bf16 model's projections at batch 1).
 
 PyTorch references: `llmserve.model.fp8.fp8_matmul_reference` (dequantize both, multiply in
-float32) and `torch.nn.functional.linear`. On an H200, `torch._scaled_mm` read FP8 weights at only
-1.1-3.2 TB/s at M <= 128 (a bf16 GEMM reads at 2.6-4.1 TB/s), so the halved bytes did not show at
-decode (docs/history/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
+float32) and `torch.nn.functional.linear`. At M <= 128 `torch._scaled_mm` read FP8 weights more
+slowly than a bf16 GEMM reads bf16 ones, so FP8's halved bytes did not show at decode
+(docs/history/benchmarks.md, "FP8 first measured"). With few rows, the weight matrix is read once;
 the grid covers N in tiles and K in `split_k` slices, so enough programs stream it. Each
 program accumulates `x_tile @ w_tile^T` in float32 (`tl.dot`), applies the two scales (FP8)
 and writes its partial sum.
@@ -26,8 +26,64 @@ import triton.language as tl
 
 from llmserve.kernels.pdl import gdc_enter, launch_options
 
+# Launch tuning, all of it: the tiles are chosen from the shape alone, by the rules below. The
+# sweeps behind them: docs/history/benchmarks.md ("FP8 first measured", "FP8 faster than vLLM's FP8",
+# "issue 18's table again"), scripts/gpu/fp8_gemm_micro.py, dense_gemm_micro.py, pdl_chain_micro.py.
 MAX_M = 64  # rows this kernel is for; more rows: torch._scaled_mm
 SMALL_TILE_ROWS = 8  # up to this many rows: the batch-1 tiles of `default_config`
+SMALL_M_PROGRAMS = 256  # up to SMALL_TILE_ROWS rows, K is split so that about this many programs stream the weights
+PROGRAMS = 512  # more rows: about this many
+DEEP_K = 8192  # FP8: a K of at least this (the MLP's down projection) takes 256-deep K steps
+WIDE_N = 16384  # an N of at least this (the MLP's gate/up, an LM head): see `default_config`, `bf16_config`
+DEEP_TILES_SHARED_MEMORY = 160 * 1024  # a block's shared memory that 128 x 256 FP8 tiles in 3 stages need
+NUM_WARPS = 4
+BF16_STAGES = 4  # the 16-bit form's narrow tiles (its others: None, Triton's 3)
+# the 16-bit form where `bf16_config` has no tiles (more than one token: tests and sweeps)
+BF16_UNTUNED = {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": NUM_WARPS, "num_stages": None}
+
+
+def split_k_for(m: int, k: int, block_k: int, tiles_n: int) -> int:
+    """K slices so that about SMALL_M_PROGRAMS programs (up to SMALL_TILE_ROWS rows) or PROGRAMS
+    stream the weights."""
+    programs = SMALL_M_PROGRAMS if m <= SMALL_TILE_ROWS else PROGRAMS
+    return max(1, min(triton.cdiv(k, block_k), programs // tiles_n))
+
+
+def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
+    """The FP8 form's tiles. Up to SMALL_TILE_ROWS tokens (batch-1 decode): 128-wide N tiles,
+    256-deep K steps for a long K or a wide N (with `deep_tiles` False, where 110 KB of shared
+    memory do not fit a block, 128 deep), K split for about SMALL_M_PROGRAMS programs
+    (docs/gpu_fp8_gemm_micro_m1_2026-12-01.json). More tokens: 64-wide N tiles, 256-deep K steps
+    for a long K, about PROGRAMS programs (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json)."""
+    if m <= SMALL_TILE_ROWS:
+        block_n, block_k = 128, (256 if deep_tiles and (k >= DEEP_K or n >= WIDE_N) else 128)
+    else:
+        block_n, block_k = 64, (256 if k >= DEEP_K else 128)
+    return {"block_n": block_n, "block_k": block_k, "split_k": split_k_for(m, k, block_k, triton.cdiv(n, block_n))}
+
+
+def bf16_config(m: int, n: int, k: int) -> dict | None:
+    """The 16-bit form's tiles at one token; None for more (at 2-16 tokens the kernel gained 0-9 %
+    over cuBLAS and the best tiles differ by shape). N below WIDE_N (qkv, o, down): 64-wide tiles,
+    128-deep K steps, K split for about SMALL_M_PROGRAMS programs, BF16_STAGES stages, each faster
+    than cuBLAS. N of WIDE_N and more (the MLP's gate/up, an LM head): 128-wide tiles, K whole,
+    Triton's 3 stages; gate/up alone is as fast as cuBLAS, and inside a decode step faster, as it
+    starts early under programmatic dependent launch (llmserve/kernels/pdl.py), which cuBLAS's
+    kernel cannot."""
+    if m != 1:
+        return None
+    if n >= WIDE_N:
+        return {"block_n": 128, "block_k": 128, "split_k": 1, "num_warps": NUM_WARPS, "num_stages": None}
+    tiles = triton.cdiv(n, 64)
+    return {
+        "block_n": 64,
+        "block_k": 128,
+        "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(SMALL_M_PROGRAMS, tiles))),
+        "num_warps": NUM_WARPS,
+        "num_stages": BF16_STAGES,
+    }
+
+
 _MAX_TILES = 1 << 16  # counters in the workspace: N / block_n tiles of the widest projection
 _workspaces: dict[torch.device, torch.Tensor] = {}  # per-device scratch, not state: zero between calls
 
@@ -99,58 +155,13 @@ def _deep_tiles_fit(device: torch.device) -> bool:
         return True
     if device not in _deep_tiles:
         props = torch.cuda.get_device_properties(device)
-        _deep_tiles[device] = getattr(props, "shared_memory_per_block_optin", 0) >= 160 * 1024
+        _deep_tiles[device] = getattr(props, "shared_memory_per_block_optin", 0) >= DEEP_TILES_SHARED_MEMORY
     return _deep_tiles[device]
-
-
-def split_k_for(m: int, k: int, block_k: int, tiles_n: int) -> int:
-    """K slices so that about 256 programs (up to SMALL_TILE_ROWS rows) or 512 stream the weights."""
-    programs = 256 if m <= SMALL_TILE_ROWS else 512
-    return max(1, min(triton.cdiv(k, block_k), programs // tiles_n))
-
-
-def default_config(m: int, n: int, k: int, deep_tiles: bool = True) -> dict:
-    """Tile sizes from the H200 sweeps. Up to SMALL_TILE_ROWS tokens (batch-1 decode): 128-wide
-    N tiles, 256-deep K steps for a long K or a wide N, K split so that about 256 programs
-    stream the weights (docs/gpu_fp8_gemm_micro_m1_2026-12-01.json: 1.25 µs a layer less at
-    M = 1 than the rule below; with `deep_tiles` False, where 110 KB of shared memory do not
-    fit a block, K steps stay 128 deep). More tokens: 64-wide N tiles, 256-deep K steps for the long K
-    of the MLP's down projection, about 512 programs
-    (docs/gpu_fp8_gemm_micro_sweep_2026-12-01.json)."""
-    if m <= SMALL_TILE_ROWS:
-        block_n, block_k = 128, (256 if deep_tiles and (k >= 8192 or n >= 16384) else 128)
-    else:
-        block_n, block_k = 64, (256 if k >= 8192 else 128)
-    return {"block_n": block_n, "block_k": block_k, "split_k": split_k_for(m, k, block_k, triton.cdiv(n, block_n))}
-
-
-def bf16_config(m: int, n: int, k: int) -> dict | None:
-    """Tiles of the 16-bit form at one token, from the H200 sweeps (docs/history/benchmarks.md, "batch-1
-    decode: a split-K GEMM for bf16", and the 32-layer step of scripts/gpu/pdl_chain_micro.py,
-    2026-12-03). N up to 8,192 in 64-wide tiles, 128-deep K steps, K split for about 256
-    programs, 4 stages (qkv 13.0-13.2 µs against 14.4 for cuBLAS, o 7.7-7.9 against 10.0, down
-    30.8 against 31.8); N of 16,384 and more (the MLP's gate/up, an LM head) in 128-wide tiles, K
-    whole, Triton's 3 stages (LM head 239.6 against 247.2; gate/up alone as fast as cuBLAS, 56.8
-    against 56.1, but the step with it 4.340 ms against 4.376 under PDL and 4.520 against 4.650
-    without: cuBLAS's kernel cannot start early). None for more than one token (at 2-16 tokens the
-    kernel's gains were 0-9 % and the best tiles differ by shape)."""
-    if m != 1:
-        return None
-    if n >= 16384:
-        return {"block_n": 128, "block_k": 128, "split_k": 1, "num_warps": 4, "num_stages": None}  # (None: Triton's 3)
-    tiles = triton.cdiv(n, 64)
-    return {
-        "block_n": 64,
-        "block_k": 128,
-        "split_k": max(1, min(triton.cdiv(k, 128), triton.cdiv(256, tiles))),
-        "num_warps": 4,
-        "num_stages": 4,
-    }
 
 
 def fp8_gemm_small_m(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      out_dtype: torch.dtype, split_k: int | None = None, block_n: int | None = None,
-                     block_k: int | None = None, num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+                     block_k: int | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:  # fmt: skip
     """`(xq * sx) @ (weight * weight_scale)^T` for FP8 `xq` [M, K] (M <= MAX_M) with float32
     scales `sx` [M, 1], FP8 `weight` [N, K] with `weight_scale` [N, 1]; returned in `out_dtype`."""
     m, k = xq.shape
@@ -205,7 +216,7 @@ def gemm_small_m(x: torch.Tensor, weight: torch.Tensor, split_k: int | None = No
     out = torch.empty((m, n), dtype=x.dtype if x.is_cuda else torch.float32, device=x.device)
     if m == 0:
         return out.to(x.dtype)
-    auto = bf16_config(m, n, k) or {"block_n": 128, "block_k": 128, "split_k": None, "num_warps": 4, "num_stages": None}
+    auto = bf16_config(m, n, k) or BF16_UNTUNED
     _launch(x, weight, None, None, out, block_n or auto["block_n"], block_k or auto["block_k"],
             split_k if split_k is not None else auto["split_k"], num_warps or auto["num_warps"],
             num_stages if num_stages is not None else auto["num_stages"])  # fmt: skip
