@@ -2,9 +2,9 @@
 
 A long-running process (engine core, tensor-parallel worker, API server, gateway) builds
 hundreds of thousands of objects at start-up (torch, transformers, the model, compiled
-kernels) that live as long as it does. CPython's full collections scan all of them: about
-0.17 s on this 2-core machine for the tiny model, and on an H200 serving the 8B shape a
-stall of ~0.5 s that showed up as a TTFT spike in `bench serve`. Freezing moves them to a
+kernels) that live as long as it does. CPython's full collections scan all of them, a stall
+of a fraction of a second in the step loop that shows up as a TTFT spike in `bench serve`
+(docs/history/benchmarks.md). Freezing moves them to a
 generation that is never scanned; requests' own objects are collected as before.
 
 Only for processes that own their whole heap: an `LLM` inside a user's script does not

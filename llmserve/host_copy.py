@@ -29,8 +29,7 @@ def staged(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host if host.dtype == dtype else host.to(dtype)
     # a pinned buffer from torch's caching host allocator, filled: `Tensor.pin_memory()` would first
-    # ask the driver whether the source is pinned already (a batch-1 7,680-token prefill's seven
-    # copies spent 2.0 ms of its host time there, H200, 2026-12-04)
+    # ask the driver whether the source is pinned already, host time on every copy of a step
     pinned = torch.empty(host.shape, dtype=dtype, pin_memory=True)
     pinned.copy_(host)
     return pinned

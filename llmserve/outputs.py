@@ -24,8 +24,7 @@ class LogprobStore:
 
     A dict of `Logprob`s a token is seven objects the garbage collector scans on every full
     collection while the request lives: 512 requests x 256 tokens with top-5 logprobs made a
-    million, and the collections stalled the engine (an H100 ran (a) with logprobs at 70 % of
-    greedy). Here they are a few lists a sample; `FlatLogprobs` makes the dicts when read."""
+    million, and the collections stalled the engine (docs/history/benchmarks.md). Here they are a few lists a sample; `FlatLogprobs` makes the dicts when read."""
 
     __slots__ = (
         "token_ids",

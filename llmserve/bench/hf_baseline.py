@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> dict:
     batches = [ids[i : i + args.batch_size] for i in range(0, len(ids), args.batch_size)]
     with torch.inference_mode():
         # warm-up: one whole batch, untimed. The first pass at full length pays for lazy kernel
-        # loading, GEMM heuristics and the allocator growing with the KV cache; on an H200 a
-        # short warm-up left the first timed batch twice as slow as the next ones.
+        # loading, GEMM heuristics and the allocator growing with the KV cache; after a short
+        # warm-up the first timed batch ran at half the speed of the next ones.
         t = time.perf_counter()
         generate(batches[0], args.output_len)
         _sync(device)

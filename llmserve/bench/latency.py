@@ -113,7 +113,7 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
     latencies = [timed(args.output_len) for _ in range(args.num_iters)]
 
     # per output token from medians: one stalled run (a GC pass, a late compile) must not
-    # move the TTFT it is subtracted from (a mean did: 4.65 ms for a true 4.83 on the H200)
+    # move the TTFT it is subtracted from (a mean of the TTFTs did)
     ttft, avg = float(np.median(ttfts)), float(np.mean(latencies))
     tpot = (float(np.median(latencies)) - ttft) / (args.output_len - 1) if args.output_len > 1 else None
     wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization, mc.quantization_ignore)

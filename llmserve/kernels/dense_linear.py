@@ -3,9 +3,9 @@
 PyTorch reference: `torch.nn.functional.linear`.
 - one token (batch-1 decode, no bias, on a GPU): the split-K Triton kernel (`gemm_small_m`,
   llmserve/kernels/split_k_gemm.py), one launch that streams the weight once, for every
-  projection of the 8B (qkv, o, down and the LM head: 4.7 µs a layer and 7.6 µs a token less
-  than cuBLAS on an H200; gate/up: a 32-layer step 0.04-0.13 ms faster, as it starts early
-  under programmatic dependent launch, llmserve/kernels/pdl.py);
+  projection of the 8B (qkv, o, down and the LM head: faster than cuBLAS; gate/up: as fast
+  alone, faster inside a step, as it starts early under programmatic dependent launch,
+  llmserve/kernels/pdl.py);
 - otherwise `F.linear` (cuBLAS).
 Which tiles is decided by `split_k_gemm.bf16_config`, from the sweeps of
 `scripts/gpu/dense_gemm_micro.py` and `scripts/gpu/pdl_chain_micro.py` (docs/history/benchmarks.md).

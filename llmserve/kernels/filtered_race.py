@@ -1,9 +1,8 @@
 """The exponential race over each row's top-p and min-p set, without sorting the vocabulary.
 
 The reference (`sampler_reference.apply_top_k_top_p_min_p` then `exponential_race`) sorts every
-row to find its nucleus: for 512 rows of 128,256 logits the sort and race took 12.4 ms on an H100
-(scripts/gpu/sampling_kernels_check.py), and (a) with top-p and penalties ran at 84 % of greedy
-(docs/history/benchmarks.md). The race needs less than the nucleus: only its best
+row to find its nucleus, a sort of every row's whole vocabulary each step (what it cost:
+docs/history/benchmarks.md). The race needs less than the nucleus: only its best
 score. A row's kept set is every token at or above a threshold logit (top-p keeps a token when
 the tokens strictly more likely hold at most top_p of the mass, ties kept together; min-p when
 its probability is at least min_p times the largest), so:

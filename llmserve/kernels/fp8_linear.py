@@ -2,17 +2,15 @@
 
 PyTorch reference: `llmserve.model.fp8.fp8_gemm_reference` / `fp8_matmul_reference`.
 - few tokens (decode, M <= SMALL_M_ROWS): the split-K Triton kernel (`fp8_gemm_small_m`), which
-  beat `torch._scaled_mm` on every 8B projection at M = 1, 16, 32 and 64 on an H200 (QKV: 8.1
-  against 18.6 µs at M = 1, 12.8 against 13.5 at 64; gate/up: 31.8 against 46.0 and 33.6
-  against 42.3; docs/gpu_fp8_gemm_micro_fused_2026-12-01.json);
-- more tokens: `torch._scaled_mm` (cuBLASLt), 1.6-1.8x a bf16 GEMM at M >= 512; from
-  `fast_accum_tokens` tokens on (FAST_ACCUM_TOKENS by default) with `use_fast_accum`: the tensor
-  cores' FP8 accumulation without cuBLASLt's periodic promotion to full float32, as vLLM's
-  FP8 CUTLASS kernels on Hopper run it (their FP8FastAccum schedules). H200, row-wise scales,
-  16,384 tokens: gate/up 2,953 against 3,333 µs, qkv 637 / 699, o 414 / 461, down 1,507 / 1,651;
-  at 512 tokens no gain (gate/up 112 / 108). The products then differ from the exact
-  accumulation's by up to 1.4 % of their largest value (K = 14,336), 0.4 % at K = 4,096
-  (docs/history/benchmarks.md, "FP8 at prefill sizes"). A CPU ignores it.
+  beats `torch._scaled_mm` on every 8B projection at M = 1 to 64
+  (docs/gpu_fp8_gemm_micro_fused_2026-12-01.json);
+- more tokens: `torch._scaled_mm` (cuBLASLt); from `fast_accum_tokens` tokens on
+  (FAST_ACCUM_TOKENS by default) with `use_fast_accum`: the tensor cores' FP8 accumulation
+  without cuBLASLt's periodic promotion to full float32, as vLLM's FP8 CUTLASS kernels on Hopper
+  run it (their FP8FastAccum schedules): about 10 % faster at 16,384 tokens, no gain at
+  512. The products then differ from the exact accumulation's by up to 1.4 % of their largest
+  value (K = 14,336), 0.4 % at K = 4,096 (docs/history/benchmarks.md, "FP8 past every target of
+  issue 19"). A CPU ignores it.
 Activations arrive quantized (`Fp8Tokens`, from the fused RMSNorm or SiLU-and-multiply), or
 plain, then quantized here by `quantize_tokens_fp8`.
 """

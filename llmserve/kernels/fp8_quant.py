@@ -1,15 +1,15 @@
 """Activations to FP8 per token in one kernel, for FP8 linear layers.
 
 PyTorch reference: `llmserve.model.fp8.quantize_tokens`. It takes five torch ops (a float32
-copy, abs, amax, divide and clamp, the cast) and cost 13-23 µs a call on an H200 at decode
-sizes, about as much as the FP8 GEMM after it (docs/history/benchmarks.md). Here one program per
+copy, abs, amax, divide and clamp, the cast), at decode sizes about as long as the FP8 GEMM
+after it (docs/history/benchmarks.md). Here one program per
 token reads its row twice: once for the amax, once to scale, clamp and cast. Rounding is the
 reference's: the scale's reciprocal by the correctly rounded float32 division (`tl.div_rn`:
 Triton's `/` compiles to an approximate division on a GPU), once a token, then each value
 times it (a correctly rounded multiply on both sides), then round-to-nearest-even to E4M3.
 Dividing every value by the scale instead, with `tl.div_rn`, was the bottleneck of the fused
-SiLU-and-multiply at prefill sizes on an H200 (16,384 x 14,336: 454 µs against 304 with the
-reciprocal; docs/history/benchmarks.md); the two differ in about 0.05 % of the bytes, by one step.
+SiLU-and-multiply at prefill sizes (about 1.5x its time with the reciprocal;
+docs/history/benchmarks.md); the two differ in about 0.05 % of the bytes, by one step.
 
 The Triton interpreter (CPU) rounds float -> FP8 wrongly next to powers of two, so there the
 kernel stores the scaled float32 values and torch casts them; a GPU casts in the kernel.

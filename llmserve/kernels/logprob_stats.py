@@ -1,8 +1,7 @@
 """A sampled token's logprob and rank and each row's top-k logprobs, in one pass over the raw logits.
 
-The tensor ops (log_softmax, then `(logprobs > token's).sum()` and `topk`) took 0.37 + 0.59 +
-0.90 ms for 512 rows of 128,256 on an H100 (scripts/gpu/logprobs_micro.py): (a) with top-5
-logprobs ran 6 % below greedy. Here a program takes a block of a row of the model's logits (16-bit
+The tensor ops (log_softmax, then `(logprobs > token's).sum()` and `topk`) pass over the
+batch's logits several times (timed by scripts/gpu/logprobs_micro.py). Here a program takes a block of a row of the model's logits (16-bit
 or float32, read as float32, so the values are those of `logits.float()`). It writes its block's
 max m and sum of exp(x - m) (the pieces of the row's log-sum-exp), counts the logits above the
 sampled token's, and picks its block's k best (k rounds of max; the first column on ties). A few

@@ -16,8 +16,8 @@ replays for any mix of adapters.
 
 The shrink splits the input dimension K over `splits` programs when the step has few tokens
 (a decode step of one token has one row block: without the split, one program per slice walks
-all of K alone, and the kernel is bound by that walk's latency, about 20-100 us on an H200
-where the A tile's bytes take under 1 us). Each split writes its partial sums to its own plane
+all of K alone, and the kernel is bound by that walk's latency, tens of times what reading the
+A tile's bytes takes). Each split writes its partial sums to its own plane
 of t; the expand adds the planes in split order when it reads t, so the result is
 deterministic (no atomics) and needs no extra launch. The split count depends only on the
 token count, so CUDA graphs keep working.

@@ -4,8 +4,7 @@ On Hopper and later a kernel launched with PDL may start while the kernel before
 stream is still finishing: its programs get scheduled, run what does not depend on the
 previous kernel (address arithmetic, loads of constant weights), and wait in
 `griddepcontrol.wait` until the previous grid has completed and its writes are visible. At
-batch 1 a decode step is a chain of some 300 short kernels (about 4.7 ms on an H200 for the
-8B shape), so the launch and ramp-up of each one, hidden behind the tail of the one before,
+batch 1 a decode step is a chain of some 300 short kernels (the 8B shape), so the launch and ramp-up of each one, hidden behind the tail of the one before,
 is time the step no longer pays. CUDA graphs keep the dependencies (stream capture turns
 them into programmatic edges).
 

@@ -3,8 +3,8 @@
 A batch of 512 rows of 128,256 float32 logits is 263 MB; the sampler's tensor ops read and
 write it once per op. With a presence penalty and a temperature that was about a dozen
 passes (gather the rows, gather the counts, compare, convert, multiply, add, subtract,
-scatter back; divide, draw noise, take its log, subtract, argmax): 3.3 ms a decode step on
-an H200 against 0.3 ms for greedy (docs/history/benchmarks.md). Here each is one pass:
+scatter back; divide, draw noise, take its log, subtract, argmax), ten times greedy's time
+(docs/history/benchmarks.md). Here each is one pass:
 
 - `apply_penalties_`: repetition, presence and frequency penalties on the penalised rows of
   float32 logits, in place, from the device-side counts of `PenaltyState`. Reference:
@@ -19,7 +19,7 @@ an H200 against 0.3 ms for greedy (docs/history/benchmarks.md). Here each is one
   ties, as `torch.argmax`; NaN scores count as -inf, so a broken row still gives a token of the
   vocabulary). Reference: `sampler_reference.exponential_race(logits / T, E)`; given the same E
   (`noise=`) the kernel picks the same tokens under the interpreter. On a GPU `tl.log` is an
-  approximation, so a near-tie may go the other way (512 of 512 rows equal on an H100, 2026-12-06).
+  approximation, so a near-tie may go the other way (tests/gpu/test_gpu_sampler.py checks the tokens).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 batch 1).
 
 With the adapter on a second stream (LoRALinear's overlap) the projection's output waits for the
-side stream's float32 delta and adds it, `y.add_(delta)`: a kernel of about 3 µs at one token on an
-H200, on the critical path of every adapted projection. Three of the four projections of a layer
+side stream's float32 delta and adds it, `y.add_(delta)`: a kernel of a few µs at one token, on the
+critical path of every adapted projection. Three of the four projections of a layer
 feed an op that reads their output once, right away: o_proj the post-attention RMSNorm (with the
 residual), gate_up the SiLU-and-multiply, down_proj the next layer's input RMSNorm (the model's
 final norm after the last layer). Those ops take the delta as one more input and add it as they

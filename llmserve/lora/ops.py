@@ -31,7 +31,9 @@ class LoRAOps:
 REFERENCE_LORA_OPS = LoRAOps()
 
 
-GEMM_EXPAND_MIN_WIDTH = 16384  # H200, 512 tokens: gate_up 27.7 µs as a GEMM vs 51.2; q/k/v, o, down slower
+# projections at least this wide expand as a GEMM (the MLP's gate/up: about twice as fast at 512
+# tokens); q/k/v, o and down are slower as a GEMM
+GEMM_EXPAND_MIN_WIDTH = 16384
 
 
 def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH,

@@ -14,7 +14,7 @@ _entries = list(dict.fromkeys(p for p in os.environ.get("PYTHONPATH", "").split(
 sys.path[:] = _entries + [p for p in sys.path if p not in _entries]
 
 # LLMSERVE_TRITON_HIDE_MODULES="sklearn,...": modules the stub treats as not installed. On an
-# image whose scipy needs numpy 2 while the stub needs numpy 1.x (the H200 image), transformers
+# image whose scipy needs numpy 2 while the stub needs numpy 1.x (docs/triton.md), transformers
 # imports sklearn, and so scipy, when it finds it; hidden, transformers leaves it alone.
 # (a module the stub imported already stays as it is)
 for _name in filter(None, (n.strip() for n in os.environ.get("LLMSERVE_TRITON_HIDE_MODULES", "").split(","))):
