@@ -1,5 +1,5 @@
 """Median time of a GPU call by CUDA events, eagerly (host launch costs included): for the
-device-call scripts' kernel and sampler timings (sampling_kernels_check.py, logprobs_micro.py, ...)."""
+device-call scripts' kernel timings (logprobs_micro.py, fresh_prefill_micro.py, pdl_chain_micro.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The sampler's GPU paths against their references (was scripts/gpu/sampler_check.py and the checks
-of sampling_kernels_check.py, whose timings stay a script), at 512 rows x 128,256 as a decode step of
-the 8B shape samples:
+"""The sampler's GPU paths against their references (were scripts/gpu/sampler_check.py and
+sampling_kernels_check.py), at 512 rows x 128,256 as a decode step of the 8B shape samples:
 - the two-stage argmax equals torch.argmax, ties included;
 - the penalties kernel equals `PenaltyState.apply_tensors` bit for bit;
 - the race kernel given torch's noise picks `exponential_race`'s tokens, and with its own noise draws
@@ -80,7 +79,7 @@ def test_race_kernel_picks_the_reference_tokens_and_draws_at_softmax_frequencies
     freq = torch.bincount(tokens, minlength=8).double() / DRAWS
     probs = torch.softmax(row.double() / 0.8, dim=-1)
     assert freq[3].item() == 0.0  # the -inf token
-    assert (freq - probs).abs().max().item() < 0.005  # 0.0015 on an H100, 2026-12-06
+    assert (freq - probs).abs().max().item() < 0.005  # a frequency's standard deviation over DRAWS draws: about 0.001
 
 
 @pytest.mark.parametrize("scale", [3.0, 0.3], ids=["peaked", "flat"])
@@ -115,4 +114,4 @@ def test_filtered_race_draws_at_the_nucleus_frequencies():
     kept = torch.isfinite(apply_top_k_top_p_min_p(row[None].double(), [0], [0.8], [0.0])[0])
     nucleus = torch.where(kept, torch.softmax(row.double(), dim=-1), 0.0)
     nucleus = nucleus / nucleus.sum()
-    assert (freq - nucleus).abs().max().item() < 0.005  # 0.0018 on an H100, 2026-12-06
+    assert (freq - nucleus).abs().max().item() < 0.005  # a frequency's standard deviation over DRAWS draws: about 0.001
