@@ -15,10 +15,21 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")  # mixtures of experts (model/moe_block.py)
 # family -> transformers' (config class, model class)
 _CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}  # fmt: skip
+            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+            "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+            "mixtral": ("MixtralConfig", "MixtralForCausalLM")}  # fmt: skip
+# the MoE families' small shape: 8 experts of 32, 2 a token (Qwen2-MoE's shared expert 64 wide)
+_MOE_SHAPES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}  # fmt: skip
+_MOE_ROUTER_SCALE, _MOE_EXPERT_SCALE = 25.0, 5.0
 
 # a minimal chat template, so random models can serve /v1/chat/completions in tests
 CHAT_TEMPLATE = (
@@ -36,6 +47,18 @@ _BASE = dict(
     bos_token_id=1,
     eos_token_id=2,
 )
+
+
+def _scale_experts(model: torch.nn.Module) -> None:
+    """Routers and experts drawn larger than the 0.02 initialisation: decisive routing (no near
+    ties) and expert outputs that outweigh the residual, so which experts run, and how their
+    outputs are weighted, decide the tokens."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(_MOE_ROUTER_SCALE)
+            elif ".mlp.experts." in name or ".mlp.shared_expert" in name:
+                param.mul_(_MOE_EXPERT_SCALE)
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 512) -> None:
@@ -72,14 +95,14 @@ def make_random_model(
     large shapes, whose random weights are made on the device)."""
     import transformers
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}")
+    if family not in FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES + MOE_FAMILIES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_cls, model_cls = (getattr(transformers, name) for name in _CLASSES[family])
     # Gemma 3: a small window and head, six layers (five slide, one is global): long prompts cross the window
     shape = {"head_dim": 16, "sliding_window": 16, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
-             "pad_token_id": 0} if family == "gemma3" else {}  # fmt: skip
+             "pad_token_id": 0} if family == "gemma3" else _MOE_SHAPES.get(family, {})  # fmt: skip
     kwargs = {**_BASE, **shape, "vocab_size": vocab_size, **overrides}
     if family == "qwen3":
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
@@ -93,6 +116,8 @@ def make_random_model(
         return out
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    if family in MOE_FAMILIES:
+        _scale_experts(model)
     model.save_pretrained(out, safe_serialization=True)
     build_tokenizer(out, vocab_size=min(vocab_size, 512))
     gen = out / "generation_config.json"

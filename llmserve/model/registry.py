@@ -16,6 +16,9 @@ from llmserve.model.interface import ModelFamily
 FAMILY_MODULES = (
     "llmserve.model.llama",  # Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3
     "llmserve.model.gemma3",  # Gemma 3 (text)
+    "llmserve.model.qwen3_moe",  # Qwen3-MoE
+    "llmserve.model.qwen2_moe",  # Qwen2-MoE (shared expert)
+    "llmserve.model.mixtral",  # Mixtral
 )
 
 
