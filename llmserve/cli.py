@@ -38,6 +38,10 @@ def _make_random_model(args: argparse.Namespace) -> None:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
         }  # fmt: skip
         overrides["rope_theta"] = 500000.0
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):  # the MoE families'
+        if getattr(args, key) is not None:  # Mixtral's experts are intermediate_size wide
+            overrides["intermediate_size" if key == "moe_intermediate_size" and args.family == "mixtral" else key] = (
+                getattr(args, key))  # fmt: skip
     path = make_random_model(
         args.out, args.family, seed=args.seed, vocab_size=args.vocab_size,
         config_only=args.config_only, **overrides,
@@ -102,7 +106,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     rm = sub.add_parser("make-random-model", help="write a small random-weight HF model folder")
     rm.add_argument("out")
-    rm.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    rm.add_argument("--family", default="llama",
+                    choices=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])  # fmt: skip
     rm.add_argument("--vocab-size", type=int, default=512)
     rm.add_argument("--hidden-size", type=int, default=64)
     rm.add_argument("--intermediate-size", type=int, default=128)
@@ -113,6 +118,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     rm.add_argument("--seed", type=int, default=0)
     rm.add_argument("--config-only", action="store_true", help="no weights: for --load-format dummy")
     rm.add_argument("--rope-scaling-llama3", action="store_true", help="Llama 3.1's rope scaling")
+    rm.add_argument("--num-experts", type=int, help="MoE families: experts per layer (default 8)")
+    rm.add_argument("--num-experts-per-tok", type=int, help="MoE families: experts a token (default 2)")
+    rm.add_argument("--moe-intermediate-size", type=int, help="MoE families: each expert's width (default 32)")
     rm.set_defaults(func=_make_random_model)
 
     fp8 = sub.add_parser("make-fp8-checkpoint", help="write a Hugging Face folder's projections as an FP8 checkpoint")

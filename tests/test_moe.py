@@ -155,3 +155,18 @@ def test_refused_features_are_errors_at_start(tmp_path, option, message):
     folder = make_random_model(tmp_path / "q3", "qwen3_moe", config_only=True)
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=str(folder), load_format="dummy", **option).create_engine_config()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_make_random_model_shapes_serve_dummy_weights(tmp_path, family):
+    """`llmserve make-random-model --config-only` with the MoE flags gives a folder whose config
+    parses into those experts and serves with dummy weights."""
+    from llmserve.cli import main
+
+    out = tmp_path / family
+    main(["make-random-model", str(out), "--family", family, "--config-only", "--num-experts", "16",
+          "--num-experts-per-tok", "4", "--moe-intermediate-size", "48"])  # fmt: skip
+    llm = LLM(str(out), load_format="dummy", max_model_len=64)
+    arch = llm.config.model_config.arch
+    assert (arch.num_experts, arch.top_k, arch.moe_intermediate_size) == (16, 4, 48)
+    assert len(_generate(llm, [[1, 5, 9]], 4)[0]) == 4
