@@ -43,8 +43,8 @@ only (batch size, KV heads, `meta.max_seq_len`, SM count); pass `num_splits=` to
 No launch reads device data on the host, so a call can be captured in a CUDA graph; the
 split count used at capture is baked in, and stays correct at replay for any sequence
 lengths because each program derives its key range from `seq_lens` on the device.
-Tile shapes per launch shape (and per grid size for decode) are the `_*_GPU` configs below,
-tuned on an H200; `config=` overrides them.
+Tile shapes per launch shape (and per grid size for decode) are the `_*_GPU` configs of the
+launch-tuning block at the top of this module; `config=` overrides them.
 """
 
 from __future__ import annotations
@@ -65,16 +65,58 @@ from llmserve.kernels.pdl import gdc_enter, launch_options
 
 LOG2E = 1.4426950408889634
 
-# split-KV policy (see choose_num_splits)
-DEFAULT_NUM_SMS = 132  # H200 / H100 SXM
+
+@dataclass(frozen=True)
+class AttnLaunchConfig:
+    """Tile shape and compiler knobs for one launch shape (decode-like or prefill)."""
+
+    block_m: int  # rows of (token, head-in-group) per program
+    block_n: int  # keys per inner iteration (spans block_n / page pages)
+    num_warps: int
+    num_stages: int
+
+
+# Launch tuning, all of it. The sweeps behind the values (bf16, 32/8 heads, head dim 128, block 16;
+# scripts/gpu/bench_kernels.py) are in docs/history/benchmarks.md: "Triton kernels", "mixed-step
+# attention", "issue 18's table again", "issue 18 again — later chunks by SDPA".
+# -- tiles
+# decode-like launches: 128-key steps at small and medium grids; from _DECODE_LARGE_PROGRAMS_PER_SM
+# programs per SM on, 64-key steps with 2 stages
+_DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
+_DECODE_GPU_LARGE = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+_DECODE_LARGE_PROGRAMS_PER_SM = 8
+# prefill launches: 128 x 32 tiles with 4 warps (faster than 128 x 64 with 8)
+_PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+# long prompts (queries of LONG_PREFILL_TOKENS and more on average, where `long_tiles_fit`): 256 x 64
+# tiles with 8 warps, 14-18 % faster than the above from 7,680 tokens up, a later chunk of a long
+# prompt included
+_PREFILL_GPU_LONG = AttnLaunchConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+LONG_PREFILL_TOKENS = 4096
+# the interpreter (a CPU): small tiles
+_DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+_PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
+# -- split-KV (choose_num_splits)
+DEFAULT_NUM_SMS = 132  # the SM count assumed off a GPU (on one, the device's own count is read)
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 32
 PROGRAMS_PER_SM_TARGET = 2
-# a mixed batch led by this many decodes runs them in their own launch (paged_attention_forward)
-MIN_DECODES_TO_SPLIT = 64  # H200: 600 decodes + 15 chunks 1.84 -> 1.30 ms; 64: 0.69 -> 0.65; 16: 0.59 -> 0.67
-# an FP8 cache is read back as float16 and the dots run in float16 (the queries cast to it, clamped
-# to its range): FP8 -> bfloat16 conversion made the FP8 cache slower than bf16 (decode 1.55 TB/s)
-FP8_KV_DOT_F16 = True
+# -- which launches and which paths a batch takes
+# a mixed batch led by this many decodes runs them in their own launch (paged_attention_forward):
+# under 64 decodes the second launch costs more than it saves
+MIN_DECODES_TO_SPLIT = 64
+# one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
+# else flash) on the new tokens' own q/k/v
+SDPA_PREFILL_TOKENS = 2048
+# fresh prompts from this many tokens up to SDPA_PREFILL_TOKENS: `fresh_prefill_attention` over their
+# own q/k/v, 1.4-1.6x the paged kernel at 512-2,048 tokens (kernels/fresh_prefill.py)
+FRESH_KERNEL_TOKENS = 512
+# cuDNN's causal attention over the kernel's, both in query-key pairs a second, at long chunks (a
+# fresh 16,384-token prompt, and the second 16,384-token chunk of a 32k prompt against the long
+# tiles); `pad_front_pays` weighs a chunk's front padding with it
+SDPA_SPEEDUP = 1.5
+# and a later chunk's whole sequence at least this long: shorter ones (2,048 after 2,048, 4,096 after
+# 1,024) were faster in the kernel; from there on the rule above held (bench_kernels.py --only chunks)
+SDPA_CHUNK_MIN_TOKENS = 5120
 
 
 @triton.jit
@@ -208,7 +250,11 @@ def _paged_attn_kernel(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )  # fmt: skip
-    if DOT_F16:  # keys and values then load as float16 too (`k.to(q.dtype)` in _attend_range)
+    # DOT_F16 (an FP8 cache under bfloat16 queries): the dots run in float16, the queries cast to it
+    # and clamped to its range, the keys and values read back as float16 (`k.to(q.dtype)` in
+    # _attend_range): FP8 -> float16 conversion is cheap, FP8 -> bfloat16 made the FP8 cache slower
+    # than a bf16 one, and float16 keeps more of the mantissa
+    if DOT_F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # -- this program's share of the keys ---------------------------------------------
@@ -316,54 +362,13 @@ def _reduce_splits_kernel(
 # -- launch configuration ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class AttnLaunchConfig:
-    """Tile shape and compiler knobs for one launch shape (decode-like or prefill)."""
-
-    block_m: int  # rows of (token, head-in-group) per program
-    block_n: int  # keys per inner iteration (spans block_n / page pages)
-    num_warps: int
-    num_stages: int
-
-
-# Chosen from sweeps on an H200 (bf16, 32/8 heads, D 128, block 16; scripts/gpu/bench_kernels.py):
-# decode at small/medium grids prefers 128-key steps (B=32 x 4096: 3.9 TB/s vs 3.5 with 64),
-# large grids (>= 8 programs per SM) 64-key steps with 2 stages (B=256: 4.0-4.35 TB/s);
-# prefill 16 x 1024 causal: 128 x 32 tiles with 4 warps, 264 TFLOP/s (128 x 64 / 8 warps: 233).
-_DECODE_GPU = AttnLaunchConfig(block_m=16, block_n=128, num_warps=4, num_stages=3)
-_DECODE_GPU_LARGE = AttnLaunchConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-_DECODE_LARGE_PROGRAMS_PER_SM = 8
-_PREFILL_GPU = AttnLaunchConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
-# long prompts (queries of LONG_PREFILL_TOKENS and more on average): 256 x 64 tiles, 8 warps; one 7,680-token
-# prompt 1.34 ms vs 1.53 with the above (362 vs 317 TFLOP/s), 16,384: 5.34 vs 6.21 ms, the
-# second 16,384-token chunk of a 32k prompt: 15.4 vs 18.2 ms (H200, 2026-12-01)
-_PREFILL_GPU_LONG = AttnLaunchConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
-LONG_PREFILL_TOKENS = 4096
-
-
 def long_tiles_fit(dtype: torch.dtype, head_dim_pad: int) -> bool:
     """The long tiles were sized for 16-bit queries of head dim 128: their shared memory grows with
-    both. In float32 at 128 they asked for 263,680 bytes where an H100 has 232,448 (the warm-up
-    failed there, 2026-12-06); 16-bit at 256 would ask as much. Those take the 128 x 32 tiles."""
+    both. In float32 at 128 they ask for 263,680 bytes of shared memory, more than the 232,448 a
+    block may have on Hopper GPUs (the warm-up's compile fails); 16-bit at 256 would ask as much.
+    Those take the 128 x 32 tiles."""
     return dtype.itemsize * head_dim_pad <= 2 * 128
 
-
-# one sequence with no cached context and at least this many new tokens: torch's SDPA (cuDNN,
-# else flash) on the new tokens' own q/k/v, 0.78 ms for 7,680 tokens (622 TFLOP/s)
-SDPA_PREFILL_TOKENS = 2048
-# fresh prompts from this many tokens up to SDPA_PREFILL_TOKENS: `fresh_prefill_attention` over their
-# own q/k/v, 1.4-1.6x the paged kernel at 512-2,048 tokens (kernels/fresh_prefill.py)
-FRESH_KERNEL_TOKENS = 512
-# cuDNN's causal attention over the kernel's, both in query-key pairs a second, at long chunks: a
-# 16,384-token prompt 650 TFLOP/s, the second 16,384-token chunk of a 32k prompt 425 in the long
-# tiles (H200, 2026-12-01); `pad_front_pays` weighs a chunk's front padding with it
-SDPA_SPEEDUP = 1.5
-# and a later chunk's whole sequence at least this long: 2,048 after 2,048 took 0.70 ms by SDPA,
-# 0.42 by the kernel, 4,096 after 1,024 0.46 against 0.65; from there on the rule above held
-# (bench_kernels.py --only chunks, H200, 2026-12-04)
-SDPA_CHUNK_MIN_TOKENS = 5120
-_DECODE_CPU = AttnLaunchConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-_PREFILL_CPU = AttnLaunchConfig(block_m=32, block_n=16, num_warps=1, num_stages=1)
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -599,7 +604,7 @@ def _launch(
         BLOCK_N=cfg.block_n, PAGE=page, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits, ONE_TILE_PER_SEQ=one_tile,
         DOT_PREC=_dot_precision(q.dtype),
-        DOT_F16=FP8_KV_DOT_F16 and kv_cache.dtype == FP8_KV and q.dtype == torch.bfloat16,
+        DOT_F16=kv_cache.dtype == FP8_KV and q.dtype == torch.bfloat16,
         SLIDING=window is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )  # fmt: skip
     if num_splits > 1:
@@ -689,9 +694,9 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
     scales = kv_scales if kv_cache.dtype == FP8_KV else (1.0, 1.0)
     num_seqs = meta.seq_lens.shape[0]
     if out is None and num_seqs == 1 and long and long[0][2] == q.shape[0]:
-        # one sequence, every row: SDPA's own output, not a copy of it (the copy took 0.96 ms of a
-        # 7,680-token TTFT on an H200, as a device-to-device memcpy: cuDNN's output is laid out as
-        # [T, H, D] already, so the model's reshape is a view; another layout would be copied there)
+        # one sequence, every row: SDPA's own output, not a copy of it (a copy would be a
+        # device-to-device memcpy of the whole output: cuDNN's output is laid out as [T, H, D]
+        # already, so the model's reshape is a view; another layout would be copied there)
         _, _, _, cached = long[0]
         if cached:
             return sdpa_after_prefix(q, kv_cache, meta.block_tables[0], cached, scale, kv_scales=scales)
@@ -719,8 +724,8 @@ def _attend_long_by_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_c
             decodes = max(0, min(meta.num_decode_seqs, long_seq) - seq)
             # always apart here, unlike paged_attention_forward's rule (which keeps fewer than 64
             # beside a short chunk): beside fresh long prompts the decodes' contexts are long, and a
-            # 128-row tile per decode costs 32x its keys' matrix work. 64 x 7,680 ran at 889.7-897.6
-            # tok/s this way, 886.9 with the shared rule (H200, 2026-12-03, another lease)
+            # 128-row tile per decode costs 32x its keys' matrix work (64 x 7,680 ran a little
+            # faster this way than with the shared rule: docs/history/benchmarks.md)
             if decodes:
                 launch(seq, decodes, decodes, 1)
             if seq + decodes < long_seq:
@@ -741,7 +746,7 @@ def fresh_single_prefill(meta: AttentionMetadata) -> bool:
 
 def sdpa_bucket(num_tokens: int) -> int:
     """The length a fresh prefill is padded to for SDPA: cuDNN builds an execution plan per
-    shape (~45 ms on an H200 the first time a length is seen), so lengths share 16 plans an
+    shape (tens of ms the first time a length is seen), so lengths share 16 plans an
     octave (at most 1/16 of padding); the warm-up builds them all (`warmup_sdpa_prefill`)."""
     step = max(1, triton.next_power_of_2(num_tokens + 1) // 32)  # the power of two at or below, / 16
     return -(-num_tokens // step) * step
