@@ -5,12 +5,11 @@ k/v `[n, Hkv, D]` (what `paged_attention.sdpa_prefill` computes, and what the pa
 a sequence whose every token is new).
 
 The paged kernel reads keys and values through the block table, and packs a GQA group's heads
-into the rows of its tiles. For a step of (c)'s prompts (16 x 1,024 tokens) it ran at 192-217
-TFLOP/s. This kernel reads them from the step's own contiguous k/v (strided views of the fused
-projection are fine), one query head per program, FlashAttention-2 style, and ran at 310-312
-(H200, 2026-12-04, scripts/gpu/fresh_prefill_micro.py): 0.44 against 0.72 ms a layer for
-16 x 1,024, 0.29 against 0.44 for 32 x 512, 0.71 against 1.02 for 8 x 2,048. The K/V of these
-prompts still go to the cache, written by the caller as before.
+into the rows of its tiles. This kernel reads them from the step's own contiguous k/v (strided views
+of the fused projection are fine), one query head per program, FlashAttention-2 style: 1.4-1.6x
+the paged kernel's speed for steps of 512- to 2,048-token prompts (scripts/gpu/fresh_prefill_micro.py;
+docs/history/benchmarks.md, "Fresh prompts of 512-2,047 tokens by their own kernel"). The K/V of
+these prompts still go to the cache, written by the caller as before.
 
 Grid `(tiles of the longest prompt, prompts, query heads)`. Program (t, s, h) takes BLOCK_M queries
 of prompt s, counting the tiles from the prompt's end, so each prompt's tiles with the most keys
@@ -37,9 +36,9 @@ import triton.language as tl
 from llmserve.host_copy import to_device
 
 LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, warps, stages) by the longest prompt, from the sweep above (H200, bf16, 32/8
-# heads, D 128): 32 x 512 best at 64 x 32 / 4 / 2, 16 x 1,024 at 64 x 64 / 4 / 3 (128 x 64 / 8
-# warps 5 % slower), 8 x 2,048 and 4 x 1,536 at 128 x 64 / 8 / 3
+# (BLOCK_M, BLOCK_N, warps, stages) by the longest prompt, the best of the sweep above (bf16, 32/8
+# heads, D 128): 32 x 512 at 64 x 32 / 4 / 2, 16 x 1,024 at 64 x 64 / 4 / 3 (128 x 64 / 8 warps
+# 5 % slower), 8 x 2,048 and 4 x 1,536 at 128 x 64 / 8 / 3
 _SHORT, _MEDIUM, _LONG = (64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)
 
 
