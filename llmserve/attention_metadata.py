@@ -30,6 +30,9 @@ class AttentionMetadata:
     # builder's `chunk_total_limit`, in batch order: a long one can go to SDPA over its whole
     # sequence, gathered from the cache. Empty: not listed
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()
+    # with several KV groups (engine/kv_layout.py): the metadata of groups 1, 2, ..., each with its
+    # own slot mapping and block tables (this one is group 0's); a layer attends with its group's
+    groups: tuple[AttentionMetadata, ...] = ()
 
 
 @dataclass(slots=True)

@@ -31,6 +31,12 @@ ENGINE_VARIANTS = {
 }
 
 
+# the preempt variants' block ids for families with sliding windows, in chunks of 16 tokens: their
+# sequences hold only a window's blocks in sliding layers (engine/kv_layout.py; gemma3's six
+# layers are six KV groups of one layer, so a block id is a sixth of llama's), block 0 reserved
+SLIDING_BLOCKS = {"mistral": 8, "gemma3": 36}
+
+
 @pytest.fixture(scope="module")
 def references(model_dirs):
     return {family: hf_greedy(path, _prompts(i), MAX_NEW) for i, (family, path) in enumerate(model_dirs.items())}
@@ -39,7 +45,10 @@ def references(model_dirs):
 @pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_greedy_matches_transformers(model_dirs, references, family, variant):
-    options = ENGINE_VARIANTS[variant]
+    options = dict(ENGINE_VARIANTS[variant])
+    if variant.startswith("preempt") and family in SLIDING_BLOCKS:
+        options.update(num_gpu_blocks_override=SLIDING_BLOCKS[family], enable_chunked_prefill=True,
+                       max_num_batched_tokens=16)  # fmt: skip
     llm = LLM(model_dirs[family], max_model_len=112, **options)
     index = list(model_dirs).index(family)
     prompts = [{"prompt_token_ids": p} for p in _prompts(index)]

@@ -43,12 +43,17 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+        """`reserved`: blocks 0 .. reserved - 1 are never handed out (a sliding window's freed
+        entries point at block 0: kv_layout.NULL_BLOCK)."""
+        if num_blocks < 1 + reserved:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
+        self.reserved = reserved
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        for block in self.blocks[:reserved]:
+            block.ref_cnt = 1  # held for good
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.cached: dict[BlockKey, tuple[int, int]] = {}  # key -> (block id, its generation then)
         self._evicted: list[BlockKey] = []  # keys whose entries went stale, until `drop_evicted`
 
@@ -57,8 +62,12 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def num_usable(self) -> int:
+        return self.num_blocks - self.reserved
+
+    @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.reserved - len(self.free_queue)
 
     def is_free(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_cnt == 0

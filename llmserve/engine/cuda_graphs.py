@@ -44,29 +44,38 @@ def capture_sizes(max_num_seqs: int, limit: int = 512) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, max_batch: int, max_blocks: int, max_seq_len: int, device: torch.device
-    ) -> None:
+        self, model: torch.nn.Module, max_batch: int, max_blocks: int, max_seq_len: int, device: torch.device,
+        groups: int = 1,
+    ) -> None:  # fmt: skip
+        """`groups`: KV groups (engine/kv_layout.py), each with its slots and block tables."""
         self.model = model
         self.device = device
         self.max_seq_len = max_seq_len
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        self.group_slot_mapping = torch.full((groups, max_batch), -1, dtype=torch.long, device=device)
+        self.group_block_tables = torch.zeros((groups, max_batch, max_blocks), dtype=torch.int32, device=device)
+        self.slot_mapping = self.group_slot_mapping[0]
         self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=device)
+        self.block_tables = self.group_block_tables[0]
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.sizes: list[int] = []
 
     def _meta(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.seq_lens[:n],
-            block_tables=self.block_tables[:n],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-        )
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self.group_slot_mapping[g, :n],
+                query_start_loc=self.query_start_loc[: n + 1],
+                seq_lens=self.seq_lens[:n],
+                block_tables=self.group_block_tables[g, :n],
+                max_query_len=1,
+                max_seq_len=self.max_seq_len,
+            )
+            for g in range(self.group_slot_mapping.shape[0])
+        ]
+        metas[0].groups = tuple(metas[1:])
+        return metas[0]
 
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
@@ -96,9 +105,12 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         fill: Callable[[torch.Tensor], None] | None = None,
+        group_slots: torch.Tensor | None = None,
+        group_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Inputs are host tensors of the real batch (n rows); `fill` completes the input
-        ids on the device (tokens of the previous step). Returns hidden [n, H]."""
+        ids on the device (tokens of the previous step); `group_slots` [G - 1, n] and
+        `group_tables` [G - 1, n, width]: KV groups 1, 2, ...'s. Returns hidden [n, H]."""
         n = input_ids.shape[0]
         size = self.padded_size(n)
         graph, out = self.graphs[size]
@@ -110,10 +122,13 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         width = block_tables.shape[1]
         self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if group_slots is not None:
+            self.group_slot_mapping[1:, :n].copy_(group_slots, non_blocking=True)
+            self.group_block_tables[1:, :n, :width].copy_(group_tables, non_blocking=True)
         if n < size:
-            self.slot_mapping[n:size].fill_(-1)
+            self.group_slot_mapping[:, n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size].zero_()
+            self.group_block_tables[:, n:size].zero_()
         graph.replay()
         return out[:n]
 

@@ -72,12 +72,25 @@ class EngineCore:
         num_cpu_blocks = self.runner.num_swap_blocks()
         bs = config.cache_config.block_size
         max_len = config.model_config.max_model_len
-        if num_blocks * bs < max_len:
+        layout = self.runner.kv_layout
+        if layout.simple:
+            one_sequence = -(-max_len // bs)
+        else:  # a sequence of max_len, its last chunk computed, over every group (+ the null block)
+            chunk = (
+                config.scheduler_config.max_num_batched_tokens
+                if config.scheduler_config.enable_chunked_prefill
+                else max_len
+            )
+            one_sequence = layout.blocks_held(max(0, max_len - chunk), max_len, bs) + int(layout.sliding)
+        if num_blocks < one_sequence:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks x {bs} = {num_blocks * bs} tokens, "
-                f"fewer than max_model_len {max_len}: lower --max-model-len or give the KV "
-                "cache more memory (--gpu-memory-utilization / kv_cache_memory_bytes)"
+                f"fewer than one sequence of max_model_len {max_len} needs ({one_sequence} blocks, {layout}): "
+                "lower --max-model-len or give the KV cache more memory (--gpu-memory-utilization / "
+                "kv_cache_memory_bytes)"
             )
+        if not layout.simple:
+            logger.info("KV cache layout: %s", layout)
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
         kv_scales = self.runner.set_kv_scales()
         if kv_scales.scales:
@@ -88,7 +101,7 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         phase("CUDA graphs")
         logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
-        self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks)
+        self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout)
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None)  # fmt: skip
         self.loras = LoRAManager(config.lora, config.model_config.arch, self.runner.lora) if self.runner.lora else None

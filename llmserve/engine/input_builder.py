@@ -9,6 +9,7 @@ into a CUDA graph's buffers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -63,6 +64,10 @@ class BatchInputs:
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()  # AttentionMetadata.chunk_seqs
     sample_seqs: list[int] = field(default_factory=list)  # the sequence of each row in logits_indices
+    # several KV groups (engine/kv_layout.py): slot_mapping and block_tables above are group 0's;
+    # these are groups 1, 2, ...'s: [G - 1, T] int64 and [G - 1, B, max_blocks] int32
+    group_slots: np.ndarray | None = None
+    group_tables: np.ndarray | None = None
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return (
@@ -75,7 +80,7 @@ class BatchInputs:
         def t(values, dtype):
             return to_device(values, dtype, device)
 
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=t(self.slot_mapping, torch.long),
             query_start_loc=t(self.query_start_loc, torch.int32),
             seq_lens=t(self.seq_lens, torch.int32),
@@ -86,6 +91,12 @@ class BatchInputs:
             fresh_seqs=self.fresh_seqs,
             chunk_seqs=self.chunk_seqs,
         )
+        if self.group_slots is not None:
+            meta.groups = tuple(
+                dataclasses.replace(meta, slot_mapping=t(slots, torch.long), block_tables=t(table, torch.int32))
+                for slots, table in zip(self.group_slots, self.group_tables)
+            )
+        return meta
 
     def sampled_rows(self, meta: AttentionMetadata, device: torch.device) -> SampledRows:
         """The rows of `logits_indices`, and the attention of their queries alone over the cache
@@ -93,29 +104,38 @@ class BatchInputs:
         mapping stays (every row's keys and values are still written)."""
         seqs = self.sample_seqs
         seq_lens = [self.seq_lens[i] for i in seqs]
-        return SampledRows(
-            rows=to_device(self.logits_indices, torch.long, device),
-            meta=AttentionMetadata(
-                slot_mapping=meta.slot_mapping,
-                query_start_loc=to_device(list(range(len(seqs) + 1)), torch.int32, device),
-                seq_lens=to_device(seq_lens, torch.int32, device),
-                block_tables=to_device(self.block_tables[seqs], torch.int32, device),
-                max_query_len=1,
-                max_seq_len=max(seq_lens, default=0),
-                num_decode_seqs=len(seqs),
-            ),
+        sampled = AttentionMetadata(
+            slot_mapping=meta.slot_mapping,
+            query_start_loc=to_device(list(range(len(seqs) + 1)), torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
+            block_tables=to_device(self.block_tables[seqs], torch.int32, device),
+            max_query_len=1,
+            max_seq_len=max(seq_lens, default=0),
+            num_decode_seqs=len(seqs),
         )
+        if self.group_tables is not None:
+            sampled.groups = tuple(
+                dataclasses.replace(
+                    sampled, slot_mapping=group.slot_mapping, block_tables=to_device(table[seqs], torch.int32, device)
+                )  # fmt: skip
+                for group, table in zip(meta.groups, self.group_tables)
+            )
+        return SampledRows(rows=to_device(self.logits_indices, torch.long, device), meta=sampled)
 
 
 class InputBuilder:
     """Flattens steps; keeps the running requests' block tables between steps. Chunks after a
     cached prefix are listed (`chunk_seqs`) when the whole sequence is at most `chunk_total_limit`
-    tokens (0: none listed)."""
+    tokens (0: none listed). With `groups` KV groups a request's block list interleaves the groups'
+    ids (engine/kv_layout.py), and each group gets its own slots and block tables."""
 
-    def __init__(self, block_size: int, max_num_seqs: int, max_blocks: int, chunk_total_limit: int = 0) -> None:
+    def __init__(self, block_size: int, max_num_seqs: int, max_blocks: int, chunk_total_limit: int = 0,
+                 groups: int = 1) -> None:  # fmt: skip
         self.block_size = block_size
         self.chunk_total_limit = chunk_total_limit
-        self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks)
+        self.groups = groups
+        self.max_blocks = max_blocks  # a group's columns
+        self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks * groups)
 
     def build(self, rows: list[RowInput], last_rows: dict[str, int] | None = None) -> BatchInputs:
         """Decode rows take a fast path: one token, one slot. `last_rows`: request id -> row of
@@ -176,12 +196,29 @@ class InputBuilder:
                                            for i in range(3))  # fmt: skip
         table_rows = self.block_tables.rows_for([(row.request_id, row.block_ids) for row in rows])
         # copy only the columns this batch uses (`table_width`)
-        width = table_width(max(len(row.block_ids) for row in rows), self.block_tables.max_blocks)
-        return BatchInputs(
+        groups = self.groups
+        width = table_width(max(len(row.block_ids) for row in rows) // groups, self.max_blocks)
+        batch = BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
-            self.block_tables.table[table_rows, :width], logits_indices, max_query, fill_positions, fill_rows,
-            decode_lead, tuple(fresh), tuple(chunks), sample_seqs,
+            self.block_tables.table[table_rows, : width * groups], logits_indices, max_query, fill_positions,
+            fill_rows, decode_lead, tuple(fresh), tuple(chunks), sample_seqs,
         )  # fmt: skip
+        if groups > 1:
+            self._split_groups(batch, width)
+        return batch
+
+    def _split_groups(self, batch: BatchInputs, width: int) -> None:
+        """Each group's slots and block table, from the interleaved tables (the slots the loop in
+        `build` made read the tables as one group's)."""
+        groups, bs = self.groups, self.block_size
+        tables = batch.block_tables.reshape(len(batch.seq_lens), width, groups)
+        seq_of_token = np.repeat(np.arange(len(batch.seq_lens)), np.diff(batch.query_start_loc))
+        pos = np.asarray(batch.positions, dtype=np.int64)
+        slots = tables[seq_of_token, pos // bs].astype(np.int64) * bs + (pos % bs)[:, None]  # [T, G]
+        batch.slot_mapping = np.ascontiguousarray(slots[:, 0])
+        batch.group_slots = np.ascontiguousarray(slots[:, 1:].T)
+        batch.block_tables = np.ascontiguousarray(tables[:, :, 0])
+        batch.group_tables = np.ascontiguousarray(tables[:, :, 1:].transpose(2, 0, 1))
 
     def forget_all(self) -> None:
         """Release every request's row (after a profile run's made-up requests)."""

@@ -2,12 +2,21 @@
 
 Check-then-act: `get_computed_blocks` only looks; `allocate_slots` either takes every
 block a step needs or changes nothing.
+
+With several KV groups (engine/kv_layout.py) a request's list interleaves the groups' ids of
+each logical block, and a sliding group's blocks wholly before its window are released (their
+entries become NULL_BLOCK) when a step starts past them. Each group's blocks enter the prefix
+cache under their own key; a cached prefix serves when every full-attention group has all its
+blocks and every sliding group the blocks of its last window.
 """
 
 from __future__ import annotations
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
+from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request
+
+NO_SWAP = -1  # a swapped-out request's entry for a released (NULL_BLOCK) one
 
 
 class KVCacheManager:
@@ -17,14 +26,22 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         num_cpu_blocks: int = 0,
+        layout: KVLayout | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.layout = layout or single_group(1)
+        self.groups = self.layout.num_groups
+        self.pool = BlockPool(num_blocks, reserved=1 if self.layout.sliding else 0)
         self.swap_pool = SwapPool(num_cpu_blocks)
         self.req_blocks: dict[str, list[int]] = {}
         self.req_cpu_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # full blocks already offered to the cache
+        # sliding groups: (group, window) of each; per request, the logical blocks each group has
+        # released, and the position from which a step releases more
+        self._sliding = [(g, w) for g, w in enumerate(self.layout.windows) if w is not None]
+        self._released: dict[str, list[int]] = {}
+        self._release_at: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -54,6 +71,11 @@ class KVCacheManager:
             parent = hash(keys[-1]) if keys else None
             keys.append(BlockKey(parent, tuple(tokens[i * bs : (i + 1) * bs]), salt))
 
+    @staticmethod
+    def _group_key(key: BlockKey, group: int) -> BlockKey:
+        """Group `group`'s key of a block (group 0 uses the block's own key)."""
+        return key if group == 0 else key._replace(salt=(key.salt, group))
+
     def get_computed_blocks(self, req: Request) -> list[int]:
         """Cached blocks holding the longest prefix of `req` (the last token is never
         served from cache: its logits are needed). Keys are made only up to the first
@@ -65,6 +87,8 @@ class KVCacheManager:
         num_full = (req.num_tokens - 1) // self.block_size
         keys = req.block_hashes
         lookup = self.pool.lookup
+        if self.groups > 1 or self.layout.sliding:
+            return self._computed_groups(req, num_full, salt)
         hits = []
         for i in range(num_full):
             if i == len(keys):
@@ -74,6 +98,31 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def _computed_groups(self, req: Request, num_full: int, salt: str | None) -> list[int]:
+        """`get_computed_blocks` over several groups: walk while every full-attention group hits
+        (with none, while any group hits), then take the longest prefix whose sliding groups hold
+        the blocks of its last window; their earlier entries are NULL_BLOCK."""
+        keys = req.block_hashes
+        lookup, layout, bs, groups = self.pool.lookup, self.layout, self.block_size, self.groups
+        full = [g for g in range(groups) if layout.windows[g] is None]
+        found: list[list[int | None]] = []
+        for i in range(num_full):
+            if i == len(keys):
+                self._extend_keys(req, i + 1, salt)
+            ids = [lookup(self._group_key(keys[i], g)) for g in range(groups)]
+            if (any(ids[g] is None for g in full)) if full else all(b is None for b in ids):
+                break
+            found.append(ids)
+        for n in range(len(found), 0, -1):
+            firsts = [layout.first_needed(g, n * bs, bs) for g in range(groups)]
+            if all(found[i][g] is not None for g in range(groups) for i in range(firsts[g], n)):
+                return [found[i][g] if i >= firsts[g] else NULL_BLOCK for i in range(n) for g in range(groups)]
+        return []
+
+    def num_hit_blocks(self, computed: list[int]) -> int:
+        """Logical blocks a `get_computed_blocks` answer covers."""
+        return len(computed) // self.groups
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted lookup (only the global cache is reported)."""
@@ -93,10 +142,18 @@ class KVCacheManager:
         blocks = self.req_blocks.get(req.request_id)
         if not blocks:
             return
-        num_full = min(num_full, len(blocks))
+        groups = self.groups
+        num_full = min(num_full, len(blocks) // groups)
         keys = self._block_keys(req, num_full)
-        for i in range(start, num_full):
-            self.pool.register(blocks[i], keys[i])
+        if groups == 1 and not self.layout.sliding:
+            for i in range(start, num_full):
+                self.pool.register(blocks[i], keys[i])
+        else:
+            for i in range(start, num_full):
+                for g in range(groups):
+                    block = blocks[i * groups + g]
+                    if block != NULL_BLOCK:  # (released behind its window before it was offered)
+                        self.pool.register(block, self._group_key(keys[i], g))
         self._num_registered[req.request_id] = num_full
 
     def _known_full_blocks(self, req: Request) -> int:
@@ -109,59 +166,120 @@ class KVCacheManager:
 
     # -- allocation -------------------------------------------------------------------
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:
-        """Free blocks this step would consume (new blocks plus free cached hits)."""
-        have = len(self.req_blocks.get(req.request_id, ())) + len(computed)
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        new = max(0, -(-total // self.block_size) - have)
-        return new + sum(1 for b in computed if self.pool.is_free(b))
+        """Free blocks this step would consume (new blocks plus free cached hits, less the blocks
+        a sliding group releases first)."""
+        groups = self.groups
+        have = len(self.req_blocks.get(req.request_id, ())) // groups + len(computed) // groups
+        start = req.num_computed_tokens + len(computed) // groups * self.block_size
+        total = start + num_new_tokens
+        new = max(0, -(-total // self.block_size) - have) * groups
+        hits = sum(1 for b in self._held(computed) if self.pool.is_free(b)) if computed else 0
+        if self.layout.sliding and not computed:
+            new -= len(self._behind_windows(req, start, release=False))
+        return new + hits
+
+    def _held(self, blocks: list[int]) -> list[int]:
+        """The entries of a block list that hold a block (with a sliding group, not NULL_BLOCK)."""
+        return [b for b in blocks if b != NULL_BLOCK] if self._sliding else blocks
+
+    def _behind_windows(self, req: Request, start: int, release: bool) -> list[int]:
+        """The sliding groups' held blocks that no step computing tokens from `start` on reads;
+        with `release`, freed (their entries become NULL_BLOCK)."""
+        rid = req.request_id
+        blocks = self.req_blocks.get(rid)
+        if not blocks or start < self._release_at.get(rid, 0):
+            return []
+        groups, bs = self.groups, self.block_size
+        released = self._released.get(rid) or [0] * groups
+        behind = []
+        for g, window in self._sliding:
+            upto = max(0, start - window + 1) // bs
+            for j in range(released[g] * groups + g, upto * groups + g, groups):
+                if blocks[j] != NULL_BLOCK:
+                    behind.append(blocks[j])
+                    if release:
+                        blocks[j] = NULL_BLOCK
+            if release:
+                released[g] = max(released[g], upto)
+        if release:
+            self._released[rid] = released
+            self._release_at[rid] = min((released[g] + 1) * bs + window - 1 for g, window in self._sliding)
+            self.pool.free(behind)
+        return behind
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[int] = (), reserve: int = 0) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after `computed` cache hits),
         keeping `reserve` blocks free. All or nothing."""
+        groups = self.groups
         if not computed:  # the common decode case: the last block still has room
             blocks = self.req_blocks.get(req.request_id)
-            if blocks and req.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            if blocks and req.num_computed_tokens + num_new_tokens <= len(blocks) // groups * self.block_size:
+                if self._sliding:
+                    self._behind_windows(req, req.num_computed_tokens, release=True)
                 return True
         needed = self.blocks_needed(req, num_new_tokens, computed)
         if needed > self.pool.num_free - reserve:
             return False
+        start = req.num_computed_tokens + len(computed) // groups * self.block_size
         blocks = self.req_blocks.setdefault(req.request_id, [])
         if computed:
-            self.pool.touch(computed)
+            self.pool.touch(self._held(computed))
             blocks.extend(computed)
-            self._num_registered[req.request_id] = len(blocks)
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        missing = -(-total // self.block_size) - len(blocks)
+            self._num_registered[req.request_id] = len(blocks) // groups
+            if self._sliding:  # the hits' entries before each window are NULL_BLOCK already
+                self._released[req.request_id] = [self.layout.first_needed(g, start, self.block_size)
+                                                  for g in range(groups)]  # fmt: skip
+        elif self._sliding:
+            self._behind_windows(req, start, release=True)
+        total = start + num_new_tokens
+        missing = -(-total // self.block_size) - len(blocks) // groups
         if missing > 0:
-            blocks.extend(self.pool.allocate(missing))
+            blocks.extend(self.pool.allocate(missing * groups))
         return True
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; its tail blocks are evicted first."""
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
-            self.pool.free(reversed(blocks))
+            self.pool.free(reversed(self._held(blocks)))
         cpu_blocks = self.req_cpu_blocks.pop(req.request_id, None)
         if cpu_blocks:
-            self.swap_pool.free(cpu_blocks)
+            self.swap_pool.free(b for b in cpu_blocks if b != NO_SWAP)
         self._num_registered.pop(req.request_id, None)
+        self._released.pop(req.request_id, None)
+        self._release_at.pop(req.request_id, None)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.req_blocks[request_id]
 
     def num_allocated_blocks(self, request_id: str) -> int:
+        """Logical blocks of the request (each of its groups holds one id for each)."""
         blocks = self.req_blocks.get(request_id)
-        return len(blocks) if blocks else 0
+        return len(blocks) // self.groups if blocks else 0
+
+    def blocks_for(self, start: int, end: int) -> int:
+        """Block ids a sequence holds over every group while tokens [start, end) are computed
+        (one per logical block for a single full-attention group)."""
+        if self.layout.simple:
+            return -(-end // self.block_size)
+        return self.layout.blocks_held(start, end, self.block_size)
 
     # -- swap -------------------------------------------------------------------------
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move the request's blocks to CPU swap blocks; None when swap space is short."""
         blocks = self.req_blocks.get(req.request_id, [])
-        if not blocks or len(blocks) > self.swap_pool.num_free:
+        held = self._held(blocks)
+        if not blocks or len(held) > self.swap_pool.num_free:
             return None
-        cpu_blocks = self.swap_pool.allocate(len(blocks))
-        mapping = list(zip(blocks, cpu_blocks))
-        self.pool.free(reversed(self.req_blocks.pop(req.request_id)))
+        cpu_held = self.swap_pool.allocate(len(held))
+        mapping = list(zip(held, cpu_held))
+        if self.layout.sliding:
+            it = iter(cpu_held)
+            cpu_blocks = [NO_SWAP if b == NULL_BLOCK else next(it) for b in blocks]
+        else:
+            cpu_blocks = cpu_held
+        self.pool.free(reversed(held))
+        del self.req_blocks[req.request_id]
         self.req_cpu_blocks[req.request_id] = cpu_blocks
         self._num_registered.pop(req.request_id, None)
         return mapping
@@ -169,12 +287,27 @@ class KVCacheManager:
     def swap_in(self, req: Request, reserve: int = 0) -> list[tuple[int, int]] | None:
         """Bring a swapped request's blocks back to the device; None when blocks are short."""
         cpu_blocks = self.req_cpu_blocks[req.request_id]
-        if len(cpu_blocks) > self.pool.num_free - reserve:
+        held = [b for b in cpu_blocks if b != NO_SWAP] if self.layout.sliding else cpu_blocks
+        if len(held) > self.pool.num_free - reserve:
             return None
-        gpu_blocks = self.pool.allocate(len(cpu_blocks))
-        self.req_blocks[req.request_id] = gpu_blocks
-        self.swap_pool.free(self.req_cpu_blocks.pop(req.request_id))
-        return list(zip(cpu_blocks, gpu_blocks))
+        gpu_held = self.pool.allocate(len(held))
+        if self.layout.sliding:
+            it = iter(gpu_held)
+            self.req_blocks[req.request_id] = [NULL_BLOCK if b == NO_SWAP else next(it) for b in cpu_blocks]
+        else:
+            self.req_blocks[req.request_id] = gpu_held
+        self.swap_pool.free(held)
+        del self.req_cpu_blocks[req.request_id]
+        return list(zip(held, gpu_held))
+
+    def swap_in_blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Device blocks a swapped-out request takes to swap in and compute `num_new_tokens`."""
+        total = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+        if not self._sliding and self.groups == 1:
+            return total
+        cpu_blocks = self.req_cpu_blocks[req.request_id]
+        held = sum(b != NO_SWAP for b in cpu_blocks)
+        return held + max(0, total - len(cpu_blocks) // self.groups) * self.groups
 
     # -- stats ------------------------------------------------------------------------
     @property
@@ -183,7 +316,7 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return self.pool.num_used / self.pool.num_blocks
+        return self.pool.num_used / self.pool.num_usable
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_cache()

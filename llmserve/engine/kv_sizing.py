@@ -10,26 +10,45 @@ from __future__ import annotations
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.engine.kv_layout import KVLayout, plan_layout
 from llmserve.model.interface import ModelArch
 from llmserve.model.registry import family_of
 
 DEFAULT_CPU_KV_BYTES = 256 << 20
 
 
+def kv_layout(arch: ModelArch) -> KVLayout:
+    """How the layers share the cache (engine/kv_layout.py), from the family's attention specs."""
+    specs = family_of(arch).attention(arch)
+    return plan_layout([s.window for s in specs], [s.kv_width for s in specs])
+
+
 def bytes_per_block(arch: ModelArch, block_size: int, kv_dtype: torch.dtype) -> int:
-    """Keys and values of `block_size` tokens in every layer (of this rank's KV heads), as the
-    model's family declares its layers' attention."""
+    """Keys and values of `block_size` tokens in the layers one block id covers (of this rank's
+    KV heads): every layer with one KV group, a group's layers with several."""
     elem = torch.tensor([], dtype=kv_dtype).element_size()
-    widths = sum(spec.kv_width for spec in family_of(arch).attention(arch))
+    specs = family_of(arch).attention(arch)
+    layout = kv_layout(arch)
+    if layout.num_groups == 1:
+        widths = sum(spec.kv_width for spec in specs)
+    else:
+        widths = layout.layers_per_group * specs[0].kv_width
     return 2 * block_size * widths * elem
 
 
-def cpu_num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+def cpu_num_blocks(block_bytes: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                   layout: KVLayout | None = None) -> int:  # fmt: skip
     """Blocks on a CPU: DEFAULT_CPU_KV_BYTES, no more than every sequence can use, and at least
-    one sequence of max_model_len (SmolLM2's 8,192 tokens need 377 MB)."""
+    one sequence of max_model_len (SmolLM2's 8,192 tokens need 377 MB); with several KV groups a
+    sequence's prompt computed in one step holds a block per group, and a sliding layout
+    reserves one block (kv_layout.NULL_BLOCK)."""
     per_seq = -(-max_model_len // block_size)
-    max_useful = max_num_seqs * per_seq + 1
-    return max(1, per_seq, min(DEFAULT_CPU_KV_BYTES // block_bytes, max_useful))
+    reserved = 0
+    if layout is not None:
+        per_seq *= layout.num_groups
+        reserved = int(layout.sliding)
+    max_useful = max_num_seqs * per_seq + 1 + reserved
+    return max(1, per_seq + reserved, min(DEFAULT_CPU_KV_BYTES // block_bytes, max_useful))
 
 
 def graph_memory_reserve(config: EngineConfig, activations: int, num_tokens: int) -> int:

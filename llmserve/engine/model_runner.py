@@ -24,7 +24,7 @@ from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
-from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget
+from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget, kv_layout
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
@@ -58,8 +58,7 @@ def warm_sampling_batches() -> tuple[tuple[SamplingParams, ...], ...]:
     top-k/top-p, top-p alone, seeds, penalties, logprobs: the kernel's two widths, every row asking
     and some), alone and beside another kind of row. The sampling kernels specialize on whether a
     launch has a row list, temperatures and seeds, so the filtered race gets each of its eight
-    variants and the race its four (a seeded top-p batch with no greedy row once compiled inside
-    a timed run on a fresh H200: −8.4 % against −1.4 % warm, 2026-12-06)."""
+    variants and the race its four (a variant first met inside a timed run compiles there)."""
     greedy = SamplingParams(temperature=0.0)
     filtered = [SamplingParams(temperature=t, top_p=0.95, seed=seed) for t in (0.8, 1.0) for seed in (None, 1)]
     return ((SamplingParams(temperature=1.0),), (SamplingParams(temperature=0.8),),
@@ -162,6 +161,7 @@ class ModelRunner:
         self.kv_dtype = kv_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
         self.block_size = config.cache_config.block_size
         self.arch = local_arch(mc.arch, tp.world_size)  # this rank's heads
+        self.kv_layout = kv_layout(self.arch)  # how the layers share the cache: one block table per group
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
@@ -186,7 +186,8 @@ class ModelRunner:
         # (`paged_attention.sdpa_after_prefix`): its transient q/k/v/output (about 20 KiB a token on
         # the 8B shape) stay below the profile run's MLP transients (86 KiB a step's token)
         self.sdpa_chunk_limit = min(mc.max_model_len, 2 * sc.max_num_batched_tokens)
-        self.inputs = InputBuilder(self.block_size, sc.max_num_seqs, self.max_blocks, self.sdpa_chunk_limit)
+        self.inputs = InputBuilder(self.block_size, sc.max_num_seqs, self.max_blocks, self.sdpa_chunk_limit,
+                                   self.kv_layout.num_groups)  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
@@ -211,7 +212,8 @@ class ModelRunner:
             budget = self.profile_kv_budget()
         else:
             sc = self.config.scheduler_config
-            return cpu_num_blocks(self.bytes_per_block, self.block_size, sc.max_model_len, sc.max_num_seqs)
+            return cpu_num_blocks(self.bytes_per_block, self.block_size, sc.max_model_len, sc.max_num_seqs,
+                                  self.kv_layout)  # fmt: skip
         return max(0, budget // self.bytes_per_block)
 
     def num_swap_blocks(self) -> int:
@@ -240,8 +242,9 @@ class ModelRunner:
         sc = self.config.scheduler_config
         num_tokens = sc.max_num_batched_tokens
         num_seqs = min(sc.max_num_seqs, num_tokens)
-        blocks_needed = num_seqs * (-(-sc.max_model_len // self.block_size)) + 1
-        blocks = min(blocks_needed, -(-num_tokens // self.block_size) + num_seqs)
+        groups = self.kv_layout.num_groups
+        blocks_needed = num_seqs * (-(-sc.max_model_len // self.block_size)) * groups + 1
+        blocks = min(blocks_needed, (-(-num_tokens // self.block_size) + num_seqs) * groups)
         self.init_kv_cache(blocks, 0, False)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -266,7 +269,7 @@ class ModelRunner:
 
     def _dummy_forward(self, num_seqs: int, seq_len: int, token_ids: list[int] | None = None) -> None:
         bs = self.block_size
-        blocks_per_seq = -(-seq_len // bs)
+        blocks_per_seq = -(-seq_len // bs) * self.kv_layout.num_groups  # (interleaved: engine/kv_layout.py)
         num_blocks = self.kv_caches[0].shape[1]
         rows = [
             RowInput(f"profile-{i}", [(i * blocks_per_seq + j) % num_blocks for j in range(blocks_per_seq)],
@@ -282,16 +285,24 @@ class ModelRunner:
 
     @on_every_rank
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int, arena: bool = True) -> None:
-        """The KV cache: one tensor per layer; with sleep mode (`arena`), views of one arena."""
+        """The KV cache: one tensor per cache slot of the KV layout (per layer with one group: the
+        groups' layers share them); with sleep mode (`arena`), views of one arena."""
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        slots = self.kv_layout.layers_per_group
         if arena and self.config.enable_sleep_mode and num_blocks:
             self.kv_caches = self.sleep_mode.arena_kv_caches(num_blocks, shape, self.kv_dtype)
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(a.num_layers)]
-        for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
-            layer.kv_cache = cache
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(slots)]
+        self._bind_kv_caches()
         self.init_cpu_caches(num_cpu_blocks)
+
+    def _bind_kv_caches(self) -> None:
+        """Each attention layer's cache tensor and KV group (its block table)."""
+        layout = self.kv_layout
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.kv_cache = self.kv_caches[layout.layer_slot[i]] if self.kv_caches else torch.empty(0)
+            layer.kv_group = layout.layer_group[i]
 
     @on_every_rank
     def set_kv_scales(self) -> KVScales:
@@ -316,7 +327,7 @@ class ModelRunner:
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_caches = [
-            torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(a.num_layers)
+            torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(self.kv_layout.layers_per_group)
         ] if num_cpu_blocks else []  # fmt: skip
 
     def cache_sizes(self) -> tuple[int, int]:
@@ -373,10 +384,9 @@ class ModelRunner:
     def _warm_lm_head(self, pool: WarmupPool | None = None) -> int:
         """The LM head at every row count a step can take (engine/logits_rows.py), and greedy
         sampling's argmax on few rows and on many: a kernel's first launch in the process
-        loads its module and blocks the host until the device is idle. On the H200 a run's
-        first steps lost 325-680 ms of host time to the LM head so, the device then waiting for
-        their next launch (front_probe.py, 2026-12-04). Then each sampling path (`_warm_sampling`,
-        on `pool`'s threads if given). Returns the number of row counts."""
+        loads its module and blocks the host until the device is idle (hundreds of ms of a run's
+        first steps otherwise; docs/history/benchmarks.md). Then each sampling path
+        (`_warm_sampling`, on `pool`'s threads if given). Returns the number of row counts."""
         counts = warm_counts(self.config.scheduler_config.max_num_seqs)
         with torch.inference_mode():
             hidden = torch.zeros(counts[-1], self.arch.hidden_size, dtype=self.dtype, device=self.device)
@@ -388,8 +398,8 @@ class ModelRunner:
         return len(counts)
 
     def _warm_sampling(self, logits: torch.Tensor, pool: WarmupPool | None = None) -> None:
-        """The sampler once on each batch of `warm_sampling_batches`, on rows of `logits` (a first
-        run with temperature 1 blocked 334 ms in the sampler on the H200 otherwise); every trace of
+        """The sampler once on each batch of `warm_sampling_batches`, on rows of `logits` (so no
+        first sampling run compiles while serving); every trace of
         the dummy requests is then forgotten. On a pool's threads each batch has a sampler of its
         own (a sampler keeps a batch's plan); the compiled kernels are the process's."""
         threads = pool is not None and pool.workers > 1 and type(self.sampler) is Sampler
@@ -412,7 +422,12 @@ class ModelRunner:
         sizes = capture_sizes(sc.max_num_seqs)
         try:  # buffers and capture: a failure (memory, a collective) falls back to eager steps
             self.graphs = DecodeGraphs(
-                self.model, sizes[-1], self.max_blocks, self.config.model_config.max_model_len, self.device
+                self.model,
+                sizes[-1],
+                self.max_blocks,
+                self.config.model_config.max_model_len,
+                self.device,
+                self.kv_layout.num_groups,
             )
             self.graphs.capture(sizes)
             captured = 1
@@ -555,6 +570,14 @@ class ModelRunner:
                 staged(batch.seq_lens, torch.int32, self.device),
                 staged(batch.block_tables, torch.int32, self.device),
                 fill,
+                *(
+                    ()
+                    if batch.group_slots is None
+                    else (
+                        staged(batch.group_slots, torch.long, self.device),
+                        staged(batch.group_tables, torch.int32, self.device),
+                    )
+                ),
             ), batch.logits_indices
         if self.mixed_graphs is not None and self.mixed_graphs.padded_size(len(batch.input_ids)) is not None:
             return self.mixed_graphs.run(

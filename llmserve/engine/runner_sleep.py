@@ -6,7 +6,7 @@ Two ways, chosen at start (`enable_sleep_mode`):
   the CUDA graphs; a wake makes them again;
 - with sleep mode's arenas (engine/device_arena.py), the weights and the KV cache live at fixed
   device addresses: a sleep releases the memory under them and a wake maps it back, so the
-  tensors and the CUDA graphs that point at them stay (an 8B wakes in 0.34 s on an H200).
+  tensors and the CUDA graphs that point at them stay (a wake takes well under a second).
 
 RunnerSleep is a part of ModelRunner (it reads and sets the runner's model, caches and graphs);
 the runner's `sleep`, `wake_up` and `memory_footprint` call it on every tensor-parallel rank.
@@ -69,9 +69,10 @@ class RunnerSleep:
             torch.cuda.synchronize(device)
 
     def arena_kv_caches(self, num_blocks: int, shape: tuple, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The KV cache as views of one (new) arena, a tensor of `shape` per layer."""
+        """The KV cache as views of one (new) arena, a tensor of `shape` per cache slot (per layer
+        with one KV group)."""
         runner = self.runner
-        num_layers = runner.arch.num_layers
+        num_layers = runner.kv_layout.layers_per_group
         per_layer = runner.bytes_per_block * num_blocks // num_layers
         if self.kv_arena is not None:
             self.kv_arena.close()

@@ -101,7 +101,8 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def attention_layers(self) -> list[nn.Module]:
-        """Each layer's attention module: `.kv_cache` (bound by the runner), `.kv_scales`,
+        """Each layer's attention module: `.kv_cache` and `.kv_group` (bound by the runner; a
+        layer of group g > 0 attends with `meta.groups[g - 1]`), `.kv_scales`,
         `.attend(q, k, v, meta, out=)`."""
         ...
 

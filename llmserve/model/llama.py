@@ -57,6 +57,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
         self.rotary = [rotary]  # shared by every layer; a list keeps it out of this module's state
         self.kv_cache = torch.empty(0)  # bound by the model runner
+        self.kv_group = 0  # its KV group (engine/kv_layout.py), bound by the model runner: its block table
         # an FP8 cache's key and value scales (the stored value times the scale is the value): a
         # checkpoint's, calibrated at start (model/kv_scales.py), or 1; plain floats, so a CUDA
         # graph captures them
@@ -82,6 +83,8 @@ class Attention(nn.Module):
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Write k/v to the cache and attend over it: [T, q_size] (into `out` if given)."""
+        if self.kv_group:
+            meta = meta.groups[self.kv_group - 1]
         window = {} if self.window is None else {"window": self.window}
         return self.backend(q, k, v, self.kv_cache, meta, self.scale, out=out, kv_scales=self.kv_scales,
                             **window).reshape(-1, self.arch.q_size)  # fmt: skip
