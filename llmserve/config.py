@@ -142,7 +142,6 @@ class LoRAConfig:
     max_cpu_loras: int  # adapters read and kept in host memory (at least max_loras)
     expand_gemm_tokens: int = 65  # layer inputs of at least this many rows expand gate/up through cuBLAS (0: never)
     overlap_tokens: int = 1  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
-    defer_add: bool = True  # overlapped: the op after o, gate/up and down adds their delta in its own kernel
 
 
 @dataclass
@@ -209,17 +208,13 @@ class EngineArgs:
     # with it, 0.826 without (docs/history/benchmarks.md)
     lora_expand_gemm_tokens: int = 65
     # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
-    # float32 buffer) on a second CUDA stream while the base GEMM runs, then add it: at batch 1 the
-    # eight small LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py). H200,
-    # batch 1: 5.50 ms a token against 6.00 in order (base 4.83, one call); with lora_defer_add
-    # (below) 5.17 (base 4.79, another call); at 8 tokens the projections measured 1-3 µs slower overlapped, hence 1
-    # (docs/history/benchmarks.md); 0: never
+    # float32 buffer) on a second CUDA stream while the base GEMM runs: at batch 1 the eight small
+    # LoRA kernels a layer are latency, not bandwidth (llmserve/lora/apply.py). The delta of o,
+    # gate/up and down is then added by the op after each (the norm, the activation: one more input
+    # of their kernels, llmserve/lora/deferred.py), q/k/v's by an add of its own. A batch-1 token then
+    # takes 1.08x the base model's time, 1.24x in order; at 8 tokens the projections are slower
+    # overlapped, hence 1 (docs/lora.md, docs/history/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
-    # at those steps the delta of o, gate/up and down is added by the op after each (the norm, the
-    # activation: one more input of their kernels, llmserve/lora/deferred.py) instead of an add
-    # kernel of its own (H200, batch 1, one call: 5.17 ms a token against 5.52 with the adds, base 4.79);
-    # --no-lora-defer-add: the add
-    lora_defer_add: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -308,7 +303,7 @@ class EngineArgs:
             raise ConfigError(f"lora_expand_gemm_tokens and lora_overlap_tokens must be >= 0; got "
                               f"{self.lora_expand_gemm_tokens}, {self.lora_overlap_tokens}")  # fmt: skip
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu, self.lora_expand_gemm_tokens,
-                          self.lora_overlap_tokens, self.lora_defer_add)  # fmt: skip
+                          self.lora_overlap_tokens)  # fmt: skip
 
 
 def _check_non_negative(name: str, value: int) -> int:

@@ -43,8 +43,8 @@ class RunnerLoRA:
         self.store = LoRASlotStore(model.shard, config.max_loras, config.max_lora_rank, dtype, device,
                                    output_major_b=gemm_expand)  # fmt: skip
         self.context = LoRAContext(max_num_tokens, config.max_loras, device, always_apply=always_apply)
-        ops = triton_lora_ops(config.expand_gemm_tokens if gemm_expand else 0, overlap_max_tokens=config.overlap_tokens,
-                              defer_add=config.defer_add) if use_kernels else REFERENCE_LORA_OPS  # fmt: skip
+        ops = triton_lora_ops(config.expand_gemm_tokens if gemm_expand else 0,
+                              overlap_max_tokens=config.overlap_tokens) if use_kernels else REFERENCE_LORA_OPS  # fmt: skip
         self.applied = apply_lora(model, self.store, self.context, ops)
         self.write_slot = write_slot or self.write_shard
         self.pending_slots: list[int] | None = None  # the next step's token -> slot map (driver)

@@ -144,7 +144,7 @@ def apply_lora(model: CausalLM, store: LoRASlotStore, context: LoRAContext,
                 raise ValueError(f"layer {i} {spec.name} already has LoRA applied")
             reduce = model.tp.all_reduce if model.tp.world_size > 1 and spec.name in row else None
             setattr(parent, spec.name, LoRALinear(base, store.projection(spec.name, i), context, ops, reduce, side))
-    if side is not None and ops.defer_add:
+    if side is not None:
         _defer_adds(model, side)
     return AppliedLoRA(model, store, context)
 

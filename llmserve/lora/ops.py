@@ -21,11 +21,9 @@ class LoRAOps:
     )
     expand: Callable = _reference_expand  # (y, t, lora: ProjectionLoRA, batch) -> None, y += in place
     # layer inputs of at most this many rows: the adapter on a second CUDA stream beside the base
-    # GEMM (LoRALinear; CUDA only, 0: never)
+    # GEMM (LoRALinear; CUDA only, 0: never), the delta of o_proj, gate_up_proj and down_proj then
+    # added by the op after each, in its own kernel (llmserve/lora/deferred.py)
     overlap_max_tokens: int = 0
-    # overlapped: the op after o_proj, gate_up_proj and down_proj adds their delta in its own
-    # kernel (llmserve/lora/deferred.py) instead of a separate add
-    defer_add: bool = True
 
 
 REFERENCE_LORA_OPS = LoRAOps()
@@ -37,7 +35,7 @@ GEMM_EXPAND_MIN_WIDTH = 16384
 
 
 def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int = GEMM_EXPAND_MIN_WIDTH,
-                    overlap_max_tokens: int = 0, defer_add: bool = True) -> LoRAOps:  # fmt: skip
+                    overlap_max_tokens: int = 0) -> LoRAOps:  # fmt: skip
     """The Triton kernels (needs the `triton` package; on a CPU they run under the interpreter).
     `gemm_expand_min_tokens` > 0: layer inputs of at least that many rows expand through
     `lora_expand_gemm` instead of the Triton expand (0: never), in projections with at least
@@ -56,4 +54,4 @@ def triton_lora_ops(gemm_expand_min_tokens: int = 0, gemm_expand_min_width: int 
         gemm_expand_min_tokens > 0
     ):  # the overlapped expand writes a float32 buffer, which the GEMM form (in y's dtype) cannot take
         overlap_max_tokens = min(overlap_max_tokens, gemm_expand_min_tokens - 1)
-    return LoRAOps(lora_shrink, expand, overlap_max_tokens, defer_add)
+    return LoRAOps(lora_shrink, expand, overlap_max_tokens)

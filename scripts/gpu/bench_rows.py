@@ -130,10 +130,6 @@ ROWS["a_lora8t"] = ("lora8t", "throughput", ROWS["a_lora8"][2])
 # the default since 2026-12-02; lora8s: in order on one stream, as before
 ENGINES["lora8s"] = ENGINES["lora8"] + ["--lora-overlap-tokens", "0"]
 ROWS["b_lora_seq"] = ("lora8s", "latency", ROWS["b_lora"][2])
-# the overlapped delta of o, gate/up and down added by the op after each (llmserve/lora/deferred.py):
-# the default since 2026-12-02 (session 3); lora8a: each added by its own kernel, as before
-ENGINES["lora8a"] = ENGINES["lora8"] + ["--no-lora-defer-add"]
-ROWS["b_lora_adds"] = ("lora8a", "latency", ROWS["b_lora"][2])
 # Gemma 3 (issue 50): decode at 256 concurrent requests, beside the Llama 8B shape's; prompts past the window
 DECODE256 = ["--num-prompts", "256", "--input-len", "128", "--output-len", "512", "--temperature", "0"]
 ROWS["decode256"] = ("short", "throughput", DECODE256)
