@@ -158,10 +158,10 @@ class EngineArgs:
     # `ignore`). SmolLM2: the last down_proj alone holds a third of FP8's perplexity cost (docs/models.md)
     quantization_ignore: str | None = None
     # FP8 GEMMs (torch._scaled_mm) of steps of at least this many tokens use the tensor cores' fast
-    # accumulation (cuBLASLt's FAST_ACCUM; vLLM's FP8 CUTLASS kernels on Hopper run the same
-    # FP8FastAccum schedules): 9-12 % faster at 4,096-16,384 tokens on an H200, the same at 512;
-    # the products differ from the exact accumulation by under 1.5 % of their largest value
-    # (docs/history/benchmarks.md). 0: never. CPUs ignore it
+    # accumulation (cuBLASLt's FAST_ACCUM; vLLM's FP8 CUTLASS kernels run the same FP8FastAccum
+    # schedules): 9-12 % faster at 4,096-16,384 tokens, no gain at 512; the products differ from
+    # the exact accumulation by under 1.5 % of their largest value (docs/history/benchmarks.md).
+    # 0: never. CPUs ignore it
     fp8_fast_accum_tokens: int = 1024
     max_model_len: int | None = None
     load_format: str = "auto"
@@ -183,8 +183,8 @@ class EngineArgs:
     # a waiting request is admitted only while the KV blocks stay free that the running requests
     # still need: the rest of their prompts, and up to this many more output tokens each (their
     # max_tokens at most). Without it, admissions filled the cache with prompts and the decodes'
-    # growth then preempted requests to recompute: 48 of 1,000 in (c) on an H200, about 5 % more
-    # prefill (docs/history/benchmarks.md). 0: only a watermark of 1 % of the blocks, as before
+    # growth then preempted requests to recompute: 48 of (c)'s 1,000, about 5 % more prefill
+    # (docs/history/benchmarks.md). 0: only a watermark of 1 % of the blocks, as before
     admission_reserve_tokens: int = 256
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
@@ -204,8 +204,8 @@ class EngineArgs:
     lora_cuda_graphs: bool = True
     # steps of at least this many tokens add the adapters' B through one cuBLAS GEMM a slice in the
     # projections of 16,384 outputs or more (the MLP's gate/up; llmserve/lora/expand_gemm.py and
-    # ops.py) instead of the Triton expand; 0: never. H200, (a) with 8 adapters: 0.857 of the base
-    # with it, 0.826 without (docs/history/benchmarks.md)
+    # ops.py) instead of the Triton expand; 0: never. (a) with 8 adapters ran at 0.857 of the base's
+    # rate with it, 0.826 without (docs/history/benchmarks.md)
     lora_expand_gemm_tokens: int = 65
     # steps of at most this many tokens run each projection's adapter (shrink and expand, into a
     # float32 buffer) on a second CUDA stream while the base GEMM runs: at batch 1 the eight small
@@ -312,17 +312,17 @@ def _check_non_negative(name: str, value: int) -> int:
     return value
 
 
-LARGE_GPU_BYTES = 70 * (1 << 30)  # H100/H200-class memory
+LARGE_GPU_BYTES = 70 * (1 << 30)  # a GPU with at least this much memory gets the large offline budgets
 
 
 def default_budgets(device: str, usage_context: str = "llm") -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) when the user gives none. Offline (`LLM`, the
     benchmarks) as vLLM chooses them: on a GPU with 70 GiB or more 1,024 sequences and 16,384
-    tokens (the budgets every H200 row in docs/history/benchmarks.md was measured with), on a smaller
+    tokens (the budgets the GPU rows of docs/history/benchmarks.md were measured with), on a smaller
     GPU 256 and 8,192, on a CPU 256 and 2,048. A server (`serve`, the Triton chat model) keeps
-    256 and 2,048 for now: vLLM's 1,024/8,192 gave 10,106 output tok/s at an unlimited rate on
-    an H200 against 9,482 (issue 19), but its effect on TTFT at 16 req/s (workload (d)) is not
-    measured yet, and that row must not get worse."""
+    256 and 2,048 for now: vLLM's 1,024/8,192 gave 10,106 output tok/s at an unlimited rate
+    against 9,482 (issue 19), but its effect on TTFT at 16 req/s (workload (d)) is not measured
+    yet, and that row must not get worse."""
     if usage_context not in ("llm", "api_server"):
         raise ConfigError(f"usage_context must be llm or api_server; got {usage_context!r}")
     if device != "cuda" or usage_context == "api_server":

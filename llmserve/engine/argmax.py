@@ -1,7 +1,7 @@
 """The index of each row's largest value (the first, on ties), fast for few long rows.
 
 Reference: `torch.argmax(x, dim=-1)`. For a batch of one row of 128,256 logits, torch's
-reduction gives the row to one thread block: 28 µs on an H200 per decode step at batch 1
+reduction gives the row to one thread block, tens of µs of GPU time a decode step at batch 1
 (docs/history/benchmarks.md). Here a row is cut into up to 256 equal chunks: the chunks' maxima and
 their first positions in one reduction over many blocks, then the first chunk holding the
 largest maximum. The first chunk with the maximum holds its first occurrence, so the result

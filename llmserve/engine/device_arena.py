@@ -2,7 +2,7 @@
 
 A CUDA graph holds the raw addresses of every tensor it read when captured. If a sleeping
 engine frees its weights and KV cache and allocates them again on waking, they land
-elsewhere and every graph must be captured again (about 2 s for an 8B model on an H200).
+elsewhere and every graph must be captured again (about 2 s for an 8B model).
 An arena instead reserves one range of virtual addresses for the life of the engine and
 maps physical memory under it only while awake (the CUDA driver's virtual memory API:
 cuMemAddressReserve, cuMemCreate, cuMemMap, cuMemUnmap, called through ctypes). Tensors

@@ -2,10 +2,10 @@
 
 The LM head is one GEMM of [rows, hidden] by [hidden, vocab]. cuBLAS picks its kernel by the
 row count, and the first launch of a kernel not used before in the process loads its module
-(CUDA's lazy loading), which blocks the host until the device has run everything queued: on
-the H200 a step's LM head blocked 325-680 ms the first time a run met a new row count, and the
-GPU then waited for the host's next launch (scripts/gpu/front_probe.py, 2026-12-04). With the
-counts padded to a multiple of ROW_MULTIPLE above ROW_MULTIPLE, a batch of up to 1,024 rows
+(CUDA's lazy loading), which blocks the host until the device has run everything queued: a
+step's LM head blocked for hundreds of ms the first time a run met a new row count, and the
+GPU then waited for the host's next launch (scripts/gpu/front_probe.py; docs/history/benchmarks.md).
+With the counts padded to a multiple of ROW_MULTIPLE above ROW_MULTIPLE, a batch of up to 1,024 rows
 takes 79 counts, which the warm-up runs once each (`warm_counts`).
 
 Padding costs nothing that matters: up to about 150 rows the GEMM reads the whole head weight

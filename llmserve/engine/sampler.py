@@ -37,9 +37,9 @@ from llmserve.engine.structured_output import GrammarMask, apply_grammar_masks
 from llmserve.host_copy import kept_on_device, to_device
 
 TOPK_FAST = 1024  # rows whose top_k is at most this race only their top-k candidates
-# logprobs of at most this many top tokens take the one-pass kernel over the raw logits (its k
-# rounds a block: at 20 it took 1.97 ms for 512 rows on an H100, more than rank and topk by tensor
-# ops, at 5 0.40); it runs 1 round (k = 1) or this many
+# logprobs of at most this many top tokens take the one-pass kernel over the raw logits (it runs k
+# rounds a block: at k = 20 slower than rank and topk by tensor ops, at 5 faster than either, a fifth
+# of its time at 20; docs/history/benchmarks.md); it runs 1 round (k = 1) or this many
 STATS_MAX_K = 8
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "TOPK_FAST"]

@@ -1,8 +1,8 @@
 """Independent warm-up launches on a few threads, so their Triton compiles overlap.
 
-A fresh machine's start is mostly compiles: on an H100 the kernel warm-up took 42.0 of a 53.3 s
-start, 28.8 s of it the 22 paged-attention variants one after another, and a warm Triton cache
-brought it to 0.8 s (scripts/gpu/startup_phases.py, 2026-12-06). A compile's LLVM and ptxas
+A fresh machine's start is mostly compiles: the kernel warm-up is most of it, the 22
+paged-attention variants one after another most of that, and with a warm Triton cache it is
+under a second (scripts/gpu/startup_phases.py; docs/history/benchmarks.md). A compile's LLVM and ptxas
 steps run outside the GIL, so launches that compile different kernels go faster on threads: each
 launch is a unit, handed to `submit`; the pool runs units on its threads, each on the pool's
 device and in inference mode, and leaving the `with` block waits for them all, then raises the

@@ -2,8 +2,8 @@
 
 Every tensor is packed into one host buffer (pinned on a GPU, allocated at the first sleep and
 reused after), so a sleep is one pass of device-to-host copies and a wake is one host-to-device
-copy into one device buffer that the tensors then view. Copying tensor by tensor through
-pageable memory ran at 3 GB/s on an H200 (docs/history/benchmarks.md).
+copy into one device buffer that the tensors then view. Tensor by tensor through pageable
+memory, as first built, an 8B model's sleep took 25.7 s (docs/history/benchmarks.md).
 """
 
 from __future__ import annotations
