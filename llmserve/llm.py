@@ -38,7 +38,14 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, reasoning_parser: str | None = None, **kwargs) -> None:
+        """`reasoning_parser` (vLLM's option: deepseek_r1, qwen3): `chat` cuts each reply into its
+        thoughts and its answer (llmserve/reasoning)."""
+        from llmserve.reasoning import reasoning_parser as check_parser
+
+        if reasoning_parser is not None:
+            check_parser(reasoning_parser)  # an unknown name fails here
+        self.reasoning_parser = reasoning_parser
         self.config: EngineConfig = engine_args_from_kwargs(model, kwargs).create_engine_config()
         self.tokenizer = load_tokenizer(self.config.model_config.tokenizer)
         self.core = EngineCore(self.config)
@@ -100,23 +107,52 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        reasoning_parser: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or several (OpenAI-shaped message dicts, read
         as the OpenAI server reads them: text parts joined, earlier tool calls' arguments as
         objects), each written out by the model's chat template (with `tools`, OpenAI-shaped
-        function definitions, if given); vLLM's `LLM.chat`. One output per conversation."""
+        function definitions, if given); vLLM's `LLM.chat`. One output per conversation.
+
+        With a reasoning parser (`reasoning_parser`, else the one the LLM was made with) each
+        sample's `reasoning` and `content` hold its thoughts and its answer (`text` stays whole),
+        and a structured-outputs constraint applies to the answer after the thoughts."""
+        import copy
+
         from llmserve.openai.tools import conversation as read_conversation
+        from llmserve.reasoning import prompt_tail
+        from llmserve.reasoning import reasoning_parser as make_parser
+        from llmserve.reasoning.grammar import after_thoughts
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or not all(conversations):
             raise ValueError("chat needs at least one conversation of at least one message")
-        prompts = []
+        name = reasoning_parser or self.reasoning_parser
+        prompts, parsers = [], []
         for conversation in conversations:  # read as the OpenAI server reads `messages`
             ids = render_chat(
                 self.tokenizer, read_conversation(conversation), add_generation_prompt, chat_template_kwargs, tools
             )
             prompts.append({"prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            parsers.append(make_parser(name, prompt_tail(self.tokenizer, ids)) if name else None)
+        if name is None:
+            return self.generate(prompts, sampling_params, use_tqdm)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must match the number of conversations")
+        constrained = []
+        for p, parser in zip(params_list, parsers):
+            if p.structured_outputs is not None:  # the constraint holds after the thoughts
+                p = copy.copy(p)
+                p.structured_outputs = after_thoughts(p.structured_outputs, parser.state)
+            constrained.append(p)
+        outputs = self.generate(prompts, constrained, use_tqdm)
+        for out, parser in zip(outputs, parsers):
+            for sample in out.outputs:
+                cut = parser.split(sample.text, done=True)
+                sample.reasoning, sample.content = cut.reasoning or None, cut.content or None
+        return outputs
 
     def _run(self, order: dict[str, int], use_tqdm: bool, feed: RequestFeed) -> list[RequestOutput]:
         """Step until done. The outputs of step N are detokenized, and the feed's next requests

@@ -134,6 +134,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # `LLM.chat` with a reasoning parser: the thoughts and the answer after them (`text` stays whole)
+    reasoning: str | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -130,7 +130,13 @@ def test_plans():
     loose = {"type": "function", "function": {"name": "loose", "parameters": {"description": "no type"}}}
     named = plan_tools(request(tools=[loose], tool_choice={"type": "function", "function": {"name": "loose"}}), None)
     assert json.loads(named.constraint.json)["type"] == "object"  # arguments are always an object
-    assert TOOL_CALL_PARSERS == ("hermes",)  # the serve CLI's --tool-call-parser choices
+    assert TOOL_CALL_PARSERS == (
+        "hermes",
+        "llama3_json",
+        "mistral",
+        "pythonic",
+        "qwen3_coder",
+    )  # the serve CLI's --tool-call-parser choices
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -35,6 +35,9 @@ from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 from llmserve.outputs import RequestOutput
+from llmserve.reasoning import ReasoningParser, UnknownReasoningParserError, prompt_tail
+from llmserve.reasoning import reasoning_parser as make_reasoning_parser
+from llmserve.reasoning.grammar import after_thoughts
 
 
 def render_chat(
@@ -60,12 +63,16 @@ class _Answer:
     fingerprint: str
     token_bytes: TokenBytes
     tools: ToolPlan | None
+    reasoning: ReasoningParser | None = None
 
 
 async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
-                          tool_call_parser: str | None = None, lora_request: LoRARequest | None = None) -> Reply:  # fmt: skip
+                          tool_call_parser: str | None = None, lora_request: LoRARequest | None = None,
+                          reasoning_parser: str | None = None) -> Reply:  # fmt: skip
     """Start the request on `engine`; `model` is the name the answer carries. Raises APIError
-    for what is wrong with the request before anything runs."""
+    for what is wrong with the request before anything runs. With `reasoning_parser`
+    (llmserve.reasoning) the thoughts come apart from the content, and the tool calls and any
+    output constraint apply to the content."""
     arrival = time.time()  # TTFT and latency count the template and tokenization too
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
@@ -77,6 +84,12 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
     params = req.to_sampling_params(max_tokens)
     if tools is not None and tools.constraint is not None:
         params.structured_outputs = tools.constraint
+    thinking = reasoning_setup(engine.tokenizer, ids, reasoning_parser)
+    if thinking is not None and params.structured_outputs is not None:  # the constraint holds after the thoughts
+        try:
+            params.structured_outputs = after_thoughts(params.structured_outputs, thinking.state)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
     if tools is not None and tools.mode == "auto":  # the parser reads the call tags, special tokens or not
         params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
@@ -84,7 +97,7 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
     stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival,
                              **adapter_kwargs(lora_request))  # fmt: skip
     answer = _Answer(req, model, request_id, system_fingerprint(engine, lora_request), token_bytes_of(engine.tokenizer),
-                     tools)  # fmt: skip
+                     tools, thinking)  # fmt: skip
     if req.stream:
         return Reply(events=sse_stream(_stream(answer, stream)))
 
@@ -92,6 +105,56 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
         return _response(answer, await _last(stream)).model_dump()
 
     return Reply(body=body())
+
+
+def reasoning_setup(tokenizer, ids: list[int], name: str | None) -> ReasoningParser | None:
+    """The parser `name` for a prompt of token ids `ids` (None: no parser)."""
+    if name is None:
+        return None
+    try:
+        return make_reasoning_parser(name, prompt_tail(tokenizer, ids))
+    except UnknownReasoningParserError as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def reply_parts(text: str, finish_reason: str | None, tools: ToolPlan | None,
+                reasoning: ReasoningParser | None) -> tuple[str | None, str | None, list, str | None]:  # fmt: skip
+    """(reasoning, content, tool calls, finish reason) of a finished output: the thoughts cut
+    off first, the tool plan reading what follows them."""
+    plan = tools or NO_TOOLS
+    if reasoning is None:
+        return (None, *plan.reply(text, finish_reason))
+    cut = reasoning.split(text, done=True)
+    if cut.content is None:  # still thinking when it stopped: no answer, no calls
+        return cut.reasoning or None, None, [], finish_reason
+    content, calls, finish = plan.reply(cut.content, finish_reason)
+    return cut.reasoning or None, content or None, calls, finish
+
+
+class MessageStream:
+    """One choice's message, streamed from its growing text: the thoughts as reasoning deltas,
+    then what follows them through `ToolStream` (content, tool calls)."""
+
+    def __init__(self, tools: ToolPlan | None, reasoning: ReasoningParser | None) -> None:
+        self.tools = ToolStream(tools)
+        self.reasoning = reasoning
+        self.sent = 0  # characters of reasoning sent
+
+    def step(self, text: str, finish_reason: str | None):
+        """(reasoning, content, tool call deltas, finish reason) new since the last step, for
+        the cumulative `text`; None when there is nothing to send yet."""
+        if self.reasoning is None:
+            step = self.tools.step(text, finish_reason)
+            return None if step is None else (None, *step)
+        cut = self.reasoning.split(text, finish_reason is not None)
+        thought, self.sent = cut.reasoning[self.sent :], len(cut.reasoning)
+        if cut.content is None:
+            step = (None, [], finish_reason) if finish_reason is not None else None
+        else:
+            step = self.tools.step(cut.content, finish_reason)
+        if step is None:
+            return (thought, None, [], None) if thought else None
+        return (thought or None, *step)
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -106,9 +169,12 @@ def _response(a: _Answer, final: RequestOutput) -> ChatCompletionResponse:
     ids = req.return_token_ids
     choices = []
     for out in final.outputs:
-        content, calls, finish = (a.tools or NO_TOOLS).reply(out.text, out.finish_reason)
+        reasoning, content, calls, finish = reply_parts(out.text, out.finish_reason, a.tools, a.reasoning)
+        message = ChatResponseMessage(
+            content=content, tool_calls=calls, reasoning=reasoning, reasoning_content=reasoning
+        )
         choices.append(ChatChoice(
-            index=out.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            index=out.index, message=message,
             logprobs=chat_logprobs(out, 0, req.top_logprobs or 0, a.token_bytes) if req.logprobs else None,
             finish_reason=finish, stop_reason=out.stop_reason, token_ids=out.token_ids if ids else None,
         ))  # fmt: skip
@@ -123,12 +189,12 @@ def _response(a: _Answer, final: RequestOutput) -> ChatCompletionResponse:
 
 
 async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-    """Each choice's message as `ToolStream` cuts it (text, tool calls), with the logprobs
+    """Each choice's message as `MessageStream` cuts it (thoughts, text, tool calls), with the logprobs
     (and with return_token_ids, the ids) of the tokens since its previous chunk."""
     req, tools = a.req, a.tools
     created = int(time.time())
     deltas = DeltaTracker()
-    messages: dict[int, ToolStream] = {}
+    messages: dict[int, MessageStream] = {}
     tokens_sent: dict[int, int] = {}
     prompt_tokens = 0
     ids = req.return_token_ids
@@ -145,7 +211,7 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
             i = comp.index
             if i not in messages:
                 first = ids and not messages  # the answer's first chunk carries the prompt's ids
-                messages[i], tokens_sent[i] = ToolStream(tools), 0
+                messages[i], tokens_sent[i] = MessageStream(tools, a.reasoning), 0
                 yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
                                               token_ids=[] if ids else None)],
                             prompt_ids=out.prompt_token_ids if first else None)  # fmt: skip
@@ -153,17 +219,18 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
                 continue
             step = messages[i].step(comp.text, comp.finish_reason)
             if step is None:
-                if tools is not None and tools.mode != "none":
+                if (tools is not None and tools.mode != "none") or a.reasoning is not None:
                     continue  # text held back: its tokens' logprobs go with the next chunk
-                step = (None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
-            content, calls, finish = step
+                step = (None, None, [], None)  # a token without text of its own: a chunk still, as vLLM sends
+            thought, content, calls, finish = step
             logprobs = (
                 chat_logprobs(comp, tokens_sent[i], req.top_logprobs or 0, a.token_bytes) if req.logprobs else None
             )
             new_ids = comp.token_ids[tokens_sent[i] :] if ids else None
             tokens_sent[i] = len(comp.token_ids)
             yield chunk([ChatStreamChoice(
-                index=i, delta=DeltaMessage(content=content if content is not None or calls else "", tool_calls=calls or None),
+                index=i, delta=DeltaMessage(content=content if content is not None or calls or thought else "",
+                                            reasoning=thought, reasoning_content=thought, tool_calls=calls or None),
                 logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason, token_ids=new_ids,
             )])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:

@@ -364,9 +364,15 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(_OmitNone):
+    _omit_none = ("reasoning", "reasoning_content")
+
     role: str = "assistant"
     content: str | None = None
+    # with a reasoning parser: the thoughts (vLLM's `reasoning`, and `reasoning_content` as older
+    # vLLM and DeepSeek's API name it); absent without one
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -410,13 +416,16 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # with a reasoning parser: the thoughts' new text (and as reasoning_content)
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
-    def _without_absent_calls(self, handler):  # as vLLM: a delta without calls has no such key
+    def _without_absent_calls(self, handler):  # as vLLM: a delta without calls (or thoughts) has no such key
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("tool_calls", "reasoning", "reasoning_content"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 

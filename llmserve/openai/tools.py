@@ -7,9 +7,9 @@
   one of the tools (a single call when `parallel_tool_calls` is false). finish_reason
   "tool_calls".
 - "auto" (the default when tools are given): the model decides; the server's tool-call parser
-  reads its output (`--enable-auto-tool-choice --tool-call-parser hermes`: `<tool_call>{"name":
-  ..., "arguments": ...}</tool_call>` blocks, the format Hermes and Qwen 2.5/3 models are trained
-  to write). Without a parser "auto" is a 400, as in vLLM.
+  reads its output (`--enable-auto-tool-choice --tool-call-parser NAME`: hermes, llama3_json,
+  mistral, pythonic, qwen3_coder; `tool_parsers.py`). A call the parser cannot read leaves the
+  output as content, with a warning in the log. Without a parser "auto" is a 400, as in vLLM.
 - "none": the tools only reach the chat template.
 
 The tools always reach the chat template (`tools=`), as in vLLM. At most MAX_TOOLS tools (OpenAI's
@@ -19,7 +19,7 @@ limit). How a stream sends each mode: `ToolStream`.
 from __future__ import annotations
 
 import json
-import re
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,12 +34,13 @@ from llmserve.openai.protocol import (
     random_id,
     schema_text,
 )
+from llmserve.openai.tool_parsers import PARSERS, HermesParser, ToolCallFormatError
 from llmserve.sampling_params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
+logger = logging.getLogger(__name__)
+
+TOOL_CALL_PARSERS = tuple(PARSERS)
 MAX_TOOLS = 128
-_HERMES_START = "<tool_call>"
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class AutoToolChoiceUnavailable(ValueError):
@@ -55,6 +56,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None  # the output constraint the mode needs
     function: str | None = None  # the named function
     single_call: bool = False  # parallel_tool_calls false ("auto": the first call only)
+    parser: str = "hermes"  # "auto": the tool-call parser that reads the output
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished output."""
@@ -63,25 +65,24 @@ class ToolPlan:
         if self.mode == "required":
             return _parse_required(text)
         if self.mode == "auto":
-            content, calls = parse_hermes(text)
+            try:
+                content, calls = PARSERS[self.parser].parse(text, self.template_tools)
+            except ToolCallFormatError as exc:
+                logger.warning("tool-call parser %s: the model wrote a call it cannot read (%s); the output is "
+                               "returned as content", self.parser, exc)  # fmt: skip
+                return text, []
             return content, calls[:1] if self.single_call else calls
         return text, []
 
     def streamable_text(self, text: str) -> int:
         """How much of a still-growing output a stream may send as content now: all of it
-        without tools or with "none"; with "auto" what comes before a (possibly partial)
-        `<tool_call>`; nothing with "required" (its text is the calls)."""
+        without tools or with "none"; with "auto" what comes before a (possibly half-written)
+        call marker of the parser; nothing with "required" (its text is the calls)."""
         if self.mode == "required":
             return 0
         if self.mode != "auto":
             return len(text)
-        start = text.find(_HERMES_START)
-        if start >= 0:
-            return start
-        for keep in range(min(len(_HERMES_START) - 1, len(text)), 0, -1):  # a tag may be half written
-            if _HERMES_START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return PARSERS[self.parser].content_end(text)
 
     def finish_reason(self, calls: list[ToolCall], finish_reason: str | None) -> str | None:
         """OpenAI's and vLLM's: "tool_calls" when the model chose to call (auto, required)."""
@@ -198,7 +199,9 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan | Non
     if parser is None:
         raise AutoToolChoiceUnavailable('"auto" tool choice needs a server started with --enable-auto-tool-choice and '
                                         '--tool-call-parser; use tool_choice "required" or a named function instead')  # fmt: skip
-    return ToolPlan("auto", shown, None, single_call=req.parallel_tool_calls is False)
+    if parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; known: {', '.join(PARSERS)}")
+    return ToolPlan("auto", shown, None, single_call=req.parallel_tool_calls is False, parser=parser)
 
 
 def _required_schema(tools: list, single: bool) -> dict:
@@ -232,10 +235,6 @@ def _object_schema(parameters: dict | None) -> dict:
 
 def _schema(schema: dict) -> str:
     return schema_text(schema, "a tool's parameters schema")
-
-
-def _arguments(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -316,25 +315,12 @@ def _string(literal: str) -> str | None:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> calls; the text
-    before the first is the content (None if blank), the text between and after them is
-    dropped (as vLLM does). A block that is not such JSON leaves the whole text as
-    content, with no calls (the model did not make a well-formed call)."""
-    if _HERMES_START not in text:
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks -> (content, calls); a
+    block that is not such JSON leaves the whole text as content, with no calls."""
+    try:
+        return HermesParser().parse(text)
+    except ToolCallFormatError:
         return text, []
-    calls = []
-    for block in _HERMES_BLOCK.findall(text):
-        try:
-            call = json.loads(block)
-        except (ValueError, RecursionError):
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        calls.append(
-            ToolCall(function=FunctionCall(name=call["name"], arguments=_arguments(call.get("arguments", {}))))
-        )
-    content = text[: text.index(_HERMES_START)]
-    return content if content.strip() else None, calls
 
 
 def conversation(messages: list[dict]) -> list[dict]:

@@ -128,7 +128,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request, s: ServerState = Depends(_authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        reply = await chat_completion(engine, req, model, s.config.tool_call_parser, s.adapter(model))
+        reply = await chat_completion(engine, req, model, s.config.tool_call_parser, s.adapter(model),
+                                      s.config.reasoning_parser)  # fmt: skip
         return await respond(
             request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s))
         )

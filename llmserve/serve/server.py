@@ -104,9 +104,18 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes"],
-        default=None,  # serve/tools.TOOL_CALL_PARSERS
-        help="how the model writes tool calls (hermes: <tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3)",
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
+        default=None,  # openai/tool_parsers.PARSERS
+        help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3), "
+        "llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)], Llama 3.2/4), qwen3_coder "
+        "(<function=...> XML)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,  # llmserve/reasoning.REASONING_PARSERS
+        help="a reasoning model's thoughts (<think>...</think>) apart from its answer, as message.reasoning "
+        "(and reasoning_content); tool calls and structured outputs apply to the answer (docs/reasoning.md)",
     )
     p.add_argument(
         "--request-timing-log",
@@ -198,6 +207,7 @@ def run(args: argparse.Namespace) -> None:
         max_queued_requests=args.max_queued_requests,
         request_timeout_s=args.request_timeout_s,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         request_timing_log=args.request_timing_log,
         enable_sleep_mode=args.enable_sleep_mode,
         enable_lora=engine_config.lora is not None,

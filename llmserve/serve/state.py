@@ -29,6 +29,7 @@ class ServerConfig:
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
     request_timeout_s: float | None = None  # set: no completion or chat request runs longer (openai/deadline.py)
     tool_call_parser: str | None = None  # set: tool_choice "auto" is served (serve/tools.py)
+    reasoning_parser: str | None = None  # set: the thoughts come apart from the answer (llmserve/reasoning)
     request_timing_log: str | None = None  # set: one JSON line per finished request (serve/timing_log.py)
     enable_sleep_mode: bool = False  # POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's routes)
     enable_lora: bool = False  # adapters named as models
