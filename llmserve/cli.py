@@ -100,6 +100,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    tune = sub.add_parser("tune", help="measure the kernels' settings on this GPU and write them for every engine on it")
+    tune.add_argument("--hidden-size", type=int, default=4096, help="the projections' shapes: a model's (8B default)")
+    tune.add_argument("--intermediate-size", type=int, default=14336)
+    tune.add_argument("--num-heads", type=int, default=32)
+    tune.add_argument("--num-kv-heads", type=int, default=8)
+    tune.add_argument("--head-dim", type=int, default=128)
+    tune.add_argument("--device", default="cuda")
+    tune.set_defaults(func=_tune)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     add_bench_parsers(bench_sub)
@@ -154,6 +163,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fp8.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens in all")
     fp8.set_defaults(func=_make_fp8_checkpoint)
     return parser
+
+
+def _tune(args: argparse.Namespace) -> None:
+    from llmserve.kernels.tune import run
+
+    path, values = run(args.hidden_size, args.intermediate_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                       args.device)  # fmt: skip
+    print(f"wrote {path}: {values or 'the defaults are best'}")
 
 
 def main(argv: list[str] | None = None) -> None:

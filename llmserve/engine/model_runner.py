@@ -35,6 +35,7 @@ from llmserve.engine.sampler_reference import ReferenceSampler
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.host_copy import staged, to_device
+from llmserve.kernels import tuning
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
 from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
@@ -161,6 +162,10 @@ class ModelRunner:
         self.kv_dtype = kv_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
         self.block_size = config.cache_config.block_size
         self.arch = local_arch(mc.arch, tp.world_size)  # this rank's heads
+        # the kernels' settings for this card (kernels/tuning.py), before any is compiled or run
+        self.card_settings = tuning.apply(self.device)
+        if tp.rank == 0:
+            logger.info("kernel settings for %s", self.card_settings.summary())
         self.kv_layout = kv_layout(self.arch)  # how the layers share the cache: one block table per group
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),

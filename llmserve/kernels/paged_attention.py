@@ -388,8 +388,8 @@ def choose_num_splits(
     max_seq_len: int,
     num_sms: int = DEFAULT_NUM_SMS,
     *,
-    min_tokens_per_split: int = MIN_TOKENS_PER_SPLIT,
-    max_splits: int = MAX_SPLITS,
+    min_tokens_per_split: int | None = None,
+    max_splits: int | None = None,
 ) -> int:
     """How many programs share one tile's keys (flash-decoding), from host-side numbers only.
 
@@ -402,6 +402,8 @@ def choose_num_splits(
     programs = max(1, num_tiles * num_kv_heads)
     if programs >= num_sms:
         return 1
+    min_tokens_per_split = min_tokens_per_split or MIN_TOKENS_PER_SPLIT  # (read now: kernels/tuning.py)
+    max_splits = max_splits or MAX_SPLITS
     by_parallelism = PROGRAMS_PER_SM_TARGET * num_sms // programs
     by_length = max_seq_len // min_tokens_per_split
     splits = max(1, min(by_parallelism, by_length, max_splits))

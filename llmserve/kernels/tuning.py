@@ -1,0 +1,168 @@
+"""Per-card kernel settings: data, chosen at start from the device.
+
+A kernel module's tunable settings are module-level values (`TUNABLE` lists them): the values in
+the code are the heuristic defaults, used on a card never measured. A card's measured values live
+in a JSON file named for the card (`card_key`): shipped ones in `llmserve/kernels/tuned/`, a
+user's (written by `llmserve tune`) in `~/.cache/llmserve/tuned/`, which wins. `apply(device)`
+sets the card's values before the engine warms up, and puts the defaults back for what its file
+does not name, so two engines of one process on two cards each get their own.
+
+    {"card": "nvidia-h100-80gb-hbm3", "measured": "2026-12-07 ...",
+     "settings": {"llmserve.kernels.split_k_gemm": {"SMALL_M_PROGRAMS": 256, ...}, ...}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# module -> its settings a card may tune (an int, or a launch config as an object of its fields);
+# the module's own value is the default
+TUNABLE: dict[str, tuple[str, ...]] = {
+    "llmserve.kernels.split_k_gemm": ("SMALL_TILE_ROWS", "SMALL_M_PROGRAMS", "PROGRAMS", "BF16_STAGES"),
+    "llmserve.kernels.fp8_linear": ("SMALL_M_ROWS",),
+    "llmserve.kernels.paged_attention": (
+        "_DECODE_GPU", "_DECODE_GPU_LARGE", "_DECODE_LARGE_PROGRAMS_PER_SM", "_PREFILL_GPU", "_PREFILL_GPU_LONG",
+        "LONG_PREFILL_TOKENS", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM_TARGET", "MIN_DECODES_TO_SPLIT",
+        "FRESH_KERNEL_TOKENS", "SDPA_PREFILL_TOKENS", "SDPA_CHUNK_MIN_TOKENS",
+    ),
+}  # fmt: skip
+SHIPPED_DIR = Path(__file__).parent / "tuned"
+
+
+def user_dir() -> Path:
+    return Path(os.environ.get("LLMSERVE_TUNED_DIR", Path.home() / ".cache" / "llmserve" / "tuned"))
+
+
+def card_key(device: torch.device | str) -> str:
+    """The card's file name: its CUDA name in lower case, words joined by '-' ("cpu" off a GPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+@dataclass(frozen=True)
+class CardSettings:
+    """What `apply` chose: the card, the file its values came from (None: defaults alone), and
+    the values that differ from the defaults."""
+
+    card: str
+    source: str | None
+    changed: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.source is None:
+            return f"{self.card}: the defaults (no tuned settings for this card; `llmserve tune` writes them)"
+        changed = sum(len(v) for v in self.changed.values())
+        return f"{self.card}: {self.source} ({changed} setting(s) differ from the defaults)"
+
+
+_DEFAULTS: dict[str, dict[str, Any]] = {}  # each module's own values, read once before any apply
+
+
+def defaults() -> dict[str, dict[str, Any]]:
+    if not _DEFAULTS:
+        for module_name, names in TUNABLE.items():
+            module = importlib.import_module(module_name)
+            _DEFAULTS[module_name] = {name: getattr(module, name) for name in names}
+    return _DEFAULTS
+
+
+def settings_file(card: str) -> Path | None:
+    """The user's file for the card, else the shipped one, else None."""
+    for folder in (user_dir(), SHIPPED_DIR):
+        path = folder / f"{card}.json"
+        if path.is_file():
+            return path
+    return None
+
+
+def read_settings(path: Path) -> dict[str, dict[str, Any]]:
+    """A settings file's values as the modules hold them, checked: known modules and names, values
+    of the defaults' kinds."""
+    data = json.loads(path.read_text())
+    settings = data.get("settings") if isinstance(data, dict) else None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: no 'settings' object")
+    out: dict[str, dict[str, Any]] = {}
+    for module_name, values in settings.items():
+        known = TUNABLE.get(module_name)
+        if known is None:
+            raise ValueError(f"{path}: unknown kernel module {module_name!r} (tunable: {', '.join(TUNABLE)})")
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: {module_name} must map setting names to values")
+        for name, value in values.items():
+            if name not in known:
+                raise ValueError(f"{path}: {module_name} has no tunable setting {name!r} ({', '.join(known)})")
+            out.setdefault(module_name, {})[name] = _checked(f"{path}: {module_name}.{name}",
+                                                             defaults()[module_name][name], value)  # fmt: skip
+    return out
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _checked(where: str, default: Any, value: Any) -> Any:
+    """A file's value as the module holds it: an int, or a launch config from its fields."""
+    if dataclasses.is_dataclass(default):
+        fields = [f.name for f in dataclasses.fields(default)]
+        if not isinstance(value, dict) or set(value) != set(fields) or not all(map(_is_count, value.values())):
+            raise ValueError(f"{where} must be an object of non-negative integers {', '.join(fields)}, not {value!r}")
+        return type(default)(**value)
+    if not _is_count(value):
+        raise ValueError(f"{where} must be a non-negative integer, not {value!r}")
+    return value
+
+
+def as_data(value: Any) -> Any:
+    """A setting as its file holds it."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def set_values(values: dict[str, dict[str, Any]]) -> None:
+    """Set the modules' settings: the defaults, then `values` over them."""
+    for module_name, names in defaults().items():
+        module = importlib.import_module(module_name)
+        for name, value in {**names, **values.get(module_name, {})}.items():
+            setattr(module, name, value)
+
+
+def apply(device: torch.device | str) -> CardSettings:
+    """Set the kernels' settings for the card of `device` (a broken file: an error naming it)."""
+    card = card_key(device)
+    path = settings_file(card)
+    values = read_settings(path) if path is not None else {}
+    set_values(values)
+    base = defaults()
+    changed = {
+        m: {n: v for n, v in names.items() if base[m][n] != v}
+        for m, names in values.items()
+        if any(base[m][n] != v for n, v in names.items())
+    }
+    return CardSettings(card, str(path) if path is not None else None, changed)
+
+
+def write_settings(card: str, values: dict[str, dict[str, Any]], measured: str, folder: Path | None = None) -> Path:
+    """Write a card's settings file (atomically: a reader never sees half of it)."""
+    folder = folder or user_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{card}.json"
+    tmp = path.with_suffix(".json.tmp")
+    data = {m: {n: as_data(v) for n, v in names.items()} for m, names in values.items()}
+    tmp.write_text(json.dumps({"card": card, "measured": measured, "settings": data}, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
