@@ -232,3 +232,17 @@ def test_engine_holds_only_the_window_in_local_layers(model_dirs):
     # in a plain cache every layer would hold every block: the local layers' share saved
     plain = kv.groups * decode[full]
     assert sum(decode) <= plain * 0.5
+
+
+def test_the_prompt_s_window_outlives_older_free_blocks():
+    """Blocks of the prompt's last window, released while the request decoded, are refreshed when
+    it ends: taking every free block but those a repeat of the prompt needs keeps its whole hit."""
+    kv = _manager(num_blocks=80)
+    first = _request("a", 48)
+    _run(kv, first, chunk=8)  # 8 decode tokens: the window before the prompt's end slides on
+    kv.free(first)
+    n = (48 - 1) // BS
+    needed = sum(n - kv.layout.first_needed(g, n * BS, BS) for g in range(kv.groups))
+    kv.pool.allocate(kv.pool.num_free - needed)  # evicts the least recently used cached blocks
+    again = _request("b", 48)
+    assert kv.num_hit_blocks(kv.get_computed_blocks(again)) == n

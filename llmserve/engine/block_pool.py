@@ -120,6 +120,11 @@ class BlockPool:
                 if block.key is None:
                     self.free_queue.move_to_end(block_id, last=False)
 
+    def refresh(self, block_id: int) -> None:
+        """A free block becomes the last to be evicted (a block in use: nothing)."""
+        if self.blocks[block_id].ref_cnt == 0:
+            self.free_queue.move_to_end(block_id)
+
     def lookup(self, key: BlockKey) -> int | None:
         entry = self.cached.get(key)
         if entry is None or self.blocks[entry[0]].generation != entry[1]:

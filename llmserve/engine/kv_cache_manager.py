@@ -238,16 +238,39 @@ class KVCacheManager:
         return True
 
     def free(self, req: Request) -> None:
-        """Release the request's blocks; its tail blocks are evicted first."""
+        """Release the request's blocks; its tail blocks are evicted first. With sliding groups,
+        their (window's) blocks are evicted last: a later hit of the whole prefix needs them."""
         blocks = self.req_blocks.pop(req.request_id, None)
-        if blocks:
-            self.pool.free(reversed(self._held(blocks)))
+        if blocks and not self._sliding:
+            self.pool.free(reversed(blocks))
+        elif blocks:
+            groups = self.groups
+            full = [g for g in range(groups) if self.layout.windows[g] is None]
+            order = [b for i in range(len(blocks) - 1, -1, -1) if i % groups in full and (b := blocks[i]) != NULL_BLOCK]
+            order += [
+                b for i in range(len(blocks) - 1, -1, -1) if i % groups not in full and (b := blocks[i]) != NULL_BLOCK
+            ]
+            self.pool.free(order)
+            self._refresh_prompt_windows(req)
         cpu_blocks = self.req_cpu_blocks.pop(req.request_id, None)
         if cpu_blocks:
             self.swap_pool.free(b for b in cpu_blocks if b != NO_SWAP)
         self._num_registered.pop(req.request_id, None)
         self._released.pop(req.request_id, None)
         self._release_at.pop(req.request_id, None)
+
+    def _refresh_prompt_windows(self, req: Request) -> None:
+        """The sliding groups' blocks of the window before the prompt's end, released while the
+        request decoded and still cached, become the most recently used free blocks: the same
+        prompt again (the prompt's hit) needs them beside the full groups' blocks just freed."""
+        keys = req.block_hashes
+        n = min(len(keys), (req.num_prompt_tokens - 1) // self.block_size)
+        lookup, refresh = self.pool.lookup, self.pool.refresh
+        for g, _ in self._sliding:
+            for i in range(self.layout.first_needed(g, n * self.block_size, self.block_size), n):
+                block = lookup(self._group_key(keys[i], g))
+                if block is not None:
+                    refresh(block)
 
     def block_table(self, request_id: str) -> list[int]:
         return self.req_blocks[request_id]
