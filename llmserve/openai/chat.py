@@ -26,6 +26,7 @@ from llmserve.openai.protocol import (
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatStreamChoice,
+    CompletionTokensDetails,
     DeltaMessage,
     UsageInfo,
     random_id,
@@ -35,9 +36,10 @@ from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 from llmserve.outputs import RequestOutput
-from llmserve.reasoning import ReasoningParser, UnknownReasoningParserError, prompt_tail
+from llmserve.reasoning import END, ReasoningParser, UnknownReasoningParserError, prompt_tail
 from llmserve.reasoning import reasoning_parser as make_reasoning_parser
 from llmserve.reasoning.grammar import after_thoughts
+from llmserve.sampling_params import SamplingParams
 
 
 def render_chat(
@@ -64,15 +66,31 @@ class _Answer:
     token_bytes: TokenBytes
     tools: ToolPlan | None
     reasoning: ReasoningParser | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None  # counts the reasoning tokens (with a reasoning parser)
+
+    def thoughts(self, outputs) -> int | None:
+        """The reasoning tokens of finished `outputs` (CompletionOutputs; None without a parser)."""
+        if self.reasoning is None:
+            return None
+        return sum(reasoning_tokens(self.tokenizer, o.token_ids, o.text, self.reasoning) for o in outputs)
 
 
-async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
-                          tool_call_parser: str | None = None, lora_request: LoRARequest | None = None,
-                          reasoning_parser: str | None = None) -> Reply:  # fmt: skip
-    """Start the request on `engine`; `model` is the name the answer carries. Raises APIError
-    for what is wrong with the request before anything runs. With `reasoning_parser`
-    (llmserve.reasoning) the thoughts come apart from the content, and the tool calls and any
-    output constraint apply to the content."""
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """One chat request made ready to run: its prompt, sampling, tools and reasoning parser."""
+
+    ids: list[int]  # the prompt's token ids, the chat template rendered
+    params: SamplingParams
+    tools: ToolPlan | None
+    thinking: ReasoningParser | None
+    arrival: float
+
+
+async def plan_chat(engine: EngineClient, req: ChatCompletionRequest, tool_call_parser: str | None = None,
+                    reasoning_parser: str | None = None) -> ChatPlan:  # fmt: skip
+    """The prompt (the chat template rendered), sampling params, tool plan and reasoning parser of
+    `req`; APIError (or ValueError) for what is wrong with it, before anything runs. Chat
+    completions and the Responses API (llmserve/responses) both start here."""
     arrival = time.time()  # TTFT and latency count the template and tokenization too
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be in [0, 20]", param="top_logprobs")
@@ -93,11 +111,22 @@ async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, mode
     if tools is not None and tools.mode == "auto":  # the parser reads the call tags, special tokens or not
         params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
+    return ChatPlan(ids, params, tools, thinking, arrival)
+
+
+async def chat_completion(engine: EngineClient, req: ChatCompletionRequest, model: str,
+                          tool_call_parser: str | None = None, lora_request: LoRARequest | None = None,
+                          reasoning_parser: str | None = None) -> Reply:  # fmt: skip
+    """Start the request on `engine`; `model` is the name the answer carries. Raises APIError
+    for what is wrong with the request before anything runs. With `reasoning_parser`
+    (llmserve.reasoning) the thoughts come apart from the content, and the tool calls and any
+    output constraint apply to the content."""
+    plan = await plan_chat(engine, req, tool_call_parser, reasoning_parser)
     request_id = random_id("chatcmpl")
-    stream = engine.generate({"prompt_token_ids": ids}, params, request_id, req.priority, arrival,
+    stream = engine.generate({"prompt_token_ids": plan.ids}, plan.params, request_id, req.priority, plan.arrival,
                              **adapter_kwargs(lora_request))  # fmt: skip
     answer = _Answer(req, model, request_id, system_fingerprint(engine, lora_request), token_bytes_of(engine.tokenizer),
-                     tools, thinking)  # fmt: skip
+                     plan.tools, plan.thinking, engine.tokenizer)  # fmt: skip
     if req.stream:
         return Reply(events=sse_stream(_stream(answer, stream)))
 
@@ -129,6 +158,37 @@ def reply_parts(text: str, finish_reason: str | None, tools: ToolPlan | None,
         return cut.reasoning or None, None, [], finish_reason
     content, calls, finish = plan.reply(cut.content, finish_reason)
     return cut.reasoning or None, content or None, calls, finish
+
+
+def reasoning_tokens(tokenizer, token_ids: list[int], text: str, reasoning: ReasoningParser | None) -> int | None:
+    """How many of a finished output's tokens are its thoughts (None without a parser): all of
+    them when the thoughts never closed; none when there were none; else the tokens up to the one
+    that completes `</think>` (found by halving: whether a prefix of the tokens holds the marker
+    only grows with the prefix)."""
+    if reasoning is None:
+        return None
+    cut = reasoning.split(text, done=True)
+    if cut.content is None:
+        return len(token_ids)
+    if reasoning.state == "answering" or cut.content == text:
+        return 0
+    lo, hi = 1, len(token_ids)  # the smallest prefix whose text holds the marker
+    if END not in tokenizer.decode(token_ids, skip_special_tokens=False):
+        return 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int, thoughts: int | None = None) -> UsageInfo:
+    """A chat answer's usage; with a reasoning parser (`thoughts` counted) its reasoning tokens too."""
+    details = CompletionTokensDetails(reasoning_tokens=thoughts) if thoughts is not None else None
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens, completion_tokens_details=details)  # fmt: skip
 
 
 class MessageStream:
@@ -180,7 +240,7 @@ def _response(a: _Answer, final: RequestOutput) -> ChatCompletionResponse:
         ))  # fmt: skip
     prompt = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)
-    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    usage = usage_info(prompt, completion, a.thoughts(final.outputs))
     return ChatCompletionResponse(
         id=a.request_id, model=a.model, system_fingerprint=a.fingerprint, choices=choices, usage=usage,
         prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
@@ -196,6 +256,7 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
     deltas = DeltaTracker()
     messages: dict[int, MessageStream] = {}
     tokens_sent: dict[int, int] = {}
+    last: dict[int, object] = {}  # each choice's latest output (its reasoning tokens counted at the end)
     prompt_tokens = 0
     ids = req.return_token_ids
 
@@ -209,6 +270,7 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
         prompt_tokens = len(out.prompt_token_ids)
         for comp in out.outputs:
             i = comp.index
+            last[i] = comp
             if i not in messages:
                 first = ids and not messages  # the answer's first chunk carries the prompt's ids
                 messages[i], tokens_sent[i] = MessageStream(tools, a.reasoning), 0
@@ -234,8 +296,4 @@ async def _stream(a: _Answer, stream: AsyncIterator[RequestOutput]) -> AsyncIter
                 logprobs=logprobs, finish_reason=finish, stop_reason=comp.stop_reason, token_ids=new_ids,
             )])  # fmt: skip
     if req.stream_options and req.stream_options.include_usage:
-        completion = deltas.completion_tokens
-        usage = UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion
-        )
-        yield chunk([], usage)
+        yield chunk([], usage_info(prompt_tokens, deltas.completion_tokens, a.thoughts(last.values())))

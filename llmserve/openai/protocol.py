@@ -314,10 +314,18 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-class UsageInfo(BaseModel):
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thoughts (markers included)
+
+
+class UsageInfo(_OmitNone):
+    _omit_none = ("completion_tokens_details",)
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # with a reasoning parser (chat): how many of the completion's tokens are its thoughts
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
