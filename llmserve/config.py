@@ -133,6 +133,7 @@ class EngineConfig:
     sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
     enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
     lora: LoRAConfig | None = None  # set: requests may name LoRA adapters (--enable-lora)
+    enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,9 @@ class EngineArgs:
     enforce_eager: bool = False  # no CUDA graphs
     attention_backend: str = "auto"  # auto | reference | triton
     tensor_parallel_size: int = 1  # ranks (GPUs, or gloo processes on CPU) the model is split over
+    # a mixture of experts: each rank holds num_experts / tensor_parallel_size whole experts (vLLM's
+    # flag), not every expert's slice; attention, dense MLPs and shared experts stay tensor-parallel
+    enable_expert_parallel: bool = False
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
     step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
@@ -275,7 +279,9 @@ class EngineArgs:
         )
         backend = _resolve_backend(self.attention_backend, device)
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
-        tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device)
+        tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel)
+        _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
+                               fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
         overlap = self.async_scheduling and tp == 1  # tensor-parallel workers do not see sampled tokens
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
@@ -287,7 +293,8 @@ class EngineArgs:
             logger.info("LoRA: running eager (--no-lora-cuda-graphs)")
             eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
-                            _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora)  # fmt: skip
+                            _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
+                            enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -350,10 +357,14 @@ def _check_family_features(arch: ModelArch, **features: object) -> None:
             raise ConfigError(reason)
 
 
-def _check_tensor_parallel(size: int, arch: ModelArch, device: str) -> int:
+def _check_tensor_parallel(size: int, arch: ModelArch, device: str, expert_parallel: bool = False) -> int:
+    from llmserve.model.interface import is_moe
     from llmserve.model.tensor_parallel import check_tp_shape
 
-    problem = check_tp_shape(arch, size)
+    if expert_parallel and not is_moe(arch):
+        raise ConfigError(f"enable_expert_parallel needs a mixture-of-experts model; {arch.architecture} has no "
+                          "experts")  # fmt: skip
+    problem = check_tp_shape(arch, size, expert_parallel)
     if problem:
         raise ConfigError(problem)
     if device == "cuda" and size > torch.cuda.device_count():

@@ -124,3 +124,44 @@ def test_the_shared_expert_block_and_no_tokens():
     torch.testing.assert_close(fused, moe_block_reference(x, router, w13, w2, 2, False, shared), **TOL)
     empty = fm.fused_moe(x[:0], F.linear(x[:0], router), w13, w2, 2, False)
     assert empty.shape == (0, hidden)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_shares_add_up_to_the_whole(world):
+    """Expert parallelism: each rank holds E / world whole experts and routes every token; its share
+    (rows routed to other ranks' experts add 0: id -1, in no block of the kernel's) summed over the
+    ranks is the whole block's output, in the reference and in the kernels."""
+    gen = torch.Generator().manual_seed(world)
+    tokens, experts, top_k, hidden, inter = 19, 8, 2, 32, 24
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    whole = fused_moe_reference(x, logits, w13, w2, top_k, True)
+    per = experts // world
+    shares = [(r * per, w13[r * per : (r + 1) * per], w2[r * per : (r + 1) * per]) for r in range(world)]
+    ref = sum(fused_moe_reference(x, logits, a, b, top_k, True, first_expert=f) for f, a, b in shares)
+    torch.testing.assert_close(ref, whole, **TOL)
+    fused = sum(fm.fused_moe(x, logits, a, b, top_k, True, first_expert=f) for f, a, b in shares)
+    torch.testing.assert_close(fused, whole, **TOL)
+
+
+def test_fp8_experts_reference_is_close_to_the_float32_one():
+    """FP8 experts (weights per output channel, tokens and SiLU-and-mul rows per token, E4M3) stay
+    within FP8's rounding of the float32 block; the fused kernels refuse FP8 weights, by name."""
+    from llmserve.model.fp8 import quantize_rows
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, experts, top_k, hidden, inter = 23, 8, 2, 64, 48
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    q13, s13 = quantize_rows(w13.reshape(-1, hidden))
+    q2, s2 = quantize_rows(w2.reshape(-1, inter))
+    q13, s13 = q13.reshape(w13.shape), s13.reshape(experts, 2 * inter, 1)
+    q2, s2 = q2.reshape(w2.shape), s2.reshape(experts, hidden, 1)
+    exact = fused_moe_reference(x, logits, w13, w2, top_k, True)
+    got = fused_moe_reference(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2)
+    assert (got - exact).norm() / exact.norm() < 0.06  # E4M3 keeps 3 mantissa bits: ~2-3 % a product
+    assert not torch.equal(got, exact)
+    with pytest.raises(NotImplementedError, match="FP8 experts run the PyTorch reference"):
+        fm.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2)

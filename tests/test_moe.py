@@ -147,12 +147,18 @@ def test_configs_parse_into_experts_and_dense_layers():
     "option, message",
     [
         (dict(enable_lora=True), "Qwen3-MoE models do not support lora"),
-        (dict(quantization="fp8"), "Qwen3-MoE models do not support quantization: FP8 experts"),
-        (dict(tensor_parallel_size=2), "Qwen3-MoE models do not support tensor parallel"),
+        (dict(quantization="fp8", attention_backend="triton"), "Qwen3-MoE models do not support fp8 triton: FP8 "
+         "experts run only the PyTorch reference"),
+        (dict(tensor_parallel_size=3), r"num_attention_heads \(4\) is not divisible by tensor_parallel_size 3"),
+        (dict(tensor_parallel_size=2, moe_intermediate_size=33), r"moe_intermediate_size \(33\) is not divisible"),
+        (dict(tensor_parallel_size=4, enable_expert_parallel=True, num_experts=6),
+         r"num_experts \(6\) is not divisible by tensor_parallel_size 4 with --enable-expert-parallel"),
     ],
-)
+)  # fmt: skip
 def test_refused_features_are_errors_at_start(tmp_path, option, message):
-    folder = make_random_model(tmp_path / "q3", "qwen3_moe", config_only=True)
+    shape = {k: option.pop(k) for k in ("moe_intermediate_size", "num_experts") if k in option}
+    folder = make_random_model(tmp_path / "q3", "qwen3_moe", config_only=True, num_attention_heads=4,
+                               num_key_value_heads=4, **shape)  # fmt: skip
     with pytest.raises(ConfigError, match=message):
         EngineArgs(model=str(folder), load_format="dummy", **option).create_engine_config()
 
@@ -170,3 +176,101 @@ def test_make_random_model_shapes_serve_dummy_weights(tmp_path, family):
     arch = llm.config.model_config.arch
     assert (arch.num_experts, arch.top_k, arch.moe_intermediate_size) == (16, 4, 48)
     assert len(_generate(llm, [[1, 5, 9]], 4)[0]) == 4
+
+
+def test_families_declare_their_experts_and_bench_counts_the_active_ones():
+    """`ModelFamily.experts`: each layer's ExpertSpec (None: dense), and the dense layers' MLPs as
+    LinearSpecs of those layers only; `bench latency`'s weight bytes read top_k experts a token (the
+    Qwen3-30B-A3B shape: about 3.3 B active parameters, ~6.7 GB in bf16), every expert for a large batch."""
+    from llmserve.bench.latency import weight_bytes_per_step
+    from llmserve.model.fp8 import projection_names
+    from llmserve.model.interface import is_moe
+    from llmserve.model.registry import family_of
+
+    base = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128}  # fmt: skip
+    arch = parse_model_arch({**base, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 128,
+                             "num_experts_per_tok": 8, "moe_intermediate_size": 768})  # fmt: skip
+    specs = family_of(arch).experts(arch)
+    assert len(specs) == 48 and all(s is not None for s in specs) and is_moe(arch)
+    spec = specs[0]
+    assert (spec.num_experts, spec.top_k, spec.intermediate, spec.shared_intermediate) == (128, 8, 768, 0)
+    one = weight_bytes_per_step(arch, torch.bfloat16)
+    assert 6.0e9 < one < 6.9e9, one  # attention, router, 8 of 128 experts, the LM head
+    assert weight_bytes_per_step(arch, torch.bfloat16, batch_size=4096) > 8 * one  # nearly every expert
+    assert weight_bytes_per_step(arch, torch.bfloat16, "fp8") < one
+    mixed = parse_model_arch({**base, "num_hidden_layers": 4, "architectures": ["Qwen3MoeForCausalLM"],
+                              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                              "mlp_only_layers": [1]})  # fmt: skip
+    assert [s is None for s in family_of(mixed).experts(mixed)] == [False, True, False, False]
+    names = projection_names(mixed)
+    assert "model.layers.1.mlp.down_proj" in names and "model.layers.0.mlp.down_proj" not in names
+    assert not is_moe(parse_model_arch({**base, "architectures": ["Qwen3ForCausalLM"]}))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_loads_its_share_per_expert_and_stacked(moe_dirs, expert_parallel):
+    """Under TP=2 a rank holds every expert's half (gate and up rows, down columns) and the shared
+    expert's; under EP=2 half the experts whole. The per-expert and the stacked tensors give a rank
+    the same parameters, and the ranks' shares put together are the whole checkpoint's."""
+    from llmserve.model.attention import reference_paged_attention
+    from llmserve.model.loader import load_model
+    from llmserve.model.tensor_parallel import TPGroup
+
+    folder = moe_dirs["qwen2_moe"]
+    arch = parse_model_arch(json.loads((Path(folder) / "config.json").read_text()))
+    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    p = "model.layers.0.mlp.experts"
+    gate_up = torch.stack([torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]])
+                           for e in range(8)])  # fmt: skip
+    down = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(8)])
+    shares = []
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2, None, expert_parallel)
+        model = load_model(folder, arch, torch.float32, "cpu", reference_paged_attention, progress=False, tp=tp)
+        experts = model.model.layers[0].mlp.experts
+        shares.append((experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()))
+        stacked = {f"{p}.gate_up_proj": gate_up, f"{p}.down_proj": down}
+        loaded = model.load_weights(stacked.items())
+        assert loaded == {k for k in model.expected_weight_keys() if k.startswith(p)}
+        assert torch.equal(experts.gate_up_proj, shares[-1][0]) and torch.equal(experts.down_proj, shares[-1][1])
+    (gu0, d0), (gu1, d1) = shares
+    if expert_parallel:
+        assert gu0.shape == (4, 64, 64) and torch.equal(torch.cat([gu0, gu1]), gate_up)
+        assert torch.equal(torch.cat([d0, d1]), down)
+    else:
+        assert gu0.shape == (8, 32, 64)
+        whole = torch.cat([gu0[:, :16], gu1[:, :16], gu0[:, 16:], gu1[:, 16:]], dim=1)  # gate halves, up halves
+        assert torch.equal(whole, gate_up) and torch.equal(torch.cat([d0, d1], dim=2), down)
+
+
+def test_fp8_experts_stay_close_to_the_16_bit_model(moe_dirs):
+    """`--quantization fp8` on a MoE: the experts (and the attention and dense projections) in FP8 E4M3
+    with a scale per output channel, tokens quantized per token; the PyTorch reference runs them. The
+    first tokens equal the float32 model's and the first logprobs stay within FP8's rounding."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)[1:]]
+    params = SamplingParams(max_tokens=2, temperature=0.0, logprobs=5)
+    outs = {}
+    for quantization in (None, "fp8"):
+        with LLM(moe_dirs["qwen2_moe"], quantization=quantization, max_model_len=96) as llm:
+            outs[quantization] = llm.generate(prompts, params, use_tqdm=False)
+            if quantization:
+                experts = llm.core.runner.model.model.layers[0].mlp.experts
+                assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+                assert experts.down_proj_scale.dtype == torch.float32
+    for a, b in zip(outs[None], outs["fp8"]):
+        assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        for token in first_a.keys() & first_b.keys():
+            assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)
+
+
+def test_an_fp8_moe_checkpoint_and_expert_parallel_on_a_dense_model_are_refused(tmp_path, llama_dir):
+    folder = make_random_model(tmp_path / "q3", "qwen3_moe", config_only=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="Qwen3-MoE models do not support fp8 checkpoint: the experts' FP8"):
+        EngineArgs(model=str(folder), load_format="dummy").create_engine_config()
+    with pytest.raises(ConfigError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        EngineArgs(model=llama_dir, tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config()

@@ -59,6 +59,17 @@ def test_tp2_equals_tp1(model_dirs, family):
     _assert_same(_run(model_dirs[family], 1), _run(model_dirs[family], 2))
 
 
+def test_moe_tp2_and_ep2_equal_tp1(tmp_path):
+    """A mixture of experts (Qwen2-MoE: a shared expert, and a dense layer between sparse ones) split
+    two ways: TP=2 (every expert's intermediate slice per rank) and EP=2 (--enable-expert-parallel:
+    4 whole experts per rank, every token routed on both) give TP=1's greedy tokens and logprobs."""
+    model = str(make_random_model(tmp_path / "moe", "qwen2_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[1]))
+    opts = dict(max_model_len=128, max_num_batched_tokens=32)  # chunked prompts beside decodes
+    single = _run(model, 1, **opts)
+    _assert_same(single, _run(model, 2, **opts))
+    _assert_same(single, _run(model, 2, enable_expert_parallel=True, **opts))
+
+
 def test_tp2_odd_vocab_chunked_prefill_and_preemption(tmp_path):
     """A vocabulary that does not split evenly (the last rank's rows are padded), with
     chunked prefill and preemption by swapping KV blocks out and back on every rank."""

@@ -4,7 +4,8 @@ Time to first token is measured on its own (runs with max_tokens=1); the time pe
 token is (median whole run - median TTFT) / (output_len - 1). Every iteration gets fresh random
 prompts, so the prefix cache cannot turn later iterations into cache hits. Next to the
 per-token time it reports the weight bandwidth that time implies (each decode step reads
-every weight once), to read against the hardware's memory bandwidth.
+every weight once; of a mixture of experts only the experts its tokens pick), to read against
+the hardware's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -42,23 +43,34 @@ def add_parser(subparsers) -> None:
 
 
 def weight_bytes_per_step(
-    arch, dtype, quantization: str | None = None, quantization_ignore: tuple[str, ...] = ()
+    arch, dtype, quantization: str | None = None, quantization_ignore: tuple[str, ...] = (), batch_size: int = 1
 ) -> int:
-    """Bytes of weights one decode step reads: every matrix once (one byte a weight in FP8,
-    whose LM head and `quantization_ignore`'s projections stay in `dtype`); the input embedding
-    only for its few rows (so it counts only when tied to the LM head). Norms and scales are
-    negligible."""
+    """Bytes of weights one decode step of `batch_size` sequences reads: every matrix once (one byte
+    a weight in FP8, whose LM head and `quantization_ignore`'s projections stay in `dtype`); of a
+    mixture of experts' layer (its family's `ExpertSpec`) the router, the shared expert and the
+    experts the batch's tokens pick: `top_k` for one sequence, expected under uniform routing for
+    more; the input embedding only for its few rows (so it counts only when tied to the LM head).
+    Norms and scales are negligible."""
     from llmserve.model.fp8 import is_ignored
     from llmserve.model.registry import family_of
 
-    total = 0
+    family = family_of(arch)
+    experts = family.experts(arch)
+    fp8 = quantization == "fp8"
+    total = 0.0
     for layer in range(arch.num_layers):
-        for spec in family_of(arch).linears(arch):
+        for spec in family.linears(arch):
+            if not spec.in_layer(layer):
+                continue
             weights = spec.in_features * spec.out_features
-            fp8 = quantization == "fp8" and spec.fp8 and not is_ignored(f"model.layers.{layer}.{spec.path}",
-                                                                         quantization_ignore)  # fmt: skip
-            total += weights * (1 if fp8 else dtype.itemsize)
-    return total + arch.vocab_size * arch.hidden_size * dtype.itemsize  # + the LM head
+            quantized = fp8 and spec.fp8 and not is_ignored(f"model.layers.{layer}.{spec.path}", quantization_ignore)
+            total += weights * (1 if quantized else dtype.itemsize)
+        moe = experts[layer] if layer < len(experts) else None
+        if moe is not None:  # the router and shared expert stay 16-bit; the experts are FP8 when quantized
+            expert_bytes = 1 if fp8 and moe.fp8 else dtype.itemsize
+            total += moe.shared_weights * dtype.itemsize
+            total += moe.experts_read(batch_size) * moe.expert_weights * expert_bytes
+    return int(total) + arch.vocab_size * arch.hidden_size * dtype.itemsize  # + the LM head
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -116,7 +128,7 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
     # move the TTFT it is subtracted from (a mean of the TTFTs did)
     ttft, avg = float(np.median(ttfts)), float(np.mean(latencies))
     tpot = (float(np.median(latencies)) - ttft) / (args.output_len - 1) if args.output_len > 1 else None
-    wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization, mc.quantization_ignore)
+    wbytes = weight_bytes_per_step(mc.arch, mc.dtype, mc.quantization, mc.quantization_ignore, args.batch_size)
     result = {
         "model": mc.model,
         "device": llm.config.device,

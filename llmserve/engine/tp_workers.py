@@ -47,8 +47,9 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
 
-def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGroup:
-    """Join the group (NCCL_ENV is already set: by the driver, and inherited by the workers)."""
+def init_distributed(rank: int, world_size: int, port: int, device: str, expert_parallel: bool = False) -> TPGroup:
+    """Join the group (NCCL_ENV is already set: by the driver, and inherited by the workers);
+    `expert_parallel`: a mixture of experts splits whole experts over it."""
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -59,7 +60,7 @@ def init_distributed(rank: int, world_size: int, port: int, device: str) -> TPGr
         timeout=COLLECTIVE_TIMEOUT,
     )
     cpu_group = dist.new_group(backend="gloo") if device == "cuda" else dist.group.WORLD
-    return TPGroup(rank, world_size, cpu_group)
+    return TPGroup(rank, world_size, cpu_group, expert_parallel)
 
 
 def shutdown_distributed(timeout: float = 10.0) -> None:
@@ -91,7 +92,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     runner = None
     try:
         conn.send(("joining", None))
-        tp = init_distributed(rank, config.tensor_parallel_size, port, config.device)
+        tp = init_distributed(rank, config.tensor_parallel_size, port, config.device, config.enable_expert_parallel)
         runner = ModelRunner(config, progress=False, tp=tp)
         freeze_startup_objects(f"tensor-parallel rank {rank}")
         conn.send(("ready", None))
@@ -151,7 +152,7 @@ class TPDriver:
         atexit.register(self.close)  # an LLM nobody shut down must not keep its workers
         try:
             self._await_all("joining")  # a worker that died before the rendezvous would hang it
-            self.group = init_distributed(0, world, port, config.device)
+            self.group = init_distributed(0, world, port, config.device, config.enable_expert_parallel)
         except Exception:
             self.close()
             raise

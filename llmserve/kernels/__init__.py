@@ -12,6 +12,7 @@
 | `dense_linear` (which 16-bit GEMM for how many tokens) | `dense_linear` | `F.linear` |
 | `fp8_gemm_fast`, `fp8_matmul_fused_quant` (which GEMM for how many tokens) | `fp8_linear` | `llmserve.model.fp8.fp8_gemm_reference`, `fp8_matmul_reference` |
 | `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
+| `fused_moe` (routing, tokens aligned by expert, gate/up and down grouped GEMMs, the sum; an expert-parallel rank's share) | `fused_moe` | `llmserve.model.moe.fused_moe_reference` |
 | `apply_penalties_`, `race` (the sampler's penalties and plain exponential race, one pass over the vocabulary each) | `sampling` | `PenaltyState.apply_tensors`, `sampler_reference.exponential_race` |
 | `filtered_race` (the race over each row's top-p / min-p set without a sort; seeded rows' hash noise inside) | `filtered_race` | `sampler_reference.apply_top_k_top_p_min_p` then `exponential_race` |
 | `logprob_stats` (from the raw logits: the sampled token's logprob and rank and the top k logprobs, one pass) | `logprob_stats` | `log_softmax`, `(lp > token's).sum() + 1`, `torch.topk` |

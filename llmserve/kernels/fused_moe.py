@@ -7,7 +7,8 @@ and replays them for any routing):
 1. route: one program a token: the router's softmax over E in float32, the top k (picked on the
    logits, which order as the probabilities do), renormalised over the k when asked.
 2. align: one program: the T * k (token, slot) rows sorted by expert, each expert's run padded to
-   a multiple of BLOCK_M (pad rows hold the sentinel T * k), and each block's expert. The number
+   a multiple of BLOCK_M (pad rows hold the sentinel T * k), and each block's expert; a row of id -1
+   (expert parallelism: an expert another rank holds) goes to no block and adds 0. The number
    of blocks is bounded by ceil(T * k / BLOCK_M) + min(E, T * k), which fixes the grid; programs
    past the real count return at once. Experts no token chose get no block and are not read.
 3. gate/up: one program per (block, column block of I): the block's tokens times its expert's
@@ -96,7 +97,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E, M
         onehot = (ids[:, None] == es[None, :]).to(tl.int32)
         before = tl.cumsum(onehot, axis=0) - onehot  # rows of the same expert earlier in the chunk
         pos = tl.sum(onehot * (starts + seen)[None, :] + onehot * before, axis=1)
-        tl.store(sorted_ptr + pos, offs, mask=ok)
+        tl.store(sorted_ptr + pos, offs, mask=ok & (ids >= 0) & (ids < E))  # id -1: an expert held elsewhere
         seen += tl.sum(onehot, axis=0)
     for b0 in range(0, MAX_BLOCKS, BLOCK_B):  # each block's expert: the experts ending at or before it
         bs = b0 + tl.arange(0, BLOCK_B)
@@ -218,9 +219,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+                  tiles: dict[str, int] | None = None, partial: bool = False) -> torch.Tensor:  # fmt: skip
     """x [T, H] through its experts `ids [T, k]` (w13 [E, 2I, H], w2 [E, H, I]), summed with
-    `weights [T, k]`: [T, H] in x's dtype."""
+    `weights [T, k]`: [T, H] in x's dtype. `partial`: some ids are -1 (experts held by another
+    rank), whose rows add nothing."""
     num_tokens, hidden = x.shape
     num_experts, two_i, hidden_w = w13.shape
     inter = two_i // 2
@@ -246,7 +248,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, **launch,
     )  # fmt: skip
-    rows = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
+    # rows of an expert held elsewhere (id -1) are in no block and never written: they must add 0
+    rows = (torch.zeros if partial else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = weights.to(torch.float32).contiguous()
     _down_kernel[(blocks, triton.cdiv(hidden, bn))](
         act, w2, weights, rows, sorted_rows, block_expert, num_padded, n, hidden, inter,
@@ -261,9 +264,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-              renormalize: bool, tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
-    """The routed experts' output [T, H]: `route` then `fused_experts` (`LayerOps.fused_moe`)."""
+              renormalize: bool, first_expert: int = 0, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None, tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """The routed experts' output [T, H]: `route` then `fused_experts` (`LayerOps.fused_moe`). With
+    `w13`/`w2` holding experts [first_expert, first_expert + len(w13)) of the router's (expert
+    parallelism), the rows routed elsewhere get id -1 (`align` places them in no block) and add 0."""
+    if w13_scale is not None or w2_scale is not None:
+        raise NotImplementedError("FP8 experts run the PyTorch reference (model/moe.py); the fused kernels take "
+                                  "16-bit and float32 weights")  # fmt: skip
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     weights, ids = route(router_logits, top_k, renormalize)
+    if w13.shape[0] != router_logits.shape[-1]:
+        ids = torch.where((ids >= first_expert) & (ids < first_expert + w13.shape[0]), ids - first_expert, -1)
+        return fused_experts(x, w13, w2, weights, ids, tiles, partial=True)
     return fused_experts(x, w13, w2, weights, ids, tiles)

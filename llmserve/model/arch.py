@@ -8,6 +8,7 @@ parameters in both the transformers 4.x spelling (`rope_theta`, `rope_scaling`) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,24 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def local(self, world_size: int, expert_parallel: bool = False) -> ModelArch:
+        """The share one of `world_size` tensor-parallel ranks holds: its heads and its slice of
+        the MLP (model/interface.py `local_arch`; a MoE arch splits its experts too)."""
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // world_size,
+            num_kv_heads=self.num_kv_heads // world_size,
+            intermediate_size=self.intermediate_size // world_size,
+        )
+
+    def tp_split_sizes(self, expert_parallel: bool = False) -> dict[str, int]:
+        """The config's sizes tensor parallelism divides by the rank count (named as config.json does)."""
+        return {
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+        }
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`'s attention (None: full attention)."""

@@ -153,7 +153,10 @@ def projection_paths(arch) -> tuple[str, ...]:
 
 def projection_names(arch) -> list[str]:
     """The module names `--quantization fp8` quantizes, as `named_modules` gives them."""
-    return [f"model.layers.{i}.{path}" for i in range(arch.num_layers) for path in projection_paths(arch)]
+    from llmserve.model.registry import family_of
+
+    specs = [s for s in family_of(arch).linears(arch) if s.fp8]
+    return [f"model.layers.{i}.{s.path}" for i in range(arch.num_layers) for s in specs if s.in_layer(i)]
 
 
 def projection_parts(arch) -> dict[str, list[str]]:
@@ -163,7 +166,7 @@ def projection_parts(arch) -> dict[str, list[str]]:
 
     specs = [s for s in family_of(arch).linears(arch) if s.fp8]
     return {f"model.layers.{i}.{s.path}": [f"model.layers.{i}.{s.parent}.{p}" for p in s.parts]
-            for i in range(arch.num_layers) for s in specs}  # fmt: skip
+            for i in range(arch.num_layers) for s in specs if s.in_layer(i)}  # fmt: skip
 
 
 def is_ignored(name: str, patterns: tuple[str, ...], whole: bool = True) -> bool:

@@ -9,7 +9,6 @@ Adding a family is one file that defines its `FAMILY` and its model, plus a regi
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionSpec",
     "CausalLM",
+    "ExpertSpec",
     "Feature",
     "LinearSpec",
     "ModelArch",
@@ -34,8 +34,10 @@ __all__ = [
     "local_arch",
 ]
 
-# the features a family may refuse, by the name its error message uses
-Feature = Literal["lora", "fp8", "tensor_parallel", "fp8_kv_cache"]
+# the features a family may refuse (`ModelFamily.unsupported`'s keys), by the name config.py asks
+# with and the error message uses: LoRA adapters, `--quantization` (fp8), tensor parallelism, an
+# FP8 KV cache, FP8 weights on the Triton backend, an FP8 checkpoint
+Feature = Literal["lora", "quantization", "tensor_parallel", "fp8_kv_cache", "fp8_triton", "fp8_checkpoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,10 @@ class LinearSpec:
     parallel: Literal["column", "row"]  # tensor parallelism: outputs split, or inputs split and summed
     lora: bool = True  # an adapter may target its parts
     fp8: bool = True  # `--quantization fp8` quantizes it
+    layers: tuple[int, ...] | None = None  # the decoder layers that hold it (None: every one)
+
+    def in_layer(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 
     @property
     def name(self) -> str:
@@ -86,6 +92,40 @@ class AttentionSpec:
     def kv_width(self) -> int:
         """Key (or value) elements one token stores in this layer."""
         return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSpec:
+    """One decoder layer's mixture of experts (its MLP's place): a router over `num_experts` gated
+    MLPs (down(silu(gate(x)) * up(x)), `intermediate` wide each), `top_k` of them a token, plus
+    optionally a shared expert every token passes (`shared_intermediate` wide, sigmoid-gated).
+    Sizes are the whole model's (one rank's share: `ModelArch.local`)."""
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    intermediate: int  # each expert's MLP width
+    shared_intermediate: int = 0  # the shared expert's width (0: none)
+    path: str = "mlp"  # the block's module path inside a decoder layer
+    fp8: bool = True  # `--quantization fp8` quantizes the experts
+
+    @property
+    def expert_weights(self) -> int:
+        """Weights of one expert (gate, up and down)."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def shared_weights(self) -> int:
+        """Weights every token reads besides its experts: the router, the shared expert and its gate."""
+        shared = 3 * self.hidden * self.shared_intermediate + (self.hidden if self.shared_intermediate else 0)
+        return self.num_experts * self.hidden + shared
+
+    def experts_read(self, tokens: int) -> float:
+        """Experts a step of `tokens` tokens reads, expected under uniform routing (each token picks
+        `top_k` distinct experts): `top_k` for one token, every expert for a large batch."""
+        if tokens <= 0:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
 
 
 class CausalLM(Protocol):
@@ -144,8 +184,10 @@ class ModelFamily:
     gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
     parse_config: Callable[[dict], ModelArch]  # config.json -> the engine's view
     build: Callable[..., CausalLM]  # (arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
-    linears: Callable[[ModelArch], tuple[LinearSpec, ...]]  # the linear layers of every decoder layer
+    linears: Callable[[ModelArch], tuple[LinearSpec, ...]]  # the decoder layers' linear layers
     attention: Callable[[ModelArch], tuple[AttentionSpec, ...]]  # one per decoder layer
+    # one per decoder layer: its mixture of experts, or None (a dense layer); () for a dense family
+    experts: Callable[[ModelArch], tuple[ExpertSpec | None, ...]] = lambda arch: ()
     # GGUF: the metadata's extra config.json keys (given the common ones), a tensor's Hugging Face
     # name (None: not a weight), and a tensor's values as the Hugging Face model holds them
     gguf_config: Callable[[GGUFCheckpoint, dict], dict] = lambda ckpt, config: config
@@ -165,13 +207,16 @@ def layer_module_name(layer: int, path: str) -> str:
     return f"model.layers.{layer}.{path}"
 
 
-def local_arch(arch: ModelArch, world_size: int) -> ModelArch:
-    """The shape one rank holds: its share of the heads and of the MLP."""
+def is_moe(arch: ModelArch) -> bool:
+    """Whether some layer of `arch` is a mixture of experts (its family's `experts`)."""
+    from llmserve.model.registry import family_of
+
+    return any(spec is not None for spec in family_of(arch).experts(arch))
+
+
+def local_arch(arch: ModelArch, world_size: int, expert_parallel: bool = False) -> ModelArch:
+    """The shape one rank holds: its share of the heads and of the MLP (`ModelArch.local`; a MoE
+    arch's experts too: their width split, or with `expert_parallel` whole experts)."""
     if world_size == 1:
         return arch
-    return dataclasses.replace(
-        arch,
-        num_heads=arch.num_heads // world_size,
-        num_kv_heads=arch.num_kv_heads // world_size,
-        intermediate_size=arch.intermediate_size // world_size,
-    )
+    return arch.local(world_size, expert_parallel)

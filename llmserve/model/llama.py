@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope, ops)
-        shard = local_arch(arch, tp.world_size)
+        shard = local_arch(arch, tp.world_size, tp.expert_parallel)
         self.layers = nn.ModuleList(
             DecoderLayer(shard, backend, self.rotary, ops, tp, quantization, arch.layer_window(i))
             for i in range(arch.num_layers)
@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.tp = tp
         self.quantization = quantization
-        self.shard = local_arch(arch, tp.world_size)
+        self.shard = local_arch(arch, tp.world_size, tp.expert_parallel)
         self.model = self.model_class(
             arch, backend, max_positions or arch.max_position_embeddings, ops, tp, quantization
         )
@@ -425,14 +425,18 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(fragment, fused), shard
         return name, None
 
-    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+    def fused_widths(self, target: str) -> list[int]:
+        """The output widths, on this rank, of the parts of the fused parameter `target` (q, k, v
+        of qkv_proj; gate, up of gate_up_proj): where each checkpoint part goes. A family whose
+        fused layers are not all the MLP's width (a shared expert) says so here."""
         a = self.shard
         if ".qkv_proj." in target:
-            sizes = [a.q_size, a.kv_size, a.kv_size]
-        else:
-            sizes = [a.intermediate_size, a.intermediate_size]
-        offset = sum(sizes[:shard])
-        return param.data.narrow(0, offset, sizes[shard])
+            return [a.q_size, a.kv_size, a.kv_size]
+        return [a.intermediate_size, a.intermediate_size]
+
+    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
+        sizes = self.fused_widths(target)
+        return param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
 
 
 # ---- the family's declarations (model/interface.py) ----

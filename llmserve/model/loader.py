@@ -108,28 +108,40 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
                     bar.update(1)
 
 
-def _is_scale(model: torch.nn.Module, param: torch.Tensor) -> bool:
+def _fp8_pairs(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(FP8 weight, its float32 scale) of every FP8 layer: linear layers and FP8 experts."""
     from llmserve.model.fp8 import Fp8Linear
 
-    return any(param is m.weight_scale for m in model.modules() if isinstance(m, Fp8Linear))
+    pairs = []
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            pairs.append((m.weight, m.weight_scale))
+        elif hasattr(m, "fp8_pairs"):  # model/moe_block.py Experts
+            pairs += m.fp8_pairs()
+    return pairs
+
+
+def _is_scale(model: torch.nn.Module, param: torch.Tensor) -> bool:
+    return any(param is scale for _, scale in _fp8_pairs(model))
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values.
     FP8 weights are drawn in float32 and quantized, as a checkpoint's would be."""
-    from llmserve.model.fp8 import Fp8Linear, quantize_rows
+    from llmserve.model.fp8 import quantize_rows
 
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        fp8 = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
+        fp8 = {id(weight): scale for weight, scale in _fp8_pairs(model)}
+        scales = {id(scale) for scale in fp8.values()}
         for name, param in model.named_parameters():
-            if id(param) in fp8:
+            if id(param) in fp8:  # rows of the last dimension each get a scale (an expert's too)
                 draw = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
-                q, scale = quantize_rows(draw)
-                param.copy_(q)
-                fp8[id(param)].weight_scale.copy_(scale)
-            elif name.endswith("weight_scale"):
+                q, scale = quantize_rows(draw.reshape(-1, param.shape[-1]))
+                param.copy_(q.reshape(param.shape))
+                fp8[id(param)].copy_(scale.reshape(fp8[id(param)].shape))
+            elif id(param) in scales:
                 continue  # set with its weight
             elif "norm" in name:
                 param.fill_(1.0)

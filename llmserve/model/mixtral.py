@@ -42,7 +42,8 @@ FAMILY = ModelFamily(
     gguf_architectures=(),
     parse_config=parse_config,
     build=lambda arch, *args, **kwargs: MixtralForCausalLM(arch, *args, **kwargs),
-    linears=moe_block.attention_linears,
+    linears=moe_block.moe_linears,
     attention=attention_specs,
+    experts=moe_block.expert_specs,
     unsupported=moe_block.UNSUPPORTED,
 )

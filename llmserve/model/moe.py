@@ -26,30 +26,60 @@ def route_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool) 
     return weights, ids
 
 
+def local_ids(ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
+    """Expert ids as a rank that holds experts [first_expert, first_expert + num_local) indexes its
+    weights (expert parallelism), -1 where another rank holds the expert: a rank adds only its
+    experts' share of each token, and the ranks' sums add up to the whole."""
+    local = ids - first_expert
+    return torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, -1))
+
+
 def experts_reference(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """x [T, H]; each token through its experts `ids [T, k]`, outputs summed with `weights [T, k]`
-    (the product in float32, rounded to x's dtype before the sum): [T, H]."""
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """x [T, H]; each token through its experts `ids [T, k]` (-1: an expert not held here, skipped),
+    outputs summed with `weights [T, k]` (the product in float32, rounded to x's dtype before the
+    sum): [T, H]. FP8 experts (`w13_scale [E, 2I, 1]`, `w2_scale [E, H, 1]` given: weights in
+    float8_e4m3fn, a float32 scale per output channel): the tokens and the SiLU-and-mul rows are
+    quantized to FP8 per row as well, and the products run in float32 on the dequantized values."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
-    hit = torch.zeros(num_experts, dtype=torch.bool, device=x.device)
-    hit[ids.reshape(-1)] = True
-    for e in hit.nonzero().reshape(-1).tolist():  # only experts that some token chose
+    fp8 = w13_scale is not None
+    if fp8:
+        from llmserve.model.fp8 import quantize_tokens
+
+        xq, sx = quantize_tokens(x)
+        x_in = xq.to(torch.float32) * sx
+    else:
+        x_in = x
+    hit = torch.zeros(num_experts + 1, dtype=torch.bool, device=x.device)
+    hit[ids.reshape(-1)] = True  # -1 marks the last entry, which no expert is
+    for e in hit[:num_experts].nonzero().reshape(-1).tolist():  # only experts that some token chose
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[e])
+        if fp8:
+            gate, up = F.linear(x_in[token], w13[e].to(torch.float32) * w13_scale[e]).chunk(2, dim=-1)
+            aq, sa = quantize_tokens(F.silu(gate) * up)
+            h = F.linear(aq.to(torch.float32) * sa, w2[e].to(torch.float32) * w2_scale[e])
+        else:
+            gate, up = F.linear(x_in[token], w13[e]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, w2[e])
         out.index_add_(0, token, (h * weights[token, slot, None]).to(x.dtype))
     return out
 
 
 def fused_moe_reference(
-    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
-) -> torch.Tensor:
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+    first_expert: int = 0, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The routed experts' output [T, H] (`LayerOps.fused_moe`'s signature: kernels/fused_moe.py
-    `fused_moe` computes the same)."""
+    `fused_moe` computes the same). The router scores every expert; `w13`/`w2` may hold only
+    experts [first_expert, first_expert + len(w13)) (expert parallelism): the output is then
+    their share. FP8 experts: their scales given (`experts_reference`)."""
     weights, ids = route_reference(router_logits, top_k, renormalize)
-    return experts_reference(x, w13, w2, weights, ids)
+    if w13.shape[0] != router_logits.shape[-1]:
+        ids = local_ids(ids, first_expert, w13.shape[0])
+    return experts_reference(x, w13, w2, weights, ids, w13_scale, w2_scale)
 
 
 def shared_expert_reference(

@@ -33,7 +33,8 @@ FAMILY = ModelFamily(
     gguf_architectures=(),
     parse_config=parse_config,
     build=moe_block.build,
-    linears=moe_block.attention_linears,
+    linears=moe_block.moe_linears,
     attention=attention_specs,
+    experts=moe_block.expert_specs,
     unsupported=moe_block.UNSUPPORTED,
 )

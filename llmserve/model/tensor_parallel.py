@@ -32,6 +32,8 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     cpu_group: object | None = None
+    # mixtures of experts: whole experts per rank (`--enable-expert-parallel`), not every expert's slice
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -63,17 +65,14 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
 
 
-def check_tp_shape(arch: ModelArch, world_size: int) -> str | None:
+def check_tp_shape(arch: ModelArch, world_size: int, expert_parallel: bool = False) -> str | None:
     """Why this model cannot be split over `world_size` ranks, or None."""
     if world_size < 1:
         return f"tensor_parallel_size must be >= 1, got {world_size}"
-    for name, value in (
-        ("num_attention_heads", arch.num_heads),
-        ("num_key_value_heads", arch.num_kv_heads),
-        ("intermediate_size", arch.intermediate_size),
-    ):
+    for name, value in arch.tp_split_sizes(expert_parallel).items():
         if value % world_size:
-            return f"{name} ({value}) is not divisible by tensor_parallel_size {world_size}"
+            how = " with --enable-expert-parallel" if expert_parallel else ""
+            return f"{name} ({value}) is not divisible by tensor_parallel_size {world_size}{how}"
     return None
 
 
