@@ -9,6 +9,7 @@ environment variables or CLI flags.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -133,7 +134,64 @@ class EngineConfig:
     sampler: str = "batched"  # batched (engine/sampler.py) | reference (engine/sampler_reference.py)
     enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
     lora: LoRAConfig | None = None  # set: requests may name LoRA adapters (--enable-lora)
+    speculative: SpeculativeConfig | None = None  # set: decode steps verify proposed tokens (engine/spec_decode.py)
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `speculative_config` names it."""
+
+    method: str  # ngram: tokens proposed by matching the sequence's last n-gram earlier in it
+    num_speculative_tokens: int  # K: most tokens proposed a step
+    prompt_lookup_min: int  # the shortest n-gram matched
+    prompt_lookup_max: int  # the longest
+    # speculation pauses while more sequences than this decode in a step: a large batch is
+    # compute-bound, and verifying K more tokens each would cost it throughput
+    disable_by_batch_size: int
+
+
+SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_LATER = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+
+
+def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> SpeculativeConfig | None:
+    """vLLM's `speculative_config` (a dict, or its JSON on the command line), checked."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"speculative_config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
+    method = value.get("method", "ngram")
+    if method in SPECULATIVE_LATER:
+        raise ConfigError(f"speculative_config: method {method!r} is not supported yet; supported: "
+                          f"{', '.join(SPECULATIVE_METHODS)}")  # fmt: skip
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative_config: unknown method {method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(
+            f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    if tensor_parallel_size > 1:
+        raise ConfigError("speculative decoding with tensor parallelism is not supported yet")
+
+    def count(name: str, default: int, low: int, high: int) -> int:
+        v = value.get(name, default)
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise ConfigError(f"speculative_config: {name} must be an integer in [{low}, {high}]; got {v!r}")
+        return v
+
+    k = count("num_speculative_tokens", 5, 1, 16)
+    most = count("prompt_lookup_max", 5, 1, 64)
+    least = count("prompt_lookup_min", min(2, most), 1, most)
+    batch = count("disable_by_batch_size", 32, 1, 1 << 20)
+    return SpeculativeConfig(method, k, least, most, batch)
 
 
 @dataclass(frozen=True)
@@ -219,6 +277,10 @@ class EngineArgs:
     # takes 1.08x the base model's time, 1.24x in order; at 8 tokens the projections are slower
     # overlapped, hence 1 (docs/lora.md, docs/history/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
+    # speculative decoding (vLLM's): {"method": "ngram", "num_speculative_tokens": K,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}; a dict, or its
+    # JSON on the command line. Greedy requests speculate; others decode one token a step
+    speculative_config: str | dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -282,7 +344,10 @@ class EngineArgs:
         tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel)
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
-        overlap = self.async_scheduling and tp == 1  # tensor-parallel workers do not see sampled tokens
+        speculative = speculative_config(self.speculative_config, tp)
+        # tensor-parallel workers do not see sampled tokens; a speculative step's token count is
+        # known only when it ends
+        overlap = self.async_scheduling and tp == 1 and speculative is None
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
@@ -294,7 +359,7 @@ class EngineArgs:
             eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
-                            enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
+                            speculative, enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -54,9 +54,20 @@ class _EngineStateCollector(Collector):
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.num_preemptions),
-        ):
+            ("vllm:spec_decode_num_drafts", "Speculative verification rows (a speculating request's step).",
+             s.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.", s.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+        ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, v)
+            yield c
+        if s.spec_accepted_per_position:
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Proposed tokens accepted, by their position in the proposal.",
+                                    labels=labels + ["position"])  # fmt: skip
+            for position, count in enumerate(s.spec_accepted_per_position):
+                c.add_metric(value + [str(position)], count)
             yield c
 
 

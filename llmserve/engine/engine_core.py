@@ -20,6 +20,7 @@ from llmserve.engine.request import (
 )
 from llmserve.engine.request_checks import PromptError, check_request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.spec_decode import SpecDecoder
 from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.step_plan import PlanBuilder
 from llmserve.engine.structured_output import StructuredOutputs
@@ -102,8 +103,10 @@ class EngineCore:
         phase("CUDA graphs")
         logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
         self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout)
+        spec = SpecDecoder(config.speculative, max_len) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
-                                   max_loras=config.lora.max_loras if config.lora is not None else None)  # fmt: skip
+                                   max_loras=config.lora.max_loras if config.lora is not None else None,
+                                   spec=spec)  # fmt: skip
         self.loras = LoRAManager(config.lora, config.model_config.arch, self.runner.lora) if self.runner.lora else None
         mc = config.model_config
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
@@ -219,7 +222,8 @@ class EngineCore:
         if pending is None:
             return EngineCoreOutputs(refused, self.stats())
         result = pending.result()
-        outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
+                                                    result.verified)  # fmt: skip
         return EngineCoreOutputs(refused + outputs, self.stats())
 
     def stats(self) -> SchedulerStats:

@@ -41,6 +41,9 @@ class RowInput(NamedTuple):
     count: int  # how many new tokens this step
     token_ids: list[int]  # all its tokens; PLACEHOLDER where the running step has not delivered one
     samples: bool  # the step reaches its last token: a new token is sampled
+    # speculative decoding: the proposed tokens at the end of `token_ids`; every one of the row's
+    # positions then gives logits (for verification), not just the last
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class BatchInputs:
     fresh_seqs: tuple[tuple[int, int, int], ...] = ()  # AttentionMetadata.fresh_seqs
     chunk_seqs: tuple[tuple[int, int, int, int], ...] = ()  # AttentionMetadata.chunk_seqs
     sample_seqs: list[int] = field(default_factory=list)  # the sequence of each row in logits_indices
+    verifies: bool = False  # some row speculates: several logits rows of one sequence (RowInput.drafts)
     # several KV groups (engine/kv_layout.py): slot_mapping and block_tables above are group 0's;
     # these are groups 1, 2, ...'s: [G - 1, T] int64 and [G - 1, B, max_blocks] int32
     group_slots: np.ndarray | None = None
@@ -160,7 +164,7 @@ class InputBuilder:
         decode_lead = 0
         fresh: list[tuple[int, int, int]] = []
         chunks: list[tuple[int, int, int, int]] = []
-        for request_id, table, start, count, tokens, samples in rows:
+        for request_id, table, start, count, tokens, samples, drafts in rows:
             end = start + count
             if count == 1:
                 token = tokens[start]
@@ -186,7 +190,10 @@ class InputBuilder:
             query_start.append(query_start[-1] + count)
             seq_lens.append(end)
             max_query = max(max_query, count)
-            if samples:
+            if drafts:
+                logits_indices.extend(range(query_start[-1] - count, query_start[-1]))
+                sample_seqs.extend([len(seq_lens) - 1] * count)
+            elif samples:
                 logits_indices.append(query_start[-1] - 1)
                 sample_seqs.append(len(seq_lens) - 1)
         if parts:
@@ -205,6 +212,7 @@ class InputBuilder:
         )  # fmt: skip
         if groups > 1:
             self._split_groups(batch, width)
+        batch.verifies = max_query > 1 and any(row.drafts for row in rows)  # (a draft makes a row of several)
         return batch
 
     def _split_groups(self, batch: BatchInputs, width: int) -> None:

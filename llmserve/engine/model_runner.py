@@ -32,6 +32,7 @@ from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.engine.sampler import PendingSample, Sampler
 from llmserve.engine.sampler_reference import ReferenceSampler
+from llmserve.engine.spec_decode import verify_greedy
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.host_copy import staged, to_device
@@ -78,6 +79,28 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]]
     # request id -> (first prompt position, its entries): prompt logprobs (engine/prompt_logprobs.py)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] | None = None
+    verified: dict[str, list[int]] | None = None  # speculating request id -> the step's kept tokens
+
+
+@dataclass(slots=True)
+class Verification:
+    """A step's speculating rows: each request's runner state and proposals, and the target's
+    greedy token at every one of their positions (on the device, in row order)."""
+
+    speculating: list[tuple[RunnerRequest, tuple[int, ...]]]
+    targets: torch.Tensor
+
+    def result(self) -> dict[str, list[int]]:
+        """Each request's kept tokens (engine/spec_decode.py `verify_greedy`), also appended to
+        its runner state."""
+        targets = self.targets.tolist()
+        kept, i = {}, 0
+        for state, drafts in self.speculating:
+            tokens = verify_greedy(list(drafts), targets[i : i + len(drafts) + 1])
+            i += len(drafts) + 1
+            state.token_ids.extend(tokens)
+            kept[state.request_id] = tokens
+        return kept
 
 
 class PendingStep:
@@ -86,18 +109,22 @@ class PendingStep:
 
     def __init__(self, sampling: list, pending: PendingSample | None,
                  on_result: Callable[[list, list[int]], None] | None = None,
-                 prompt: PendingPromptLogprobs | None = None) -> None:  # fmt: skip
+                 prompt: PendingPromptLogprobs | None = None, verify: Verification | None = None) -> None:  # fmt: skip
         self.sampling = sampling
         self.pending = pending
         self.prompt = prompt  # the step's prompt logprobs, if a request asked
+        self.verify = verify  # speculating rows (engine/spec_decode.py)
         self.on_result = on_result  # the runner's own token state takes the sampled tokens
         self.device_tokens = pending.device_tokens if pending is not None else None
         self.row_of = {r.request_id: i for i, r in enumerate(sampling)}
 
     def result(self) -> ModelRunnerOutput:
         prompt = self.prompt.result() if self.prompt is not None else None
+        verified = None
+        if self.verify is not None:
+            verified, self.verify = self.verify.result(), None  # (once)
         if self.pending is None:
-            return ModelRunnerOutput({}, {}, prompt)
+            return ModelRunnerOutput({}, {}, prompt, verified)
         with torch.inference_mode():
             out = self.pending.result()
         sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
@@ -105,7 +132,7 @@ class PendingStep:
         if self.on_result is not None:
             self.on_result(self.sampling, out.token_ids)
             self.on_result = None  # once
-        return ModelRunnerOutput(sampled, logprobs, prompt)
+        return ModelRunnerOutput(sampled, logprobs, prompt, verified)
 
 
 @dataclass(slots=True)
@@ -512,11 +539,32 @@ class ModelRunner:
                                                            lora_slots, prompt))  # fmt: skip
         step = PendingStep([], None, prompt=prompt_logprobs)
         if logits is not None:
-            step = PendingStep(sampling, self.sampler.sample_async(logits, sampling, plan.grammar), self.requests.fill,
-                               prompt_logprobs)  # fmt: skip
+            verify = None
+            if batch.verifies:  # speculating rows: their positions' greedy tokens, the rest sampled
+                logits, verify = self._split_verification(rows, logits)
+            pending = self.sampler.sample_async(logits, sampling, plan.grammar) if sampling else None
+            step = PendingStep(sampling, pending, self.requests.fill, prompt_logprobs, verify)
         self.requests.hold_places(sampling)
         self._last_step = step
         return step
+
+    def _split_verification(self, rows: list[RowInput], logits: torch.Tensor) -> tuple[torch.Tensor, Verification]:
+        """The logits rows of the sampling rows, and the verification of the speculating rows:
+        the greedy token at each of their positions (row_argmax, as the sampler's greedy path)."""
+        sample_at, verify_at, speculating = [], [], []
+        i = 0
+        for row in rows:
+            if row.drafts:
+                verify_at.extend(range(i, i + row.count))
+                speculating.append((self.requests.requests[row.request_id], row.drafts))
+                i += row.count
+            elif row.samples:
+                sample_at.append(i)
+                i += 1
+        index = torch.tensor(verify_at, dtype=torch.long).to(logits.device, non_blocking=True)
+        targets = row_argmax(logits.index_select(0, index))
+        kept = torch.tensor(sample_at, dtype=torch.long).to(logits.device, non_blocking=True)
+        return logits.index_select(0, kept), Verification(speculating, targets)
 
     @on_every_rank
     @torch.inference_mode()
@@ -559,7 +607,7 @@ class ModelRunner:
         `sampled`)? Where some rows do not sample (prompt chunks) and no LoRA adapter's deltas
         follow the batch's rows. A fresh 7,680-token prompt then spends 1/32 less of its
         prefill's GEMMs and attention on rows whose hidden states nobody reads."""
-        return self.lora is None and len(batch.logits_indices) < len(batch.input_ids)
+        return self.lora is None and len(batch.logits_indices) < len(batch.input_ids) and not batch.verifies
 
     def _forward_graphs(self, batch: BatchInputs, fill: Callable[[torch.Tensor], None] | None,
                         ) -> tuple[torch.Tensor, list[int]] | None:  # fmt: skip

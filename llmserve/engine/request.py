@@ -97,6 +97,12 @@ class SchedulerStats:
     num_swapped_blocks: int = 0
     num_computed_tokens_total: int = 0  # cumulative: tokens run through the model
     lora_slot_loads: int = 0  # cumulative: LoRA adapters written into a device slot (first loads and swaps)
+    # speculative decoding, cumulative (vLLM's spec_decode counters): verification rows, tokens
+    # proposed, proposals accepted, and accepted at each proposal position
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from llmserve.engine.request import (
     RequestStatus,
     SchedulerStats,
 )
+from llmserve.engine.spec_decode import SpecDecoder
 
 
 @dataclass(slots=True)
@@ -33,6 +34,9 @@ class ScheduledRequest:
     # does this step reach the request's last token (so a new token is sampled)? Set when
     # scheduled (`scheduled`), before `after_launch` moves the counts; read three times a step
     samples: bool
+    # speculative decoding (engine/spec_decode.py): the tokens proposed after the request's last
+    # one, computed in this step with it (num_new_tokens = 1 + their count)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> ScheduledRequest:
@@ -54,10 +58,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool, max_loras: int | None = None
-    ) -> None:
-        """`max_loras`: the most distinct LoRA adapters running at once (the device's slots)."""
+        self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool, max_loras: int | None = None,
+        spec: SpecDecoder | None = None,
+    ) -> None:  # fmt: skip
+        """`max_loras`: the most distinct LoRA adapters running at once (the device's slots);
+        `spec`: speculative decoding's proposer and counts."""
         self.config = config
+        self.spec = spec
         self.max_loras = max_loras
         self.kv = kv
         self.swap_enabled = swap_enabled
@@ -101,6 +108,8 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.kv.free(req)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
@@ -121,6 +130,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         self.running.sort(key=lambda r: r.sort_key)
+        drafts = self.spec.propose(self.running) if self.spec is not None else {}
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -129,6 +139,13 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            proposal = drafts.get(req.request_id)
+            if proposal and 1 + len(proposal) <= budget and self.kv.allocate_slots(req, 1 + len(proposal)):
+                sched = ScheduledRequest(req, 1 + len(proposal), self.kv.block_table(req.request_id), True, proposal)
+                out.scheduled.append(sched)
+                budget -= sched.num_new_tokens
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, num_new):
                 victim = self.running[-1]  # lowest priority, latest arrival
                 self._preempt(victim, out)
@@ -277,6 +294,8 @@ class Scheduler:
             req = sched.request
             samples = sched.samples  # read before the count moves
             req.num_computed_tokens += sched.num_new_tokens
+            if sched.draft_token_ids:  # its tokens, 1 to K + 1 of them, come with the step's end
+                continue
             if samples:
                 req.all_token_ids.append(PLACEHOLDER)
                 req.num_pending += 1
@@ -285,16 +304,20 @@ class Scheduler:
         self.kv.pool.drop_evicted()  # the prefix-cache entries this step's allocations left stale
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict, prompt_logprobs: dict | None = None
-    ) -> list[EngineCoreOutput]:
+        self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict, prompt_logprobs: dict | None = None,
+        verified: dict[str, list[int]] | None = None,
+    ) -> list[EngineCoreOutput]:  # fmt: skip
         """Fill in the sampled tokens, cache newly full blocks, finish what stopped.
         `prompt_logprobs`: request id -> (first prompt position, entries), kept on the request
-        until its first token goes out."""
+        until its first token goes out; `verified`: a speculating request's tokens of the step."""
         results = []
         for sched in out.scheduled:
             req = sched.request
             if req.status.finished:
                 continue  # aborted, or stopped by an earlier step while this one ran
+            if sched.draft_token_ids:
+                results.append(self._take_verified(sched, verified[req.request_id]))
+                continue
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 _keep_prompt_logprobs(req, *prompt_logprobs[req.request_id])
             token = sampled.get(req.request_id)
@@ -329,6 +352,36 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req)
         return results
+
+    def _take_verified(self, sched: ScheduledRequest, tokens: list[int]) -> EngineCoreOutput:
+        """A speculating request's step: `tokens` (the accepted proposals and the target's token
+        after them) join it up to a stop; only their positions count as computed."""
+        req = sched.request
+        accepted = len(tokens) - 1
+        self.spec.record(len(sched.draft_token_ids), accepted)
+        # the step computed the last token and every proposal: keep the last and the accepted
+        req.num_computed_tokens -= len(sched.draft_token_ids) - accepted
+        taken = []
+        for token in tokens:
+            req.all_token_ids.append(token)
+            taken.append(token)
+            self._check_stop(req, token)
+            if req.status.finished:
+                break
+        self.kv.cache_full_blocks(req)
+        output = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=taken,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+            first_scheduled_time=req.first_scheduled_time,
+            queued_time=req.queued_time,
+        )
+        if req.status.finished:
+            self.running.remove(req)
+            self._finish(req)
+        return output
 
     def _ends_by_length(self, req: Request) -> bool:
         return req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len
@@ -370,7 +423,16 @@ class Scheduler:
             num_swap_outs=self.num_swap_outs,
             num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
             num_computed_tokens_total=self.num_computed_tokens_total,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        c = self.spec.counts
+        return dict(spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
+                    spec_num_accepted_tokens=c.num_accepted_tokens,
+                    spec_accepted_per_position=tuple(c.accepted_per_position))  # fmt: skip
 
 
 def _keep_prompt_logprobs(req: Request, first: int, entries: list) -> None:

@@ -46,6 +46,9 @@ class PlannedRow:
     new_block_ids: list[int] | tuple[()]  # blocks allocated since the runner last heard of it
     new: NewRequest | None = None  # set when the runner starts (or restarts) this request
     has_grammar: bool = False
+    # speculative decoding: the tokens proposed after the last one, computed with it this step; the
+    # runner verifies them against the step's logits (engine/spec_decode.py)
+    draft_token_ids: list[int] | tuple[()] = ()
 
 
 @dataclass(slots=True)
@@ -91,7 +94,7 @@ class PlanBuilder:
             has_grammar = req.matcher is not None
             grammar = grammar or (has_grammar and sched.samples)
             append(PlannedRow(rid, req.num_computed_tokens, sched.num_new_tokens, sched.samples, new_blocks, new,
-                              has_grammar))  # fmt: skip
+                              has_grammar, sched.draft_token_ids))  # fmt: skip
         plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
         if grammar and vocab_size is not None:
             plan.grammar = grammar_mask([s.request for s in out.scheduled if s.samples], vocab_size)
@@ -142,7 +145,8 @@ class RunnerRequests:
 
     def rows_for(self, plan: StepPlan) -> tuple[list[RowInput], list[RunnerRequest]]:
         """Apply a step's plan (`update`) and flatten it in the same pass: the input builder's
-        rows, and the states of the rows that sample (in order)."""
+        rows, and the states of the rows that sample (in order; a speculating row's state is not
+        among them: its logits rows are verified, `RowInput.drafts`)."""
         self.forget(plan.finished_request_ids)
         requests = self.requests
         rows: list[RowInput] = []
@@ -160,6 +164,10 @@ class RunnerRequests:
                 if n.sampling_params.prompt_logprobs is not None:
                     self.prompt_logprobs[row.request_id] = (len(n.prompt_token_ids), n.sampling_params.prompt_logprobs)
             state.has_grammar = row.has_grammar
+            if row.draft_token_ids:  # its input: the last token, then the proposals
+                rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
+                                     state.token_ids + list(row.draft_token_ids), True, tuple(row.draft_token_ids)))  # fmt: skip
+                continue
             rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
                                  state.token_ids, row.samples))  # fmt: skip
             if row.samples:

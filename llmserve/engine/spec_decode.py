@@ -1,0 +1,98 @@
+"""Speculative decoding, the core's side: which requests speculate, their proposals, the counts.
+
+A decoding request that speculates gets K proposed tokens (engine/spec_ngram.py) appended to its
+step's input: the step computes its last token and the K proposals, and the logits of all K + 1
+positions come back. Verification (the runner's, `verify_greedy`) keeps the proposals up to the
+first that the target model's greedy choice disagrees with, plus the target's own token there
+(or a bonus token after all K): 1 to K + 1 tokens a step, each exactly the token greedy decoding
+without speculation would have made. The KV of the rejected positions stays in the cache but
+past the request's computed count, so the next steps overwrite it; only blocks of accepted
+tokens reach the prefix cache.
+
+Who speculates: greedy requests without penalties, logit bias, logprobs, a grammar, or an unmet
+min_tokens (their sampler would change the greedy choice), while at most
+`disable_by_batch_size` sequences decode (a larger batch is compute-bound: verifying K more
+tokens each would cost it throughput). The others decode one token a step beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.config import SpeculativeConfig
+from llmserve.engine.request import Request
+from llmserve.engine.spec_ngram import TokenArrays, propose
+
+
+def speculates(req: Request) -> bool:
+    """Is `req`'s next token its logits' argmax, with nothing else to apply?"""
+    p = req.sampling_params
+    return (
+        p.temperature == 0.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and p.repetition_penalty == 1.0
+        and not p.logit_bias
+        and p.logprobs is None
+        and req.matcher is None
+        and p.structured_outputs is None
+        and req.num_output_tokens >= p.min_tokens
+    )
+
+
+def verify_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a step keeps: the drafts the target's greedy tokens (one per position, K + 1)
+    confirm, then the target's token after them."""
+    kept = 0
+    while kept < len(drafts) and targets[kept] == drafts[kept]:
+        kept += 1
+    return drafts[:kept] + [targets[kept]]
+
+
+@dataclass
+class SpecCounts:
+    """vLLM's speculative-decoding counters."""
+
+    num_drafts: int = 0  # verification rows (steps of a speculating request)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # position i: drafts accepted there
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.arrays = TokenArrays()
+        self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """Proposals for the running requests that speculate this step (id -> tokens)."""
+        cfg = self.config
+        decoding = [r for r in running if r.num_pending == 0 and r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding or len(decoding) > cfg.disable_by_batch_size:
+            return {}
+        chosen, ks = [], []
+        for req in decoding:
+            # room for the proposals and the token after them, under max_tokens and max_model_len
+            k = min(cfg.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)  # fmt: skip
+            if k > 0 and speculates(req):
+                chosen.append(req)
+                ks.append(k)
+        if not chosen:
+            return {}
+        arrays = [self.arrays.of(r.request_id, r.all_token_ids) for r in chosen]
+        proposals = propose(arrays, ks, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        return {r.request_id: p for r, p in zip(chosen, proposals) if p}
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        c = self.counts
+        c.num_drafts += 1
+        c.num_draft_tokens += num_drafts
+        c.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            c.accepted_per_position[i] += 1
+
+    def forget(self, request_id: str) -> None:
+        self.arrays.forget(request_id)

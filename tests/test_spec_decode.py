@@ -1,0 +1,228 @@
+"""Speculative decoding with n-gram proposals (engine/spec_decode.py, engine/spec_ngram.py):
+lossless against the same engine without it (and transformers), with every engine feature on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+from conftest import hf_greedy
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import ConfigError, speculative_config
+from llmserve.engine.spec_decode import verify_greedy
+from llmserve.engine.spec_ngram import TokenArrays, propose, propose_reference
+
+pytestmark = pytest.mark.unit
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Prompts that repeat themselves (n-grams find proposals) and one that does not."""
+    rng = random.Random(seed)
+    motif = [rng.randrange(3, 500) for _ in range(9)]
+    return [
+        [1] + motif * 4,
+        [1] + [rng.randrange(3, 500) for _ in range(37)],
+        [1] + motif[:5] * 7 + [rng.randrange(3, 500) for _ in range(3)],
+    ]
+
+
+# -- the proposer ----------------------------------------------------------------------------
+def test_batched_proposals_equal_the_reference_loop():
+    rng = random.Random(3)
+    for _ in range(60):
+        seqs = []
+        for _ in range(rng.randrange(1, 7)):
+            alphabet = rng.randrange(2, 6)  # few distinct tokens: many repeats
+            seqs.append([rng.randrange(alphabet) for _ in range(rng.randrange(1, 40))])
+        least = rng.randrange(1, 4)
+        most = rng.randrange(least, 6)
+        ks = [rng.randrange(0, 6) for _ in seqs]
+        got = propose([np.array(s, dtype=np.int64) for s in seqs], ks, least, most)
+        want = [propose_reference(s, k, least, most) if k else [] for s, k in zip(seqs, ks)]
+        assert got == want, (seqs, ks, least, most)
+
+
+def test_reference_proposal_takes_the_longest_latest_match():
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 6, 7, 9, 5, 6]
+    assert propose_reference(tokens, 2, 1, 3) == [8, 2]  # "5 6" last occurred at 4: what followed
+    assert propose_reference(tokens + [7], 3, 1, 3) == [1, 5, 6]  # "5 6 7" at 0 beats "6 7" at 8
+    assert propose_reference([1, 2, 3], 4, 1, 3) == []
+
+
+def test_token_arrays_grow_with_the_request():
+    arrays = TokenArrays()
+    tokens = list(range(10))
+    assert arrays.of("a", tokens).tolist() == tokens
+    tokens += list(range(200))
+    assert arrays.of("a", tokens).tolist() == tokens
+    assert arrays.of("a", tokens[:5]).tolist() == tokens[:5]  # shorter (a recompute): made again
+    arrays.forget("a")
+
+
+def test_verify_greedy_keeps_the_agreeing_prefix_and_one_more():
+    assert verify_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]  # all accepted, a bonus token
+    assert verify_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert verify_greedy([4, 5, 6], [8, 5, 6, 7]) == [8]
+
+
+# -- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"method": "eagle3", "model": "x"}, "not supported yet"),
+        ({"method": "draft_model"}, "not supported yet"),
+        ({"method": "magic"}, "unknown method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "lookahead": 3}, "unknown key"),
+        ("{not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_bad_speculative_configs_are_refused(value, message):
+    with pytest.raises(ConfigError, match=message):
+        speculative_config(value, 1)
+
+
+def test_speculative_config_from_the_command_line_and_defaults():
+    cfg = speculative_config(json.dumps({"method": "ngram", "num_speculative_tokens": 3}), 1)
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 2, 5)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        speculative_config({"method": "ngram"}, 2)
+    assert speculative_config(None, 1) is None
+
+
+# -- the engine: lossless ----------------------------------------------------------------------
+VARIANTS = {
+    "plain": dict(),
+    "no-prefix-cache": dict(enable_prefix_caching=False),
+    "chunked-small-budget": dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
+    "preempt": dict(
+        block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0, admission_reserve_tokens=0
+    ),
+}
+# gemma3's preempt variant: six KV groups of one layer (a block id is a sixth of llama's), in
+# chunks of 16 tokens (its windowed groups hold a window and a chunk)
+GEMMA_PREEMPT = dict(num_gpu_blocks_override=45, enable_chunked_prefill=True, max_num_batched_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(model_dirs):
+    """Each family's greedy tokens from the engine without speculation (max_tokens 30)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            llm = LLM(model_dirs[family], max_model_len=160)
+            cache[family] = _generate(llm, _prompts(7))
+        return cache[family]
+
+    return get
+
+
+def _generate(llm: LLM, prompts, params: SamplingParams | None = None) -> list[list[int]]:
+    params = params or SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_tokens_equal_the_engine_without_speculation(model_dirs, plain_outputs, family, variant):
+    options = {"max_model_len": 160, **VARIANTS[variant]}
+    if family == "gemma3" and variant == "preempt":
+        options.update(GEMMA_PREEMPT)
+    llm = LLM(model_dirs[family], speculative_config=NGRAM, **options)
+    assert _generate(llm, _prompts(7)) == plain_outputs(family)
+    stats = llm.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    if variant == "preempt":
+        assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+
+
+def test_speculation_matches_transformers(model_dirs):
+    prompts = _prompts(11)[:2]
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=NGRAM)
+    assert _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=24)) == hf_greedy(
+        model_dirs["llama"], prompts, 24
+    )
+
+
+def test_other_requests_decode_beside_speculating_ones(model_dirs):
+    """Sampled (seeded), penalised and logprob requests in the batch of speculating greedy
+    ones: each request's tokens are those of the engine without speculation."""
+    prompts = _prompts(5)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True, logprobs=2),
+    ]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(model_dirs["llama"], max_model_len=160).generate(requests, params, use_tqdm=False)
+    spec = LLM(model_dirs["llama"], max_model_len=160, speculative_config=NGRAM)
+    got = spec.generate(requests, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert spec.stats().spec_num_drafts > 0
+
+
+def test_stops_and_lengths_inside_accepted_proposals(model_dirs, plain_outputs):
+    """A stop token, or max_tokens, that falls inside a step's accepted tokens ends the output
+    exactly where decoding one token a step ends it."""
+    want = plain_outputs("llama")
+    prompts = _prompts(7)
+    stop = want[0][9]  # a token the first request makes (speculated: its prompt repeats)
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=NGRAM)
+    got = _generate(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop]))
+    assert got[0] == want[0][: want[0].index(stop) + 1]
+    for max_tokens in (1, 2, 7, 13):
+        got = _generate(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        assert got == [w[:max_tokens] for w in want]
+
+
+def test_no_speculation_past_the_batch_limit(model_dirs):
+    spec = dict(NGRAM, disable_by_batch_size=2)
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=spec)
+    _generate(llm, _prompts(7))  # three decoding at once: none speculates while all three run
+    many = llm.stats().spec_num_drafts
+    assert many == 0
+    _generate(llm, _prompts(7)[:2])
+    assert llm.stats().spec_num_drafts > many  # two at once do
+
+
+@pytest.mark.integration
+def test_serve_speculates_and_reports_vllm_s_counters(tmp_path, model_dirs):
+    """`llmserve serve --speculative-config` through the official openai client: the greedy
+    completion is the engine's without speculation; /metrics counts proposals and acceptances."""
+    import httpx
+    import openai
+    from server_utils import start_server
+
+    prompt = _prompts(7)[0]
+    want = LLM(model_dirs["llama"], max_model_len=160).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    server = start_server([model_dirs["llama"], "--max-model-len", "160", "--served-model-name", "tiny",
+                           "--speculative-config", json.dumps(NGRAM)], str(tmp_path / "serve.log"))  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert out.choices[0].text == want
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("vllm:spec_decode_num_") and "_total" in line and "per_pos" not in line}  # fmt: skip
+        assert counts["vllm:spec_decode_num_draft_tokens_total"] > 0
+        assert (
+            0
+            < counts["vllm:spec_decode_num_accepted_tokens_total"]
+            <= counts["vllm:spec_decode_num_draft_tokens_total"]
+        )
+        assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in metrics
+    finally:
+        server.stop()
