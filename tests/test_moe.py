@@ -274,3 +274,26 @@ def test_an_fp8_moe_checkpoint_and_expert_parallel_on_a_dense_model_are_refused(
         EngineArgs(model=str(folder), load_format="dummy").create_engine_config()
     with pytest.raises(ConfigError, match="enable_expert_parallel needs a mixture-of-experts model"):
         EngineArgs(model=llama_dir, tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config()
+
+
+def test_bench_latency_reports_tokens_per_expert(moe_dirs, tmp_path):
+    """`llmserve bench latency --count-expert-tokens`: each sparse layer's tokens per expert (every
+    token counted once per expert it picked: a multiple of top_k; the last layer's MLP runs only on
+    the rows that sample, fewer than the others') and the busiest expert over the mean; without the
+    flag, no count."""
+    from llmserve.cli import main
+
+    out = tmp_path / "lat.json"
+    args = ["bench", "latency", "--model", moe_dirs["qwen3_moe"], "--max-model-len", "64", "--batch-size", "2",
+            "--input-len", "8", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+            "--output-json", str(out)]  # fmt: skip
+    main([*args, "--count-expert-tokens"])
+    load = json.loads(out.read_text())["expert_tokens"]
+    assert set(load["per_layer"]) == {"0", "2"}  # layer 1 is dense
+    first, last = (sum(load["per_layer"][k]) for k in ("0", "2"))
+    assert all(len(c) == 8 for c in load["per_layer"].values()) and first % 2 == last % 2 == 0
+    # top_k 2 times the tokens: the TTFT run (2 prompts of 8) and the timed run (2 x (8 + 2 decodes))
+    assert first == 2 * (2 * 8 + 2 * (8 + 2)) and 0 < last < first
+    assert load["worst_max_over_mean"] >= 1.0
+    main(args)
+    assert json.loads(out.read_text())["expert_tokens"] is None

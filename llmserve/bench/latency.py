@@ -24,6 +24,7 @@ from llmserve.bench.report import banner, parse_percentiles, percentile_word, ro
 from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
 from llmserve.heap import frozen
+from llmserve.model.interface import count_expert_tokens, expert_token_counts
 
 
 def add_parser(subparsers) -> None:
@@ -36,6 +37,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--percentiles", default="50,90,99", help="of the whole-run latency")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--count-expert-tokens", action="store_true",
+                   help="a mixture of experts: count the tokens each layer routes to each expert (load balance) "
+                   "and report them (expert_tokens in the JSON); runs eager, since CUDA graphs captured "
+                   "without the count would not count")  # fmt: skip
     add_sampling_args(p)
     add_lora_bench_args(p)
     add_engine_args(p)
@@ -73,6 +78,18 @@ def weight_bytes_per_step(
     return int(total) + arch.vocab_size * arch.hidden_size * dtype.itemsize  # + the LM head
 
 
+def expert_load(counts: dict[int, list[int]] | None) -> dict | None:
+    """Tokens per expert by layer, and how uneven: the busiest expert's count over the mean (1.0:
+    perfectly balanced), per layer and the largest over the layers."""
+    if not counts:
+        return None
+    imbalance = {layer: (max(c) * len(c) / sum(c) if sum(c) else None) for layer, c in counts.items()}
+    worst = [v for v in imbalance.values() if v is not None]
+    return {"per_layer": {str(k): v for k, v in counts.items()},
+            "max_over_mean": {str(k): v for k, v in imbalance.items()},
+            "worst_max_over_mean": max(worst) if worst else None}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     from llmserve import LLM
 
@@ -81,6 +98,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("--batch-size, --input-len, --output-len and --num-iters must be >= 1")
     enable_lora_for_bench(args)
     engine_args = engine_args_from_cli(args)
+    if getattr(args, "count_expert_tokens", False):
+        engine_args.enforce_eager = True
     return measure(LLM(**vars(engine_args)), args)
 
 
@@ -88,6 +107,7 @@ def measure(llm, args: argparse.Namespace) -> dict:
     """The timed runs `args` describe on a ready engine (also used by scripts that time
     several workloads on one engine)."""
     percentiles = parse_percentiles(args.percentiles)
+    counting = getattr(args, "count_expert_tokens", False) and count_expert_tokens(llm.core.runner.model)
     monitor = monitor_for(llm)
     adapters = BenchAdapters(llm, args) if getattr(args, "lora_adapters", 0) else None
     try:
@@ -97,6 +117,7 @@ def measure(llm, args: argparse.Namespace) -> dict:
         if adapters is not None:
             adapters.close()
     result["lora"] = adapters.label(llm) if adapters else None
+    result["expert_tokens"] = expert_load(expert_token_counts(llm.core.runner.model)) if counting else None
     usage = monitor.usage() if monitor is not None else None
     result["gpu"] = usage.as_dict() if usage is not None else None
     print(format_report(result))
@@ -176,6 +197,8 @@ def format_report(r: dict) -> str:
         row("Median TTFT (ms):", r["ttft_ms"]),
         row("Mean TTFT (ms):", r["mean_ttft_ms"]),
     ]
+    if r.get("expert_tokens"):
+        lines.append(row("Expert load (busiest / mean):", r["expert_tokens"]["worst_max_over_mean"]))
     if r["tpot_ms"] is not None:
         lines += [
             row("Time per output token (ms):", r["tpot_ms"]),

@@ -27,6 +27,8 @@ __all__ = [
     "CausalLM",
     "ExpertSpec",
     "Feature",
+    "count_expert_tokens",
+    "expert_token_counts",
     "LinearSpec",
     "ModelArch",
     "ModelFamily",
@@ -212,6 +214,21 @@ def is_moe(arch: ModelArch) -> bool:
     from llmserve.model.registry import family_of
 
     return any(spec is not None for spec in family_of(arch).experts(arch))
+
+
+def count_expert_tokens(model: nn.Module, on: bool = True) -> bool:
+    """Start (zeroed) or stop counting each MoE layer's tokens per expert (load balance; off by
+    default, cheap: no host sync); False if the model has no experts."""
+    from llmserve.model.moe_block import count_expert_tokens as count
+
+    return count(model, on)
+
+
+def expert_token_counts(model: nn.Module) -> dict[int, list[int]] | None:
+    """Tokens each expert got since counting started, by sparse layer; None when not counting."""
+    from llmserve.model.moe_block import expert_token_counts as counts
+
+    return counts(model)
 
 
 def local_arch(arch: ModelArch, world_size: int, expert_parallel: bool = False) -> ModelArch:

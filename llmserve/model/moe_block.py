@@ -161,6 +161,27 @@ class SparseMoeBlock(nn.Module):
         self.expert_counts.index_add_(0, ids, torch.ones_like(ids, dtype=self.expert_counts.dtype))
 
 
+def count_expert_tokens(model: nn.Module, on: bool = True) -> bool:
+    """Start (zeroed) or stop counting the tokens each MoE block routes to each expert (load
+    balance): an `index_add_` on the device per block and step, no host sync. With CUDA graphs the
+    count must be on when they are captured. False: the model has no experts."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    for block in blocks:
+        experts = block.gate.weight.shape[0]
+        block.expert_counts = torch.zeros(experts, dtype=torch.int64, device=block.gate.weight.device) if on else None
+    return bool(blocks)
+
+
+def expert_token_counts(model: nn.Module) -> dict[int, list[int]] | None:
+    """Tokens routed to each expert since counting started, by layer index (sparse layers only; each
+    token counts once per expert it picked); None if nothing is counted."""
+    counts = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMoeBlock) and module.expert_counts is not None:
+            counts[int(name.split(".")[2])] = module.expert_counts.tolist()  # model.layers.N.mlp
+    return counts or None
+
+
 class MoeDecoderLayer(llama.DecoderLayer):
     """Llama's layer (forward, sampled rows, the part before attention) with the MoE block as its MLP."""
 
