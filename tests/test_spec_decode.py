@@ -8,11 +8,12 @@ import random
 
 import numpy as np
 import pytest
+import torch
 from conftest import hf_greedy
 
 from llmserve import LLM, SamplingParams
 from llmserve.config import ConfigError, speculative_config
-from llmserve.engine.spec_decode import verify_greedy
+from llmserve.engine.spec_decode import kept_tokens, rejection_sample, verify_greedy
 from llmserve.engine.spec_ngram import TokenArrays, propose, propose_reference
 
 pytestmark = pytest.mark.unit
@@ -226,3 +227,45 @@ def test_serve_speculates_and_reports_vllm_s_counters(tmp_path, model_dirs):
         assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in metrics
     finally:
         server.stop()
+
+
+# -- rejection sampling ------------------------------------------------------------------------
+def _draws(probs: torch.Tensor, drafts: list[int], n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    logits = probs.log()
+    out = []
+    d = torch.tensor(drafts)
+    for _ in range(n):
+        noise = torch.empty(probs.shape).exponential_(generator=g)
+        uniform = torch.rand(len(drafts), generator=g)
+        accepted, replacements, bonus = rejection_sample(logits, d, uniform, noise)
+        out.append(kept_tokens(drafts, accepted.tolist(), replacements.tolist(), int(bonus[0])))
+    return out
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Chi-square over 6,000 draws on a 6-token vocabulary: the first token is distributed as the
+    target's first position, and after an accepted proposal the second as its second."""
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, dim=-1)
+    drafts = [int(probs[0].argmax()), 2]
+    draws = _draws(probs, drafts, 6000, seed=1)
+    first = np.bincount([d[0] for d in draws], minlength=6)
+    assert chisquare(first, probs[0].numpy() * len(draws)).pvalue > 1e-3
+    after = [d[1] for d in draws if d[0] == drafts[0] and len(d) > 1]
+    second = np.bincount(after, minlength=6)
+    assert len(after) > 1000 and chisquare(second, probs[1].numpy() * len(after)).pvalue > 1e-3
+    # and not by luck: the proposal's own distribution (all on it) is far from the target's
+    assert chisquare(first + 1, np.eye(6)[drafts[0]] * len(draws) + 1).pvalue < 1e-6
+
+
+def test_sampled_requests_speculate_and_seeded_ones_reproduce(model_dirs):
+    prompts = _prompts(7)
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=NGRAM)
+    first = _generate(llm, prompts, params)
+    assert llm.stats().spec_num_drafts > 0
+    assert _generate(llm, prompts, params) == first  # the same seed: the same tokens
+    assert all(len(t) == 30 for t in first)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.config import ConfigError, EngineConfig, kv_torch_dtype
+from llmserve.engine import seeded_noise
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
@@ -31,8 +32,8 @@ from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, c
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.engine.sampler import PendingSample, Sampler
-from llmserve.engine.sampler_reference import ReferenceSampler
-from llmserve.engine.spec_decode import verify_greedy
+from llmserve.engine.sampler_reference import ReferenceSampler, apply_top_k_top_p_min_p
+from llmserve.engine.spec_decode import kept_tokens, rejection_sample, verify_greedy
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
 from llmserve.host_copy import staged, to_device
@@ -88,19 +89,44 @@ class Verification:
     greedy token at every one of their positions (on the device, in row order)."""
 
     speculating: list[tuple[RunnerRequest, tuple[int, ...]]]
-    targets: torch.Tensor
+    targets: torch.Tensor | None  # the greedy requests' rows, in order
+    drawn: dict[str, tuple[torch.Tensor, ...]]  # a sampled request's `rejection_sample` result
 
     def result(self) -> dict[str, list[int]]:
-        """Each request's kept tokens (engine/spec_decode.py `verify_greedy`), also appended to
-        its runner state."""
-        targets = self.targets.tolist()
+        """Each request's kept tokens (engine/spec_decode.py), also appended to its runner state."""
+        targets = self.targets.tolist() if self.targets is not None else []
         kept, i = {}, 0
         for state, drafts in self.speculating:
-            tokens = verify_greedy(list(drafts), targets[i : i + len(drafts) + 1])
-            i += len(drafts) + 1
+            draw = self.drawn.get(state.request_id)
+            if draw is None:
+                tokens = verify_greedy(list(drafts), targets[i : i + len(drafts) + 1])
+                i += len(drafts) + 1
+            else:
+                accepted, replacements, bonus = (t.tolist() for t in draw)
+                tokens = kept_tokens(list(drafts), accepted, replacements, bonus[0])
             state.token_ids.extend(tokens)
             kept[state.request_id] = tokens
         return kept
+
+
+def _draw(logits: torch.Tensor, drafts: tuple[int, ...], state: RunnerRequest) -> tuple[torch.Tensor, ...]:
+    """`rejection_sample` for a sampled request's K + 1 logits rows: its temperature, top-k, top-p
+    and min-p, and its noise (from its seed and output positions, as the sampler's, if it has one)."""
+    p = state.sampling_params
+    rows = logits.float() / p.temperature
+    n = rows.shape[0]
+    filtered = apply_top_k_top_p_min_p(rows, [p.top_k] * n, [p.top_p] * n, [p.min_p] * n)
+    vocab = rows.shape[1]
+    if p.seed is None:
+        noise = torch.empty_like(filtered).exponential_()
+        uniform = torch.rand(n - 1, device=rows.device)
+    else:  # a column past the vocabulary gives each position's acceptance draw
+        first = state.num_output_tokens
+        keys = torch.tensor([seeded_noise.row_key(p.seed, first + j) for j in range(n)], device=rows.device)
+        all_noise = seeded_noise.exponential(keys, torch.arange(vocab + 1, device=rows.device))
+        noise, uniform = all_noise[:, :vocab], torch.exp(-all_noise[: n - 1, vocab])
+    drafts_t = torch.tensor(drafts, dtype=torch.long, device=rows.device)
+    return rejection_sample(filtered, drafts_t, uniform, noise)
 
 
 class PendingStep:
@@ -550,21 +576,26 @@ class ModelRunner:
 
     def _split_verification(self, rows: list[RowInput], logits: torch.Tensor) -> tuple[torch.Tensor, Verification]:
         """The logits rows of the sampling rows, and the verification of the speculating rows:
-        the greedy token at each of their positions (row_argmax, as the sampler's greedy path)."""
-        sample_at, verify_at, speculating = [], [], []
+        a greedy request's greedy token at each of its positions (row_argmax, as the sampler's
+        greedy path); a sampled one's rejection sampling (engine/spec_decode.py)."""
+        sample_at, greedy_at, speculating, drawn = [], [], [], {}
         i = 0
         for row in rows:
             if row.drafts:
-                verify_at.extend(range(i, i + row.count))
-                speculating.append((self.requests.requests[row.request_id], row.drafts))
+                state = self.requests.requests[row.request_id]
+                speculating.append((state, row.drafts))
+                if state.sampling_params.greedy:
+                    greedy_at.extend(range(i, i + row.count))
+                else:
+                    drawn[row.request_id] = _draw(logits[i : i + row.count], row.drafts, state)
                 i += row.count
             elif row.samples:
                 sample_at.append(i)
                 i += 1
-        index = torch.tensor(verify_at, dtype=torch.long).to(logits.device, non_blocking=True)
-        targets = row_argmax(logits.index_select(0, index))
+        index = torch.tensor(greedy_at, dtype=torch.long).to(logits.device, non_blocking=True)
+        targets = row_argmax(logits.index_select(0, index)) if greedy_at else None
         kept = torch.tensor(sample_at, dtype=torch.long).to(logits.device, non_blocking=True)
-        return logits.index_select(0, kept), Verification(speculating, targets)
+        return logits.index_select(0, kept), Verification(speculating, targets, drawn)
 
     @on_every_rank
     @torch.inference_mode()

@@ -9,8 +9,15 @@ without speculation would have made. The KV of the rejected positions stays in t
 past the request's computed count, so the next steps overwrite it; only blocks of accepted
 tokens reach the prefix cache.
 
-Who speculates: greedy requests without penalties, logit bias, logprobs, a grammar, or an unmet
-min_tokens (their sampler would change the greedy choice), while at most
+A sampled request's proposals go through rejection sampling (`rejection_sample`), which keeps
+the target's distribution exactly: proposal i is accepted with the target's probability of it
+(the n-gram proposer's own distribution is all on that token); at the first rejection the token
+is drawn from the target's distribution without the proposal, renormalised; after K accepted, a
+bonus token from the last position's. A seeded request draws its noise from (seed, output
+position), as the sampler does, so it reproduces.
+
+Who speculates: requests without penalties, logit bias, logprobs, a grammar, or an unmet
+min_tokens (the sampler would change the target's distribution), while at most
 `disable_by_batch_size` sequences decode (a larger batch is compute-bound: verifying K more
 tokens each would cost it throughput). The others decode one token a step beside them.
 """
@@ -19,17 +26,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from llmserve.config import SpeculativeConfig
+from llmserve.engine.argmax import row_argmax
 from llmserve.engine.request import Request
 from llmserve.engine.spec_ngram import TokenArrays, propose
 
 
 def speculates(req: Request) -> bool:
-    """Is `req`'s next token its logits' argmax, with nothing else to apply?"""
+    """Is `req`'s next token drawn from its logits by temperature, top-k, top-p and min-p alone
+    (or their argmax), with nothing else to apply?"""
     p = req.sampling_params
     return (
-        p.temperature == 0.0
-        and not p.presence_penalty
+        not p.presence_penalty
         and not p.frequency_penalty
         and p.repetition_penalty == 1.0
         and not p.logit_bias
@@ -47,6 +57,29 @@ def verify_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     while kept < len(drafts) and targets[kept] == drafts[kept]:
         kept += 1
     return drafts[:kept] + [targets[kept]]
+
+
+def rejection_sample(filtered: torch.Tensor, drafts: torch.Tensor, uniform: torch.Tensor,
+                     noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A sampled request's verification on the device: `filtered` [K + 1, V] its target logits after
+    temperature and top-k/top-p/min-p (-inf outside), `drafts` [K], `uniform` [K] in (0, 1) and
+    `noise` [K + 1, V] Exp(1). Returns (accepted [K] bools, the token drawn at each of the first K
+    positions from the target without its proposal [K], the bonus token [1]); `kept_tokens` reads them."""
+    k = drafts.shape[0]
+    probs = torch.softmax(filtered.float(), dim=-1)
+    accepted = uniform < probs[:k].gather(1, drafts[:, None])[:, 0]
+    residual = probs[:k].scatter(1, drafts[:, None], 0.0)  # the target less the proposal (q is all on it)
+    replacements = row_argmax(residual.log() - noise[:k].log())  # the exponential race over what is left
+    bonus = row_argmax(probs[k:].log() - noise[k:].log())
+    return accepted, replacements, bonus
+
+
+def kept_tokens(drafts: list[int], accepted: list[bool], replacements: list[int], bonus: int) -> list[int]:
+    """The proposals up to the first rejected one, then the token drawn in its place (or the bonus)."""
+    kept = 0
+    while kept < len(drafts) and accepted[kept]:
+        kept += 1
+    return drafts[:kept] + [replacements[kept] if kept < len(drafts) else bonus]
 
 
 @dataclass
