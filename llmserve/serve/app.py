@@ -30,6 +30,7 @@ from llmserve.openai.reply import Reply
 from llmserve.openai.tools import template_messages, template_tools
 from llmserve.serve.common import add_common_routes, background_loader
 from llmserve.serve.lora_routes import add_lora_routes
+from llmserve.serve.responses_routes import add_responses_routes, make_responses
 from llmserve.serve.state import (
     ServerConfig,
     ServerState,
@@ -78,6 +79,7 @@ def build_app(
     `on_fatal` is called if the engine cannot start, `on_ready` once it has. An unwritable
     `config.request_timing_log` raises OSError here."""
     state = ServerState(config)
+    responses = make_responses(state)
     timing_log = RequestTimingLog(config.request_timing_log) if config.request_timing_log else None
 
     def died(reason: str) -> None:
@@ -99,6 +101,7 @@ def build_app(
         logger.info("engine ready: serving %s", ", ".join(config.served_model_names))
 
     async def stop() -> None:
+        await responses.close()  # background responses stopped (stored as cancelled) before the engine
         if state.engine is not None:
             await asyncio.to_thread(state.engine.shutdown)
         if timing_log is not None:
@@ -133,6 +136,8 @@ def build_app(
         return await respond(
             request, with_deadline(reply, effective_timeout(req.request_timeout_s, s.config.request_timeout_s))
         )
+
+    add_responses_routes(app, responses, _authorized, respond)
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest, s: ServerState = Depends(_authorized)) -> TokenizeResponse:

@@ -34,10 +34,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
-        default=os.environ.get("LLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the API (default: $LLMSERVE_API_KEY; a key on "
-        "the command line shows in the process list)",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on the API; given again, any of the keys (each key's stored "
+        "responses are its own; default: $LLMSERVE_API_KEY; a key on the command line shows in the process list)",
     )
+    p.add_argument("--responses-store", default=None, metavar="PATH",
+                   help="the SQLite file of stored responses (/v1/responses with store, previous_response_id), "
+                        "kept across restarts; ':memory:' keeps them in memory only (default: "
+                        "$XDG_CACHE_HOME/llmserve/responses.sqlite, else ~/.cache/llmserve/responses.sqlite)")  # fmt: skip
+    p.add_argument("--responses-max-count", type=int, default=10_000,
+                   help="stored responses kept at most; the oldest go first (0: no limit; default: %(default)s)")  # fmt: skip
+    p.add_argument("--responses-max-age-days", type=float, default=30.0,
+                   help="stored responses older than this are deleted (0: kept until the count limit; "
+                        "default: %(default)s)")  # fmt: skip
     p.add_argument(
         "--admin-api-key",
         default=os.environ.get("LLMSERVE_ADMIN_API_KEY"),
@@ -177,7 +188,7 @@ def run_embed(args: argparse.Namespace) -> None:
     model = model or default_embedding_model_dir()
     device = _resolve_device(args.device)  # as for the engine: a GPU asked for but absent fails here
     name = args.served_model_name or default_name
-    config = ServerConfig(served_model_names=[name], model_path=model, api_key=args.api_key,
+    config = ServerConfig(served_model_names=[name], model_path=model, api_key=_api_keys(args.api_key),
                           max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     _serve(lambda on_fatal, on_ready: build_pooling_app(
         config, lambda: SentenceEncoder(model, device, args.max_batch_inputs), on_fatal, on_ready,
@@ -198,10 +209,12 @@ def run(args: argparse.Namespace) -> None:
     mc = engine_config.model_config
     lora_modules = _lora_modules(args.lora_modules, engine_config)
     _check_runtime_lora(args, engine_config.lora is not None)
+    if args.responses_max_count < 0 or args.responses_max_age_days < 0:
+        raise SystemExit("llmserve serve: --responses-max-count and --responses-max-age-days must be >= 0")
     config = ServerConfig(
         served_model_names=[mc.served_model_name],
         model_path=mc.model,
-        api_key=args.api_key,
+        api_key=_api_keys(args.api_key),
         admin_api_key=args.admin_api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         max_queued_requests=args.max_queued_requests,
@@ -214,6 +227,9 @@ def run(args: argparse.Namespace) -> None:
         lora_modules=lora_modules,
         enable_runtime_lora_updating=args.enable_runtime_lora_updating,
         lora_roots=[os.path.realpath(root) for root in args.lora_roots],
+        responses_store=args.responses_store,
+        responses_max_count=args.responses_max_count or None,
+        responses_max_age_s=args.responses_max_age_days * 86400 or None,
     )
 
     def build(on_fatal, on_ready):
@@ -223,6 +239,15 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"llmserve serve: --request-timing-log: {exc}") from None
 
     _serve(build, args, mc.served_model_name)
+
+
+def _api_keys(given: list[str] | None) -> str | list[str] | None:
+    """The keys of `--api-key` (each time it is given), else $LLMSERVE_API_KEY's."""
+    if not given:
+        return os.environ.get("LLMSERVE_API_KEY")
+    if any(not key for key in given):
+        raise SystemExit("llmserve serve: --api-key: a key cannot be empty")
+    return given[0] if len(given) == 1 else given
 
 
 def _check_runtime_lora(args: argparse.Namespace, enable_lora: bool) -> None:
@@ -236,7 +261,12 @@ def _check_runtime_lora(args: argparse.Namespace, enable_lora: bool) -> None:
     if args.allow_unauthenticated_lora_updating and not (runtime and args.lora_roots):
         raise SystemExit("llmserve serve: --allow-unauthenticated-lora-updating needs --enable-runtime-lora-updating "
                          "and --lora-roots (the folders anyone may make the server read)")  # fmt: skip
-    if runtime and args.admin_api_key is None and args.api_key is None and not args.allow_unauthenticated_lora_updating:
+    if (
+        runtime
+        and args.admin_api_key is None
+        and _api_keys(args.api_key) is None
+        and not args.allow_unauthenticated_lora_updating
+    ):
         raise SystemExit("llmserve serve: --enable-runtime-lora-updating needs a key for its routes: --admin-api-key "
                          "(or $LLMSERVE_ADMIN_API_KEY), or --api-key; or --allow-unauthenticated-lora-updating")  # fmt: skip
     if runtime and not args.lora_roots:

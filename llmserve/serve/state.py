@@ -23,7 +23,7 @@ T = TypeVar("T")
 class ServerConfig:
     served_model_names: list[str]
     model_path: str
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # several: any of them (each its own stored responses)
     admin_api_key: str | None = None  # set: admin routes (sleep, wake) need it instead of api_key
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # 413 above
     max_queued_requests: int | None = None  # 503 above this many unfinished requests
@@ -38,6 +38,11 @@ class ServerConfig:
     enable_runtime_lora_updating: bool = False
     # set: /v1/load_lora_adapter takes only folders inside these (resolved; symlinks and .. resolved first)
     lora_roots: list[str] = field(default_factory=list)
+    # the Responses API's store (llmserve/responses/store.py): its SQLite file (None: the user's cache
+    # folder) and its retention (None: no limit)
+    responses_store: str | None = None
+    responses_max_count: int | None = 10_000
+    responses_max_age_s: float | None = 30 * 86400.0
 
 
 @dataclass
@@ -108,13 +113,21 @@ def check_admin_key(state: ServerState, request: Request) -> None:
         check_api_key(state, request)
 
 
-def _check_bearer(request: Request, key: str | None, what: str) -> None:
-    """401 unless the request carries `key` as a bearer token (compared in constant time)."""
+def bearer_token(request: Request) -> str | None:
+    """The request's `Authorization: Bearer` token, if it has one."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _check_bearer(request: Request, key: str | list[str] | None, what: str) -> None:
+    """401 unless the request carries `key` (or one of the keys) as a bearer token (compared in
+    constant time)."""
     if key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    token = (bearer_token(request) or "").encode()
+    # every key compared (no early exit): the time taken says nothing of which one matched
+    matches = [hmac.compare_digest(token, k.encode()) for k in ([key] if isinstance(key, str) else key)]
+    if bearer_token(request) is None or not any(matches):
         raise APIError(401, f"invalid or missing {what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
