@@ -207,6 +207,28 @@ def test_latency(llama_dir, tmp_path):
     assert min(r["latencies"]) <= r["percentiles"]["50"] <= r["percentiles"]["90"] <= r["percentiles"]["99"]
 
 
+def test_latency_of_a_prompt_file_with_speculation(tmp_path):
+    """--prompt-file: every request's prompt is the file's text (through the chat template);
+    with --speculative-config the report gives the acceptance over the timed runs."""
+    from llmserve.config import TINY_MODEL_DIR
+
+    prompt = tmp_path / "rewrite.txt"
+    prompt.write_text("Copy this list: red green blue red green blue red green blue red green blue")
+    out = tmp_path / "lat.json"
+    main([
+        "bench", "latency", "--model", str(TINY_MODEL_DIR), "--max-model-len", "256", "--prompt-file", str(prompt),
+        "--output-len", "24", "--num-iters", "2", "--num-iters-warmup", "0", "--no-enable-prefix-caching",
+        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}),
+        "--output-json", str(out),
+    ])  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["prompt_file"] == str(prompt) and r["input_len"] > 15
+    spec = r["spec_decode"]
+    assert spec["draft_tokens"] > 0 and spec["verifications"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted_tokens"] / spec["draft_tokens"])
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verifications"])
+
+
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_hf_baseline(llama_dir, tmp_path, load_format, capsys):
     out = tmp_path / "hf.json"

@@ -36,6 +36,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first")
     p.add_argument("--percentiles", default="50,90,99", help="of the whole-run latency")
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--prompt-file", default=None,
+                   help="every request's prompt is this file's text, as a chat's user message when the "
+                   "tokenizer has a chat template (--input-len is then its length): a real workload, such "
+                   "as a rewrite that repeats its input for speculative decoding; later iterations hit the "
+                   "prefix cache unless --no-enable-prefix-caching")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.add_argument("--count-expert-tokens", action="store_true",
                    help="a mixture of experts: count the tokens each layer routes to each expert (load balance) "
@@ -131,19 +136,27 @@ def measure(llm, args: argparse.Namespace) -> dict:
 def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None) -> dict:
     mc = llm.config.model_config
     rng = random.Random(args.bench_seed)
+    fixed = file_prompt(llm, args.prompt_file) if getattr(args, "prompt_file", None) else None
+    if fixed is not None:
+        args.input_len = len(fixed)
 
     def timed(max_tokens: int) -> float:
-        reqs = random_requests(args.batch_size, args.input_len, 1, mc.arch.vocab_size, rng.getrandbits(63))
-        params = [sampling_params(args, max_tokens, i) for i in range(len(reqs))]
+        if fixed is not None:
+            prompts = [fixed] * args.batch_size
+        else:
+            reqs = random_requests(args.batch_size, args.input_len, 1, mc.arch.vocab_size, rng.getrandbits(63))
+            prompts = [r.prompt_token_ids for r in reqs]
+        params = [sampling_params(args, max_tokens, i) for i in range(len(prompts))]
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False,
-                     lora_request=loras)  # fmt: skip
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
         return time.perf_counter() - start
 
     for _ in range(args.num_iters_warmup):
         timed(args.output_len)
     ttfts = [timed(1) for _ in range(args.num_iters)]
+    before = llm.stats()
     latencies = [timed(args.output_len) for _ in range(args.num_iters)]
+    spec = spec_decode_summary(before, llm.stats())
 
     # per output token from medians: one stalled run (a GC pass, a late compile) must not
     # move the TTFT it is subtracted from (a mean of the TTFTs did)
@@ -174,8 +187,38 @@ def _measure(args: argparse.Namespace, llm, percentiles: list[float], loras=None
         "latencies": latencies,
         "percentiles": {percentile_word(p): float(np.percentile(latencies, p)) for p in percentiles},
         "sampling": sampling_label(args) or None,
+        "prompt_file": getattr(args, "prompt_file", None),
+        "spec_decode": spec,
     }
     return result
+
+
+def file_prompt(llm, path: str) -> list[int]:
+    """The prompt ids of a text file: a user message through the chat template, if the tokenizer
+    has one, else the text."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    tokenizer = llm.get_tokenizer()
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def spec_decode_summary(before, after) -> dict | None:
+    """Speculative decoding over the timed runs: proposals, acceptances, the acceptance rate and
+    the mean tokens a speculating step makes (1 + accepted per verification)."""
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    if drafts <= 0:
+        return None
+    proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_position = [a - b for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)]
+    return {"verifications": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts, "accepted_per_position": per_position}  # fmt: skip
 
 
 def format_report(r: dict) -> str:
@@ -204,6 +247,12 @@ def format_report(r: dict) -> str:
             row("Time per output token (ms):", r["tpot_ms"]),
             row("Output tokens/s per sequence:", r["output_tokens_per_s_per_seq"]),
             row("Weight read bandwidth (GB/s):", r["weight_bandwidth_gb_s"]),
+        ]
+    if r.get("spec_decode"):
+        spec = r["spec_decode"]
+        lines += [
+            row("Speculative acceptance rate:", spec["acceptance_rate"]),
+            row("Mean acceptance length:", spec["mean_acceptance_length"]),
         ]
     # the JSON keeps vLLM's seconds; the table shows ms, readable at small sizes
     lines.append(row("Avg latency (ms):", r["avg_latency"] * 1000))
