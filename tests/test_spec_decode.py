@@ -269,3 +269,20 @@ def test_sampled_requests_speculate_and_seeded_ones_reproduce(model_dirs):
     assert llm.stats().spec_num_drafts > 0
     assert _generate(llm, prompts, params) == first  # the same seed: the same tokens
     assert all(len(t) == 30 for t in first)
+
+
+def test_a_request_proposes_what_it_lately_had_accepted():
+    from llmserve.config import speculative_config
+    from llmserve.engine.spec_decode import SpecDecoder
+
+    spec = SpecDecoder(speculative_config({"method": "ngram", "num_speculative_tokens": 5}, 1), 1000)
+    assert spec.budget("a") == 5  # a new request: K
+    for _ in range(4):
+        spec.record("a", spec.budget("a"), 0)
+    assert spec.budget("a") == 1  # its proposals keep failing: one a step
+    for _ in range(10):
+        spec.record("a", spec.budget("a"), spec.budget("a"))
+    assert spec.budget("a") == 5  # accepted again: back up to K, a token more each time
+    assert spec.counts.num_drafts == 14
+    spec.forget("a")
+    assert spec.budget("a") == 5

@@ -358,7 +358,7 @@ class Scheduler:
         after them) join it up to a stop; only their positions count as computed."""
         req = sched.request
         accepted = len(tokens) - 1
-        self.spec.record(len(sched.draft_token_ids), accepted)
+        self.spec.record(req.request_id, len(sched.draft_token_ids), accepted)
         # the step computed the last token and every proposal: keep the last and the accepted
         req.num_computed_tokens -= len(sched.draft_token_ids) - accepted
         taken = []

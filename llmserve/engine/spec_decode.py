@@ -92,12 +92,25 @@ class SpecCounts:
     accepted_per_position: list[int] = field(default_factory=list)  # position i: drafts accepted there
 
 
+ACCEPTANCE_DECAY = 0.5  # weight of a request's earlier steps in its running acceptance
+
+
 class SpecDecoder:
+    """Proposals, each request's running acceptance, and the counts. A request proposes one more
+    token than it has lately had accepted (its running mean, from K at its start): a request
+    whose proposals keep failing costs the step one token, not K."""
+
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.arrays = TokenArrays()
         self.counts = SpecCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.acceptance: dict[str, float] = {}  # request id -> running mean of its accepted proposals
+
+    def budget(self, request_id: str) -> int:
+        """How many tokens the request may propose: its running acceptance + 1, at most K."""
+        k = self.config.num_speculative_tokens
+        return max(1, min(k, round(self.acceptance.get(request_id, k)) + 1))
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposals for the running requests that speculate this step (id -> tokens)."""
@@ -108,7 +121,7 @@ class SpecDecoder:
         chosen, ks = [], []
         for req in decoding:
             # room for the proposals and the token after them, under max_tokens and max_model_len
-            k = min(cfg.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
+            k = min(self.budget(req.request_id), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)  # fmt: skip
             if k > 0 and speculates(req):
                 chosen.append(req)
@@ -119,7 +132,9 @@ class SpecDecoder:
         proposals = propose(arrays, ks, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         return {r.request_id: p for r, p in zip(chosen, proposals) if p}
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        before = self.acceptance.get(request_id, self.config.num_speculative_tokens)
+        self.acceptance[request_id] = ACCEPTANCE_DECAY * before + (1 - ACCEPTANCE_DECAY) * num_accepted
         c = self.counts
         c.num_drafts += 1
         c.num_draft_tokens += num_drafts
@@ -129,3 +144,4 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.arrays.forget(request_id)
+        self.acceptance.pop(request_id, None)
