@@ -345,9 +345,8 @@ class EngineArgs:
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
-        # tensor-parallel workers do not see sampled tokens; a speculative step's token count is
-        # known only when it ends
-        overlap = self.async_scheduling and tp == 1 and speculative is None
+        # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)
+        overlap = self.async_scheduling and tp == 1
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`

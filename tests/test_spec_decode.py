@@ -186,14 +186,25 @@ def test_stops_and_lengths_inside_accepted_proposals(model_dirs, plain_outputs):
         assert got == [w[:max_tokens] for w in want]
 
 
-def test_no_speculation_past_the_batch_limit(model_dirs):
+def test_no_speculation_past_the_batch_limit(model_dirs, plain_outputs):
+    """Past `disable_by_batch_size` decoding sequences nobody speculates, and steps overlap
+    (async scheduling) as without speculation; at or below it they speculate, one step at a time."""
     spec = dict(NGRAM, disable_by_batch_size=2)
     llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=spec)
-    _generate(llm, _prompts(7))  # three decoding at once: none speculates while all three run
+    answers = []
+    original = llm.core.can_overlap
+
+    def watch():
+        answers.append(original())
+        return answers[-1]
+
+    llm.core.can_overlap = watch
+    assert _generate(llm, _prompts(7)) == plain_outputs("llama")
     many = llm.stats().spec_num_drafts
-    assert many == 0
+    assert many == 0 and any(answers)  # three decoding at once: none speculates, steps overlap
+    answers.clear()
     _generate(llm, _prompts(7)[:2])
-    assert llm.stats().spec_num_drafts > many  # two at once do
+    assert llm.stats().spec_num_drafts > many and not any(answers)  # two at once speculate, in order
 
 
 @pytest.mark.integration

@@ -203,15 +203,23 @@ class EngineCore:
                                     [s.num_new_tokens for s in sched.scheduled])  # fmt: skip
         pending = self.runner.execute_async(self.plans.plan(sched, self._vocab_size))
         self.scheduler.after_launch(sched)
+        # a speculative step's token counts are known only when it ends: nothing overlaps it
+        self._speculating = self.config.speculative is not None and any(s.draft_token_ids for s in sched.scheduled)
         return sched, pending
+
+    _speculating = False  # the step launched last has speculative rows
 
     def can_overlap(self) -> bool:
         """May the next step be launched before the one in flight is finished? Not with
         tensor parallelism (the workers do not see sampled tokens) nor while a running
         request needs its previous token on the host (structured outputs: the grammar's
-        mask; penalties with the reference sampler)."""
-        if not self.config.async_scheduling:
+        mask; penalties with the reference sampler), nor around speculation: after a
+        speculative step, or while the batch is small enough to speculate."""
+        if not self.config.async_scheduling or self._speculating:
             return False
+        spec = self.config.speculative
+        if spec is not None and len(self.scheduler.running) <= spec.disable_by_batch_size:
+            return False  # the next step may speculate: its requests' last tokens must be on the host
         safe = self.runner.sampler.overlap_safe
         return all(safe(r) for r in self.scheduler.running)
 
