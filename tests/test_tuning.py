@@ -135,3 +135,13 @@ def test_split_counts_follow_the_card_s_settings():
     base = paged_attention.choose_num_splits(1, 8, 8192, num_sms=132)
     tuning.set_values({"llmserve.kernels.paged_attention": {"PROGRAMS_PER_SM_TARGET": 1}})
     assert paged_attention.choose_num_splits(1, 8, 8192, num_sms=132) == base // 2
+
+
+def test_a_value_no_file_names_is_left_as_it_is(monkeypatch):
+    """A value set by hand (a test's or a script's monkeypatch) survives an engine's start on a card
+    whose file does not name it."""
+    from llmserve.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "SDPA_CHUNK_MIN_TOKENS", 16)
+    tuning.apply("cpu")
+    assert paged_attention.SDPA_CHUNK_MIN_TOKENS == 16

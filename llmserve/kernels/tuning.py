@@ -4,8 +4,9 @@ A kernel module's tunable settings are module-level values (`TUNABLE` lists them
 the code are the heuristic defaults, used on a card never measured. A card's measured values live
 in a JSON file named for the card (`card_key`): shipped ones in `llmserve/kernels/tuned/`, a
 user's (written by `llmserve tune`) in `~/.cache/llmserve/tuned/`, which wins. `apply(device)`
-sets the card's values before the engine warms up, and puts the defaults back for what its file
-does not name, so two engines of one process on two cards each get their own.
+sets the card's values before the engine warms up, and puts the defaults back for what an earlier
+card's file set and this one does not name (two engines of one process on two cards each get
+their own); a value no file names is left as it is.
 
     {"card": "nvidia-h100-80gb-hbm3", "measured": "2026-12-07 ...",
      "settings": {"llmserve.kernels.split_k_gemm": {"SMALL_M_PROGRAMS": 256, ...}, ...}}
@@ -70,14 +71,19 @@ class CardSettings:
         return f"{self.card}: {self.source} ({changed} setting(s) differ from the defaults)"
 
 
-_DEFAULTS: dict[str, dict[str, Any]] = {}  # each module's own values, read once before any apply
+def _read_defaults() -> dict[str, dict[str, Any]]:
+    out = {}
+    for module_name, names in TUNABLE.items():
+        module = importlib.import_module(module_name)
+        out[module_name] = {name: getattr(module, name) for name in names}
+    return out
+
+
+_DEFAULTS = _read_defaults()  # each module's own values, as imported
+_applied: set[tuple[str, str]] = set()  # the settings the last `apply` took from a card's file
 
 
 def defaults() -> dict[str, dict[str, Any]]:
-    if not _DEFAULTS:
-        for module_name, names in TUNABLE.items():
-            module = importlib.import_module(module_name)
-            _DEFAULTS[module_name] = {name: getattr(module, name) for name in names}
     return _DEFAULTS
 
 
@@ -146,8 +152,16 @@ def apply(device: torch.device | str) -> CardSettings:
     card = card_key(device)
     path = settings_file(card)
     values = read_settings(path) if path is not None else {}
-    set_values(values)
     base = defaults()
+    # what an earlier card's file set goes back to its default; what no file names stays as it is
+    for module_name, name in _applied - {(m, n) for m, names in values.items() for n in names}:
+        setattr(importlib.import_module(module_name), name, base[module_name][name])
+    for module_name, names in values.items():
+        module = importlib.import_module(module_name)
+        for name, value in names.items():
+            setattr(module, name, value)
+    _applied.clear()
+    _applied.update((m, n) for m, names in values.items() for n in names)
     changed = {
         m: {n: v for n, v in names.items() if base[m][n] != v}
         for m, names in values.items()
