@@ -52,17 +52,18 @@ def read_request(endpoint: str, body: bytes) -> ChatCompletionRequest | Completi
 
 async def openai_call(engine: EngineClient, endpoint: str, body: bytes, model: str,
                       tool_call_parser: str | None = None, adapters: dict[str, LoRARequest] | None = None,
-                      request_timeout_s: float | None = None) -> Reply:  # fmt: skip
+                      request_timeout_s: float | None = None, reasoning_parser: str | None = None) -> Reply:  # fmt: skip
     """Run the OpenAI request `body` for `endpoint` on `engine`; `model` names the answers. A
     body whose "model" is one of `adapters` runs with that LoRA adapter (and is named by it).
-    `request_timeout_s` caps every request's time (openai/deadline.py)."""
+    `request_timeout_s` caps every request's time (openai/deadline.py); `reasoning_parser`
+    (llmserve.reasoning) puts a chat reply's thoughts apart from its content."""
     try:
         req = read_request(endpoint, body)
         lora = (adapters or {}).get(req.model) if req.model else None
         if lora is not None:
             model = req.model
         if endpoint == CHAT:
-            reply = await chat_completion(engine, req, model, tool_call_parser, lora)
+            reply = await chat_completion(engine, req, model, tool_call_parser, lora, reasoning_parser)
         else:
             reply = await completion(engine, req, model, lora)
         return with_deadline(reply, effective_timeout(req.request_timeout_s, request_timeout_s))

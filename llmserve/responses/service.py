@@ -1,10 +1,12 @@
-"""The Responses API over an engine: create (a body, a stream of typed events, or a background
+"""The Responses API over a chat path: create (a body, a stream of typed events, or a background
 run), retrieve, delete, list input items, cancel. A response is a chat request underneath
-(`plan_chat`: the chat template, sampling, tools, the reasoning parser and the grammar) whose
-output `MessageStream` cuts into thoughts, text and tool calls; here they become output items
+(items.py builds it); a `Runner` runs that request and gives the answer as `Piece`s (thoughts,
+text, tool calls) and its `Ended` (cut short or not, usage). Here they become output items
 (`reasoning`, `message`, `function_call`) and the events OpenAI sends, in its order, each with
-its `sequence_number`. A body and a background run are the same events, drained. No web
-framework: `llmserve serve` (serve/responses_routes.py) calls it."""
+its `sequence_number`. A body and a background run are the same events, drained. Two runners:
+`engine_runner` (`plan_chat` and `MessageStream` on an engine: `llmserve serve`) and the
+gateway's (a chat completions stream from its upstreams: llmserve/gateway/responses.py). No web
+framework here."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from llmserve.engine.protocol import EngineClient
 from llmserve.errors import EngineDeadError
@@ -22,6 +25,7 @@ from llmserve.openai.chat import ChatPlan, MessageStream, plan_chat, reasoning_t
 from llmserve.openai.deadline import effective_timeout
 from llmserve.openai.engine_calls import adapter_kwargs
 from llmserve.openai.errors import APIError
+from llmserve.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from llmserve.openai.reply import Reply
 from llmserve.outputs import RequestOutput
 from llmserve.responses.items import ResponsesRequest, chat_messages, chat_request, new_id, normalize_items
@@ -30,6 +34,77 @@ from llmserve.responses.store import UNFINISHED, ResponseStore
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 10.0  # the longest a cancel waits for its background run to stop
+
+
+@dataclass
+class Piece:
+    """What one step of the answer added: thoughts, answer text, tool call deltas."""
+
+    thought: str = ""
+    content: str = ""
+    calls: list[DeltaToolCall] = field(default_factory=list)
+
+
+@dataclass
+class Ended:
+    """The answer's end: cut short by max_output_tokens or not, and the Responses usage."""
+
+    cut_short: bool
+    usage: dict
+
+
+@dataclass
+class ChatRun:
+    """A chat request started: its pieces, then one `Ended` (the last item); the prompt's
+    token ids where the runner knows them."""
+
+    pieces: AsyncIterator[Piece | Ended]
+    prompt_token_ids: list[int] | None = None
+
+
+# runs a response's chat request (named by the response's id): APIError (or a refusal of the
+# caller's) before anything runs, when the request is wrong or cannot be served
+Runner = Callable[[ChatCompletionRequest, str], Awaitable[ChatRun]]
+
+
+def response_usage(prompt: int, output: int, reasoning: int, cached: int | None = None) -> dict:
+    """The Responses API's usage from a chat's counts."""
+    return {
+        "input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached or 0},
+        "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + output,
+    }  # fmt: skip
+
+
+def engine_runner(engine: EngineClient, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+                  lora_request: LoRARequest | None = None) -> Runner:  # fmt: skip
+    """Chat requests run on `engine` as /v1/chat/completions runs them (`plan_chat`), the output
+    cut by `MessageStream`."""
+
+    async def run(chat: ChatCompletionRequest, rid: str) -> ChatRun:
+        plan = await plan_chat(engine, chat, tool_call_parser, reasoning_parser)
+        stream = engine.generate({"prompt_token_ids": plan.ids}, plan.params, rid, chat.priority, plan.arrival,
+                                 **adapter_kwargs(lora_request))  # fmt: skip
+        return ChatRun(_engine_pieces(engine, plan, stream), plan.ids)
+
+    return run
+
+
+async def _engine_pieces(engine: EngineClient, plan: ChatPlan,
+                         stream: AsyncIterator[RequestOutput]) -> AsyncIterator[Piece | Ended]:  # fmt: skip
+    message = MessageStream(plan.tools, plan.thinking)
+    last: RequestOutput | None = None
+    async with aclosing(stream):
+        async for out in stream:
+            last, comp = out, out.outputs[0]
+            step = message.step(comp.text, comp.finish_reason)
+            if step is not None:
+                thought, content, calls, _ = step
+                yield Piece(thought or "", content or "", list(calls))
+    comp = last.outputs[0]
+    thoughts = reasoning_tokens(engine.tokenizer, comp.token_ids, comp.text, plan.thinking) or 0
+    usage = response_usage(len(last.prompt_token_ids), len(comp.token_ids), thoughts, last.num_cached_tokens)
+    yield Ended(comp.finish_reason == "length", usage)
 
 
 def _not_found(rid: str, param: str | None = None) -> APIError:
@@ -184,10 +259,14 @@ class Responses:
             raise _not_found(rid, param)
         return found
 
-    async def create(self, engine: EngineClient, req: ResponsesRequest, model: str, namespace: str,
-                     lora_request: LoRARequest | None = None) -> Reply:  # fmt: skip
-        """Start `req`: a Reply with its body (the whole response), its events, or (background)
-        the response as it is now. APIError for what is wrong before anything runs."""
+    def runner(self, engine: EngineClient, lora_request: LoRARequest | None = None) -> Runner:
+        """This server's chat path on `engine` (its tool and reasoning parsers)."""
+        return engine_runner(engine, self.tool_call_parser, self.reasoning_parser, lora_request)
+
+    async def create(self, req: ResponsesRequest, model: str, namespace: str, runner: Runner) -> Reply:
+        """Start `req` (its chat request run by `runner`): a Reply with its body (the whole
+        response), its events, or (background) the response as it is now. APIError for what is
+        wrong before anything runs."""
         if req.background and not req.store:
             raise APIError(400, "background responses need store = true", param="background")
         if req.background and req.stream:
@@ -201,18 +280,20 @@ class Responses:
             history = before + previous["output"]
         items = history + normalize_items(req.input)
         chat = chat_request(req, chat_messages(items, req.instructions))
-        plan = await plan_chat(engine, chat, self.tool_call_parser, self.reasoning_parser)
+        store = await self.store() if req.store else None  # (before the run starts: a 503 leaves nothing running)
         rid = new_id("resp")
+        started = await runner(chat, rid)
         response = response_object(rid, req, model, "queued" if req.background else "in_progress")
-        if req.return_token_ids:
-            response["prompt_token_ids"] = plan.ids
-        store = await self.store() if req.store else None
-        if store is not None:
-            await asyncio.to_thread(store.put, namespace, response, items)
-        stream = engine.generate({"prompt_token_ids": plan.ids}, plan.params, rid, chat.priority, plan.arrival,
-                                 **adapter_kwargs(lora_request))  # fmt: skip
+        if req.return_token_ids and started.prompt_token_ids is not None:
+            response["prompt_token_ids"] = started.prompt_token_ids
+        try:
+            if store is not None:
+                await asyncio.to_thread(store.put, namespace, response, items)
+        except BaseException:
+            await started.pieces.aclose()
+            raise
         timeout = effective_timeout(req.request_timeout_s, self.request_timeout_s)
-        run = self._run(engine, plan, _Items(response), stream, store, namespace, timeout)
+        run = self._run(_Items(response), started.pieces, store, namespace, timeout)
         if req.background:
             task = asyncio.create_task(_drain(run))
             self.background[rid] = task
@@ -228,8 +309,8 @@ class Responses:
 
         return Reply(body=body())
 
-    async def _run(self, engine: EngineClient, plan: ChatPlan, items: _Items, stream: AsyncIterator[RequestOutput],
-                   store: ResponseStore | None, namespace: str, timeout: float | None) -> AsyncIterator[dict]:  # fmt: skip
+    async def _run(self, items: _Items, pieces: AsyncIterator[Piece | Ended], store: ResponseStore | None,
+                   namespace: str, timeout: float | None) -> AsyncIterator[dict]:  # fmt: skip
         """The events of one response, its stored copy kept up to date."""
         response = items.response
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
@@ -240,41 +321,30 @@ class Responses:
                 await asyncio.to_thread(store.update, namespace, response)
             yield items.event("response.created", response=items.snapshot())
             yield items.event("response.in_progress", response=items.snapshot())
-            message = MessageStream(plan.tools, plan.thinking)
-            last: RequestOutput | None = None
-            async with aclosing(stream):
-                while True:
+            ended: Ended | None = None
+            async with aclosing(pieces):
+                while ended is None:
                     try:
                         async with asyncio.timeout_at(deadline):
-                            out = await anext(stream)
+                            piece = await anext(pieces)
                     except StopAsyncIteration:
-                        break
+                        raise APIError(502, "the answer ended before it was complete", code="upstream_failed") from None
                     except TimeoutError:
                         raise APIError(504, f"the response did not finish within {timeout:g} s (request_timeout_s): "
                                             "it was stopped", code="request_timeout") from None  # fmt: skip
-                    last, comp = out, out.outputs[0]
-                    step = message.step(comp.text, comp.finish_reason)
-                    if step is None:
+                    if isinstance(piece, Ended):
+                        ended = piece
                         continue
-                    thought, content, calls, _ = step
-                    for event in [*(items.thought(thought) if thought else []),
-                                  *(items.text(content) if content else []),
-                                  *(e for call in calls for e in items.call(call))]:  # fmt: skip
+                    for event in [*(items.thought(piece.thought) if piece.thought else []),
+                                  *(items.text(piece.content) if piece.content else []),
+                                  *(e for call in piece.calls for e in items.call(call))]:  # fmt: skip
                         yield event
-            comp = last.outputs[0]
-            cut_short = comp.finish_reason == "length"
-            for event in items.finish("incomplete" if cut_short else "completed"):
+            for event in items.finish("incomplete" if ended.cut_short else "completed"):
                 yield event
-            response["status"] = "incomplete" if cut_short else "completed"
-            if cut_short:
+            response["status"] = "incomplete" if ended.cut_short else "completed"
+            if ended.cut_short:
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
-            thoughts = reasoning_tokens(engine.tokenizer, comp.token_ids, comp.text, plan.thinking) or 0
-            prompt, output = len(last.prompt_token_ids), len(comp.token_ids)
-            response["usage"] = {
-                "input_tokens": prompt, "input_tokens_details": {"cached_tokens": last.num_cached_tokens},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": thoughts},
-                "total_tokens": prompt + output,
-            }  # fmt: skip
+            response["usage"] = ended.usage
             response["completed_at"] = time.time()
             finished = True
             if store is not None:

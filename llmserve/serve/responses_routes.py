@@ -39,7 +39,7 @@ def add_responses_routes(app: FastAPI, responses: Responses, authorized: Callabl
     @app.post("/v1/responses")
     async def create(req: ResponsesRequest, request: Request, s: ServerState = Depends(authorized)):
         engine, model = s.require_engine(), s.resolve_model(req.model)
-        reply = await responses.create(engine, req, model, namespace(s, request), s.adapter(model))
+        reply = await responses.create(req, model, namespace(s, request), responses.runner(engine, s.adapter(model)))
         return await respond(request, reply)
 
     @app.get("/v1/responses/{response_id}")

@@ -144,11 +144,18 @@ def chat_config(model_dir: str | None = None, max_model_len: int = 2048, name: s
     (`request`, JSON) for an `endpoint` and answers what `llmserve serve` answers (`status`,
     `response`: the JSON body, or server-sent events, one or more a response; `keepalive_s` > 0: a
     ": keep-alive" response whenever a call has sent nothing for that long); `tool_call_parser`
-    (hermes) serves tool_choice "auto"; `enable_lora=True, lora_modules={name: path}` serves
+    (hermes, llama3_json, mistral, pythonic, qwen3_coder) serves tool_choice "auto";
+    `reasoning_parser` (deepseek_r1, qwen3) puts chat replies' thoughts apart from the answer
+    (`reasoning` and `reasoning_content`, as `llmserve serve --reasoning-parser`); `enable_lora=True, lora_modules={name: path}` serves
     LoRA adapters a request names as its model. `instance_kind` KIND_GPU: Triton places each
     instance on a GPU and the engine runs there (the instance's GPU is the only one it sees)."""
     from llmserve.config import DEFAULT_MODEL
+    from llmserve.openai.tool_parsers import PARSERS as TOOL_PARSERS
+    from llmserve.reasoning import REASONING_PARSERS
 
+    for key, known in (("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", tuple(TOOL_PARSERS))):
+        if engine_args.get(key) is not None and engine_args[key] not in known:  # refused before Triton starts
+            raise ValueError(f"{name}: unknown {key} {engine_args[key]!r}; known: {', '.join(known)}")
     params = {"model_dir": str(model_dir or DEFAULT_MODEL), "max_model_len": str(max_model_len)}
     params.update({k: _param(v) for k, v in engine_args.items()})
     return ModelConfig(

@@ -38,7 +38,15 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 #   switch_interval_s -- the stub's GIL switch interval (Python's 5 ms by default); a send waits on
 #   Triton with the GIL released and gets it back from a busy thread only at a switch
 #   request_timeout_s -- the longest a request may run (openai/deadline.py): 504, or a stream's last error event
-CHAT_PARAMETERS = ("tool_call_parser", "lora_modules", "switch_interval_s", "stream_sends", "request_timeout_s")
+#   reasoning_parser -- deepseek_r1 | qwen3: chat replies' thoughts apart from the answer (llmserve/reasoning)
+CHAT_PARAMETERS = (
+    "tool_call_parser",
+    "reasoning_parser",
+    "lora_modules",
+    "switch_interval_s",
+    "stream_sends",
+    "request_timeout_s",
+)
 
 
 def _engine_args(params: dict) -> dict:
@@ -133,6 +141,11 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         self.tool_call_parser = params.get("tool_call_parser") or None
+        self.reasoning_parser = params.get("reasoning_parser") or None
+        if self.reasoning_parser is not None:  # a wrong name fails the model's load, not each request
+            from llmserve.reasoning import reasoning_parser
+
+            reasoning_parser(self.reasoning_parser)
         self.request_timeout_s = float(params["request_timeout_s"]) if params.get("request_timeout_s") else None
         if params.get("switch_interval_s"):  # the stub's process alone
             sys.setswitchinterval(float(params["switch_interval_s"]))
@@ -190,7 +203,7 @@ class TritonPythonModel:
         entry = self.watch.add(request, asyncio.current_task(), keepalive_s, lambda: self._keepalive(sender, streaming))
         try:
             reply = await openai_call(self.engine, endpoint, body, self.name, self.tool_call_parser, self.adapters,
-                                      self.request_timeout_s)  # fmt: skip
+                                      self.request_timeout_s, self.reasoning_parser)  # fmt: skip
             if reply.error is not None:
                 sender.send(_response(reply.status, json.dumps(reply.error)), flags=FINAL)
             elif reply.events is not None:
