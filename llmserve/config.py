@@ -77,8 +77,11 @@ class CacheConfig:
     # an FP8 cache's per-layer scales calibrated at start (model/kv_scales.py); None: when the
     # checkpoint gives none; False: the checkpoint's, else 1
     calculate_kv_scales: bool | None = None
+    kv_offload_cpu_bytes: int = 0  # the prefix cache's host tier (engine/kv_host_tier.py)
 
     def __post_init__(self) -> None:
+        if self.kv_offload_cpu_bytes < 0:
+            raise ConfigError(f"kv_offload_cpu_gb must be >= 0; got {self.kv_offload_cpu_bytes / (1 << 30)}")
         if self.kv_cache_dtype in ("fp8_e4m3", "fp8e4m3"):
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -229,6 +232,9 @@ class EngineArgs:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = recompute
+    # GiB of host memory under the prefix cache: blocks evicted from the device move there, and a
+    # prefix found there is loaded back instead of recomputed (engine/kv_host_tier.py); 0: none
+    kv_offload_cpu_gb: float = 0.0
     kv_cache_dtype: str = "auto"  # auto | fp8 (fp8_e4m3): the KV cache in FP8, twice the tokens
     calculate_kv_scales: bool | None = (
         None  # FP8 KV: per-layer scales calibrated at start (None: unless the checkpoint has them)
@@ -322,6 +328,7 @@ class EngineArgs:
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
+            kv_offload_cpu_bytes=int(self.kv_offload_cpu_gb * (1 << 30)),
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

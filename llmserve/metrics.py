@@ -58,6 +58,10 @@ class _EngineStateCollector(Collector):
              s.spec_num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Tokens proposed by speculative decoding.", s.spec_num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", s.spec_num_accepted_tokens),
+            ("llmserve:kv_offload_hit_tokens", "Prompt tokens found in the prefix cache's host tier.",
+             s.kv_offload_hit_tokens),
+            ("llmserve:kv_offload_stored_blocks", "KV blocks written to the host tier.", s.kv_offload_stored_blocks),
+            ("llmserve:kv_offload_loaded_blocks", "KV blocks read back from the host tier.", s.kv_offload_loaded_blocks),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, v)

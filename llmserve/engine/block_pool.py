@@ -56,6 +56,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.cached: dict[BlockKey, tuple[int, int]] = {}  # key -> (block id, its generation then)
         self._evicted: list[BlockKey] = []  # keys whose entries went stale, until `drop_evicted`
+        # with a host tier: (block, key) of each cached block handed out again, until taken
+        self.record_evictions = False
+        self.evictions: list[tuple[int, BlockKey]] = []
 
     @property
     def num_free(self) -> int:
@@ -85,6 +88,8 @@ class BlockPool:
             block = blocks[block_id]
             if block.key is not None:  # its entry goes stale with the generation: no hash here
                 evicted.append(block.key)
+                if self.record_evictions:
+                    self.evictions.append((block_id, block.key))
                 block.key = None
             block.generation += 1
             block.ref_cnt = 1

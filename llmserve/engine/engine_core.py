@@ -93,6 +93,13 @@ class EngineCore:
         if not layout.simple:
             logger.info("KV cache layout: %s", layout)
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        num_host_blocks = config.cache_config.kv_offload_cpu_bytes // self.runner.bytes_per_block
+        if num_host_blocks:
+            if not layout.simple:
+                raise ConfigError(f"--kv-offload-cpu-gb takes models of one KV group for now; this one has {layout}")
+            if not config.cache_config.enable_prefix_caching:
+                raise ConfigError("--kv-offload-cpu-gb extends the prefix cache: enable prefix caching")
+            self.runner.init_host_tier(num_host_blocks)
         kv_scales = self.runner.set_kv_scales()
         if kv_scales.scales:
             logger.info("FP8 KV cache scales, %s", kv_scales.summary())
@@ -102,7 +109,8 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         phase("CUDA graphs")
         logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
-        self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout)
+        self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout,
+                                 num_host_blocks)  # fmt: skip
         spec = SpecDecoder(config.speculative, max_len) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,

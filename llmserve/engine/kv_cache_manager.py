@@ -13,10 +13,21 @@ blocks and every sliding group the blocks of its last window.
 from __future__ import annotations
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
+from llmserve.engine.kv_host_tier import HostTier
 from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request
 
 NO_SWAP = -1  # a swapped-out request's entry for a released (NULL_BLOCK) one
+HOST_HIT = -2  # a `get_computed_blocks` entry the host tier holds (a device block is placed at allocation)
+
+
+class PrefixHit(list):
+    """`get_computed_blocks`' answer: device block ids, HOST_HIT where the host tier holds the block;
+    `loads`: (index, host block) of those."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loads: list[tuple[int, int]] = []
 
 
 class KVCacheManager:
@@ -27,7 +38,9 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         num_cpu_blocks: int = 0,
         layout: KVLayout | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py; one KV group)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.layout = layout or single_group(1)
@@ -44,6 +57,15 @@ class KVCacheManager:
         self._release_at: dict[str, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.host: HostTier | None = None
+        if num_host_blocks:
+            if not self.layout.simple:
+                raise ValueError("the KV host tier takes models of one KV group (no sliding windows) for now")
+            self.host = HostTier(num_host_blocks)
+            self.pool.record_evictions = True
+        self.host_hits = 0  # tokens found in the host tier
+        self._offloads: list[tuple[int, int]] = []  # (device block, host block) to copy at the step's start
+        self._loads: list[tuple[int, int]] = []  # (host block, device block), after the offloads
 
     # -- prefix cache -------------------------------------------------------------------
     def _salt(self, req: Request) -> str | None | bool:
@@ -89,13 +111,18 @@ class KVCacheManager:
         lookup = self.pool.lookup
         if self.groups > 1 or self.layout.sliding:
             return self._computed_groups(req, num_full, salt)
-        hits = []
+        hits = PrefixHit()
+        host = self.host
         for i in range(num_full):
             if i == len(keys):
                 self._extend_keys(req, i + 1, salt)
             block_id = lookup(keys[i])
             if block_id is None:
-                break
+                held = host.lookup(keys[i]) if host is not None else None
+                if held is None:
+                    break
+                hits.loads.append((len(hits), held))
+                block_id = HOST_HIT
             hits.append(block_id)
         return hits
 
@@ -166,14 +193,14 @@ class KVCacheManager:
 
     # -- allocation -------------------------------------------------------------------
     def blocks_needed(self, req: Request, num_new_tokens: int, computed: list[int] = ()) -> int:
-        """Free blocks this step would consume (new blocks plus free cached hits, less the blocks
-        a sliding group releases first)."""
+        """Free blocks this step would consume (new blocks plus free cached hits and hits to load
+        from the host tier, less the blocks a sliding group releases first)."""
         groups = self.groups
         have = len(self.req_blocks.get(req.request_id, ())) // groups + len(computed) // groups
         start = req.num_computed_tokens + len(computed) // groups * self.block_size
         total = start + num_new_tokens
         new = max(0, -(-total // self.block_size) - have) * groups
-        hits = sum(1 for b in self._held(computed) if self.pool.is_free(b)) if computed else 0
+        hits = sum(1 for b in self._held(computed) if b == HOST_HIT or self.pool.is_free(b)) if computed else 0
         if self.layout.sliding and not computed:
             new -= len(self._behind_windows(req, start, release=False))
         return new + hits
@@ -223,7 +250,12 @@ class KVCacheManager:
         start = req.num_computed_tokens + len(computed) // groups * self.block_size
         blocks = self.req_blocks.setdefault(req.request_id, [])
         if computed:
-            self.pool.touch(self._held(computed))
+            loads = getattr(computed, "loads", None)
+            if loads:  # device blocks for the host tier's hits, registered now, filled at the step's start
+                self.pool.touch(b for b in computed if b != HOST_HIT)  # (first: the allocation cannot take them)
+                computed = self._place_loads(req, computed, loads)
+            else:
+                self.pool.touch(self._held(computed))
             blocks.extend(computed)
             self._num_registered[req.request_id] = len(blocks) // groups
             if self._sliding:  # the hits' entries before each window are NULL_BLOCK already
@@ -235,7 +267,44 @@ class KVCacheManager:
         missing = -(-total // self.block_size) - len(blocks) // groups
         if missing > 0:
             blocks.extend(self.pool.allocate(missing * groups))
+        if self.host is not None:
+            self._offload_evicted()
         return True
+
+    # -- the host tier ----------------------------------------------------------------------
+    def _place_loads(self, req: Request, computed: list[int], loads: list[tuple[int, int]]) -> list[int]:
+        """`computed` with a new device block in each host hit's place: registered under the hit's
+        key, its load queued (the host block pinned for the step)."""
+        computed = list(computed)
+        fresh = self.pool.allocate(len(loads))
+        keys = self._block_keys(req, len(computed))
+        for (index, held), block in zip(loads, fresh):
+            computed[index] = block
+            self.pool.register(block, keys[index])
+            self.host.pin(held)
+            self._loads.append((held, block))
+        self.host_hits += len(loads) * self.block_size
+        return computed
+
+    def _offload_evicted(self) -> None:
+        """Cached device blocks just handed out again go to the host tier (copied at the step's start)."""
+        pool = self.pool
+        for block, key in pool.evictions:
+            held = self.host.store(key)
+            if held is not None:
+                self._offloads.append((block, held))
+        pool.evictions.clear()
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's host-tier copies: (device, host) offloads, then (host, device) loads."""
+        if self.host is None:
+            return [], []
+        if self.pool.evictions:
+            self._offload_evicted()
+        copies = self._offloads, self._loads
+        self._offloads, self._loads = [], []
+        self.host.unpin_all()
+        return copies
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; its tail blocks are evicted first. With sliding groups,
@@ -342,4 +411,8 @@ class KVCacheManager:
         return self.pool.num_used / self.pool.num_usable
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_cache()
+        if not self.pool.reset_cache():
+            return False
+        if self.host is not None:  # the host tier's blocks are the prefix cache's too
+            self.host.clear()
+        return True

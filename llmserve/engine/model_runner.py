@@ -16,7 +16,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -170,6 +170,8 @@ class StepInputs:
     batch: BatchInputs | None
     lora_slots: list[int] | None = None  # with LoRA: each token's adapter slot (the driver's choice)
     prompt_rows: PromptRows | None = None  # rows whose logits give prompt logprobs (a request asked)
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)  # host tier: (device, host), first
+    kv_load: list[tuple[int, int]] = field(default_factory=list)  # then (host, device)
 
 
 def on_every_rank(method: Callable) -> Callable:
@@ -237,6 +239,7 @@ class ModelRunner:
                         if config.sampler == "batched" else ReferenceSampler(self.device))  # fmt: skip
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
+        self.host_tier_caches: list[torch.Tensor] = []  # the prefix cache's host tier (engine/kv_host_tier.py)
         sc = config.scheduler_config
         # block table columns: enough for max_model_len, in the kernel-friendly width (`table_width`)
         self.max_blocks = table_width(-(-mc.max_model_len // self.block_size))
@@ -555,14 +558,14 @@ class ModelRunner:
         self.sampler.forget(plan.finished_request_ids)
         rows, sampling = self.requests.rows_for(plan)
         batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {}) if rows else None
-        if batch is None and not plan.blocks_to_swap_out and not plan.blocks_to_swap_in:
+        if batch is None and not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.kv_offload or plan.kv_load):
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
         prompt = None
         if self.requests.prompt_logprobs and batch is not None:  # (only while a request asks)
             prompt = prompt_rows(rows, batch.query_start_loc, self.requests.prompt_logprobs)
         logits, prompt_logprobs = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch,
-                                                           lora_slots, prompt))  # fmt: skip
+                                                           lora_slots, prompt, plan.kv_offload, plan.kv_load))  # fmt: skip
         step = PendingStep([], None, prompt=prompt_logprobs)
         if logits is not None:
             verify = None
@@ -602,6 +605,8 @@ class ModelRunner:
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """Swap blocks, run the forward; returns the logits of the sampling rows (if any), and
         the prompt logprobs of `step.prompt_rows` (if given) on their way from the device."""
+        self._tier_copy(step.kv_offload, to_host=True)  # (before the swaps and the forward write the blocks)
+        self._tier_copy(step.kv_load, to_host=False)
         self._swap(step.swap_out, to_cpu=True)
         self._swap(step.swap_in, to_cpu=False)
         if step.batch is None:
@@ -705,6 +710,28 @@ class ModelRunner:
             input_ids[positions] = source[rows]
 
         return fill
+
+    def _tier_copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Blocks between the device cache and the prefix cache's host tier: (device, host) pairs
+        to the host, (host, device) pairs back."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for dev_cache, host_cache in zip(self.kv_caches, self.host_tier_caches):
+            if to_host:
+                host_cache[:, dst] = dev_cache[:, src.to(self.device)].to("cpu")
+            else:
+                dev_cache[:, dst.to(self.device)] = host_cache[:, src].to(self.device, non_blocking=True)
+
+    @on_every_rank
+    def init_host_tier(self, num_blocks: int) -> None:
+        """Host memory for the prefix cache's host tier (pinned on a GPU), one tensor per cache slot."""
+        a = self.arch
+        shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        pin = self.device.type == "cuda"
+        self.host_tier_caches = [torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
+                                 for _ in range(self.kv_layout.layers_per_group)] if num_blocks else []  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:

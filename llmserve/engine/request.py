@@ -103,6 +103,10 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # the prefix cache's host tier, cumulative: prompt tokens found there, blocks written and read back
+    kv_offload_hit_tokens: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
 
 
 @dataclass(slots=True)

@@ -50,10 +50,14 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device)
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step
+    # the prefix cache's host tier (engine/kv_host_tier.py): copies at the step's start, offloads first
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    kv_load: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.kv_offload
+                    or self.kv_load)  # fmt: skip
 
 
 class Scheduler:
@@ -125,6 +129,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        if self.kv.host is not None:
+            out.kv_offload, out.kv_load = self.kv.take_copies()
         self.num_computed_tokens_total += out.num_batched_tokens
         return out
 
@@ -424,7 +430,15 @@ class Scheduler:
             num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
             num_computed_tokens_total=self.num_computed_tokens_total,
             **self._spec_stats(),
+            **self._host_tier_stats(),
         )
+
+    def _host_tier_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return dict(kv_offload_hit_tokens=self.kv.host_hits, kv_offload_stored_blocks=host.counts.stored,
+                    kv_offload_loaded_blocks=host.counts.loaded)  # fmt: skip
 
     def _spec_stats(self) -> dict:
         if self.spec is None:

@@ -58,6 +58,8 @@ class StepPlan:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # the runner forgets these
     grammar: GrammarMask | None = None  # the grammars' allowed tokens, rows of the sampling requests
+    kv_offload: list[tuple[int, int]] = field(default_factory=list)  # host tier: (device, host), first
+    kv_load: list[tuple[int, int]] = field(default_factory=list)  # then (host, device)
 
 
 class PlanBuilder:
@@ -96,6 +98,8 @@ class PlanBuilder:
             append(PlannedRow(rid, req.num_computed_tokens, sched.num_new_tokens, sched.samples, new_blocks, new,
                               has_grammar, sched.draft_token_ids))  # fmt: skip
         plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
+        if out.kv_offload or out.kv_load:
+            plan.kv_offload, plan.kv_load = out.kv_offload, out.kv_load
         if grammar and vocab_size is not None:
             plan.grammar = grammar_mask([s.request for s in out.scheduled if s.samples], vocab_size)
         return plan
