@@ -10,6 +10,8 @@ from fastapi.responses import JSONResponse
 
 from llmserve.gateway.config import GatewayConfig
 from llmserve.gateway.gateway import Gateway
+from llmserve.gateway.intake import Rejected, reject_response
+from llmserve.gateway.responses import responses_router
 from llmserve.gateway.routes import PROXIED_PATHS, ProxyRoute, api_router, proxy_route
 from llmserve.heap import freeze_startup_objects
 from llmserve.http_errors import install_error_handlers
@@ -35,6 +37,12 @@ def gateway_app(gateway: Gateway) -> ProxyFirst:
     app = FastAPI(title="llmserve gateway", lifespan=lifespan)
     install_error_handlers(app)  # unknown paths and methods, bad query values: OpenAI's error format
     app.include_router(api_router(gateway))
+    app.include_router(responses_router(gateway))  # the Responses API over the chat routes
+
+    @app.exception_handler(Rejected)
+    async def _rejected(request: Request, exc: Rejected) -> JSONResponse:  # a key refused (the responses' routes)
+        return reject_response(exc, request.headers.get("x-request-id") or "")
+
     app.openapi = lambda: openapi_with_proxied_routes(app)
     return ProxyFirst(app, gateway, proxy_route(gateway))
 

@@ -154,6 +154,16 @@ class ExposureConfig(_Strict):
     dashboard: Literal["open", "keyed", "off"] = "open"  # /dashboard and /dashboard/data
 
 
+class ResponsesConfig(_Strict):
+    """The gateway's Responses API (llmserve/gateway/responses.py): where its stored responses
+    live (an SQLite file; ":memory:" keeps them in memory only; default
+    $XDG_CACHE_HOME/llmserve/gateway-responses.sqlite) and how many, how old (0: no limit)."""
+
+    store: str | None = None
+    max_count: int = Field(default=10_000, ge=0)
+    max_age_days: float = Field(default=30.0, ge=0)
+
+
 class GatewayConfig(_Strict):
     models: dict[str, ModelRoute] = Field(min_length=1)
     keys: list[ApiKey] = []  # no keys: the gateway is open
@@ -185,6 +195,7 @@ class GatewayConfig(_Strict):
     default_max_tokens: int = Field(default=256, ge=1)  # reserved when a request names none
     placement: PlacementConfig | None = None  # several chat models on one GPU, woken on demand
     expose: ExposureConfig = ExposureConfig()  # the metrics and the status page: open, keyed or off
+    responses: ResponsesConfig = ResponsesConfig()  # /v1/responses over the chat routes, stored per key
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(self.max_header_bytes, self.header_timeout_s, self.body_timeout_s, self.max_connections,

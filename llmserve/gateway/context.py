@@ -23,11 +23,20 @@ class RequestContext:
     key: ApiKey | None
     reserved_tokens: int = 0
     used_tokens: int = 0
+    usage: dict | None = None  # the answer's usage, where it carried one (counted by kind in the metrics)
     served_by: str | None = None  # the alias whose replica answered
     slot: Slot | None = None  # the admission slot held until the response is over
     prefix: str | None = None  # what the prompt starts with, for prefix-affinity routing
     placed: bool = False  # counted in flight by the placement (released in `finish`)
     started: float = field(default_factory=time.monotonic)
+
+    def saw_usage(self, usage: dict) -> None:
+        """The answer's usage: the limits settle with its total (the thoughts are in it: a
+        reasoning model's reasoning tokens are completion tokens)."""
+        self.usage = usage
+        total = usage.get("total_tokens")
+        if isinstance(total, int):
+            self.used_tokens = total
 
     @property
     def priority(self) -> int:

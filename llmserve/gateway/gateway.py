@@ -28,6 +28,8 @@ from llmserve.gateway.metrics_pages import merged_pages
 from llmserve.gateway.placement import GatewayPlacement
 from llmserve.gateway.router import Replica, Router, health_loop
 from llmserve.gateway.triton_upstream import TritonClients
+from llmserve.responses.service import Responses
+from llmserve.responses.store import ResponseStore, default_store_path
 
 
 @dataclass
@@ -52,6 +54,14 @@ class Health:
         return body
 
 
+def _store_opener(config: GatewayConfig):
+    """Opens the gateway's responses store (its own file by default: not a server's on this host)."""
+    settings = config.responses
+    path = settings.store or default_store_path().with_name("gateway-responses.sqlite")
+    max_age_s = settings.max_age_days * 86400 if settings.max_age_days else None
+    return lambda: ResponseStore(path, settings.max_count or None, max_age_s)
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -71,6 +81,8 @@ class Gateway:
                                      saturated_after_s=config.engine_saturated_after_s)  # fmt: skip
         # admission sheds by the engines' queues (the sampler's scrapes) as by its own
         self.admission = Admission(config.admission, [k.priority for k in config.keys], self.sampler)
+        # the Responses API over the chat routes (gateway/responses.py): its store opened on first use
+        self.responses = Responses(_store_opener(config), request_timeout_s=config.request_timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it runs on, while running
         self.client: httpx.AsyncClient | None = None  # health checks; opened while running
         self.session: aiohttp.ClientSession | None = None  # requests upstream (the hot path); ditto
@@ -104,6 +116,7 @@ class Gateway:
                 if placing is not None:
                     placing.cancel()
                     await self.placement.close()
+                await self.responses.close()  # background responses stopped (stored as cancelled) first
                 await self.limiter.close()
                 await self.triton.close()
 
@@ -202,10 +215,23 @@ class Gateway:
         if ctx.key is not None:
             await self.limiter.settle(ctx.key.name, ctx.reserved_tokens, ctx.used_tokens)
 
+    def count_tokens(self, ctx: RequestContext) -> None:
+        """The answer's usage by kind: prompt, completion and, of those, reasoning tokens (chat's
+        `completion_tokens_details.reasoning_tokens`)."""
+        usage, key = ctx.usage, ctx.key.name if ctx.key else ""
+        details = usage.get("completion_tokens_details")
+        counts = {"prompt": usage.get("prompt_tokens"), "completion": usage.get("completion_tokens"),
+                  "reasoning": details.get("reasoning_tokens") if isinstance(details, dict) else None}  # fmt: skip
+        for kind, count in counts.items():
+            if isinstance(count, int) and count > 0:
+                self.metrics.tokens.labels(ctx.alias, key, kind).inc(count)
+
     async def finish(self, ctx: RequestContext, status: int) -> None:
         """A request is over: `give_back` what it held, and count it."""
         await self.give_back(ctx)
         self.metrics.requests.labels(ctx.alias, str(status)).inc()
+        if ctx.usage is not None:
+            self.count_tokens(ctx)
         latency = time.monotonic() - ctx.started
         self.metrics.latency.labels(ctx.alias).observe(latency)
         log_access(ctx.request_id, status, alias=ctx.alias, key=ctx.key.name if ctx.key else None,

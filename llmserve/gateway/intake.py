@@ -100,8 +100,11 @@ def caller(gateway: Gateway, request: Request) -> ApiKey | None:
 
 
 async def admit(gateway: Gateway, request: Request, body: bytes, path: str, request_id: str) -> RequestContext:
-    key = caller(gateway, request)
-    payload = parse_body(body)
+    return await admit_payload(gateway, caller(gateway, request), parse_body(body), path, request_id)
+
+
+def requested_model(gateway: Gateway, key: ApiKey | None, payload: dict) -> str:
+    """The alias the request names, which `key` may call; Rejected (400, 404, 403) otherwise."""
     alias = payload.get("model")
     if not isinstance(alias, str):
         raise Rejected(400, "invalid_request", "model is required: the name of a model (a string), see /v1/models")
@@ -109,6 +112,13 @@ async def admit(gateway: Gateway, request: Request, body: bytes, path: str, requ
         raise Rejected(404, "model_not_found", f"the model {alias[:100]!r} does not exist")
     if key is not None and not may_call(key, alias):
         raise Rejected(403, "model_not_allowed", f"this key may not call {alias!r}")
+    return alias
+
+
+async def admit_payload(gateway: Gateway, key: ApiKey | None, payload: dict, path: str,
+                        request_id: str) -> RequestContext:  # fmt: skip
+    """A request of `key` (its JSON `payload`, for `path`) checked and its tokens reserved."""
+    alias = requested_model(gateway, key, payload)
     ctx = RequestContext(request_id, path, alias, payload, payload.get("stream") is True, key)
     ctx.reserved_tokens = _estimate_tokens(payload, path, gateway.config.default_max_tokens)
     if gateway.router.uses_affinity and path in GENERATION_PATHS:

@@ -17,6 +17,11 @@ class GatewayMetrics:
             ["alias"], registry=self.registry,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )  # fmt: skip
+        self.tokens = Counter(
+            "llmserve_gateway_tokens", "Tokens of the answers that carried their usage, by alias, key and kind: "
+            "prompt, completion, and reasoning (the thoughts, counted in completion too).",
+            ["alias", "key", "kind"], registry=self.registry,
+        )  # fmt: skip
         self.rejections = Counter(
             "llmserve_gateway_rejections", "Requests refused before reaching an upstream, by reason.",
             ["reason"], registry=self.registry,

@@ -46,7 +46,7 @@ def _rewrite_model(line: str, served: str, ctx: RequestContext) -> str:
         if "model" in chunk:
             chunk["model"] = served
         if isinstance(chunk.get("usage"), dict):
-            ctx.used_tokens = chunk["usage"].get("total_tokens", ctx.used_tokens)
+            ctx.saw_usage(chunk["usage"])
     return "data: " + json.dumps(chunk, separators=(",", ":")) + line[len(body) :]
 
 
@@ -205,7 +205,9 @@ async def _finish_plain(
         body = None
     if status == 200 and isinstance(body, dict) and pick is not None:
         body["model"] = pick.alias
-        ctx.used_tokens = (body.get("usage") or {}).get("total_tokens", ctx.reserved_tokens)
+        ctx.used_tokens = ctx.reserved_tokens  # unless the body says what it used
+        if isinstance(body.get("usage"), dict):
+            ctx.saw_usage(body["usage"])
     else:
         ctx.used_tokens = 0  # nothing generated
     await gateway.finish(ctx, status)

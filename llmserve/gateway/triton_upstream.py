@@ -413,7 +413,7 @@ async def _generate(clients: TritonClients, ctx: RequestContext, pick: Pick, mod
         async for _status, line in responses:
             usage = _usage_only(line)
             if usage is not None:
-                ctx.used_tokens = usage.get("total_tokens", ctx.used_tokens)  # the limits settle with it
+                ctx.saw_usage(usage)  # the limits settle with it
                 if not asked_usage:
                     continue
             yield line + "\n"
