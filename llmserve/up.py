@@ -8,11 +8,12 @@ the gateway holds requests that no replica could start meanwhile and retries the
 
 platform.yaml (all optional):
     models:   # the Triton models, as for `llmserve triton build-repo --config`
-      chat: {kind: chat, max_model_len: 1024}
+      chat: {kind: chat, max_model_len: 1024}   # also reasoning_parser, tool_call_parser (as serve's)
       embed: {kind: embed}
     gateway:  # a gateway config (docs/gateway.md); `models` defaults to one alias per Triton model
       keys: [...]
       admission: {max_concurrency: 64}
+      responses: {store: /path/responses.sqlite}   # /v1/responses, served by the gateway over chat
     gpu_memory_budget: 0.6   # several chat models on one GPU (docs/placement.md): bytes, a fraction, "40GiB"
     placement: {policy: demand, sleep_level: 1, wake_timeout_s: 60, models: [chat-a, chat-b]}
 
