@@ -28,7 +28,7 @@ from tqdm import tqdm
 from llmserve import heap
 from llmserve.bench.prompts import SyntheticRequest, random_requests
 from llmserve.bench.report import banner, metric_rows, parse_percentiles, percentile_word, row, write_json
-from llmserve.bench.serve_client import RequestResult, Target, send
+from llmserve.bench.serve_client import RequestResult, Target, open_client, send
 from llmserve.bench.serve_metrics import LATENCY_METRICS, compute_metrics, parse_goodput
 from llmserve.bench.server_metrics import PHASES, scrape, server_side
 
@@ -69,14 +69,19 @@ def add_parser(subparsers) -> None:
         help="comma-separated, e.g. 50,90,99 (mean and median are always reported)",
     )
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to print")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests first (own prompts)")
-    p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
+    add_run_args(p, "request", "per-request lists", "latency over time and ITL histogram/CDF")
+    p.set_defaults(func=run)
+
+
+def add_run_args(p, unit: str, detail: str, plot: str) -> None:
+    """The options `bench serve` and `bench multiturn` share: warm-up, timeout, outputs."""
+    p.add_argument("--warmup", type=int, default=1, help="untimed single requests first (own prompts)")
+    p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help=f"seconds per {unit}")
     p.add_argument("--label", default=None, help="free text stored in the JSON")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--save-detailed", action="store_true", help="per-request lists in the JSON too")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="latency over time and ITL histogram/CDF")
+    p.add_argument("--save-detailed", action="store_true", help=f"{detail} in the JSON too")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help=plot)
     p.add_argument("--disable-tqdm", action="store_true")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -113,10 +118,7 @@ def run(args: argparse.Namespace) -> dict:
 async def _benchmark(
     args: argparse.Namespace, seed: int, percentiles: Sequence[float]
 ) -> tuple[Target, list[RequestResult], float, dict | None]:
-    timeout = httpx.Timeout(args.request_timeout, connect=min(30.0, args.request_timeout))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # no silent cap at 100
-    # trust_env=False: no proxy between the client and the server being measured
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    async with open_client(args.request_timeout) as client:
         api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
         target = Target(args.base_url, args.endpoint, None, api_key, args.ignore_eos, args.temperature)
         target.model = args.model or await first_model(client, target)
@@ -125,7 +127,7 @@ async def _benchmark(
         )
         prompts = await chat_prompts(client, target, reqs, seed) if target.chat else [r.prompt_token_ids for r in reqs]
         if args.warmup:
-            await _warmup(client, target, reqs[: args.warmup], prompts[: args.warmup])
+            await warm_up(client, target, reqs[: args.warmup], prompts[: args.warmup])
         reqs, prompts = reqs[args.warmup :], prompts[args.warmup :]
         offsets = arrival_offsets(len(reqs), args.request_rate, args.burstiness, seed)
         print(
@@ -189,7 +191,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
 
 
-async def _warmup(client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest], prompts: list) -> None:
+async def warm_up(client: httpx.AsyncClient, target: Target, reqs: Sequence[SyntheticRequest], prompts: list) -> None:
     print(f"Warming up with {len(reqs)} request(s)...")
     t0 = time.perf_counter()
     results = await asyncio.gather(
@@ -199,7 +201,7 @@ async def _warmup(client: httpx.AsyncClient, target: Target, reqs: Sequence[Synt
     if failed and len(failed) == len(results) and failed[0].error.startswith("HTTP 4"):
         # the server refuses the benchmark's own requests: every timed one would fail the same way
         raise SystemExit(
-            f"llmserve bench serve: the server refused the warm-up request ({failed[0].error}); "
+            f"llmserve bench: the server refused the warm-up request ({failed[0].error}); "
             "check --vocab-size (prompt ids are drawn below it), --model, --input-len and --output-len"
         )
     if failed:

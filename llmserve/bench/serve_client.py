@@ -20,6 +20,14 @@ def add_target_args(parser) -> None:
     parser.add_argument("--api-key", default=None)
 
 
+def open_client(request_timeout: float) -> httpx.AsyncClient:
+    """The benchmark's HTTP client: no cap on connections (httpx's default of 100 would
+    queue requests silently) and no proxy between the client and the server measured."""
+    timeout = httpx.Timeout(request_timeout, connect=min(30.0, request_timeout))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
 @dataclass
 class Target:
     """Where and how to send: one endpoint of one server."""
@@ -30,6 +38,7 @@ class Target:
     api_key: str | None = None
     ignore_eos: bool = False
     temperature: float = 0.0
+    return_token_ids: bool = False  # ask for the output's token ids (vLLM's extension)
 
     @property
     def chat(self) -> bool:
@@ -54,6 +63,8 @@ class Target:
             body["max_tokens"] = max_tokens
         if self.ignore_eos:
             body["ignore_eos"] = True  # a vLLM extension; sent only when asked for
+        if self.return_token_ids:
+            body["return_token_ids"] = True  # likewise
         return body
 
 
@@ -72,6 +83,8 @@ class RequestResult:
     error: str = ""
     sent_wall_time: float = 0.0  # time.time() when sent: to line it up with a server's own log
     response_id: str = ""  # the "id" of the stream's chunks, as the server named the request
+    text: str = ""  # the generated text (completions' choices[0].text, concatenated)
+    output_ids: list[int] = field(default_factory=list)  # with Target.return_token_ids, if the server sent them
 
     @property
     def end(self) -> float:
@@ -154,6 +167,9 @@ async def _stream(
             usage = msg.get("usage") or usage
             res.response_id = res.response_id or str(msg.get("id") or "")
             choices = msg.get("choices") or []
+            if choices and not target.chat:  # a finish-only chunk may still bring a token's ids
+                res.text += choices[0].get("text") or ""
+                res.output_ids += choices[0].get("token_ids") or []
             if not choices or not _carries_tokens(choices[0], target.chat):
                 continue
             if chunks == 0:
