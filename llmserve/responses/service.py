@@ -4,9 +4,9 @@ run), retrieve, delete, list input items, cancel. A response is a chat request u
 text, tool calls) and its `Ended` (cut short or not, usage). Here they become output items
 (`reasoning`, `message`, `function_call`) and the events OpenAI sends, in its order, each with
 its `sequence_number`. A body and a background run are the same events, drained. Two runners:
-`engine_runner` (`plan_chat` and `MessageStream` on an engine: `llmserve serve`) and the
+engine_runner.py's (`plan_chat` and `MessageStream` on an engine: `llmserve serve`) and the
 gateway's (a chat completions stream from its upstreams: llmserve/gateway/responses.py). No web
-framework here."""
+framework and no engine here."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from llmserve.engine.protocol import EngineClient
 from llmserve.errors import EngineDeadError
-from llmserve.lora_request import LoRARequest
-from llmserve.openai.chat import ChatPlan, MessageStream, plan_chat, reasoning_tokens
 from llmserve.openai.deadline import effective_timeout
-from llmserve.openai.engine_calls import adapter_kwargs
 from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from llmserve.openai.reply import Reply
-from llmserve.outputs import RequestOutput
 from llmserve.responses.items import ResponsesRequest, chat_messages, chat_request, new_id, normalize_items
 from llmserve.responses.store import UNFINISHED, ResponseStore
+
+if TYPE_CHECKING:  # (not imported: the gateway uses this module without the engine and torch)
+    from llmserve.engine.protocol import EngineClient
+    from llmserve.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -74,37 +74,6 @@ def response_usage(prompt: int, output: int, reasoning: int, cached: int | None 
         "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + output,
     }  # fmt: skip
-
-
-def engine_runner(engine: EngineClient, tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                  lora_request: LoRARequest | None = None) -> Runner:  # fmt: skip
-    """Chat requests run on `engine` as /v1/chat/completions runs them (`plan_chat`), the output
-    cut by `MessageStream`."""
-
-    async def run(chat: ChatCompletionRequest, rid: str) -> ChatRun:
-        plan = await plan_chat(engine, chat, tool_call_parser, reasoning_parser)
-        stream = engine.generate({"prompt_token_ids": plan.ids}, plan.params, rid, chat.priority, plan.arrival,
-                                 **adapter_kwargs(lora_request))  # fmt: skip
-        return ChatRun(_engine_pieces(engine, plan, stream), plan.ids)
-
-    return run
-
-
-async def _engine_pieces(engine: EngineClient, plan: ChatPlan,
-                         stream: AsyncIterator[RequestOutput]) -> AsyncIterator[Piece | Ended]:  # fmt: skip
-    message = MessageStream(plan.tools, plan.thinking)
-    last: RequestOutput | None = None
-    async with aclosing(stream):
-        async for out in stream:
-            last, comp = out, out.outputs[0]
-            step = message.step(comp.text, comp.finish_reason)
-            if step is not None:
-                thought, content, calls, _ = step
-                yield Piece(thought or "", content or "", list(calls))
-    comp = last.outputs[0]
-    thoughts = reasoning_tokens(engine.tokenizer, comp.token_ids, comp.text, plan.thinking) or 0
-    usage = response_usage(len(last.prompt_token_ids), len(comp.token_ids), thoughts, last.num_cached_tokens)
-    yield Ended(comp.finish_reason == "length", usage)
 
 
 def _not_found(rid: str, param: str | None = None) -> APIError:
@@ -261,6 +230,8 @@ class Responses:
 
     def runner(self, engine: EngineClient, lora_request: LoRARequest | None = None) -> Runner:
         """This server's chat path on `engine` (its tool and reasoning parsers)."""
+        from llmserve.responses.engine_runner import engine_runner
+
         return engine_runner(engine, self.tool_call_parser, self.reasoning_parser, lora_request)
 
     async def create(self, req: ResponsesRequest, model: str, namespace: str, runner: Runner) -> Reply:
