@@ -138,6 +138,7 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # weights and KV cache in arenas of fixed addresses (engine/device_arena.py)
     lora: LoRAConfig | None = None  # set: requests may name LoRA adapters (--enable-lora)
     speculative: SpeculativeConfig | None = None  # set: decode steps verify proposed tokens (engine/spec_decode.py)
+    kv_events: KVEventsConfig | None = None  # set: the cache's changes published (engine/kv_events.py)
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
 
 
@@ -195,6 +196,50 @@ def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> S
     least = count("prompt_lookup_min", min(2, most), 1, most)
     batch = count("disable_by_batch_size", 32, 1, 1 << 20)
     return SpeculativeConfig(method, k, least, most, batch)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `kv_events_config`."""
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = "tcp://*:5558"
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+
+
+def kv_events_config(value: str | dict | None) -> KVEventsConfig | None:
+    """`--kv-events-config` (JSON, or a dict): None unless `enable_kv_cache_events` and the zmq publisher."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"kv_events_config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("kv_events_config must be a JSON object")
+    known = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "topic", "buffer_steps", "hwm",
+             "max_queue_size"}  # fmt: skip
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"kv_events_config: unknown key(s) {', '.join(unknown)}")
+    if not value.get("enable_kv_cache_events", False) or value.get("publisher", "zmq") in ("null", None):
+        return None
+    if value.get("publisher", "zmq") != "zmq":
+        raise ConfigError(f"kv_events_config: publisher must be zmq or null, not {value['publisher']!r}")
+    base = KVEventsConfig()
+    try:
+        return KVEventsConfig(
+            endpoint=str(value.get("endpoint", base.endpoint)),
+            replay_endpoint=value.get("replay_endpoint", base.replay_endpoint),
+            topic=str(value.get("topic", base.topic)),
+            buffer_steps=int(value.get("buffer_steps", base.buffer_steps)),
+            hwm=int(value.get("hwm", base.hwm)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"kv_events_config: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -287,6 +332,9 @@ class EngineArgs:
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}; a dict, or its
     # JSON on the command line. Greedy requests speculate; others decode one token a step
     speculative_config: str | dict | None = None
+    # KV cache events (vLLM's): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; a dict or its JSON
+    kv_events_config: str | dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -352,6 +400,7 @@ class EngineArgs:
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
+        kv_events = kv_events_config(self.kv_events_config)
         # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)
         overlap = self.async_scheduling and tp == 1
         if self.max_mixed_graph_tokens < 0:
@@ -365,7 +414,8 @@ class EngineArgs:
             eager, mixed = True, 0
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
-                            speculative, enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
+                            speculative, kv_events=kv_events,
+                            enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -8,6 +8,7 @@ import time
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.grammar_manager import GrammarManager
 from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.model_runner import ModelRunner, PendingStep
 from llmserve.engine.request import (
@@ -109,8 +110,15 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         phase("CUDA graphs")
         logger.info("start-up by phase: %s", ", ".join(f"{name} {secs:.1f} s" for name, secs in phases.items()))
+        events = None
+        if config.kv_events is not None:
+            if not layout.simple:
+                raise ConfigError(f"KV events take models of one KV group for now; this one has {layout}")
+            events = KVEventLog(bs)
+            self.kv_events = KVEventPublisher(config.kv_events)
+            logger.info("KV events on %s (replay %s)", config.kv_events.endpoint, config.kv_events.replay_endpoint)
         self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout,
-                                 num_host_blocks)  # fmt: skip
+                                 num_host_blocks, events)  # fmt: skip
         spec = SpecDecoder(config.speculative, max_len) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
@@ -122,8 +130,13 @@ class EngineCore:
         self.plans = PlanBuilder()  # what the runner is told of each step, as data
         self._vocab_size = mc.arch.vocab_size
 
+    kv_events: KVEventPublisher | None = None
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the grammar compile threads."""
+        """Stop the tensor-parallel workers, if any, the grammar compile threads and the KV events' sockets."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.tp_driver is not None:
@@ -240,6 +253,8 @@ class EngineCore:
         result = pending.result()
         outputs = self.scheduler.update_from_output(sched, result.sampled, result.logprobs, result.prompt_logprobs,
                                                     result.verified)  # fmt: skip
+        if self.kv_events is not None:  # the step's cache changes, one batch
+            self.kv_events.publish(self.kv.events.take())
         return EngineCoreOutputs(refused + outputs, self.stats())
 
     def stats(self) -> SchedulerStats:

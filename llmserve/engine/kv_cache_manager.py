@@ -13,6 +13,7 @@ blocks and every sliding group the blocks of its last window.
 from __future__ import annotations
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
+from llmserve.engine.kv_events import CPU, GPU, KVEventLog, block_hash
 from llmserve.engine.kv_host_tier import HostTier
 from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request
@@ -39,8 +40,10 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         layout: KVLayout | None = None,
         num_host_blocks: int = 0,
+        events: KVEventLog | None = None,
     ) -> None:
-        """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py; one KV group)."""
+        """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py; one KV group);
+        `events`: where the cache's changes are told (engine/kv_events.py; one KV group)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.layout = layout or single_group(1)
@@ -62,6 +65,11 @@ class KVCacheManager:
             if not self.layout.simple:
                 raise ValueError("the KV host tier takes models of one KV group (no sliding windows) for now")
             self.host = HostTier(num_host_blocks)
+            self.pool.record_evictions = True
+        self.events = events
+        if events is not None:
+            if not self.layout.simple:
+                raise ValueError("KV events take models of one KV group (no sliding windows) for now")
             self.pool.record_evictions = True
         self.host_hits = 0  # tokens found in the host tier
         self._offloads: list[tuple[int, int]] = []  # (device block, host block) to copy at the step's start
@@ -175,6 +183,8 @@ class KVCacheManager:
         if groups == 1 and not self.layout.sliding:
             for i in range(start, num_full):
                 self.pool.register(blocks[i], keys[i])
+            if self.events is not None:
+                self._announce(req, blocks, keys, start, num_full)
         else:
             for i in range(start, num_full):
                 for g in range(groups):
@@ -267,7 +277,7 @@ class KVCacheManager:
         missing = -(-total // self.block_size) - len(blocks) // groups
         if missing > 0:
             blocks.extend(self.pool.allocate(missing * groups))
-        if self.host is not None:
+        if self.pool.record_evictions:
             self._offload_evicted()
         return True
 
@@ -281,26 +291,49 @@ class KVCacheManager:
         for (index, held), block in zip(loads, fresh):
             computed[index] = block
             self.pool.register(block, keys[index])
+            if self.events is not None and (CPU, keys[index]) in self.events.hashes:
+                self.events.stored(GPU, keys[index], self.events.hashes[CPU, keys[index]], None, None)
             self.host.pin(held)
             self._loads.append((held, block))
         self.host_hits += len(loads) * self.block_size
         return computed
 
     def _offload_evicted(self) -> None:
-        """Cached device blocks just handed out again go to the host tier (copied at the step's start)."""
-        pool = self.pool
+        """Cached device blocks just handed out again go to the host tier (copied at the step's
+        start), and are told as removed from the device (stored on the host)."""
+        pool, host, events = self.pool, self.host, self.events
         for block, key in pool.evictions:
-            held = self.host.store(key)
+            stored_hash = events.hashes.get((GPU, key)) if events is not None else None
+            if events is not None:
+                events.removed(GPU, key)
+            if host is None:
+                continue
+            held = host.store(key)
             if held is not None:
                 self._offloads.append((block, held))
+                if events is not None and stored_hash is not None:
+                    events.stored(CPU, key, stored_hash, None, None)
+            if events is not None:
+                for gone in host.take_dropped():
+                    events.removed(CPU, gone)
         pool.evictions.clear()
+
+    def _announce(self, req: Request, blocks: list[int], keys: list[BlockKey], start: int, end: int) -> None:
+        """BlockStored for the request's blocks start..end-1 that it registered (not another's copy)."""
+        hashes = req.event_hashes
+        lora = req.lora_request.key if req.lora_request is not None else None
+        for i in range(len(hashes), end):
+            hashes.append(block_hash(hashes[-1] if hashes else None, keys[i].token_ids, lora))
+        for i in range(start, end):
+            if self.pool.lookup(keys[i]) == blocks[i] and (GPU, keys[i]) not in self.events.hashes:
+                self.events.stored(GPU, keys[i], hashes[i], hashes[i - 1] if i else None, lora)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's host-tier copies: (device, host) offloads, then (host, device) loads."""
-        if self.host is None:
-            return [], []
         if self.pool.evictions:
             self._offload_evicted()
+        if self.host is None:
+            return [], []
         copies = self._offloads, self._loads
         self._offloads, self._loads = [], []
         self.host.unpin_all()
@@ -415,4 +448,6 @@ class KVCacheManager:
             return False
         if self.host is not None:  # the host tier's blocks are the prefix cache's too
             self.host.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

@@ -30,6 +30,7 @@ class HostTier:
         self.entries: OrderedDict[BlockKey, int] = OrderedDict()  # key -> host block, least recent first
         self.pinned: set[int] = set()
         self.counts = HostTierCounts()
+        self.dropped: list[BlockKey] = []  # keys evicted from the host tier, until taken (KV events)
 
     def lookup(self, key: BlockKey) -> int | None:
         """The host block holding `key` (now the most recently used), or None."""
@@ -52,9 +53,14 @@ class HostTier:
                 self.counts.dropped += 1
                 return None
             block = self.entries.pop(victim)
+            self.dropped.append(victim)
         self.entries[key] = block
         self.counts.stored += 1
         return block
+
+    def take_dropped(self) -> list[BlockKey]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def pin(self, block: int) -> None:
         self.pinned.add(block)

@@ -125,7 +125,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "max_tokens", "eos_token_ids",
         "priority", "arrival_time", "share_group", "all_token_ids", "num_computed_tokens",
-        "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes",
+        "num_cached_tokens", "status", "stop_reason", "num_preemptions", "block_hashes", "event_hashes",
         "first_scheduled_time", "queued_time", "num_pending", "matcher", "logit_bias", "lora_request",
         "prompt_logprobs", "prompt_logprobs_sent",
     )  # fmt: skip
@@ -147,6 +147,7 @@ class Request:
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []  # chained hash of each full block, filled lazily
+        self.event_hashes: list[int] = []  # with KV events: each full block's announced hash (engine/kv_events.py)
         self.first_scheduled_time: float | None = None
         self.queued_time = req.received_time or time.time()  # in the core (the front stamped arrival_time)
         # tokens sampled by launched steps but not yet read back: the last `num_pending`
