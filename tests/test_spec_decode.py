@@ -106,6 +106,12 @@ VARIANTS = {
     "preempt": dict(
         block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0, admission_reserve_tokens=0
     ),
+    "preempt-swap": dict(
+        block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0.001, admission_reserve_tokens=0
+    ),
+    "host-tier": dict(
+        block_size=8, num_gpu_blocks_override=14, max_model_len=112, kv_offload_cpu_gb=0.001, admission_reserve_tokens=0
+    ),
 }
 # gemma3's preempt variant: six KV groups of one layer (a block id is a sixth of llama's), in
 # chunks of 16 tokens (its windowed groups hold a window and a chunk)
@@ -136,15 +142,19 @@ def _generate(llm: LLM, prompts, params: SamplingParams | None = None) -> list[l
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_greedy_tokens_equal_the_engine_without_speculation(model_dirs, plain_outputs, family, variant):
     options = {"max_model_len": 160, **VARIANTS[variant]}
-    if family == "gemma3" and variant == "preempt":
+    if family == "gemma3" and variant.startswith("preempt"):
         options.update(GEMMA_PREEMPT)
+    if family == "gemma3" and variant == "host-tier":
+        pytest.skip("the host tier takes models of one KV group")
     llm = LLM(model_dirs[family], speculative_config=NGRAM, **options)
     assert _generate(llm, _prompts(7)) == plain_outputs(family)
     stats = llm.stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
-    if variant == "preempt":
+    if variant.startswith("preempt"):
         assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    if variant == "preempt-swap":
+        assert stats.num_swap_outs > 0, "preemption was meant to swap"
 
 
 def test_speculation_matches_transformers(model_dirs):
