@@ -187,7 +187,7 @@ async def kv_capacity(client: httpx.AsyncClient, target: Target) -> int | None:
     """Tokens the server's KV cache holds: llmserve's gauge, else vLLM's cache_config_info
     (num_gpu_blocks x block_size in its labels); None if neither."""
     found = await scrape_gauges(client, target.base_url, target.headers(), KV_CAPACITY)
-    if "kv_cache_tokens" in found:
+    if found.get("kv_cache_tokens"):  # 0 until the engine's first step reported its stats
         return int(found["kv_cache_tokens"])
     try:
         resp = await client.get(target.base_url.rstrip("/") + "/metrics", headers=target.headers())
