@@ -307,3 +307,21 @@ def test_a_request_proposes_what_it_lately_had_accepted():
     assert spec.counts.num_drafts == 14
     spec.forget("a")
     assert spec.budget("a") == 5
+
+
+def test_logprobs_of_speculated_tokens_are_the_model_s(model_dirs):
+    """A request asking logprobs speculates, and each token's logprob, rank and top 3 equal
+    those of decoding one token a step."""
+    prompts = _prompts(7)[:1]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(model_dirs["llama"], max_model_len=160).generate(requests, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=NGRAM)
+    spec = llm.generate(requests, params, use_tqdm=False)[0].outputs[0]
+    assert llm.stats().spec_num_accepted_tokens > 0
+    assert spec.token_ids == plain.token_ids and len(spec.logprobs) == len(plain.logprobs) == 20
+    for got, want in zip(spec.logprobs, plain.logprobs):
+        assert list(got) == list(want)  # the same top tokens (and the chosen one), in order
+        for token in want:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-4)
+            assert got[token].rank == want[token].rank

@@ -32,7 +32,7 @@ from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, c
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.runner_sleep import RunnerSleep
 from llmserve.engine.sampler import PendingSample, Sampler
-from llmserve.engine.sampler_reference import ReferenceSampler, apply_top_k_top_p_min_p
+from llmserve.engine.sampler_reference import ReferenceSampler, apply_top_k_top_p_min_p, token_logprobs
 from llmserve.engine.spec_decode import kept_tokens, rejection_sample, verify_greedy
 from llmserve.engine.step_plan import RunnerRequest, RunnerRequests, StepPlan
 from llmserve.engine.warmup_pool import WarmupPool
@@ -91,9 +91,12 @@ class Verification:
     speculating: list[tuple[RunnerRequest, tuple[int, ...]]]
     targets: torch.Tensor | None  # the greedy requests' rows, in order
     drawn: dict[str, tuple[torch.Tensor, ...]]  # a sampled request's `rejection_sample` result
+    raw: dict[str, torch.Tensor]  # a request asking logprobs: the log-softmax of its K + 1 rows
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # of the kept tokens, with `result`
 
     def result(self) -> dict[str, list[int]]:
-        """Each request's kept tokens (engine/spec_decode.py), also appended to its runner state."""
+        """Each request's kept tokens (engine/spec_decode.py), also appended to its runner state;
+        the logprobs of those that ask go to `logprobs`."""
         targets = self.targets.tolist() if self.targets is not None else []
         kept, i = {}, 0
         for state, drafts in self.speculating:
@@ -106,6 +109,10 @@ class Verification:
                 tokens = kept_tokens(list(drafts), accepted, replacements, bonus[0])
             state.token_ids.extend(tokens)
             kept[state.request_id] = tokens
+            raw = self.raw.get(state.request_id)
+            if raw is not None:
+                k = state.sampling_params.logprobs
+                self.logprobs[state.request_id] = [token_logprobs(raw[j], t, k) for j, t in enumerate(tokens)]
         return kept
 
 
@@ -147,14 +154,17 @@ class PendingStep:
     def result(self) -> ModelRunnerOutput:
         prompt = self.prompt.result() if self.prompt is not None else None
         verified = None
+        spec_logprobs = {}
         if self.verify is not None:
-            verified, self.verify = self.verify.result(), None  # (once)
+            verified = self.verify.result()
+            spec_logprobs, self.verify = self.verify.logprobs, None  # (once)
         if self.pending is None:
-            return ModelRunnerOutput({}, {}, prompt, verified)
+            return ModelRunnerOutput({}, spec_logprobs, prompt, verified)
         with torch.inference_mode():
             out = self.pending.result()
         sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
         logprobs = {r.request_id: [lp] for r, lp in zip(self.sampling, out.logprobs) if lp is not None}
+        logprobs.update(spec_logprobs)
         if self.on_result is not None:
             self.on_result(self.sampling, out.token_ids)
             self.on_result = None  # once
@@ -581,12 +591,14 @@ class ModelRunner:
         """The logits rows of the sampling rows, and the verification of the speculating rows:
         a greedy request's greedy token at each of its positions (row_argmax, as the sampler's
         greedy path); a sampled one's rejection sampling (engine/spec_decode.py)."""
-        sample_at, greedy_at, speculating, drawn = [], [], [], {}
+        sample_at, greedy_at, speculating, drawn, raw = [], [], [], {}, {}
         i = 0
         for row in rows:
             if row.drafts:
                 state = self.requests.requests[row.request_id]
                 speculating.append((state, row.drafts))
+                if state.sampling_params.logprobs is not None:  # the model's own, as the sampler reports them
+                    raw[row.request_id] = torch.log_softmax(logits[i : i + row.count].float(), dim=-1)
                 if state.sampling_params.greedy:
                     greedy_at.extend(range(i, i + row.count))
                 else:
@@ -598,7 +610,7 @@ class ModelRunner:
         index = torch.tensor(greedy_at, dtype=torch.long).to(logits.device, non_blocking=True)
         targets = row_argmax(logits.index_select(0, index)) if greedy_at else None
         kept = torch.tensor(sample_at, dtype=torch.long).to(logits.device, non_blocking=True)
-        return logits.index_select(0, kept), Verification(speculating, targets, drawn)
+        return logits.index_select(0, kept), Verification(speculating, targets, drawn, raw)
 
     @on_every_rank
     @torch.inference_mode()

@@ -49,7 +49,7 @@ class ReferenceSampler:
         logprobs = None
         if raw_logprobs is not None:
             logprobs = SampledLogprobs.ready([
-                _token_logprobs(raw_logprobs[i], int(tokens[i]), r.sampling_params.logprobs)
+                token_logprobs(raw_logprobs[i], int(tokens[i]), r.sampling_params.logprobs)
                 if r.sampling_params.logprobs is not None else None for i, r in enumerate(requests)
             ])  # fmt: skip
         return PendingSample(tokens, logprobs)
@@ -147,7 +147,8 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def _token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+def token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """A token's logprob and rank in a log-softmax row, and the row's top k."""
     token_lp = row[token]
     rank = int((row > token_lp).sum().item()) + 1
     top: list[tuple[int, float]] = []

@@ -322,7 +322,7 @@ class Scheduler:
             if req.status.finished:
                 continue  # aborted, or stopped by an earlier step while this one ran
             if sched.draft_token_ids:
-                results.append(self._take_verified(sched, verified[req.request_id]))
+                results.append(self._take_verified(sched, verified[req.request_id], logprobs.get(req.request_id)))
                 continue
             if prompt_logprobs and req.request_id in prompt_logprobs:
                 _keep_prompt_logprobs(req, *prompt_logprobs[req.request_id])
@@ -359,7 +359,9 @@ class Scheduler:
                 self._finish(req)
         return results
 
-    def _take_verified(self, sched: ScheduledRequest, tokens: list[int]) -> EngineCoreOutput:
+    def _take_verified(
+        self, sched: ScheduledRequest, tokens: list[int], logprobs: list | None = None
+    ) -> EngineCoreOutput:
         """A speculating request's step: `tokens` (the accepted proposals and the target's token
         after them) join it up to a stop; only their positions count as computed."""
         req = sched.request
@@ -378,6 +380,7 @@ class Scheduler:
         output = EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=taken,
+            new_logprobs=logprobs[: len(taken)] if logprobs is not None else None,
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_tokens,

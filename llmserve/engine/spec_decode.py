@@ -16,8 +16,7 @@ is drawn from the target's distribution without the proposal, renormalised; afte
 bonus token from the last position's. A seeded request draws its noise from (seed, output
 position), as the sampler does, so it reproduces.
 
-Who speculates: requests without penalties, logit bias, logprobs, a grammar, or an unmet
-min_tokens (the sampler would change the target's distribution), while at most
+Who speculates: requests without penalties, logit bias, a grammar, or an unmet min_tokens (the sampler would change the target's distribution), while at most
 `disable_by_batch_size` sequences decode (a larger batch is compute-bound: verifying K more
 tokens each would cost it throughput). The others decode one token a step beside them.
 """
@@ -43,7 +42,6 @@ def speculates(req: Request) -> bool:
         and not p.frequency_penalty
         and p.repetition_penalty == 1.0
         and not p.logit_bias
-        and p.logprobs is None
         and req.matcher is None
         and p.structured_outputs is None
         and req.num_output_tokens >= p.min_tokens
