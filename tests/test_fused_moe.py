@@ -145,23 +145,83 @@ def test_expert_parallel_shares_add_up_to_the_whole(world):
     torch.testing.assert_close(fused, whole, **TOL)
 
 
-def test_fp8_experts_reference_is_close_to_the_float32_one():
-    """FP8 experts (weights per output channel, tokens and SiLU-and-mul rows per token, E4M3) stay
-    within FP8's rounding of the float32 block; the fused kernels refuse FP8 weights, by name."""
+def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block_shape: tuple[int, int] | None):
+    """The experts in FP8 with scales per output channel, or per block: (q13, q2, scales as kwargs)."""
     from llmserve.model.fp8 import quantize_rows
+    from llmserve.model.fp8_blocks import quantize_blocks
 
+    if block_shape is not None:
+        (q13, s13), (q2, s2) = quantize_blocks(w13, block_shape), quantize_blocks(w2, block_shape)
+        return q13, q2, dict(w13_scale=s13, w2_scale=s2, block_shape=block_shape)
+    experts, two_i, hidden = w13.shape
+    q13, s13 = quantize_rows(w13.reshape(-1, hidden))
+    q2, s2 = quantize_rows(w2.reshape(-1, two_i // 2))
+    return (q13.reshape(w13.shape), q2.reshape(w2.shape),
+            dict(w13_scale=s13.reshape(experts, two_i, 1), w2_scale=s2.reshape(experts, hidden, 1)))  # fmt: skip
+
+
+def test_fp8_experts_reference_is_close_to_the_float32_one():
+    """FP8 experts (weights per output channel or per block, tokens and SiLU-and-mul rows per token,
+    E4M3) stay within FP8's rounding of the float32 block."""
     gen = torch.Generator().manual_seed(7)
     tokens, experts, top_k, hidden, inter = 23, 8, 2, 64, 48
     x = torch.randn(tokens, hidden, generator=gen)
     logits = torch.randn(tokens, experts, generator=gen)
     w13, w2 = _weights(experts, hidden, inter, gen)
-    q13, s13 = quantize_rows(w13.reshape(-1, hidden))
-    q2, s2 = quantize_rows(w2.reshape(-1, inter))
-    q13, s13 = q13.reshape(w13.shape), s13.reshape(experts, 2 * inter, 1)
-    q2, s2 = q2.reshape(w2.shape), s2.reshape(experts, hidden, 1)
     exact = fused_moe_reference(x, logits, w13, w2, top_k, True)
-    got = fused_moe_reference(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2)
-    assert (got - exact).norm() / exact.norm() < 0.06  # E4M3 keeps 3 mantissa bits: ~2-3 % a product
-    assert not torch.equal(got, exact)
-    with pytest.raises(NotImplementedError, match="FP8 experts run the PyTorch reference"):
-        fm.fused_moe(x, logits, q13, q2, top_k, True, w13_scale=s13, w2_scale=s2)
+    for block_shape in (None, (16, 32)):
+        q13, q2, scales = _fp8_experts(w13, w2, block_shape)
+        got = fused_moe_reference(x, logits, q13, q2, top_k, True, **scales)
+        # E4M3 keeps 3 mantissa bits: ~2.5 % on each of x, the weights, the SiLU-and-mul rows and w2
+        assert (got - exact).norm() / exact.norm() < 0.08
+        assert not torch.equal(got, exact)
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter, block_shape, dtype",
+    [
+        (1, 8, 2, 64, 32, None, torch.float32),  # a decode token, scales per channel
+        (37, 16, 4, 64, 96, None, torch.float32),  # a prefill's worth
+        (5, 8, 2, 64, 48, (16, 32), torch.float32),  # blocks: K steps cut to 32, partial last K block of down
+        (29, 8, 2, 96, 64, (32, 64), torch.float32),  # 1.5 K blocks of gate/up, BLOCK_N 64 over two N blocks
+        (11, 8, 2, 128, 128, (128, 128), torch.bfloat16),  # Qwen3-30B-A3B-FP8's blocks, bf16 tokens
+    ],
+)  # fmt: skip
+def test_fp8_fused_moe_equals_the_fp8_reference(tokens, experts, top_k, hidden, inter, block_shape, dtype):
+    """The fused kernels on FP8 experts (per channel: scales after the K loop; per block: each K
+    step's product scaled) against the FP8 reference, and within FP8's rounding of the float32
+    experts. The SiLU-and-mul rows are quantized from the kernel's float32 sums, which may round a
+    rare element to the next E4M3 value: a few ulps of float32 apart at most, so the tolerance is
+    that of one such element, far under FP8's own error (checked beside it)."""
+    gen = torch.Generator().manual_seed(tokens * 100 + hidden)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    q13, q2, scales = _fp8_experts(w13, w2, block_shape)
+    ref = fused_moe_reference(x, logits, q13, q2, top_k, True, **scales)
+    out = fm.fused_moe(x, logits, q13, q2, top_k, True, **scales)
+    assert out.dtype == dtype
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    exact = fused_moe_reference(x.float(), logits, w13, w2, top_k, True)
+    assert (out.float() - exact).norm() / exact.norm() < 0.08
+
+
+@pytest.mark.parametrize("bucket", [32, 1 << 30])
+def test_fp8_fused_moe_every_tile_shape_and_expert_parallel(bucket):
+    """FP8 per-block experts under the smallest and largest default tiles (BLOCK_N 128 spans four
+    16-row scale blocks), and an expert-parallel rank's share (the other experts' rows add 0)."""
+    gen = torch.Generator().manual_seed(bucket % 97)
+    tokens, experts, top_k, hidden, inter = 9, 8, 2, 64, 64
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    q13, q2, scales = _fp8_experts(w13, w2, (16, 32))
+    ref = fused_moe_reference(x, logits, q13, q2, top_k, True, **scales)
+    out = fm.fused_moe(x, logits, q13, q2, top_k, True, tiles=fm.DEFAULT_TILES[bucket], **scales)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    half = dict(w13_scale=scales["w13_scale"][4:], w2_scale=scales["w2_scale"][4:], block_shape=(16, 32))
+    share = fm.fused_moe(x, logits, q13[4:], q2[4:], top_k, True, first_expert=4, **half)
+    torch.testing.assert_close(share, fused_moe_reference(x, logits, q13[4:], q2[4:], top_k, True, first_expert=4,
+                                                          **half), atol=2e-3, rtol=2e-3)  # fmt: skip
+    assert share.abs().sum() > 0 and not torch.allclose(share, ref)

@@ -17,6 +17,13 @@ and replays them for any routing):
    by the row's routing weight (float32), written per (token, slot) row.
 5. reduce: each token's k rows summed in slot order (deterministic: no atomics).
 
+FP8 experts (float8_e4m3fn weights, float32 scales): the tokens are quantized per token before
+step 3 and the SiLU-and-mul rows per row before step 4 (kernels/fp8_quant.py, bit-exact with the
+reference's `quantize_tokens`); the GEMMs multiply FP8 operands into float32. With a scale per
+output channel, both scales multiply the accumulator once, after the K loop; with a scale per
+(bn, bk) block (`block_shape`), each K step's product is scaled by its block's scales before it
+is added (BLOCK_K divides bk, so a K step lies in one block), the token's scale after the loop.
+
 Tile configs are data (below): `TUNED_TILES` holds per-(card, E, H, I) tables measured on a GPU
 (none yet); any other shape takes `DEFAULT_TILES`, a heuristic keyed by batch bucket (the token
 count's bucket: tokens per expert grow with it, and BLOCK_M follows them).
@@ -24,9 +31,15 @@ count's bucket: tokens per expert grow with it, and BLOCK_M follows them).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+from llmserve.kernels.fp8_quant import quantize_tokens_fp8
+
+FP8 = torch.float8_e4m3fn
 
 # batch bucket (the largest token count it covers; the last covers every larger count) -> tiles
 DEFAULT_TILES: dict[int, dict[str, int]] = {
@@ -106,11 +119,24 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E, M
         tl.store(block_expert_ptr + bs, tl.where(e < E, e, -1), mask=bs < MAX_BLOCKS)
 
 
+# how the weights are scaled (the SCALES constexpr): 16-bit/float32 weights, FP8 with a scale per
+# output channel, FP8 with a scale per (SCALE_N, SCALE_K) block
+NO_SCALES, CHANNEL_SCALES, BLOCK_SCALES = 0, 1, 2
+
+
+@triton.jit
+def _dot(a, w, DOT_PREC: tl.constexpr, SCALES: tl.constexpr):
+    if SCALES == NO_SCALES:
+        return tl.dot(a, w, input_precision=DOT_PREC)
+    return tl.dot(a, w, out_dtype=tl.float32)  # FP8 operands, float32 accumulation
+
+
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, H, I,
-    stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, sx_ptr, sw_ptr, N, H, I,
+    stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last block of this step
@@ -122,6 +148,7 @@ def _gate_up_kernel(
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < I
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = sw_ptr + e.to(tl.int64) * stride_se
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -131,8 +158,22 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & n_ok[None, :]
         w_gate = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (ns + I)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc_gate += tl.dot(a, w_gate, input_precision=DOT_PREC)
-        acc_up += tl.dot(a, w_up, input_precision=DOT_PREC)
+        if SCALES == BLOCK_SCALES:  # this K step's blocks of the gate and up rows
+            s_k = s_base + (k // SCALE_K) * stride_sk
+            s_gate = tl.load(s_k + (ns // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
+            s_up = tl.load(s_k + ((ns + I) // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
+            acc_gate += _dot(a, w_gate, DOT_PREC, SCALES) * s_gate[None, :]
+            acc_up += _dot(a, w_up, DOT_PREC, SCALES) * s_up[None, :]
+        else:
+            acc_gate += _dot(a, w_gate, DOT_PREC, SCALES)
+            acc_up += _dot(a, w_up, DOT_PREC, SCALES)
+    if SCALES == CHANNEL_SCALES:
+        acc_gate *= tl.load(s_base + ns * stride_sn, mask=n_ok, other=0.0)[None, :]
+        acc_up *= tl.load(s_base + (ns + I) * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if SCALES != NO_SCALES:  # the token's scale
+        sx = tl.load(sx_ptr + tok, mask=row_ok, other=0.0)[:, None]
+        acc_gate *= sx
+        acc_up *= sx
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SiLU(gate) * up
     tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], h.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
@@ -140,9 +181,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, H, I,
-    stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, sa_ptr, sw_ptr, N, H, I,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # past the last block of this step
@@ -153,13 +195,22 @@ def _down_kernel(
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < H
     w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = sw_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, I, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.dot(a, w, input_precision=DOT_PREC)
+        if SCALES == BLOCK_SCALES:
+            s_w = tl.load(s_base + (k // SCALE_K) * stride_sk + (ns // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
+            acc += _dot(a, w, DOT_PREC, SCALES) * s_w[None, :]
+        else:
+            acc += _dot(a, w, DOT_PREC, SCALES)
+    if SCALES == CHANNEL_SCALES:
+        acc *= tl.load(s_base + ns * stride_sn, mask=n_ok, other=0.0)[None, :]
+    if SCALES != NO_SCALES:  # the row's scale
+        acc *= tl.load(sa_ptr + rows, mask=row_ok, other=0.0)[:, None]
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
@@ -218,17 +269,66 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_rows, block_expert, num_padded
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertScales:
+    """FP8 experts' float32 scales: per output channel (`w13 [E, 2I, 1]`, `w2 [E, H, 1]`), or per
+    `block_shape` (bn, bk) block (`[E, ceil(N / bn), ceil(K / bk)]`)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block_shape: tuple[int, int] | None = None
+
+    @property
+    def mode(self) -> int:
+        return CHANNEL_SCALES if self.block_shape is None else BLOCK_SCALES
+
+    def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        e, two_i, h = w13.shape
+        if self.block_shape is None:
+            want13, want2 = (e, two_i, 1), (e, h, 1)
+        else:
+            bn, bk = self.block_shape
+            assert (two_i // 2) % bn == 0, f"the experts' width {two_i // 2} is not a multiple of the scale block {bn}"
+            want13, want2 = (e, two_i // bn, triton.cdiv(h, bk)), (e, triton.cdiv(h, bn), triton.cdiv(w2.shape[2], bk))
+        assert tuple(self.w13.shape) == want13 and tuple(self.w2.shape) == want2, (self.w13.shape, self.w2.shape)
+        assert self.w13.dtype == self.w2.dtype == torch.float32
+
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """A scale tensor's strides (the weight's own where there are no scales: never read)."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _scale_k_tile(block_k: int, scales: ExpertScales | None) -> int:
+    """BLOCK_K, so that a K step lies inside one scale block: a divisor of bk."""
+    if scales is None or scales.block_shape is None:
+        return block_k
+    bk = scales.block_shape[1]
+    while bk % block_k:
+        block_k //= 2
+    assert block_k >= 16, f"scale blocks {scales.block_shape}: K steps of {block_k} (tl.dot takes at least 16)"
+    return block_k
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  tiles: dict[str, int] | None = None, partial: bool = False) -> torch.Tensor:  # fmt: skip
+                  tiles: dict[str, int] | None = None, partial: bool = False,
+                  scales: ExpertScales | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, H] through its experts `ids [T, k]` (w13 [E, 2I, H], w2 [E, H, I]), summed with
     `weights [T, k]`: [T, H] in x's dtype. `partial`: some ids are -1 (experts held by another
-    rank), whose rows add nothing."""
+    rank), whose rows add nothing. `scales`: the weights are FP8 (E4M3) with these scales; the
+    tokens and the SiLU-and-mul rows are quantized per row."""
     num_tokens, hidden = x.shape
     num_experts, two_i, hidden_w = w13.shape
     inter = two_i // 2
     top_k = ids.shape[1]
     assert hidden_w == hidden and w2.shape == (num_experts, hidden, inter), (x.shape, w13.shape, w2.shape)
-    assert w13.stride(-1) == 1 and w2.stride(-1) == 1 and x.dtype == w13.dtype == w2.dtype, (w13.dtype, x.dtype)
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, (w13.stride(), w2.stride())
+    if scales is None:
+        assert x.dtype == w13.dtype == w2.dtype, (w13.dtype, x.dtype)
+    else:
+        assert w13.dtype == w2.dtype == FP8, (w13.dtype, w2.dtype)
+        scales.check(w13, w2)
     out = torch.empty_like(x)
     if num_tokens == 0:
         return out
@@ -236,25 +336,32 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         x = x.contiguous()
     card = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     t = tiles or tile_config(num_tokens, num_experts, hidden, inter, card)
-    bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], t["BLOCK_K"]
+    bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], _scale_k_tile(t["BLOCK_K"], scales)
     launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
     sorted_rows, block_expert, num_padded = align(ids, num_experts, bm)
     n = num_tokens * top_k
     blocks = block_expert.shape[0]
     prec = _dot_precision(x.dtype)
+    mode = NO_SCALES if scales is None else scales.mode
+    scale_n, scale_k = (scales.block_shape if scales is not None and scales.block_shape else (1, 1))
+    a_in, sx = (x, x) if scales is None else quantize_tokens_fp8(x)  # sx unread without scales
+    s13 = w13 if scales is None else scales.w13
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_rows, block_expert, num_padded, n, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, **launch,
+        a_in, w13, act, sorted_rows, block_expert, num_padded, sx, s13, n, hidden, inter,
+        a_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_strides(s13),
+        TOP_K=top_k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, SCALES=mode, SCALE_N=scale_n,
+        SCALE_K=scale_k, **launch,
     )  # fmt: skip
     # rows of an expert held elsewhere (id -1) are in no block and never written: they must add 0
     rows = (torch.zeros if partial else torch.empty)(n, hidden, dtype=x.dtype, device=x.device)
     weights = weights.to(torch.float32).contiguous()
+    a_down, sa = (act, act) if scales is None else quantize_tokens_fp8(act)
+    s2 = w2 if scales is None else scales.w2
     _down_kernel[(blocks, triton.cdiv(hidden, bn))](
-        act, w2, weights, rows, sorted_rows, block_expert, num_padded, n, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, **launch,
+        a_down, w2, weights, rows, sorted_rows, block_expert, num_padded, sa, s2, n, hidden, inter,
+        a_down.stride(0), w2.stride(0), w2.stride(1), rows.stride(0), *_strides(s2),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PREC=prec, SCALES=mode, SCALE_N=scale_n, SCALE_K=scale_k, **launch,
     )  # fmt: skip
     block_h = min(1024, triton.next_power_of_2(hidden))
     _reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
@@ -265,17 +372,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, first_expert: int = 0, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+              w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] | None = None,
+              tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
     """The routed experts' output [T, H]: `route` then `fused_experts` (`LayerOps.fused_moe`). With
     `w13`/`w2` holding experts [first_expert, first_expert + len(w13)) of the router's (expert
-    parallelism), the rows routed elsewhere get id -1 (`align` places them in no block) and add 0."""
-    if w13_scale is not None or w2_scale is not None:
-        raise NotImplementedError("FP8 experts run the PyTorch reference (model/moe.py); the fused kernels take "
-                                  "16-bit and float32 weights")  # fmt: skip
+    parallelism), the rows routed elsewhere get id -1 (`align` places them in no block) and add 0.
+    FP8 experts: `w13_scale`/`w2_scale` per output channel, or per `block_shape` block."""
+    scales = None if w13_scale is None else ExpertScales(w13_scale, w2_scale, block_shape)
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     weights, ids = route(router_logits, top_k, renormalize)
     if w13.shape[0] != router_logits.shape[-1]:
         ids = torch.where((ids >= first_expert) & (ids < first_expert + w13.shape[0]), ids - first_expert, -1)
-        return fused_experts(x, w13, w2, weights, ids, tiles, partial=True)
-    return fused_experts(x, w13, w2, weights, ids, tiles)
+        return fused_experts(x, w13, w2, weights, ids, tiles, partial=True, scales=scales)
+    return fused_experts(x, w13, w2, weights, ids, tiles, scales=scales)
