@@ -30,6 +30,46 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class KVEventsSource(_Strict):
+    """Where one replica publishes its KV events (its `--kv-events-config`, as this host reaches it)."""
+
+    endpoint: str  # the PUB socket, e.g. tcp://10.0.0.5:5557
+    replay_endpoint: str | None = None  # the replay ROUTER (gaps filled, liveness probed), e.g. tcp://10.0.0.5:5558
+    topic: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> KVEventsSource:
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is not None and (not value.startswith(("tcp://", "ipc://")) or "*" in value):
+                raise ValueError(f"kv_events: {name} {value!r} must be an address to connect to (tcp://host:port "
+                                 "or ipc://path), not a bind pattern")  # fmt: skip
+        return self
+
+
+class KVRoutingConfig(_Strict):
+    """`routing: kv_aware`: the replicas' KV events (which blocks each holds, in which medium)
+    and how a request's cached prefix is weighed against a replica's load (docs/gateway.md)."""
+
+    replicas: dict[str, KVEventsSource] = Field(min_length=1)  # replica URL -> its event stream
+    # the model's tokenizer (a folder or GGUF file on this host), for prompts sent as text; unset:
+    # the folder the replicas name as their model's `root` in /v1/models, if this host has it
+    tokenizer: str | None = None
+    block_size: int | None = Field(default=None, ge=1)  # unset: learned from the replicas' BlockStored events
+    # what a prompt token cached in a medium saves against recomputing it (1: all of it)
+    tier_weights: dict[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.5}
+    # a request in flight on a replica counts against it as this many uncached prompt tokens
+    load_weight_tokens: float = Field(default=256.0, ge=0)
+    probe_interval_s: float = Field(default=1.0, gt=0)  # how often the replay socket is asked for news
+    probe_timeout_s: float = Field(default=2.0, gt=0)  # no answer by then: the stream is stale
+
+    @model_validator(mode="after")
+    def _check(self) -> KVRoutingConfig:
+        self.replicas = {url.rstrip("/"): source for url, source in self.replicas.items()}
+        if not self.tier_weights or any(not 0 <= w <= 1 for w in self.tier_weights.values()):
+            raise ValueError("kv_events: tier_weights must name mediums with weights in [0, 1]")
+        return self
+
+
 class ModelRoute(_Strict):
     """One alias clients name, and the replicas that serve it."""
 
@@ -45,7 +85,9 @@ class ModelRoute(_Strict):
     lora_path: str | None = None
     fallback: str | None = None  # alias used while no replica of this one can take a request
     max_concurrency: int | None = Field(default=None, ge=1)  # per replica; above it counts as overloaded
-    routing: Literal["least_outstanding", "prefix_affinity"] = "least_outstanding"
+    # kv_aware: by each replica's cached prefix of the prompt (its KV events, `kv_events`) and its load
+    routing: Literal["least_outstanding", "prefix_affinity", "kv_aware"] = "least_outstanding"
+    kv_events: KVRoutingConfig | None = None  # the replicas' KV event streams (routing kv_aware)
     affinity_prefix_chars: int = Field(default=256, ge=1)  # prompt prefix hashed for prefix_affinity
     affinity_max_imbalance: int = Field(default=4, ge=0)  # outstanding over the least before leaving the home
     send_priority: bool = True  # pass the key's priority upstream (vLLM-style `priority`, lower first)
@@ -69,6 +111,10 @@ class ModelRoute(_Strict):
             if not url.startswith(schemes):
                 raise ValueError(f"replica {url!r} of a {self.kind} upstream must start with {' or '.join(schemes)}")
         self.replicas = [u.rstrip("/") for u in self.replicas]
+        if self.routing == "kv_aware" and self.kv_events is None:
+            raise ValueError("routing kv_aware needs kv_events: the replicas' KV event endpoints")
+        if self.kv_events is not None and (unknown := sorted(set(self.kv_events.replicas) - set(self.replicas))):
+            raise ValueError(f"kv_events names replicas this route does not have: {', '.join(unknown)}")
         if self.lora_path is not None and (self.lora is None or self.kind != "openai"):
             raise ValueError("lora_path (loading an adapter on demand) needs `lora` and llmserve serve replicas "
                              "(kind: openai); a Triton chat model takes its adapters from lora_modules")  # fmt: skip

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from llmserve.gateway.admission import Slot
 from llmserve.gateway.config import ApiKey
+from llmserve.gateway.kv_prompt import KVPrompt
 
 access_log = logging.getLogger("llmserve.gateway.access")
 
@@ -27,6 +28,7 @@ class RequestContext:
     served_by: str | None = None  # the alias whose replica answered
     slot: Slot | None = None  # the admission slot held until the response is over
     prefix: str | None = None  # what the prompt starts with, for prefix-affinity routing
+    kv_prompt: KVPrompt | None = None  # the prompt's token ids, for kv_aware routing
     placed: bool = False  # counted in flight by the placement (released in `finish`)
     started: float = field(default_factory=time.monotonic)
 

@@ -22,6 +22,7 @@ from llmserve.gateway.context import RequestContext, log_access
 from llmserve.gateway.dashboard import StatusSampler
 from llmserve.gateway.engine_state import STATES
 from llmserve.gateway.keys import KeyStore
+from llmserve.gateway.kv_routing import KVRouting
 from llmserve.gateway.limits import build_limiter
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.metrics_pages import merged_pages
@@ -44,11 +45,15 @@ class Health:
     placement: dict | None = None  # each placed model's state (resident, asleep, waking, sleeping)
     # alias -> replica address -> its engine's state (engine_state.py), where its metrics are read
     engines: dict[str, dict[str, dict]] | None = None
+    # kv_aware routes: alias -> replica address -> its KV event stream (live or why not, blocks per medium)
+    kv_events: dict[str, dict[str, dict]] | None = None
 
     def body(self) -> dict:
         body = {"status": self.status, "upstreams": self.upstreams, "models": self.models}
         if self.engines:
             body["engines"] = self.engines
+        if self.kv_events:
+            body["kv_events"] = self.kv_events
         if self.placement is not None:
             body["placement"] = self.placement
         return body
@@ -68,8 +73,11 @@ class Gateway:
         self.keys = KeyStore(config.keys)
         self.limiter = build_limiter(config.keys, config.limits)
         self.adapters = AdapterHoldings()  # LoRA adapters on the replicas of routes with `lora`
-        self.router = Router(config, self.adapters)
         self.metrics = GatewayMetrics()
+        # routes with routing kv_aware: the replicas' KV event streams, the index, the tokenizers
+        self.kv = KVRouting(config, self.metrics) if any(r.routing == "kv_aware" for r in config.models.values()) \
+            else None  # fmt: skip
+        self.router = Router(config, self.adapters, self.kv)
         self.triton = TritonClients(
             config.upstream_timeout_s, config.request_timeout_s
         )  # gRPC clients of Triton replicas, opened on first use
@@ -107,11 +115,15 @@ class Gateway:
             checker = asyncio.create_task(health_loop(self.router, config.health, self.probe, self.on_health))
             placing = asyncio.create_task(self.placement.run()) if self.placement is not None else None
             sampling = asyncio.create_task(self.sampler.run())
+            kv_events = asyncio.create_task(self.kv.run(client)) if self.kv is not None else None
             try:
                 yield
             finally:
                 self._loop = None  # the watchdog's calls from now on do nothing
                 sampling.cancel()
+                if kv_events is not None:
+                    kv_events.cancel()
+                    await asyncio.gather(kv_events, return_exceptions=True)  # (its sockets closed)
                 checker.cancel()
                 if placing is not None:
                     placing.cancel()
@@ -180,7 +192,7 @@ class Gateway:
             status = "saturated" if "saturated" in states else "ok"
         placement = self.placement.snapshot() if self.placement is not None else None
         bodies = {alias: {url: e.body() for url, e in replicas.items()} for alias, replicas in engines.items()}
-        return Health(status, upstreams, models, placement, bodies)
+        return Health(status, upstreams, models, placement, bodies, self.kv.snapshot() if self.kv else None)
 
     def metrics_page(self) -> bytes:
         """The Prometheus page, its gauges set from the live counts first."""
@@ -191,6 +203,13 @@ class Gateway:
         self.metrics.queueing_delay.set(self.admission.queueing_delay())
         if self.placement is not None:
             self.placement.export()
+        if self.kv is not None:
+            self.metrics.kv_blocks.clear()
+            for alias, replicas in self.kv.snapshot().items():
+                for url, stream in replicas.items():
+                    self.metrics.kv_stream_live.labels(alias, url).set(1 if stream["live"] else 0)
+                    for medium, count in stream["blocks"].items():
+                        self.metrics.kv_blocks.labels(alias, url, medium).set(count)
         self.metrics.engine_state.clear()
         for alias, replicas in self.sampler.engine_states().items():
             for url, engine in replicas.items():

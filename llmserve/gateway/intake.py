@@ -123,6 +123,8 @@ async def admit_payload(gateway: Gateway, key: ApiKey | None, payload: dict, pat
     ctx.reserved_tokens = _estimate_tokens(payload, path, gateway.config.default_max_tokens)
     if gateway.router.uses_affinity and path in GENERATION_PATHS:
         ctx.prefix = prefix_key(payload, gateway.config.models[alias].affinity_prefix_chars)
+    if gateway.kv is not None and path in GENERATION_PATHS:
+        ctx.kv_prompt = await gateway.kv.prompt(alias, payload, path)
     if key is not None:
         try:
             await gateway.limiter.reserve(key.name, ctx.reserved_tokens)

@@ -57,6 +57,23 @@ class GatewayMetrics:
             "llmserve_gateway_routing", "Requests sent upstream, by how the replica was chosen.",
             ["alias", "decision"], registry=self.registry,
         )  # fmt: skip
+        # kv_aware routing (gateway/kv_routing.py): the replicas' KV event streams
+        self.kv_stream_live = Gauge(
+            "llmserve_gateway_kv_stream_live", "1 while a replica's KV event stream is in sequence and its publisher "
+            "answers (else its requests are routed by load).", ["alias", "replica"], registry=self.registry,
+        )  # fmt: skip
+        self.kv_blocks = Gauge(
+            "llmserve_gateway_kv_blocks", "KV blocks a replica holds by its events, by medium (GPU, CPU, DISK).",
+            ["alias", "replica", "medium"], registry=self.registry,
+        )  # fmt: skip
+        self.kv_events_bad = Counter(
+            "llmserve_gateway_kv_events_bad", "KV event messages ignored as malformed.", ["replica"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.kv_gaps = Counter(
+            "llmserve_gateway_kv_gaps", "Gaps in a replica's KV event sequence: filled from its replay socket, or "
+            "lost (its blocks forgotten and learned again).", ["replica", "outcome"], registry=self.registry,
+        )  # fmt: skip
         self.engine_state = Gauge(
             "llmserve_gateway_engine_state", "1 for the state an upstream engine is in (ok, saturated, stuck), "
             "read from its metrics.", ["alias", "replica", "state"], registry=self.registry,

@@ -141,7 +141,7 @@ async def forward(gateway: Gateway, ctx: RequestContext) -> Response:
     accepted_failures = 0  # failures after a replica had taken it: the request may be what breaks them
     waits = Backoff(gateway.config.retry_unstarted_s)
     while True:
-        pick = gateway.router.pick(ctx.alias, tried, ctx.prefix)
+        pick = gateway.router.pick(ctx.alias, tried, ctx.prefix, ctx.kv_prompt)
         if pick is None:
             # down (unreachable, dead backend, every breaker open), not busy (at max_concurrency: shed now)
             down = last_error.unavailable if last_error is not None else gateway.router.all_down(ctx.alias)

@@ -1,4 +1,5 @@
-"""Replicas, their health, and which one takes the next request (least outstanding or prefix affinity)."""
+"""Replicas, their health, and which one takes the next request (least outstanding, prefix
+affinity, or by the replicas' cached prefix of the prompt: kv_routing.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from llmserve.gateway.adapters import AdapterHoldings
 from llmserve.gateway.affinity import rendezvous_score
 from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
+from llmserve.gateway.kv_prompt import KVPrompt
+from llmserve.gateway.kv_routing import KVRouting
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +68,16 @@ class Pick:
     alias: str  # the alias that serves (the fallback's when it was used)
     route: ModelRoute
     replica: Replica
-    decision: str = "least_outstanding"  # or "affinity", "affinity_overloaded" (left its home replica)
+    # or "affinity", "affinity_overloaded" (left its home replica); kv_aware: "kv_prefix" (it holds
+    # some of the prompt), "kv_load" (none does), "kv_fallback" (no live stream or no prompt to go by)
+    decision: str = "least_outstanding"
 
 
 class Router:
-    def __init__(self, config: GatewayConfig, adapters: AdapterHoldings | None = None):
+    def __init__(self, config: GatewayConfig, adapters: AdapterHoldings | None = None, kv: KVRouting | None = None):
         self.config = config
         self.adapters = adapters  # which replica holds which LoRA adapter (routes with `lora`)
+        self.kv = kv  # the replicas' KV caches by their events (routes with routing kv_aware)
         self.replicas = {a: [Replica(a, u) for u in r.replicas] for a, r in config.models.items()}
         self._turn = itertools.count()  # breaks ties so idle replicas take turns
         self.uses_affinity = any(r.routing == "prefix_affinity" for r in config.models.values())
@@ -83,12 +89,15 @@ class Router:
             if r.healthy and r.url not in exclude and (cap is None or r.outstanding < cap)
         ]  # fmt: skip
 
-    def pick(self, alias: str, exclude: set[str] = frozenset(), prefix: str | None = None) -> Pick | None:
+    def pick(self, alias: str, exclude: set[str] = frozenset(), prefix: str | None = None,
+             kv_prompt: KVPrompt | None = None) -> Pick | None:  # fmt: skip
         """A replica of the alias (its fallback's when none can take the request).
 
         `least_outstanding`: the fewest requests in flight, ties taking turns.
         `prefix_affinity`: the replica `prefix` hashes to among those available, unless it has
         more than `affinity_max_imbalance` requests over the least loaded one.
+        `kv_aware`: the replica holding the longest cached prefix of `kv_prompt` against its load,
+        among those within `affinity_max_imbalance` of the least loaded (kv_routing.py).
         """
         seen = set()
         while alias is not None and alias not in seen:
@@ -108,6 +117,12 @@ class Router:
                     if home.outstanding <= least + route.affinity_max_imbalance:
                         return Pick(alias, route, home, "affinity")
                     decision = "affinity_overloaded"
+                elif route.routing == "kv_aware" and self.kv is not None:
+                    choice = self.kv.choose(alias, candidates, kv_prompt, route.affinity_max_imbalance,
+                                            next(self._turn))  # fmt: skip
+                    if choice is not None:
+                        return Pick(alias, route, choice.replica, choice.decision)
+                    decision = "kv_fallback"
                 else:
                     decision = "least_outstanding"
                 tied = [r for r in candidates if r.outstanding == least]
