@@ -39,7 +39,7 @@ def engine_args_from_kwargs(model: str | None, kwargs: dict) -> EngineArgs:
 
 class LLM:
     def __init__(self, model: str | None = None, reasoning_parser: str | None = None, **kwargs) -> None:
-        """`reasoning_parser` (vLLM's option: deepseek_r1, qwen3): `chat` cuts each reply into its
+        """`reasoning_parser` (vLLM's option: deepseek_r1, qwen3, gpt_oss): `chat` cuts each reply into its
         thoughts and its answer (llmserve/reasoning)."""
         from llmserve.reasoning import reasoning_parser as check_parser
 
@@ -146,6 +146,9 @@ class LLM:
             if p.structured_outputs is not None:  # the constraint holds after the thoughts
                 p = copy.copy(p)
                 p.structured_outputs = after_thoughts(p.structured_outputs, parser.state)
+            if parser.state == "harmony" and p.skip_special_tokens:  # gpt-oss's markers are special tokens
+                p = copy.copy(p)
+                p.skip_special_tokens = False
             constrained.append(p)
         outputs = self.generate(prompts, constrained, use_tqdm)
         for out, parser in zip(outputs, parsers):

@@ -136,6 +136,7 @@ def test_plans():
         "mistral",
         "pythonic",
         "qwen3_coder",
+        "openai",
     )  # the serve CLI's --tool-call-parser choices
 
 

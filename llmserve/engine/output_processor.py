@@ -60,6 +60,9 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     last_token_time: float | None = None
+    # tokens that end the output without their text in it (EOS, stop_token_ids; none with
+    # include_stop_str_in_output), as vLLM: shown only with skip_special_tokens false
+    silent_stops: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -84,6 +87,13 @@ class ProcessedOutputs:
     stats: IterationStats
 
 
+def _silent_stops(params, eos_token_ids) -> frozenset[int]:
+    """The tokens whose text a request's output leaves out when they end it."""
+    if params.include_stop_str_in_output:
+        return frozenset()
+    return frozenset(params.stop_token_ids or ()) | frozenset(() if params.ignore_eos else eos_token_ids)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -104,7 +114,7 @@ class OutputProcessor:
                 params.stop_strings,
                 params.include_stop_str_in_output,
             )
-            sample = _Sample(i, core_req.request_id, detok)
+            sample = _Sample(i, core_req.request_id, detok, silent_stops=_silent_stops(params, core_req.eos_token_ids))
             if params.logprobs is not None:
                 sample.logprobs, sample.cumulative_logprob = LogprobStore(), 0.0
             samples.append(sample)
@@ -224,7 +234,10 @@ class OutputProcessor:
             for token, lp in zip(out.new_token_ids, out.new_logprobs):
                 sample.logprobs.add(token, lp.token_logprob, lp.token_rank, lp.top, self._text_of)
                 sample.cumulative_logprob += lp.token_logprob
-        stop = sample.detok.add_tokens(out.new_token_ids)
+        new = out.new_token_ids
+        if out.finish_reason == "stop" and new and new[-1] in sample.silent_stops:
+            new = new[:-1]  # the stop token itself is not text (its id stays in token_ids)
+        stop = sample.detok.add_tokens(new)
         if stop is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop
             if out.finish_reason is None:

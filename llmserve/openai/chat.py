@@ -36,7 +36,7 @@ from llmserve.openai.streaming import DeltaTracker, sse, sse_stream
 from llmserve.openai.token_bytes import TokenBytes, token_bytes_of
 from llmserve.openai.tools import NO_TOOLS, ToolPlan, ToolStream, plan_tools, template_messages
 from llmserve.outputs import RequestOutput
-from llmserve.reasoning import END, ReasoningParser, UnknownReasoningParserError, prompt_tail
+from llmserve.reasoning import ReasoningParser, UnknownReasoningParserError, prompt_tail
 from llmserve.reasoning import reasoning_parser as make_reasoning_parser
 from llmserve.reasoning.grammar import after_thoughts
 from llmserve.sampling_params import SamplingParams
@@ -110,6 +110,8 @@ async def plan_chat(engine: EngineClient, req: ChatCompletionRequest, tool_call_
             raise APIError(400, str(exc)) from None
     if tools is not None and tools.mode == "auto":  # the parser reads the call tags, special tokens or not
         params.skip_special_tokens = False
+    if thinking is not None and thinking.state == "harmony":  # gpt-oss's message markers are special tokens
+        params.skip_special_tokens = False
     await engine.check_params(params)  # before a stream starts: a bad spec is a 400, not an error event
     return ChatPlan(ids, params, tools, thinking, arrival)
 
@@ -162,9 +164,10 @@ def reply_parts(text: str, finish_reason: str | None, tools: ToolPlan | None,
 
 def reasoning_tokens(tokenizer, token_ids: list[int], text: str, reasoning: ReasoningParser | None) -> int | None:
     """How many of a finished output's tokens are its thoughts (None without a parser): all of
-    them when the thoughts never closed; none when there were none; else the tokens up to the one
-    that completes `</think>` (found by halving: whether a prefix of the tokens holds the marker
-    only grows with the prefix)."""
+    them when the thoughts never closed; none when there were none; else the tokens before the
+    answer begins: up to the one that completes `</think>`, or gpt-oss's first header of a
+    message that is not reasoning (found by halving: whether a prefix of the tokens has begun
+    the answer only grows with the prefix)."""
     if reasoning is None:
         return None
     cut = reasoning.split(text, done=True)
@@ -172,12 +175,16 @@ def reasoning_tokens(tokenizer, token_ids: list[int], text: str, reasoning: Reas
         return len(token_ids)
     if reasoning.state == "answering" or cut.content == text:
         return 0
-    lo, hi = 1, len(token_ids)  # the smallest prefix whose text holds the marker
-    if END not in tokenizer.decode(token_ids, skip_special_tokens=False):
+
+    def answering(n: int) -> bool:
+        return reasoning.split(tokenizer.decode(token_ids[:n], skip_special_tokens=False), False).content is not None
+
+    lo, hi = 1, len(token_ids)  # the smallest prefix whose text has begun the answer
+    if not answering(len(token_ids)):
         return 0
     while lo < hi:
         mid = (lo + hi) // 2
-        if END in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+        if answering(mid):
             hi = mid
         else:
             lo = mid + 1

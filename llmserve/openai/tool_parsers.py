@@ -9,6 +9,9 @@
 - `pythonic` (Llama 3.2/4, ToolACE): the output is a Python list of calls with keyword
   arguments of literal values, `[get_weather(city="Paris"), get_time(zone="UTC")]`, optionally
   inside `<|python_start|>` ... `<|python_end|>`.
+- `openai` (gpt-oss, with `--reasoning-parser gpt_oss`): the calls are harmony messages to
+  `functions.NAME`, which the reasoning parser (llmserve/reasoning/harmony.py) hands on as hermes
+  blocks; read as `hermes` reads them.
 - `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>value</parameter>...
   </function></tool_call>`; the values are text, converted by the tool's parameter schema
   (integer, number, boolean, object, array) as vLLM does.
@@ -110,6 +113,12 @@ class HermesParser(ToolParser):
                 raise ToolCallFormatError(f"a <tool_call> block must hold a JSON object, got {block!r:.80}")
             calls.append(_call(call.get("name"), call.get("arguments", {})))
         return _content(text[: text.index(self.markers[0])]), calls
+
+
+class OpenAIParser(HermesParser):
+    """gpt-oss's function calls, as the gpt_oss reasoning parser writes them (hermes blocks)."""
+
+    name = "openai"
 
 
 class Llama3JsonParser(ToolParser):
@@ -267,4 +276,4 @@ def _typed(value: str, schema: Any) -> Any:
 
 
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(), MistralParser(),
-                                                      PythonicParser(), Qwen3CoderParser())}  # fmt: skip
+                                                      PythonicParser(), Qwen3CoderParser(), OpenAIParser())}  # fmt: skip

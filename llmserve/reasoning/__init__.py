@@ -19,8 +19,10 @@ writes `<think>\n\n</think>\n\n`) starts it in the answer. Otherwise:
   content, which a stream cannot take back, so here both say reasoning). An output without
   `<think>` is all content.
 
-gpt-oss (its harmony channels) is not here: its markers are special tokens and its tool calls
-are channel messages, a different parser shape (issue 54).
+- `gpt_oss`: harmony messages, not `<think>` text (llmserve/reasoning/harmony.py): the analysis
+  channel is the reasoning, the final channel the content, function calls become hermes blocks
+  for the `openai` tool-call parser. Its markers are special tokens, so its requests keep them
+  in the output text (`skip_special_tokens` false).
 """
 
 from __future__ import annotations
@@ -28,31 +30,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+from llmserve.reasoning.harmony import GptOssParser
+from llmserve.reasoning.split import Split, held
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 
 START, END = "<think>", "</think>"
 
-State = Literal["thinking", "answering", "either"]
+State = Literal["thinking", "answering", "either", "harmony"]
 
 
 class UnknownReasoningParserError(ValueError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """One cut of an output: the reasoning (so far), and the content (None: not begun)."""
-
-    reasoning: str
-    content: str | None
-
-
-def _held(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that a `marker` could still grow from."""
-    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-keep:]):
-            return keep
-    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +74,7 @@ class ReasoningParser:
             return Split(text[:end], text[end + len(END) :])
         if done:
             return Split(text, None)
-        return Split(text[: len(text) - _held(text, END)], None)
+        return Split(text[: len(text) - held(text, END)], None)
 
 
 def thinking_state(name: str, prompt_tail: str) -> State:
@@ -99,10 +88,12 @@ def thinking_state(name: str, prompt_tail: str) -> State:
     return "thinking" if name == "deepseek_r1" else "either"
 
 
-def reasoning_parser(name: str, prompt_tail: str = "") -> ReasoningParser:
+def reasoning_parser(name: str, prompt_tail: str = "") -> ReasoningParser | GptOssParser:
     """The parser `name` for one request whose prompt ends with `prompt_tail`."""
     if name not in REASONING_PARSERS:
         raise UnknownReasoningParserError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}")
+    if name == "gpt_oss":
+        return GptOssParser()
     return ReasoningParser(name, thinking_state(name, prompt_tail))
 
 

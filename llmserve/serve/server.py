@@ -115,17 +115,17 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"],
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai"],
         default=None,  # openai/tool_parsers.PARSERS
         help="how the model writes tool calls: hermes (<tool_call>{json}</tool_call>, Hermes and Qwen 2.5/3), "
         "llama3_json (Llama 3.1-3.3), mistral ([TOOL_CALLS]), pythonic ([f(x=1)], Llama 3.2/4), qwen3_coder "
-        "(<function=...> XML)",
+        "(<function=...> XML), openai (gpt-oss, with --reasoning-parser gpt_oss)",
     )
     p.add_argument(
         "--reasoning-parser",
-        choices=["deepseek_r1", "qwen3"],
+        choices=["deepseek_r1", "qwen3", "gpt_oss"],
         default=None,  # llmserve/reasoning.REASONING_PARSERS
-        help="a reasoning model's thoughts (<think>...</think>) apart from its answer, as message.reasoning "
+        help="a reasoning model's thoughts (<think>...</think>, or gpt-oss's analysis channel) apart from its answer, as message.reasoning "
         "(and reasoning_content); tool calls and structured outputs apply to the answer (docs/reasoning.md)",
     )
     p.add_argument(
