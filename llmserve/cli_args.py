@@ -30,6 +30,8 @@ _HELP = {
     "calculate_kv_scales": "with --kv-cache-dtype fp8: each layer's key and value scales from one forward pass over random tokens at start (default: unless the checkpoint has them; --no-calculate-kv-scales: the checkpoint's, else 1)",
     "swap_space": "GiB of CPU memory for swapped-out KV blocks (0: preempt by recompute)",
     "kv_offload_cpu_gb": "GiB of host memory under the prefix cache: blocks evicted from the device move there and a prefix found there is loaded back instead of recomputed (0: none)",
+    "kv_offload_disk_path": "a directory (on NVMe) for the prefix cache's disk tier, below the host tier: blocks the host tier evicts move there, and a restarted engine of the same model reuses them",
+    "kv_offload_disk_gb": "GiB of the disk tier (--kv-offload-disk-path; needs --kv-offload-cpu-gb)",
     "admission_reserve_tokens": "admit a waiting request only while the KV blocks stay free that running requests still need for the rest of their prompts and up to this many more output tokens each (max_tokens at most), so later decodes do not preempt; 0: a 1 %% block watermark only",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "kv_cache_memory_bytes": "KV cache size in bytes (overrides gpu_memory_utilization)",

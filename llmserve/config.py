@@ -78,10 +78,18 @@ class CacheConfig:
     # checkpoint gives none; False: the checkpoint's, else 1
     calculate_kv_scales: bool | None = None
     kv_offload_cpu_bytes: int = 0  # the prefix cache's host tier (engine/kv_host_tier.py)
+    kv_offload_disk_path: str | None = None  # the disk tier's directory, below the host tier (engine/kv_disk_tier.py)
+    kv_offload_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_offload_cpu_bytes < 0:
             raise ConfigError(f"kv_offload_cpu_gb must be >= 0; got {self.kv_offload_cpu_bytes / (1 << 30)}")
+        if self.kv_offload_disk_bytes < 0:
+            raise ConfigError(f"kv_offload_disk_gb must be >= 0; got {self.kv_offload_disk_bytes / (1 << 30)}")
+        if bool(self.kv_offload_disk_path) != (self.kv_offload_disk_bytes > 0):
+            raise ConfigError("the KV disk tier takes both kv_offload_disk_path (a directory) and kv_offload_disk_gb > 0")
+        if self.kv_offload_disk_bytes and not self.kv_offload_cpu_bytes:
+            raise ConfigError("kv_offload_disk_gb: the disk tier is below the host tier; give kv_offload_cpu_gb > 0 too")
         if self.kv_cache_dtype in ("fp8_e4m3", "fp8e4m3"):
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -280,6 +288,10 @@ class EngineArgs:
     # GiB of host memory under the prefix cache: blocks evicted from the device move there, and a
     # prefix found there is loaded back instead of recomputed (engine/kv_host_tier.py); 0: none
     kv_offload_cpu_gb: float = 0.0
+    # a directory (on NVMe) for the tier below the host tier: blocks the host tier evicts move there,
+    # kept across restarts of the same model (engine/kv_disk_tier.py); and its size in GiB
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_gb: float = 0.0
     kv_cache_dtype: str = "auto"  # auto | fp8 (fp8_e4m3): the KV cache in FP8, twice the tokens
     calculate_kv_scales: bool | None = (
         None  # FP8 KV: per-layer scales calibrated at start (None: unless the checkpoint has them)
@@ -377,6 +389,8 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space_bytes=int(self.swap_space * (1 << 30)),
             kv_offload_cpu_bytes=int(self.kv_offload_cpu_gb * (1 << 30)),
+            kv_offload_disk_path=self.kv_offload_disk_path,
+            kv_offload_disk_bytes=int(self.kv_offload_disk_gb * (1 << 30)),
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,

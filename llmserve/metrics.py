@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from llmserve.engine.kv_disk_store import LoadLatency
 from llmserve.engine.output_processor import IterationStats
 from llmserve.engine.protocol import EngineClient
 
@@ -62,10 +63,18 @@ class _EngineStateCollector(Collector):
              s.kv_offload_hit_tokens),
             ("llmserve:kv_offload_stored_blocks", "KV blocks written to the host tier.", s.kv_offload_stored_blocks),
             ("llmserve:kv_offload_loaded_blocks", "KV blocks read back from the host tier.", s.kv_offload_loaded_blocks),
+            ("llmserve:kv_disk_hit_tokens", "Prompt tokens found in the prefix cache's disk tier.", s.kv_disk_hit_tokens),
+            ("llmserve:kv_disk_stored_blocks", "KV blocks written to the disk tier.", s.kv_disk_stored_blocks),
+            ("llmserve:kv_disk_loaded_blocks", "KV blocks read back from the disk tier.", s.kv_disk_loaded_blocks),
+            ("llmserve:kv_disk_errors", "Disk tier I/O errors (full disk, unwritable directory), each a recompute.",
+             s.kv_disk_errors),
+            ("llmserve:kv_disk_corrupt_blocks", "Disk tier blocks found torn or corrupt, ignored (recomputed).",
+             s.kv_disk_corrupt_blocks),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, v)
             yield c
+        yield from _tier_metrics(s, labels, value)
         if s.spec_accepted_per_position:
             c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Proposed tokens accepted, by their position in the proposal.",
@@ -73,6 +82,24 @@ class _EngineStateCollector(Collector):
             for position, count in enumerate(s.spec_accepted_per_position):
                 c.add_metric(value + [str(position)], count)
             yield c
+
+
+def _tier_metrics(s, labels: list[str], value: list[str]) -> Iterator:
+    """The KV cache tiers' bytes moved and block-load latency, by tier (cpu, disk)."""
+    moved = CounterMetricFamily("llmserve:kv_tier_bytes", "Bytes of KV blocks moved into (stored) and out of "
+                                "(loaded) each tier of the prefix cache.", labels=labels + ["tier", "direction"])  # fmt: skip
+    for tier, stored, loaded in (("cpu", s.kv_offload_stored_blocks, s.kv_offload_loaded_blocks),
+                                 ("disk", s.kv_disk_stored_blocks, s.kv_disk_loaded_blocks)):  # fmt: skip
+        moved.add_metric(value + [tier, "stored"], stored * s.kv_offload_block_bytes)
+        moved.add_metric(value + [tier, "loaded"], loaded * s.kv_offload_block_bytes)
+    yield moved
+    latency = HistogramMetricFamily("llmserve:kv_tier_load_seconds", "Time to load one KV block from a tier "
+                                    "(disk: read and checked; cpu: its share of a step's copy).", labels=labels + ["tier"])  # fmt: skip
+    for tier, seconds in (("cpu", s.kv_offload_load_seconds), ("disk", s.kv_disk_load_seconds)):
+        if seconds:
+            counts, total = seconds
+            latency.add_metric(value + [tier], LoadLatency(list(counts), total).buckets(), total)
+    yield latency
 
 
 class EngineMetrics:

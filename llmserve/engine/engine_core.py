@@ -8,6 +8,7 @@ import time
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.grammar_manager import GrammarManager
 from llmserve.engine.kv_cache_manager import KVCacheManager
+from llmserve.engine.kv_disk_store import DiskStore, disk_fingerprint
 from llmserve.engine.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.model_runner import ModelRunner, PendingStep
@@ -118,7 +119,7 @@ class EngineCore:
             self.kv_events = KVEventPublisher(config.kv_events)
             logger.info("KV events on %s (replay %s)", config.kv_events.endpoint, config.kv_events.replay_endpoint)
         self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout,
-                                 num_host_blocks, events)  # fmt: skip
+                                 num_host_blocks, events, self._open_disk_tier(config))  # fmt: skip
         spec = SpecDecoder(config.speculative, max_len) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
@@ -131,12 +132,38 @@ class EngineCore:
         self._vocab_size = mc.arch.vocab_size
 
     kv_events: KVEventPublisher | None = None
+    disk_errors = 0  # the disk tier's directory could not be used (so there is no tier)
+
+    def _open_disk_tier(self, config: EngineConfig) -> DiskStore | None:
+        """The prefix cache's disk tier (`--kv-offload-disk-path`), below the host tier; None
+        without one, or when its directory cannot be used (logged: prefixes are recomputed)."""
+        cc = config.cache_config
+        if not cc.kv_offload_disk_bytes:
+            return None
+        if config.tensor_parallel_size > 1 or getattr(config, "pipeline_parallel_size", 1) > 1:
+            raise ConfigError("--kv-offload-disk-path: the KV disk tier takes one rank for now "
+                              "(no tensor or pipeline parallelism)")  # fmt: skip
+        runner = self.runner
+        block_bytes = sum(c[:, 0].numel() * c.element_size() for c in runner.host_tier_caches)
+        max_seq_blocks = -(-config.model_config.max_model_len // cc.block_size)
+        store = DiskStore(cc.kv_offload_disk_path, cc.kv_offload_disk_bytes, block_bytes, cc.block_size,
+                          disk_fingerprint(config, runner, block_bytes), max_staged=max_seq_blocks + 1)  # fmt: skip
+        if not store.enabled:
+            self.disk_errors = store.counts.errors
+            return None
+        logger.info("KV disk tier: %d blocks of %d bytes in %s", store.num_slots, block_bytes, cc.kv_offload_disk_path)
+        runner.disk_store = store
+        return store
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any, the grammar compile threads and the KV events' sockets."""
+        """Stop the tensor-parallel workers, if any, the grammar compile threads, the KV events'
+        sockets, and the KV disk tier's writes (finished, for a restart to find)."""
         if self.kv_events is not None:
             self.kv_events.close()
             self.kv_events = None
+        store = self.kv.disk_store if hasattr(self, "kv") else None
+        if store is not None:
+            store.close()
         if self.grammars is not None:
             self.grammars.shutdown()
         if self.tp_driver is not None:
@@ -261,6 +288,17 @@ class EngineCore:
         stats = self.scheduler.stats()
         if self.runner.lora is not None:
             stats.lora_slot_loads = self.runner.lora.slot_loads
+        if self.kv.host is not None:
+            latency = self.runner.host_load_latency
+            stats.kv_offload_block_bytes = self.runner.bytes_per_block
+            stats.kv_offload_load_seconds = (tuple(latency.counts), latency.total)
+        store = self.kv.disk_store
+        if store is not None:
+            c = store.counts
+            stats.kv_disk_errors, stats.kv_disk_corrupt_blocks = c.errors, c.corrupt
+            stats.kv_disk_load_seconds = (tuple(c.latency.counts), c.latency.total)
+        elif self.disk_errors:  # (the directory could not be used: no disk tier)
+            stats.kv_disk_errors = self.disk_errors
         return stats
 
     def reset_prefix_cache(self) -> bool:

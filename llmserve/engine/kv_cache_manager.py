@@ -13,22 +13,27 @@ blocks and every sliding group the blocks of its last window.
 from __future__ import annotations
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
-from llmserve.engine.kv_events import CPU, GPU, KVEventLog, block_hash
+from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest
+from llmserve.engine.kv_disk_tier import DiskTier
+from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog, block_hash
 from llmserve.engine.kv_host_tier import HostTier
 from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request
 
 NO_SWAP = -1  # a swapped-out request's entry for a released (NULL_BLOCK) one
 HOST_HIT = -2  # a `get_computed_blocks` entry the host tier holds (a device block is placed at allocation)
+DISK_HIT = -3  # one the disk tier holds (read and checked already; a device block is placed at allocation)
 
 
 class PrefixHit(list):
-    """`get_computed_blocks`' answer: device block ids, HOST_HIT where the host tier holds the block;
-    `loads`: (index, host block) of those."""
+    """`get_computed_blocks`' answer: device block ids, HOST_HIT where the host tier holds the block,
+    DISK_HIT where the disk tier does; `loads`: (index, host block) of the first, `disk_loads`:
+    (index, stage id of the block read back) of the second."""
 
     def __init__(self) -> None:
         super().__init__()
         self.loads: list[tuple[int, int]] = []
+        self.disk_loads: list[tuple[int, int]] = []
 
 
 class KVCacheManager:
@@ -41,9 +46,11 @@ class KVCacheManager:
         layout: KVLayout | None = None,
         num_host_blocks: int = 0,
         events: KVEventLog | None = None,
+        disk: DiskStore | None = None,
     ) -> None:
         """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py; one KV group);
-        `events`: where the cache's changes are told (engine/kv_events.py; one KV group)."""
+        `events`: where the cache's changes are told (engine/kv_events.py; one KV group); `disk`:
+        the disk tier's file, below the host tier (engine/kv_disk_tier.py)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.layout = layout or single_group(1)
@@ -74,6 +81,21 @@ class KVCacheManager:
         self.host_hits = 0  # tokens found in the host tier
         self._offloads: list[tuple[int, int]] = []  # (device block, host block) to copy at the step's start
         self._loads: list[tuple[int, int]] = []  # (host block, device block), after the offloads
+        self.disk: DiskTier | None = None
+        self.disk_store = disk if disk is not None and disk.enabled and self.host is not None else None
+        if self.disk_store is not None:
+            self.disk = DiskTier(disk.num_slots)
+            for r in disk.restored:
+                self.disk.restore(r.digest, r.slot)
+        self.disk_hits = 0  # tokens found in the disk tier
+        self._digest_of: dict[BlockKey, bytes] = {}  # with a disk tier: each device- or host-cached key's digest
+        self._req_digests: dict[str, list[bytes]] = {}  # each request's blocks' digests, as far as looked at
+        self._offload_targets: dict[int, int] = {}  # host block -> the device block this step's offload copies there
+        # (on host, block, slot, its header): spills at the step's start, before the offloads; from a host
+        # block, or from the device block of a block stored on the host and evicted in the same step
+        self._spills: list[tuple[bool, int, int, SlotMeta]] = []
+        self._spilling: set[bytes] = set()  # digests of this step's spills (not yet in the file: a miss)
+        self._disk_loads: list[tuple[int, int]] = []  # (stage id, device block), after the host loads
 
     # -- prefix cache -------------------------------------------------------------------
     def _salt(self, req: Request) -> str | None | bool:
@@ -127,10 +149,15 @@ class KVCacheManager:
             block_id = lookup(keys[i])
             if block_id is None:
                 held = host.lookup(keys[i]) if host is not None else None
-                if held is None:
-                    break
-                hits.loads.append((len(hits), held))
-                block_id = HOST_HIT
+                if held is not None:
+                    hits.loads.append((len(hits), held))
+                    block_id = HOST_HIT
+                else:
+                    stage = self._read_disk(req, i, keys[i]) if self.disk is not None else None
+                    if stage is None:
+                        break
+                    hits.disk_loads.append((len(hits), stage))
+                    block_id = DISK_HIT
             hits.append(block_id)
         return hits
 
@@ -183,6 +210,10 @@ class KVCacheManager:
         if groups == 1 and not self.layout.sliding:
             for i in range(start, num_full):
                 self.pool.register(blocks[i], keys[i])
+            if self.disk is not None:
+                digests = self._digests(req, num_full)
+                for i in range(start, num_full):
+                    self._digest_of.setdefault(keys[i], digests[i])
             if self.events is not None:
                 self._announce(req, blocks, keys, start, num_full)
         else:
@@ -210,7 +241,7 @@ class KVCacheManager:
         start = req.num_computed_tokens + len(computed) // groups * self.block_size
         total = start + num_new_tokens
         new = max(0, -(-total // self.block_size) - have) * groups
-        hits = sum(1 for b in self._held(computed) if b == HOST_HIT or self.pool.is_free(b)) if computed else 0
+        hits = sum(1 for b in self._held(computed) if b < 0 or self.pool.is_free(b)) if computed else 0
         if self.layout.sliding and not computed:
             new -= len(self._behind_windows(req, start, release=False))
         return new + hits
@@ -260,10 +291,10 @@ class KVCacheManager:
         start = req.num_computed_tokens + len(computed) // groups * self.block_size
         blocks = self.req_blocks.setdefault(req.request_id, [])
         if computed:
-            loads = getattr(computed, "loads", None)
-            if loads:  # device blocks for the host tier's hits, registered now, filled at the step's start
-                self.pool.touch(b for b in computed if b != HOST_HIT)  # (first: the allocation cannot take them)
-                computed = self._place_loads(req, computed, loads)
+            loads, disk_loads = getattr(computed, "loads", None), getattr(computed, "disk_loads", None)
+            if loads or disk_loads:  # device blocks for the tiers' hits, registered now, filled at the step's start
+                self.pool.touch(b for b in computed if b >= 0)  # (first: the allocation cannot take them)
+                computed = self._place_loads(req, computed, loads, disk_loads)
             else:
                 self.pool.touch(self._held(computed))
             blocks.extend(computed)
@@ -282,20 +313,34 @@ class KVCacheManager:
         return True
 
     # -- the host tier ----------------------------------------------------------------------
-    def _place_loads(self, req: Request, computed: list[int], loads: list[tuple[int, int]]) -> list[int]:
-        """`computed` with a new device block in each host hit's place: registered under the hit's
-        key, its load queued (the host block pinned for the step)."""
+    def _place_loads(self, req: Request, computed: list[int], loads: list[tuple[int, int]],
+                     disk_loads: list[tuple[int, int]]) -> list[int]:  # fmt: skip
+        """`computed` with a new device block in each tier hit's place: registered under the hit's
+        key, its load queued (a host block pinned for the step, a disk block's bytes claimed)."""
         computed = list(computed)
-        fresh = self.pool.allocate(len(loads))
+        loads, disk_loads = loads or [], disk_loads or []
+        fresh = iter(self.pool.allocate(len(loads) + len(disk_loads)))
         keys = self._block_keys(req, len(computed))
-        for (index, held), block in zip(loads, fresh):
-            computed[index] = block
-            self.pool.register(block, keys[index])
-            if self.events is not None and (CPU, keys[index]) in self.events.hashes:
-                self.events.stored(GPU, keys[index], self.events.hashes[CPU, keys[index]], None, None)
-            self.host.pin(held)
-            self._loads.append((held, block))
+        digests = self._digests(req, len(computed)) if self.disk is not None else None
+        for medium, hits in ((CPU, loads), (DISK, disk_loads)):
+            for index, held in hits:
+                computed[index] = block = next(fresh)
+                key = keys[index]
+                self.pool.register(block, key)
+                if digests is not None:
+                    self._digest_of[key] = digests[index]
+                if self.events is not None and (medium, key) in self.events.hashes:
+                    self.events.stored(GPU, key, self.events.hashes[medium, key], None, None)
+                if medium == CPU:
+                    self.host.pin(held)
+                    self._loads.append((held, block))
+                else:
+                    self.disk_store.claim(held)
+                    self._disk_loads.append((held, block))
         self.host_hits += len(loads) * self.block_size
+        self.disk_hits += len(disk_loads) * self.block_size
+        if self.disk is not None:
+            self.disk.counts.loaded += len(disk_loads)
         return computed
 
     def _offload_evicted(self) -> None:
@@ -309,14 +354,83 @@ class KVCacheManager:
             if host is None:
                 continue
             held = host.store(key)
+            for gone in host.take_dropped():  # (the host block `held` held it: spilled before the offload)
+                if self.disk is not None:
+                    self._spill(gone, held)
+                self._offload_targets.pop(held, None)
+                if events is not None:
+                    events.removed(CPU, gone)
             if held is not None:
                 self._offloads.append((block, held))
+                self._offload_targets[held] = block
                 if events is not None and stored_hash is not None:
                     events.stored(CPU, key, stored_hash, None, None)
-            if events is not None:
-                for gone in host.take_dropped():
-                    events.removed(CPU, gone)
+            elif self.disk is not None and key not in host.entries:
+                self._forget_digest(key)  # (dropped: every host block pinned)
         pool.evictions.clear()
+
+    # -- the disk tier ----------------------------------------------------------------------
+    def _digests(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The chained digests of the request's first `num_blocks` blocks (kept while it lives)."""
+        digests = self._req_digests.setdefault(req.request_id, [])
+        if len(digests) < num_blocks:
+            salt, bs, tokens = self._salt(req), self.block_size, req.all_token_ids
+            for i in range(len(digests), num_blocks):
+                digests.append(chain_digest(digests[-1] if digests else None, tokens[i * bs : (i + 1) * bs], salt))
+        return digests
+
+    def _read_disk(self, req: Request, index: int, key: BlockKey) -> int | None:
+        """The stage id of the request's block `index` read back from the disk tier, or None."""
+        digest = self._digests(req, index + 1)[index]
+        if digest in self._spilling:
+            return None  # its bytes reach the file at the next step's start
+        slot = self.disk.lookup(digest)
+        if slot is None:
+            return None
+        stage = self.disk_store.stage(slot, SlotMeta(digest, key.token_ids, key.salt is None))
+        if stage is None:  # torn, corrupt or unreadable: recomputed (the store logged and counted it)
+            entry = self.disk.forget(digest)
+            if self.events is not None and entry is not None and entry.key is not None:
+                self.events.removed(DISK, entry.key)
+        return stage
+
+    def _spill(self, key: BlockKey, host_block: int) -> None:
+        """A block the host tier evicts from `host_block` goes to a disk slot (written at the step's
+        start, before anything overwrites the host block; from its device block when this step
+        offloads it to the host block: its bytes are not there yet)."""
+        digest = self._forget_digest(key)
+        if digest is None:
+            return  # (never registered by a request of this engine)
+        device_block = self._offload_targets.get(host_block)
+        slot = self.disk.store(digest, key)
+        events = self.events
+        for gone in self.disk.take_dropped():
+            if events is not None and gone.key is not None:
+                events.removed(DISK, gone.key)
+        if slot is None:
+            return  # on disk already
+        meta = SlotMeta(digest, key.token_ids, key.salt is None)
+        if device_block is None:
+            self._spills.append((True, host_block, slot, meta))
+        else:
+            self._spills.append((False, device_block, slot, meta))
+        self._spilling.add(digest)
+        if events is not None and (CPU, key) in events.hashes:
+            events.stored(DISK, key, events.hashes[CPU, key], None, None)
+
+    def _forget_digest(self, key: BlockKey) -> bytes | None:
+        """A key's digest, forgotten unless the device cache still holds the key."""
+        if self.pool.lookup(key) is not None:
+            return self._digest_of.get(key)
+        return self._digest_of.pop(key, None)
+
+    def take_disk_copies(self) -> tuple[list[tuple[bool, int, int, SlotMeta]], list[tuple[int, int]]]:
+        """The step's disk-tier copies (after `take_copies`): (on host, block, slot, header) spills,
+        first, and (stage id, device block) loads, last."""
+        copies = self._spills, self._disk_loads
+        self._spills, self._disk_loads = [], []
+        self._spilling.clear()
+        return copies
 
     def _announce(self, req: Request, blocks: list[int], keys: list[BlockKey], start: int, end: int) -> None:
         """BlockStored for the request's blocks start..end-1 that it registered (not another's copy)."""
@@ -336,6 +450,7 @@ class KVCacheManager:
             return [], []
         copies = self._offloads, self._loads
         self._offloads, self._loads = [], []
+        self._offload_targets.clear()
         self.host.unpin_all()
         return copies
 
@@ -358,6 +473,7 @@ class KVCacheManager:
         if cpu_blocks:
             self.swap_pool.free(b for b in cpu_blocks if b != NO_SWAP)
         self._num_registered.pop(req.request_id, None)
+        self._req_digests.pop(req.request_id, None)
         self._released.pop(req.request_id, None)
         self._release_at.pop(req.request_id, None)
 
@@ -448,6 +564,10 @@ class KVCacheManager:
             return False
         if self.host is not None:  # the host tier's blocks are the prefix cache's too
             self.host.clear()
+        if self.disk is not None:  # and the disk tier's (a reset may follow new weights: none is reused)
+            self.disk.clear()
+            self.disk_store.clear()
+            self._digest_of.clear()
         if self.events is not None:
             self.events.cleared()
         return True

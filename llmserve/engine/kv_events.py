@@ -27,6 +27,7 @@ from llmserve.config import KVEventsConfig
 logger = logging.getLogger(__name__)
 
 GPU, CPU = "GPU", "CPU"  # the mediums vLLM names
+DISK = "DISK"  # the prefix cache's disk tier (engine/kv_disk_tier.py)
 
 
 # -- the block hashes a router can compute --------------------------------------------------------

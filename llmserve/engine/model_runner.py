@@ -25,6 +25,7 @@ from llmserve.engine import seeded_noise
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
+from llmserve.engine.kv_disk_store import DiskStore, LoadLatency
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget, kv_layout
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
@@ -182,6 +183,10 @@ class StepInputs:
     prompt_rows: PromptRows | None = None  # rows whose logits give prompt logprobs (a request asked)
     kv_offload: list[tuple[int, int]] = field(default_factory=list)  # host tier: (device, host), first
     kv_load: list[tuple[int, int]] = field(default_factory=list)  # then (host, device)
+    # the disk tier (engine/kv_disk_tier.py): (on host, block, slot, header) spills before the offloads,
+    # (stage id, device block) loads of blocks read back, last
+    kv_spill: list[tuple] = field(default_factory=list)
+    kv_disk_load: list[tuple[int, int]] = field(default_factory=list)
 
 
 def on_every_rank(method: Callable) -> Callable:
@@ -250,6 +255,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.cpu_caches: list[torch.Tensor] = []
         self.host_tier_caches: list[torch.Tensor] = []  # the prefix cache's host tier (engine/kv_host_tier.py)
+        self.disk_store: DiskStore | None = None  # the disk tier's file, below it (engine/kv_disk_store.py)
+        self.host_load_latency = LoadLatency()  # the host tier's loads, a block's share of a step's copy
         sc = config.scheduler_config
         # block table columns: enough for max_model_len, in the kernel-friendly width (`table_width`)
         self.max_blocks = table_width(-(-mc.max_model_len // self.block_size))
@@ -568,14 +575,16 @@ class ModelRunner:
         self.sampler.forget(plan.finished_request_ids)
         rows, sampling = self.requests.rows_for(plan)
         batch = self.inputs.build(rows, self._last_step.row_of if self._last_step else {}) if rows else None
-        if batch is None and not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.kv_offload or plan.kv_load):
+        if batch is None and not (plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.kv_offload or plan.kv_load
+                                  or plan.kv_spill or plan.kv_disk_load):  # fmt: skip
             return PendingStep([], None)
         lora_slots = self.lora.take_step_slots() if self.lora is not None and batch is not None else None
         prompt = None
         if self.requests.prompt_logprobs and batch is not None:  # (only while a request asks)
             prompt = prompt_rows(rows, batch.query_start_loc, self.requests.prompt_logprobs)
         logits, prompt_logprobs = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch,
-                                                           lora_slots, prompt, plan.kv_offload, plan.kv_load))  # fmt: skip
+                                                           lora_slots, prompt, plan.kv_offload, plan.kv_load,
+                                                           plan.kv_spill, plan.kv_disk_load))  # fmt: skip
         step = PendingStep([], None, prompt=prompt_logprobs)
         if logits is not None:
             verify = None
@@ -617,8 +626,10 @@ class ModelRunner:
     def run_step(self, step: StepInputs) -> tuple[torch.Tensor | None, PendingPromptLogprobs | None]:
         """Swap blocks, run the forward; returns the logits of the sampling rows (if any), and
         the prompt logprobs of `step.prompt_rows` (if given) on their way from the device."""
+        self._spill_to_disk(step.kv_spill)  # (before the offloads write the host blocks)
         self._tier_copy(step.kv_offload, to_host=True)  # (before the swaps and the forward write the blocks)
         self._tier_copy(step.kv_load, to_host=False)
+        self._load_from_disk(step.kv_disk_load)
         self._swap(step.swap_out, to_cpu=True)
         self._swap(step.swap_in, to_cpu=False)
         if step.batch is None:
@@ -730,11 +741,50 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        start = time.perf_counter()
         for dev_cache, host_cache in zip(self.kv_caches, self.host_tier_caches):
             if to_host:
                 host_cache[:, dst] = dev_cache[:, src.to(self.device)].to("cpu")
             else:
                 dev_cache[:, dst.to(self.device)] = host_cache[:, src].to(self.device, non_blocking=True)
+        if not to_host:
+            share = (time.perf_counter() - start) / len(pairs)
+            for _ in pairs:
+                self.host_load_latency.observe(share)
+
+    def _spill_to_disk(self, spills: list[tuple]) -> None:
+        """Blocks to the disk tier, (on host, block, slot, header): copied out of host memory (or the
+        device cache, for a block stored on the host and evicted in one step) here, one gather a
+        layer, before this step's offloads and forward write those blocks; written by the store's thread."""
+        if not spills:
+            return
+        rows = [None] * len(spills)
+        for on_host, caches in ((True, self.host_tier_caches), (False, self.kv_caches)):
+            at = [i for i, s in enumerate(spills) if s[0] == on_host]
+            if not at:
+                continue
+            index = torch.tensor([spills[i][1] for i in at], dtype=torch.long).to(caches[0].device)
+            gathered = torch.cat([c[:, index].transpose(0, 1).reshape(len(at), -1).view(torch.uint8)
+                                  for c in caches], dim=1).to("cpu")  # fmt: skip
+            for i, row in zip(at, gathered):
+                rows[i] = row
+        for (_, _, slot, meta), row in zip(spills, rows):  # (in order: a slot written twice keeps the last)
+            self.disk_store.write(slot, meta, row)
+
+    def _load_from_disk(self, loads: list[tuple[int, int]]) -> None:
+        """Blocks read back from the disk tier (checked when their request was admitted) into
+        their device blocks: one copy a layer."""
+        if not loads:
+            return
+        rows = torch.stack([self.disk_store.take(stage) for stage, _ in loads])
+        dst = torch.tensor([d for _, d in loads], dtype=torch.long).to(self.device)
+        offset = 0
+        for dev_cache in self.kv_caches:
+            width = dev_cache[:, 0].numel() * dev_cache.element_size()
+            part = rows[:, offset : offset + width].contiguous().view(self.kv_dtype)
+            part = part.view(len(loads), 2, *dev_cache.shape[2:]).transpose(0, 1)
+            dev_cache[:, dst] = part.to(self.device)
+            offset += width
 
     @on_every_rank
     def init_host_tier(self, num_blocks: int) -> None:

@@ -107,6 +107,18 @@ class SchedulerStats:
     kv_offload_hit_tokens: int = 0
     kv_offload_stored_blocks: int = 0
     kv_offload_loaded_blocks: int = 0
+    # the disk tier below it (engine/kv_disk_tier.py), cumulative: prompt tokens found there, blocks
+    # written and read back; I/O errors (a full disk, an unwritable directory) and torn or corrupt
+    # blocks, each a miss (recomputed)
+    kv_disk_hit_tokens: int = 0
+    kv_disk_stored_blocks: int = 0
+    kv_disk_loaded_blocks: int = 0
+    kv_disk_errors: int = 0
+    kv_disk_corrupt_blocks: int = 0
+    kv_offload_block_bytes: int = 0  # one block's bytes in the tiers: bytes moved = blocks x this
+    # each tier's block loads, seconds: (the count in each of kv_disk_store.LOAD_BUCKETS and +Inf, the sum)
+    kv_offload_load_seconds: tuple = ()
+    kv_disk_load_seconds: tuple = ()
 
 
 @dataclass(slots=True)

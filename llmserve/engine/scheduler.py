@@ -52,11 +52,16 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # since the last step
     # the prefix cache's host tier (engine/kv_host_tier.py): copies at the step's start, offloads first
     kv_offload: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    # the disk tier's (engine/kv_disk_tier.py): (on host, block, slot, header) before the offloads,
+    # (stage id, device block) after the host tier's loads
+    kv_spill: list[tuple] = field(default_factory=list)
+    kv_disk_load: list[tuple[int, int]] = field(default_factory=list)
     kv_load: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.kv_offload
+                    or self.kv_spill or self.kv_disk_load
                     or self.kv_load)  # fmt: skip
 
 
@@ -131,6 +136,8 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         if self.kv.host is not None:
             out.kv_offload, out.kv_load = self.kv.take_copies()
+            if self.kv.disk is not None:
+                out.kv_spill, out.kv_disk_load = self.kv.take_disk_copies()
         self.num_computed_tokens_total += out.num_batched_tokens
         return out
 
@@ -440,8 +447,13 @@ class Scheduler:
         host = self.kv.host
         if host is None:
             return {}
-        return dict(kv_offload_hit_tokens=self.kv.host_hits, kv_offload_stored_blocks=host.counts.stored,
-                    kv_offload_loaded_blocks=host.counts.loaded)  # fmt: skip
+        tiers = dict(kv_offload_hit_tokens=self.kv.host_hits, kv_offload_stored_blocks=host.counts.stored,
+                     kv_offload_loaded_blocks=host.counts.loaded)  # fmt: skip
+        disk = self.kv.disk
+        if disk is not None:
+            tiers.update(kv_disk_hit_tokens=self.kv.disk_hits, kv_disk_stored_blocks=disk.counts.stored,
+                         kv_disk_loaded_blocks=disk.counts.loaded)  # fmt: skip
+        return tiers
 
     def _spec_stats(self) -> dict:
         if self.spec is None:

@@ -60,6 +60,8 @@ class StepPlan:
     grammar: GrammarMask | None = None  # the grammars' allowed tokens, rows of the sampling requests
     kv_offload: list[tuple[int, int]] = field(default_factory=list)  # host tier: (device, host), first
     kv_load: list[tuple[int, int]] = field(default_factory=list)  # then (host, device)
+    kv_spill: list[tuple] = field(default_factory=list)  # disk tier: (on host, block, slot, header), before them
+    kv_disk_load: list[tuple[int, int]] = field(default_factory=list)  # (stage id, device block), last
 
 
 class PlanBuilder:
@@ -100,6 +102,8 @@ class PlanBuilder:
         plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
         if out.kv_offload or out.kv_load:
             plan.kv_offload, plan.kv_load = out.kv_offload, out.kv_load
+        if out.kv_spill or out.kv_disk_load:
+            plan.kv_spill, plan.kv_disk_load = out.kv_spill, out.kv_disk_load
         if grammar and vocab_size is not None:
             plan.grammar = grammar_mask([s.request for s in out.scheduled if s.samples], vocab_size)
         return plan
