@@ -331,12 +331,17 @@ def conversation(messages: list[dict]) -> list[dict]:
 
 def template_messages(messages: list[ChatMessage]) -> list[dict]:
     """The conversation as chat templates take it: assistant tool calls (their arguments as
-    objects, which templates render with `tojson`) and tool results with their call ids."""
+    objects, which templates render with `tojson`), tool results with their call ids, and an
+    assistant's earlier thoughts as the templates name them (`reasoning_content`: Qwen3's and
+    R1's; `thinking`: gpt-oss's)."""
     out = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
+        thoughts = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thoughts is not None and m.role == "assistant":
+            msg["reasoning_content"] = msg["thinking"] = thoughts
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls:

@@ -35,6 +35,9 @@ from llmserve.reasoning.split import Split, held
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
+# how an output may begin after the prompt's `<|start|>assistant`: a header (the recipient may
+# come first: ` to=functions.f<|channel|>commentary json<|message|>`) or a next message
+OPENERS = (START, CHANNEL, "to=")
 
 _RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
@@ -85,8 +88,8 @@ class GptOssParser:
 
     def split(self, text: str, done: bool) -> Split:
         head = text.lstrip()
-        if not head.startswith((START, CHANNEL)):
-            if not done and any(m.startswith(head) for m in (START, CHANNEL)):
+        if not head.startswith(OPENERS):
+            if not done and any(m.startswith(head) for m in OPENERS):
                 return Split("", None)  # blank, or "<|chan": a header may be coming
             return Split("", text)  # no harmony at all: plain content
         thoughts: list[str] = []
