@@ -60,7 +60,7 @@ class CoreClient:
         mp = multiprocessing.get_context("spawn")
         # a daemon process may not start processes: with tensor-parallel workers the core
         # is a plain child, stopped by `shutdown` (registered at exit too)
-        single = config.tensor_parallel_size == 1
+        single = config.tensor_parallel_size * config.pipeline_parallel_size == 1
         self.proc = mp.Process(
             target=run_engine_core, args=(config, input_addr, output_addr),
             name="llmserve-engine-core", daemon=single,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.engine.pp_stages import StagePlace, join_stages
 from llmserve.heap import freeze_startup_objects, unfreeze
 from llmserve.model.tensor_parallel import TPGroup
 from llmserve.net import free_port
@@ -63,6 +64,18 @@ def init_distributed(rank: int, world_size: int, port: int, device: str, expert_
     return TPGroup(rank, world_size, cpu_group, expert_parallel)
 
 
+def join_engine_group(config: EngineConfig, rank: int, port: int) -> tuple[TPGroup, StagePlace]:
+    """Join the engine's ranks: with one pipeline stage, the tensor-parallel group itself; with
+    several, every stage's tensor-parallel group and this rank's stage (engine/pp_stages.py)."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    group = init_distributed(rank, tp * pp, port, config.device, config.enable_expert_parallel)
+    if pp == 1:
+        return group, StagePlace(rank)
+    arch = config.model_config.arch
+    return join_stages(rank, tp, pp, config.device, arch.num_layers, arch.hidden_size, group.cpu_group,
+                       config.enable_expert_parallel)  # fmt: skip
+
+
 def shutdown_distributed(timeout: float = 10.0) -> None:
     """Leave the process group. Every rank tears down at the same time (NCCL's teardown
     waits for the peers); a teardown that a dead peer blocks is left behind after
@@ -92,8 +105,8 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     runner = None
     try:
         conn.send(("joining", None))
-        tp = init_distributed(rank, config.tensor_parallel_size, port, config.device, config.enable_expert_parallel)
-        runner = ModelRunner(config, progress=False, tp=tp)
+        tp, place = join_engine_group(config, rank, port)
+        runner = ModelRunner(config, progress=False, tp=tp, stage=place)
         freeze_startup_objects(f"tensor-parallel rank {rank}")
         conn.send(("ready", None))
         while True:
@@ -130,7 +143,7 @@ class TPDriver:
     """Rank 0's side of the group: starts the workers and sends them each call."""
 
     def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
-        world = config.tensor_parallel_size
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
         port = free_port()
@@ -152,11 +165,15 @@ class TPDriver:
         atexit.register(self.close)  # an LLM nobody shut down must not keep its workers
         try:
             self._await_all("joining")  # a worker that died before the rendezvous would hang it
-            self.group = init_distributed(0, world, port, config.device, config.enable_expert_parallel)
+            self.group, self.stage_place = join_engine_group(config, 0, port)
         except Exception:
             self.close()
             raise
-        logger.info("tensor parallel: %d ranks (workers %s)", world, [w.process.pid for w in self.workers])
+        if config.pipeline_parallel_size > 1:
+            logger.info("pipeline parallel: %d stages x %d tensor-parallel ranks (workers %s)",
+                        config.pipeline_parallel_size, config.tensor_parallel_size, self.worker_pids)  # fmt: skip
+        else:
+            logger.info("tensor parallel: %d ranks (workers %s)", world, [w.process.pid for w in self.workers])
 
     def wait_ready(self) -> None:
         """Wait until every worker has built its shard (before the first collective: a worker

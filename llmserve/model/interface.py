@@ -142,6 +142,15 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    # Pipeline parallelism (model/pipeline.py): a stage keeps its own layers (set on the meta device,
+    # before allocation) and runs them from the embedding or from the previous stage's carried
+    # (hidden states, residual); the last stage returns what `forward` returns.
+    def set_pipeline_stage(self, stage: Any) -> None: ...
+
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      carried: tuple[torch.Tensor, torch.Tensor] | None,
+                      sampled: SampledRows | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+
     def attention_layers(self) -> list[nn.Module]:
         """Each layer's attention module: `.kv_cache` and `.kv_group` (bound by the runner; a
         layer of group g > 0 attends with `meta.groups[g - 1]`), `.kv_scales`,

@@ -24,6 +24,7 @@ from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, m
 from llmserve.model.interface import AttentionSpec, LinearSpec, ModelFamily
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from llmserve.model.pipeline import WHOLE, MissingLayer, PipelineStage
 from llmserve.model.tensor_parallel import (
     SINGLE,
     TPGroup,
@@ -184,19 +185,33 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    stage = WHOLE  # the pipeline stage this model runs (model/pipeline.py): its layers, first or last
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         sampled: SampledRows | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """The final hidden states of every row, or with `sampled` of its rows alone (in order):
         the last layer then runs past its cache write on those rows only."""
-        x = self.embed(input_ids)
-        residual = None
-        layers = self.layers if sampled is None else self.layers[:-1]
-        for layer in layers:
+        return self.forward_stage(input_ids, positions, meta, None, sampled)
+
+    def forward_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        carried: tuple[torch.Tensor, torch.Tensor] | None, sampled: SampledRows | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """This stage's layers: from the embedding (first stage) or the previous stage's
+        `carried` (hidden states, residual); returns the final hidden states (last stage, as
+        `forward`), else the (hidden states, residual) for the next stage."""
+        stage = self.stage
+        x, residual = (self.embed(input_ids), None) if carried is None else carried
+        layers = [self.layers[i] for i in stage.layers(len(self.layers))]
+        last_sampled = sampled is not None and stage.is_last
+        for layer in layers[:-1] if last_sampled else layers:
             x, residual = layer(positions, x, residual, meta)
-        if sampled is not None:
-            x, residual = self.layers[-1].forward_sampled(positions, x, residual, sampled)
+        if not stage.is_last:
+            return x, residual
+        if last_sampled:
+            x, residual = layers[-1].forward_sampled(positions, x, residual, sampled)
             if x.shape[0] == 0:
                 return x
         x, _ = self.norm(x, residual)
@@ -280,13 +295,38 @@ class LlamaForCausalLM(nn.Module):
         `sampled` those of its rows alone [k, hidden]: the rows that reach the LM head."""
         return self.model(input_ids, positions, meta, sampled)
 
+    def forward_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        carried: tuple[torch.Tensor, torch.Tensor] | None, sampled: SampledRows | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A pipeline stage's part of `forward` (model/pipeline.py): (hidden, residual) out of a
+        stage before the last, the final hidden states out of the last."""
+        return self.model.forward_stage(input_ids, positions, meta, carried, sampled)
+
+    def set_pipeline_stage(self, stage: PipelineStage) -> None:
+        """Keep only what `stage` runs (on the meta device, before memory is allocated): its
+        decoder layers, the embedding on the first stage (and the last, with a tied head), the
+        final norm and the LM head on the last."""
+        m = self.model
+        m.stage = stage
+        for i in range(len(m.layers)):
+            if not stage.holds(i):
+                m.layers[i] = MissingLayer()
+        if not stage.is_first and not (stage.is_last and self.arch.tie_word_embeddings):
+            m.embed_tokens.weight = None  # (its vocabulary split stays: the head's logits use it)
+        if not stage.is_last:
+            m.norm = MissingLayer()
+            if hasattr(self, "lm_head"):
+                del self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from every rank)."""
         head = None if self.arch.tie_word_embeddings else self.lm_head.weight
         return self.model.embed_tokens.logits(hidden, head, self.linear)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """The attention of each decoder layer this model holds (a pipeline stage: its own), in order."""
+        return [layer.self_attn for layer in self.model.layers if not isinstance(layer, MissingLayer)]
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.layers

@@ -17,6 +17,7 @@ from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.interface import CausalLM
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
+from llmserve.model.pipeline import WHOLE, PipelineStage, stage_keeps
 from llmserve.model.registry import family_of
 from llmserve.model.tensor_parallel import SINGLE, TPGroup
 
@@ -37,6 +38,7 @@ def load_model(
     tp: TPGroup = SINGLE,
     quantization: str | None = None,
     quantization_ignore: tuple[str, ...] = (),
+    stage: PipelineStage = WHOLE,
 ) -> CausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
@@ -46,6 +48,8 @@ def load_model(
     start = time.perf_counter()
     with torch.device("meta"):
         model = family_of(arch).build(arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
+        if not stage.whole:  # a pipeline stage: the other stages' layers never get memory
+            model.set_pipeline_stage(stage)
         for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
             if param.dtype == torch.float32 and not _is_scale(model, param):
                 param.data = param.data.to(dtype)
@@ -53,7 +57,7 @@ def load_model(
     for module in model.modules():  # buffers computed, not loaded: the rotary tables
         if isinstance(module, RotaryEmbedding):
             module.rebuild(torch.device(device))
-    fill_weights(model, model_dir, arch, load_format, seed, tp, progress)
+    fill_weights(model, model_dir, arch, load_format, seed, tp, progress, stage)
     if progress:
         params = sum(p.numel() for p in model.parameters())
         logger.info("loaded %s (%.1fM parameters, %s, %s) in %.1f s", model_dir if load_format != "dummy" else "dummy weights",
@@ -62,13 +66,17 @@ def load_model(
 
 
 def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: str = "auto", seed: int = 0,
-                 tp: TPGroup = SINGLE, progress: bool = True) -> None:  # fmt: skip
+                 tp: TPGroup = SINGLE, progress: bool = True, stage: PipelineStage = WHOLE) -> None:  # fmt: skip
     """Fill an allocated model's parameters: from the checkpoint, or dummy weights (the same
-    ones for the same seed). Also how a model that slept at level 2 gets its weights back."""
+    ones for the same seed). Also how a model that slept at level 2 gets its weights back.
+    A pipeline stage reads only its own tensors (model/pipeline.py `stage_keeps`)."""
     if load_format == "dummy":
-        _init_dummy(model, seed + tp.rank)
+        _init_dummy(model, seed + tp.rank + 1000 * stage.index)
         return
-    loaded = model.load_weights(_checkpoint_tensors(Path(model_dir), arch, progress))
+    tensors = _checkpoint_tensors(Path(model_dir), arch, progress)
+    if not stage.whole:
+        tensors = ((n, t) for n, t in tensors if stage_keeps(n, stage, arch.tie_word_embeddings))
+    loaded = model.load_weights(tensors)
     missing = model.expected_weight_keys() - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")

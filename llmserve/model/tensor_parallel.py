@@ -34,10 +34,13 @@ class TPGroup:
     cpu_group: object | None = None
     # mixtures of experts: whole experts per rank (`--enable-expert-parallel`), not every expert's slice
     expert_parallel: bool = False
+    # the device collectives' group: None, the default group; under pipeline parallelism this
+    # stage's tensor-parallel ranks (engine/pp_stages.py)
+    group: object | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,7 +48,7 @@ class TPGroup:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=-1)
 
     def min_over_ranks(self, value: int) -> int:

@@ -1,0 +1,126 @@
+"""Pipeline parallelism across processes: where each rank sits, and the hand-over between stages.
+
+The engine's ranks form a grid of `pipeline_parallel_size` stages x `tensor_parallel_size` ranks.
+Global rank 0 (the engine core's own ModelRunner, the driver) is tensor rank 0 of the *last*
+stage: it schedules, builds each step's flat batch, mirrors it to every worker (as under tensor
+parallelism), runs the last layers and the LM head, and samples with its own request state, so
+the sampled tokens never travel. Every other stage runs the step as the batch arrives: the first
+from the token ids, later ones from the (hidden states, residual) the stage before sends
+(point-to-point `send`/`recv` on the default group: NCCL on GPUs, gloo on CPUs), each tensor
+rank to the same tensor rank of the next stage. A stage's tensor-parallel collectives run in a
+group of its own ranks.
+
+    rank:   0 .. T-1 = last stage, T .. 2T-1 = the stage before, ..., (P-1)T .. PT-1 = first stage
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from llmserve.model.pipeline import WHOLE, PipelineStage, pipeline_stage
+from llmserve.model.tensor_parallel import TPGroup
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """A global rank's place in the stages x tensor ranks grid."""
+
+    rank: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def stage(self) -> int:
+        return self.pp_size - 1 - self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    def rank_of(self, stage: int, tp_rank: int | None = None) -> int:
+        """The global rank of `tp_rank` (default: this rank's) in `stage`."""
+        return (self.pp_size - 1 - stage) * self.tp_size + (self.tp_rank if tp_rank is None else tp_rank)
+
+
+class StageLink:
+    """This rank's neighbours in the pipeline: it receives the carried tensors from the same
+    tensor rank of the stage before, and sends its own to the stage after."""
+
+    def __init__(self, place: RankPlace, stage: PipelineStage, hidden_size: int, world_cpu_group: object) -> None:
+        self.place = place
+        self.stage = stage
+        self.hidden_size = hidden_size
+        self.prev = None if stage.is_first else place.rank_of(place.stage - 1)
+        self.next = None if stage.is_last else place.rank_of(place.stage + 1)
+        self.world_cpu_group = world_cpu_group
+        self.sent_bytes = 0  # carried bytes sent so far (the scaling model's communication term)
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """The carried tensors, as one [2, T, H] tensor (one message a step)."""
+        both = torch.stack((hidden, residual)).contiguous()
+        dist.send(both, self.next)
+        self.sent_bytes += both.numel() * both.element_size()
+
+    def recv(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.empty((2, num_tokens, self.hidden_size), dtype=dtype, device=device)
+        dist.recv(both, self.prev)
+        return both[0], both[1]
+
+    def min_over_world(self, value: int) -> int:
+        """The smallest of every rank's `value`, all stages (every rank must call it)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.world_cpu_group)
+        return int(t.item())
+
+
+@dataclass
+class StagePlace:
+    """What a rank's ModelRunner needs to know of the pipeline: its global rank (the device it
+    uses), its stage's layers and its link to the neighbour stages (None: one stage)."""
+
+    rank: int = 0
+    stage: PipelineStage = WHOLE
+    link: StageLink | None = None
+
+
+SINGLE_STAGE = StagePlace()
+
+
+def join_stages(rank: int, tp_size: int, pp_size: int, device: str, num_layers: int, hidden_size: int,
+                world_cpu: object, expert_parallel: bool = False) -> tuple[TPGroup, StagePlace]:  # fmt: skip
+    """After `dist.init_process_group` over all tp_size x pp_size ranks (`world_cpu`: a gloo group
+    of them all): every rank makes every stage's tensor-parallel group (torch wants each group
+    made by all ranks, in the same order) and gets its own, its stage and its link."""
+    place = RankPlace(rank, tp_size, pp_size)
+    mine = cpu_mine = None
+    for stage in range(pp_size):
+        ranks = [place.rank_of(stage, t) for t in range(tp_size)]
+        group = dist.new_group(ranks)
+        cpu_group = dist.new_group(ranks, backend="gloo") if device == "cuda" else group
+        if stage == place.stage:
+            mine, cpu_mine = group, cpu_group
+    tp = TPGroup(place.tp_rank, tp_size, cpu_mine, expert_parallel, group=mine)
+    stage = pipeline_stage(num_layers, pp_size, place.stage)
+    return tp, StagePlace(rank, stage, StageLink(place, stage, hidden_size, world_cpu))
+
+
+def stage_slots(layer_slot: tuple[int, ...], stage: PipelineStage) -> list[int]:
+    """The KV cache slots (engine/kv_layout.py) the stage's layers use, in order: a stage holds a
+    cache tensor for these alone."""
+    return sorted({layer_slot[i] for i in stage.layers(len(layer_slot))})
+
+
+def run_stage(model, link: StageLink, input_ids: torch.Tensor, positions: torch.Tensor, meta, sampled,
+              dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+    """One step's part of this stage: its layers over the embedding (first stage) or what the
+    stage before sent; sent on to the next stage (None returned), or on the last stage the final
+    hidden states (of the `sampled` rows alone, if given)."""
+    carried = None if link.prev is None else link.recv(input_ids.shape[0], dtype, input_ids.device)
+    out = model.forward_stage(input_ids, positions, meta, carried, sampled if link.next is None else None)
+    if link.next is None:
+        return out
+    link.send(*out)
+    return None
