@@ -148,6 +148,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # set: decode steps verify proposed tokens (engine/spec_decode.py)
     kv_events: KVEventsConfig | None = None  # set: the cache's changes published (engine/kv_events.py)
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
+    pipeline_parallel_size: int = 1  # stages the decoder layers are split over (engine/pp_stages.py)
 
 
 @dataclass(frozen=True)
@@ -314,6 +315,7 @@ class EngineArgs:
     # a mixture of experts: each rank holds num_experts / tensor_parallel_size whole experts (vLLM's
     # flag), not every expert's slice; attention, dense MLPs and shared experts stay tensor-parallel
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each tensor_parallel_size ranks
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
     step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
@@ -414,9 +416,13 @@ class EngineArgs:
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
+        pp = self._check_pipeline_parallel(arch, device, tp)
+        if pp > 1 and not eager:
+            logger.info("pipeline parallelism: steps run eagerly (no CUDA graphs per stage yet)")
+            eager = True
         kv_events = kv_events_config(self.kv_events_config)
         # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)
-        overlap = self.async_scheduling and tp == 1
+        overlap = self.async_scheduling and tp == 1 and pp == 1
         if self.max_mixed_graph_tokens < 0:
             raise ConfigError(f"max_mixed_graph_tokens must be >= 0; got {self.max_mixed_graph_tokens}")
         mixed = 0 if eager else min(self.max_mixed_graph_tokens, batched)  # a step holds at most `batched`
@@ -429,7 +435,29 @@ class EngineArgs:
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
                             speculative, kv_events=kv_events,
-                            enable_expert_parallel=self.enable_expert_parallel)  # fmt: skip
+                            enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=pp)  # fmt: skip
+
+    def _check_pipeline_parallel(self, arch: ModelArch, device: str, tp: int) -> int:
+        """The stage count, or why not: at most one stage per decoder layer, one GPU per rank,
+        and none of the features that do not cross stages yet."""
+        from llmserve.model.pipeline import check_pp_shape
+
+        pp = self.pipeline_parallel_size
+        problem = check_pp_shape(arch.num_layers, pp)
+        if problem:
+            raise ConfigError(problem)
+        if pp == 1:
+            return pp
+        refused = {"speculative decoding (speculative_config)": self.speculative_config is not None,
+                   "LoRA adapters (enable_lora)": self.enable_lora, "sleep mode": self.enable_sleep_mode,
+                   "an FP8 KV cache": self.kv_cache_dtype != "auto"}  # fmt: skip
+        for name, asked in refused.items():
+            if asked:
+                raise ConfigError(f"{name} with pipeline parallelism is not supported yet")
+        if device == "cuda" and tp * pp > torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} GPUs; this "
+                              f"machine has {torch.cuda.device_count()}")  # fmt: skip
+        return pp
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

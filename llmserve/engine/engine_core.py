@@ -63,9 +63,10 @@ class EngineCore:
             now = time.perf_counter()
             phases[name], mark = now - mark, now
 
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:  # worker processes
             self.tp_driver = TPDriver(config, exit_on_worker_death)
-            self.runner = ModelRunner(config, progress, self.tp_driver.group, self.tp_driver.send)
+            self.runner = ModelRunner(config, progress, self.tp_driver.group, self.tp_driver.send,
+                                      self.tp_driver.stage_place)  # fmt: skip
             self.tp_driver.wait_ready()
         else:
             self.runner = ModelRunner(config, progress=progress)

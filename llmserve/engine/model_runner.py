@@ -29,6 +29,7 @@ from llmserve.engine.kv_disk_store import DiskStore, LoadLatency
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget, kv_layout
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
+from llmserve.engine.pp_stages import SINGLE_STAGE, StagePlace, run_stage, stage_slots
 from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.runner_sleep import RunnerSleep
@@ -218,15 +219,17 @@ def select_attention_backend(name: str) -> AttentionBackend:
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, progress: bool = True, tp: TPGroup = SINGLE,
-        mirror: Callable[[str, tuple], None] | None = None,
+        mirror: Callable[[str, tuple], None] | None = None, stage: StagePlace = SINGLE_STAGE,
     ) -> None:  # fmt: skip
-        """`tp`: this rank's group; `mirror` (driver only): sends a call to the workers."""
+        """`tp`: this rank's group; `mirror` (driver only): sends a call to the workers; `stage`:
+        this rank's pipeline stage (engine/pp_stages.py; the driver runs the last one)."""
         self.config = config
         self.tp = tp
+        self.stage = stage
         self.mirror = mirror
         self._mirroring = False  # inside a mirrored call (whose inner calls the workers make themselves)
         mc = config.model_config
-        self.device = rank_device(config.device, tp.rank)
+        self.device = rank_device(config.device, stage.rank if stage.link is not None else tp.rank)
         self._gpu_used_at_start = self._check_free_gpu_memory() if self.device.type == "cuda" else 0
         self.dtype = mc.dtype
         self.kv_dtype = kv_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)
@@ -237,10 +240,12 @@ class ModelRunner:
         if tp.rank == 0:
             logger.info("kernel settings for %s", self.card_settings.summary())
         self.kv_layout = kv_layout(self.arch)  # how the layers share the cache: one block table per group
+        self.kv_slots = stage_slots(self.kv_layout.layer_slot, stage.stage)  # the cache tensors this rank holds
         self.model = load_model(
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
             max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization, quantization_ignore=mc.quantization_ignore,
+            stage=stage.stage,
             ops=triton_ops(mc.fp8_fast_accum_tokens) if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.kv_scales = KVScales("none (the cache is not FP8)", ())  # set_kv_scales: an FP8 cache's
@@ -343,6 +348,9 @@ class ModelRunner:
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         )
         budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
+        if self.stage.link is not None:  # every stage holds the same blocks: the fewest any rank has room for
+            stage_bytes = self.bytes_per_block * len(self.kv_slots) // self.kv_layout.layers_per_group
+            return self.stage.link.min_over_world(budget // stage_bytes) * self.bytes_per_block
         return self.tp.min_over_ranks(budget)
 
     def _dummy_forward(self, num_seqs: int, seq_len: int, token_ids: list[int] | None = None) -> None:
@@ -358,8 +366,9 @@ class ModelRunner:
         self.inputs.forget_all()  # forget the profile rows
         with torch.inference_mode():
             input_ids, positions, meta = batch.to_device(self.device)
-            hidden = self.model(input_ids, positions, meta)
-            self.model.compute_logits(hidden[to_device(batch.logits_indices, torch.long, self.device)])
+            hidden = self._run_model(input_ids, positions, meta)
+            if hidden is not None:  # (the last pipeline stage's)
+                self.model.compute_logits(hidden[to_device(batch.logits_indices, torch.long, self.device)])
 
     @on_every_rank
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int, arena: bool = True) -> None:
@@ -367,7 +376,7 @@ class ModelRunner:
         groups' layers share them); with sleep mode (`arena`), views of one arena."""
         a = self.arch
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        slots = self.kv_layout.layers_per_group
+        slots = len(self.kv_slots)
         if arena and self.config.enable_sleep_mode and num_blocks:
             self.kv_caches = self.sleep_mode.arena_kv_caches(num_blocks, shape, self.kv_dtype)
         else:
@@ -378,8 +387,10 @@ class ModelRunner:
     def _bind_kv_caches(self) -> None:
         """Each attention layer's cache tensor and KV group (its block table)."""
         layout = self.kv_layout
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.kv_cache = self.kv_caches[layout.layer_slot[i]] if self.kv_caches else torch.empty(0)
+        tensor_of = {slot: k for k, slot in enumerate(self.kv_slots)}  # (a pipeline stage holds its layers' slots)
+        layers = self.stage.stage.layers(len(layout.layer_slot))
+        for i, layer in zip(layers, self.model.attention_layers(), strict=True):
+            layer.kv_cache = self.kv_caches[tensor_of[layout.layer_slot[i]]] if self.kv_caches else torch.empty(0)
             layer.kv_group = layout.layer_group[i]
 
     @on_every_rank
@@ -405,7 +416,7 @@ class ModelRunner:
         cpu_shape = (2, num_cpu_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         pin = self.device.type == "cuda"
         self.cpu_caches = [
-            torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(self.kv_layout.layers_per_group)
+            torch.zeros(cpu_shape, dtype=self.kv_dtype, pin_memory=pin) for _ in range(len(self.kv_slots))
         ] if num_cpu_blocks else []  # fmt: skip
 
     def cache_sizes(self) -> tuple[int, int]:
@@ -637,6 +648,8 @@ class ModelRunner:
         if step.lora_slots is not None:
             self.lora.context.set_token_slots(step.lora_slots)
         hidden, rows = self._forward(step.batch, every_row=step.prompt_rows is not None)
+        if hidden is None:  # a pipeline stage before the last: its output went to the next stage
+            return None, None
         pad = self.device.type == "cuda"
         prompt = None
         if step.prompt_rows is not None:  # (every rank: the LM head's all-gather under tensor parallelism)
@@ -708,9 +721,16 @@ class ModelRunner:
         if fill is not None:
             fill(input_ids)
         if not samples_only:
-            return self.model(input_ids, positions, meta), batch.logits_indices
-        hidden = self.model(input_ids, positions, meta, batch.sampled_rows(meta, self.device))
+            return self._run_model(input_ids, positions, meta), batch.logits_indices
+        hidden = self._run_model(input_ids, positions, meta, batch.sampled_rows(meta, self.device))
         return hidden, list(range(len(batch.logits_indices)))
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, sampled=None) -> torch.Tensor | None:
+        """The model's forward; under pipeline parallelism this stage's part (engine/pp_stages.py),
+        None on a stage before the last."""
+        if self.stage.link is None:
+            return self.model(input_ids, positions, meta, sampled)
+        return run_stage(self.model, self.stage.link, input_ids, positions, meta, sampled, self.dtype)
 
     def _fill_from_last_step(self, batch: BatchInputs) -> Callable[[torch.Tensor], None] | None:
         """Tokens the previous step sampled and the host has not seen yet: copied on the
@@ -793,7 +813,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
         pin = self.device.type == "cuda"
         self.host_tier_caches = [torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
-                                 for _ in range(self.kv_layout.layers_per_group)] if num_blocks else []  # fmt: skip
+                                 for _ in range(len(self.kv_slots))] if num_blocks else []  # fmt: skip
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
