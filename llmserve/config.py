@@ -155,17 +155,21 @@ class EngineConfig:
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's `speculative_config` names it."""
 
-    method: str  # ngram: tokens proposed by matching the sequence's last n-gram earlier in it
+    # ngram: tokens proposed by matching the sequence's last n-gram earlier in it; draft_model: by
+    # a smaller model of the same tokenizer (engine/spec_draft.py)
+    method: str
     num_speculative_tokens: int  # K: most tokens proposed a step
     prompt_lookup_min: int  # the shortest n-gram matched
     prompt_lookup_max: int  # the longest
     # speculation pauses while more sequences than this decode in a step: a large batch is
     # compute-bound, and verifying K more tokens each would cost it throughput
     disable_by_batch_size: int
+    model: str | None = None  # draft_model: the draft's folder (resolved)
+    draft_arch: ModelArch | None = None  # draft_model: its architecture, checked against the target's
 
 
-SPECULATIVE_METHODS = ("ngram",)
-SPECULATIVE_LATER = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
 
 
 def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> SpeculativeConfig | None:
@@ -179,18 +183,25 @@ def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> S
             raise ConfigError(f"speculative_config is not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"speculative_config must be a JSON object, not {type(value).__name__}")
-    method = value.get("method", "ngram")
+    method = value.get("method", "draft_model" if "model" in value else "ngram")  # (as vLLM guesses it)
     if method in SPECULATIVE_LATER:
         raise ConfigError(f"speculative_config: method {method!r} is not supported yet; supported: "
                           f"{', '.join(SPECULATIVE_METHODS)}")  # fmt: skip
     if method not in SPECULATIVE_METHODS:
         raise ConfigError(f"speculative_config: unknown method {method!r}; supported: {', '.join(SPECULATIVE_METHODS)}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+    known = {"method", "num_speculative_tokens", "disable_by_batch_size",
+             *(("prompt_lookup_min", "prompt_lookup_max") if method == "ngram" else ("model",))}  # fmt: skip
     unknown = sorted(set(value) - known)
     if unknown:
         raise ConfigError(
-            f"speculative_config: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            f"speculative_config: unknown key(s) {', '.join(unknown)} for method {method!r} "
+            f"(known: {', '.join(sorted(known))})"
         )
+    draft = None
+    if method == "draft_model":
+        if not isinstance(value.get("model"), str) or not value["model"]:
+            raise ConfigError("speculative_config: method 'draft_model' needs \"model\": the draft model's folder")
+        draft = str(resolve_model_path(value["model"], "speculative_config's draft model"))
     if tensor_parallel_size > 1:
         raise ConfigError("speculative decoding with tensor parallelism is not supported yet")
 
@@ -204,7 +215,7 @@ def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> S
     most = count("prompt_lookup_max", 5, 1, 64)
     least = count("prompt_lookup_min", min(2, most), 1, most)
     batch = count("disable_by_batch_size", 32, 1, 1 << 20)
-    return SpeculativeConfig(method, k, least, most, batch)
+    return SpeculativeConfig(method, k, least, most, batch, draft)
 
 
 @dataclass(frozen=True)
@@ -416,6 +427,12 @@ class EngineArgs:
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
+        if speculative is not None and speculative.model is not None:
+            from llmserve.engine.spec_draft_check import check_draft_model
+
+            if self.enable_sleep_mode:
+                raise ConfigError("speculative decoding with a draft model and sleep mode is not supported yet")
+            speculative = check_draft_model(speculative, model_config)
         pp = self._check_pipeline_parallel(arch, device, tp)
         if pp > 1 and not eager:
             logger.info("pipeline parallelism: steps run eagerly (no CUDA graphs per stage yet)")

@@ -11,7 +11,7 @@ from llmserve.engine.kv_cache_manager import KVCacheManager
 from llmserve.engine.kv_disk_store import DiskStore, disk_fingerprint
 from llmserve.engine.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.lora_manager import LoRAManager
-from llmserve.engine.model_runner import ModelRunner, PendingStep
+from llmserve.engine.model_runner import ModelRunner, PendingStep, select_attention_backend
 from llmserve.engine.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -23,6 +23,7 @@ from llmserve.engine.request import (
 from llmserve.engine.request_checks import PromptError, check_request
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.spec_decode import SpecDecoder
+from llmserve.engine.spec_draft import DraftProposer, draft_cache_blocks
 from llmserve.engine.step_log import StepTimingLog
 from llmserve.engine.step_plan import PlanBuilder
 from llmserve.engine.structured_output import StructuredOutputs
@@ -71,7 +72,15 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config, progress=progress)
         phase("model")
+        self.draft = None  # speculative decoding's draft model (before the profile: its weights count)
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            self.draft = DraftProposer(config, self.runner.device, select_attention_backend(config.attention_backend))
+            phase("draft model")
         num_blocks = self.runner.num_blocks_for_memory()
+        if self.draft is not None:
+            num_blocks, draft_blocks = draft_cache_blocks(config, self.runner.device, num_blocks,
+                                                          self.runner.bytes_per_block, self.draft.bytes_per_block)  # fmt: skip
+            self.draft.init_cache(draft_blocks)
         phase("memory profile")
         num_cpu_blocks = self.runner.num_swap_blocks()
         bs = config.cache_config.block_size
@@ -121,7 +130,7 @@ class EngineCore:
             logger.info("KV events on %s (replay %s)", config.kv_events.endpoint, config.kv_events.replay_endpoint)
         self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout,
                                  num_host_blocks, events, self._open_disk_tier(config))  # fmt: skip
-        spec = SpecDecoder(config.speculative, max_len) if config.speculative is not None else None
+        spec = SpecDecoder(config.speculative, max_len, self.draft) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
                                    spec=spec)  # fmt: skip

@@ -44,6 +44,7 @@ class RowInput(NamedTuple):
     # speculative decoding: the proposed tokens at the end of `token_ids`; every one of the row's
     # positions then gives logits (for verification), not just the last
     drafts: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None  # [len(drafts), V] what they were drawn from (a draft model's)
 
 
 @dataclass(slots=True)
@@ -164,7 +165,7 @@ class InputBuilder:
         decode_lead = 0
         fresh: list[tuple[int, int, int]] = []
         chunks: list[tuple[int, int, int, int]] = []
-        for request_id, table, start, count, tokens, samples, drafts in rows:
+        for request_id, table, start, count, tokens, samples, drafts, _ in rows:
             end = start + count
             if count == 1:
                 token = tokens[start]

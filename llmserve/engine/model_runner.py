@@ -118,9 +118,11 @@ class Verification:
         return kept
 
 
-def _draw(logits: torch.Tensor, drafts: tuple[int, ...], state: RunnerRequest) -> tuple[torch.Tensor, ...]:
+def _draw(logits: torch.Tensor, drafts: tuple[int, ...], state: RunnerRequest,
+          draft_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """`rejection_sample` for a sampled request's K + 1 logits rows: its temperature, top-k, top-p
-    and min-p, and its noise (from its seed and output positions, as the sampler's, if it has one)."""
+    and min-p, and its noise (from its seed and output positions, as the sampler's, if it has one);
+    `draft_probs` [K, V]: the draft model's distributions of the proposals (None: n-gram's)."""
     p = state.sampling_params
     rows = logits.float() / p.temperature
     n = rows.shape[0]
@@ -135,7 +137,7 @@ def _draw(logits: torch.Tensor, drafts: tuple[int, ...], state: RunnerRequest) -
         all_noise = seeded_noise.exponential(keys, torch.arange(vocab + 1, device=rows.device))
         noise, uniform = all_noise[:, :vocab], torch.exp(-all_noise[: n - 1, vocab])
     drafts_t = torch.tensor(drafts, dtype=torch.long, device=rows.device)
-    return rejection_sample(filtered, drafts_t, uniform, noise)
+    return rejection_sample(filtered, drafts_t, uniform, noise, draft_probs)
 
 
 class PendingStep:
@@ -622,7 +624,7 @@ class ModelRunner:
                 if state.sampling_params.greedy:
                     greedy_at.extend(range(i, i + row.count))
                 else:
-                    drawn[row.request_id] = _draw(logits[i : i + row.count], row.drafts, state)
+                    drawn[row.request_id] = _draw(logits[i : i + row.count], row.drafts, state, row.draft_probs)
                 i += row.count
             elif row.samples:
                 sample_at.append(i)

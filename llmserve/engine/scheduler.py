@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.config import SchedulerConfig
 from llmserve.engine.kv_cache_manager import KVCacheManager
@@ -37,6 +38,7 @@ class ScheduledRequest:
     # speculative decoding (engine/spec_decode.py): the tokens proposed after the request's last
     # one, computed in this step with it (num_new_tokens = 1 + their count)
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: Any = None  # [k, V] the distributions they were drawn from (a draft model's); None: all on each
 
     @classmethod
     def scheduled(cls, req: Request, num_new_tokens: int, block_table: list[int]) -> ScheduledRequest:
@@ -154,7 +156,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             proposal = drafts.get(req.request_id)
             if proposal and 1 + len(proposal) <= budget and self.kv.allocate_slots(req, 1 + len(proposal)):
-                sched = ScheduledRequest(req, 1 + len(proposal), self.kv.block_table(req.request_id), True, proposal)
+                sched = ScheduledRequest(req, 1 + len(proposal), self.kv.block_table(req.request_id), True, proposal,
+                                         self.spec.draft_probs.get(req.request_id))  # fmt: skip
                 out.scheduled.append(sched)
                 budget -= sched.num_new_tokens
                 i += 1

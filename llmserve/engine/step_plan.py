@@ -15,6 +15,7 @@ too: the bitmask rows of the step's sampling requests, filled on the core side b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.engine.input_builder import RowInput
 from llmserve.engine.request import PLACEHOLDER, Request
@@ -49,6 +50,7 @@ class PlannedRow:
     # speculative decoding: the tokens proposed after the last one, computed with it this step; the
     # runner verifies them against the step's logits (engine/spec_decode.py)
     draft_token_ids: list[int] | tuple[()] = ()
+    draft_probs: Any = None  # [k, V] their draft distributions (a draft model's, on the device); None: n-gram's
 
 
 @dataclass(slots=True)
@@ -98,7 +100,7 @@ class PlanBuilder:
             has_grammar = req.matcher is not None
             grammar = grammar or (has_grammar and sched.samples)
             append(PlannedRow(rid, req.num_computed_tokens, sched.num_new_tokens, sched.samples, new_blocks, new,
-                              has_grammar, sched.draft_token_ids))  # fmt: skip
+                              has_grammar, sched.draft_token_ids, sched.draft_probs))  # fmt: skip
         plan = StepPlan(rows, out.blocks_to_swap_out, out.blocks_to_swap_in, list(out.finished_request_ids))
         if out.kv_offload or out.kv_load:
             plan.kv_offload, plan.kv_load = out.kv_offload, out.kv_load
@@ -174,7 +176,8 @@ class RunnerRequests:
             state.has_grammar = row.has_grammar
             if row.draft_token_ids:  # its input: the last token, then the proposals
                 rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
-                                     state.token_ids + list(row.draft_token_ids), True, tuple(row.draft_token_ids)))  # fmt: skip
+                                     state.token_ids + list(row.draft_token_ids), True, tuple(row.draft_token_ids),
+                                     row.draft_probs))  # fmt: skip
                 continue
             rows.append(RowInput(row.request_id, state.block_ids, row.num_computed_tokens, row.num_new_tokens,
                                  state.token_ids, row.samples))  # fmt: skip
