@@ -308,3 +308,23 @@ def test_kv_batch_is_typed():
     assert (
         isinstance(got, KVBatch) and got.seq == 4 and got.events == [BlockStored([1, 2], None, [1] * 8, 4, None, "GPU")]
     )
+
+
+def test_the_router_falls_back_to_taking_turns_when_no_stream_is_live():
+    from llmserve.gateway.router import Router
+
+    config = GatewayConfig.model_validate({"models": {"m": {
+        "replicas": ["http://a", "http://b"], "routing": "kv_aware",
+        "kv_events": {"replicas": {"http://a": {"endpoint": "tcp://127.0.0.1:1"}}}}}})  # fmt: skip
+    router = Router(config, None, KVRouting(config))
+    prompt = KVPrompt(list(range(40)))
+    picks = [router.pick("m", kv_prompt=prompt) for _ in range(4)]
+    assert [p.decision for p in picks] == ["kv_fallback"] * 4
+    assert sorted(p.replica.url for p in picks) == ["http://a", "http://a", "http://b", "http://b"]
+    index = router.kv.indexes["m"]
+    index.apply("http://a", batch(0, stored_event(prompt.hashes(4)[:2])))  # (its block size: 4)
+    index.set_live("http://a", True)
+    for _ in range(2):
+        pick = router.pick("m", kv_prompt=prompt)
+        assert pick.replica.url == "http://a" and pick.decision == "kv_prefix"
+    assert router.pick("m", kv_prompt=KVPrompt([7] * 40)).decision == "kv_load"

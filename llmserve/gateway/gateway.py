@@ -45,7 +45,8 @@ class Health:
     placement: dict | None = None  # each placed model's state (resident, asleep, waking, sleeping)
     # alias -> replica address -> its engine's state (engine_state.py), where its metrics are read
     engines: dict[str, dict[str, dict]] | None = None
-    # kv_aware routes: alias -> replica address -> its KV event stream (live or why not, blocks per medium)
+    # kv_aware routes: alias -> its tokenizer loaded, and replica address -> its KV event stream (live
+    # or why not, blocks per medium)
     kv_events: dict[str, dict[str, dict]] | None = None
 
     def body(self) -> dict:
@@ -205,8 +206,8 @@ class Gateway:
             self.placement.export()
         if self.kv is not None:
             self.metrics.kv_blocks.clear()
-            for alias, replicas in self.kv.snapshot().items():
-                for url, stream in replicas.items():
+            for alias, route in self.kv.snapshot().items():
+                for url, stream in route["replicas"].items():
                     self.metrics.kv_stream_live.labels(alias, url).set(1 if stream["live"] else 0)
                     for medium, count in stream["blocks"].items():
                         self.metrics.kv_blocks.labels(alias, url, medium).set(count)

@@ -135,8 +135,10 @@ class KVRouting:
         return KVChoice(replica, "kv_prefix" if cached > 0 else "kv_load", cached)
 
     def snapshot(self) -> dict[str, dict]:
-        """Per route and replica: its stream live or why not, blocks per medium."""
-        return {alias: index.snapshot() for alias, index in self.indexes.items()}
+        """Per route: whether its tokenizer is loaded, and per replica its stream live or why not,
+        blocks per medium."""
+        return {alias: {"tokenizer": alias in self.tokenizers, "replicas": index.snapshot()}
+                for alias, index in self.indexes.items()}  # fmt: skip
 
 
 async def _forever(run, what: str) -> None:

@@ -118,11 +118,12 @@ class Router:
                         return Pick(alias, route, home, "affinity")
                     decision = "affinity_overloaded"
                 elif route.routing == "kv_aware" and self.kv is not None:
-                    choice = self.kv.choose(alias, candidates, kv_prompt, route.affinity_max_imbalance,
-                                            next(self._turn))  # fmt: skip
+                    turn = next(self._turn)  # (one a pick, as below: ties must keep taking turns)
+                    choice = self.kv.choose(alias, candidates, kv_prompt, route.affinity_max_imbalance, turn)
                     if choice is not None:
                         return Pick(alias, route, choice.replica, choice.decision)
-                    decision = "kv_fallback"
+                    tied = [r for r in candidates if r.outstanding == least]
+                    return Pick(alias, route, tied[turn % len(tied)], "kv_fallback")
                 else:
                     decision = "least_outstanding"
                 tied = [r for r in candidates if r.outstanding == least]
