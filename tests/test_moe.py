@@ -147,8 +147,6 @@ def test_configs_parse_into_experts_and_dense_layers():
     "option, message",
     [
         (dict(enable_lora=True), "Qwen3-MoE models do not support lora"),
-        (dict(quantization="fp8", attention_backend="triton"), "Qwen3-MoE models do not support fp8 triton: FP8 "
-         "experts run only the PyTorch reference"),
         (dict(tensor_parallel_size=3), r"num_attention_heads \(4\) is not divisible by tensor_parallel_size 3"),
         (dict(tensor_parallel_size=2, moe_intermediate_size=33), r"moe_intermediate_size \(33\) is not divisible"),
         (dict(tensor_parallel_size=4, enable_expert_parallel=True, num_experts=6),
@@ -265,13 +263,8 @@ def test_fp8_experts_stay_close_to_the_16_bit_model(moe_dirs):
             assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)
 
 
-def test_an_fp8_moe_checkpoint_and_expert_parallel_on_a_dense_model_are_refused(tmp_path, llama_dir):
-    folder = make_random_model(tmp_path / "q3", "qwen3_moe", config_only=True)
-    config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="Qwen3-MoE models do not support fp8 checkpoint: the experts' FP8"):
-        EngineArgs(model=str(folder), load_format="dummy").create_engine_config()
+def test_expert_parallel_on_a_dense_model_is_refused(llama_dir):
+    """(FP8 MoE checkpoints and FP8 experts on the fused kernels: tests/test_moe_fp8.py.)"""
     with pytest.raises(ConfigError, match="enable_expert_parallel needs a mixture-of-experts model"):
         EngineArgs(model=llama_dir, tensor_parallel_size=2, enable_expert_parallel=True).create_engine_config()
 

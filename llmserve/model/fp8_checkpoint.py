@@ -46,6 +46,7 @@ class CheckpointQuantization:
     weights: str  # tensor | channel: how the checkpoint's weight scales are laid out
     activations: str  # dynamic | static
     ignore: tuple[str, ...] = ()  # projections left unquantized, by this model's (fused) module names
+    block_shape: tuple[int, int] | None = None  # weights "block": each scale's (rows, columns) block
 
 
 def _refuse(why: str) -> UnsupportedModelError:
@@ -87,6 +88,24 @@ def _kept_projections(ignored: object, cfg: dict) -> tuple[str, ...]:
     return tuple(kept)
 
 
+def _block_shape(qc: dict, cfg: dict, scheme: str) -> tuple[int, int] | None:
+    """`weight_block_size` (a scale per block, `weight_scale_inv`): read for mixtures of experts
+    (model/moe_block.py keeps the experts' blocks; model/fp8_blocks.py) with dynamic activations."""
+    block = qc.get("weight_block_size")
+    if not block:
+        return None
+    from llmserve.model.arch import parse_model_arch
+    from llmserve.model.interface import is_moe
+    from llmserve.model.moe_block import fp8_block_shape
+
+    if not is_moe(parse_model_arch(cfg)):
+        raise _refuse(f"block-wise FP8 scales (weight_block_size {block}) on a dense model (read for mixtures of "
+                      "experts: Qwen3-MoE, Qwen2-MoE, Mixtral)")  # fmt: skip
+    if scheme != "dynamic":
+        raise _refuse("block-wise FP8 scales with static activation scales (dynamic is read)")
+    return fp8_block_shape(cfg)
+
+
 def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     """The FP8 format a config.json's `quantization_config` describes (None: not quantized)."""
     qc = cfg.get("quantization_config")
@@ -101,13 +120,14 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
             raise _refuse(f"KV cache scales {'dynamic' if kv.get('dynamic') else kv.get('strategy')!r} "
                           "(one static scale per layer is read)")  # fmt: skip
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise _refuse(f"block-wise FP8 scales (weight_block_size {qc['weight_block_size']})")
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
             raise _refuse(f"activation_scheme {scheme!r}")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise _refuse(f"fmt {qc['fmt']!r} (e4m3 is read)")
+        block = _block_shape(qc, cfg, scheme)
         kept = _kept_projections(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or [], cfg)
-        return CheckpointQuantization("fp8", "tensor", scheme, kept)
+        return CheckpointQuantization("fp8", "block" if block else "tensor", scheme, kept, block)
     if method == "compressed-tensors":
         fmt = qc.get("format")
         if fmt not in ("float-quantized", "naive-quantized"):
@@ -136,8 +156,12 @@ def read_checkpoint_quantization(cfg: dict) -> CheckpointQuantization | None:
     raise _refuse(f"quant_method {method!r} (fp8 and compressed-tensors FP8 are read)")
 
 
-def _config_entry(fmt: str, weights: str, activations: str, kept: list[str] = ()) -> dict:
+def _config_entry(fmt: str, weights: str, activations: str, kept: list[str] = (),
+                  block_shape: tuple[int, int] = (128, 128)) -> dict:  # fmt: skip
     ignore = ["lm_head", *kept]
+    if fmt == "fp8" and weights == "block":  # as Qwen3-30B-A3B-FP8 publishes it
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": activations,
+                "weight_block_size": list(block_shape), "ignored_layers": ignore}  # fmt: skip
     if fmt == "fp8":
         return {"quant_method": "fp8", "activation_scheme": activations, "ignored_layers": ignore}
     acts = ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
@@ -258,9 +282,10 @@ def _gptq_rounded(
 def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = "fp8", weights: str = "tensor",
                          activations: str = "dynamic", calibration: list[list[int]] | None = None,
                          kv_scales: bool = False, ignore: tuple[str, ...] = (),
-                         gptq: GptqCalibration | None = None) -> Path:  # fmt: skip
+                         gptq: GptqCalibration | None = None, block_shape: tuple[int, int] = (128, 128)) -> Path:  # fmt: skip
     """Quantize a model's projections to FP8 and write them as a Hugging Face folder in `fmt`
-    ("fp8": per-tensor weight scales; "compressed-tensors": per `weights` "tensor" or
+    ("fp8": per-tensor weight scales, or with `weights` "block" one per `block_shape` block,
+    `weight_scale_inv`, for a mixture of experts; "compressed-tensors": per `weights` "tensor" or
     "channel"), with `activations` "dynamic" or "static" (scales calibrated on
     `calibration`, token-id prompts; default: a few fixed ones). The source is a Hugging Face
     folder (safetensors) or a GGUF file (its weights dequantized and written in bfloat16, its
@@ -274,12 +299,15 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
 
     from llmserve.config import read_arch
     from llmserve.model.fp8 import is_ignored, projection_names, projection_parts, quantize_rows, unmatched_patterns
+    from llmserve.model.fp8_blocks import quantize_blocks
     from llmserve.model.loader import _checkpoint_tensors
 
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}")
-    if weights not in ("tensor", "channel") or (fmt == "fp8" and weights != "tensor"):
-        raise ValueError("weights: tensor (either format) or channel (compressed-tensors)")
+    if weights not in {"fp8": ("tensor", "block"), "compressed-tensors": ("tensor", "channel")}[fmt]:
+        raise ValueError("weights: tensor (either format), channel (compressed-tensors) or block (fp8)")
+    if weights == "block" and activations != "dynamic":
+        raise ValueError("block-wise weight scales go with dynamic activations")
     if activations not in ("dynamic", "static"):
         raise ValueError("activations: dynamic or static")
     if isinstance(ignore, str):
@@ -315,7 +343,10 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in _checkpoint_tensors(source, arch, progress=True):
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.split(".")[-1] in _PROJECTIONS and module not in kept_parts:
+        quantize = name.endswith(".weight") and module.split(".")[-1] in _PROJECTIONS and module not in kept_parts
+        if quantize and weights == "block":
+            tensors[name], tensors[module + ".weight_scale_inv"] = quantize_blocks(tensor, block_shape)
+        elif quantize:
             q, scale = rounded.get(name) or quantize_rows(tensor, per_channel=weights == "channel")
             tensors[name] = q
             tensors[module + ".weight_scale"] = scale[:1, 0].clone() if weights == "tensor" else scale
@@ -330,7 +361,7 @@ def write_fp8_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt: str = 
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)  # only now: a refused setting leaves nothing behind
     save_file(tensors, str(out / "model.safetensors"))
-    cfg["quantization_config"] = _config_entry(fmt, weights, activations, kept_parts)
+    cfg["quantization_config"] = _config_entry(fmt, weights, activations, kept_parts, block_shape)
     if kv_scales:
         cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
                                                          "dynamic": False, "symmetric": True}  # fmt: skip

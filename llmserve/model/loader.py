@@ -148,7 +148,8 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                 draw = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
                 q, scale = quantize_rows(draw.reshape(-1, param.shape[-1]))
                 param.copy_(q.reshape(param.shape))
-                fp8[id(param)].copy_(scale.reshape(fp8[id(param)].shape))
+                dest = fp8[id(param)]  # per row; block scales (FP8 experts) take the largest: any sane one serves
+                dest.copy_(scale.reshape(dest.shape) if scale.numel() == dest.numel() else scale.max().expand(dest.shape))
             elif id(param) in scales:
                 continue  # set with its weight
             elif "norm" in name:

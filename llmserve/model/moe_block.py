@@ -16,9 +16,15 @@ Tensor parallelism: every rank holds every expert's slice of the intermediate di
 up rows, down columns) and the shared expert's; expert parallelism (`TPGroup.expert_parallel`):
 each rank holds E / world whole experts, routes every token and adds only its experts' share. Either
 way a block's output on a rank is a partial sum (routed plus gated shared expert), summed over the
-ranks by one all-reduce, as the dense MLP's down projection is. `--quantization fp8`: the experts'
-weights in FP8 E4M3 with a float32 scale per output channel (each rank quantizes its own slice),
-tokens quantized per token; they run the PyTorch reference (the fused kernels take 16-bit weights).
+ranks by one all-reduce, as the dense MLP's down projection is.
+
+FP8 experts (E4M3 weights, float32 scales, tokens quantized per token; the fused kernels or the
+reference run them): `--quantization fp8` on a 16-bit checkpoint quantizes each rank's slice per
+output channel as it loads; an FP8 checkpoint's experts load as they are, with their scales per
+tensor or per channel (`weight_scale`: compressed-tensors, `quant_method: fp8`) or per block
+(`weight_scale_inv` with the config's `weight_block_size`, as Qwen3-30B-A3B-FP8 publishes),
+each scale's shape checked against its weight; the block-scaled checkpoint's dense projections
+(attention) are dequantized and quantized per channel as they load (model/fp8_blocks.py).
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ from llmserve.model import llama
 from llmserve.model.arch import ModelArch, UnsupportedModelError, eos_token_ids, parse_rope
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.fp8 import FP8, quantize_rows
+from llmserve.model.fp8_blocks import (
+    BLOCK_SCALE_SUFFIX,
+    block_grid,
+    check_block_scale,
+    merge_block_scales,
+    quantize_blocks,
+)
 from llmserve.model.interface import ExpertSpec, LinearSpec
 from llmserve.model.layers import LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.llama import MLP, Attention, LlamaForCausalLM
@@ -54,6 +67,17 @@ class MoeArch(ModelArch):
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     sparse_layers: tuple[bool, ...] = ()  # per layer: its MLP is the experts (else dense)
     local_experts: int = 0  # experts one rank holds under expert parallelism (0: every one)
+    # an FP8 checkpoint's weight scale blocks (bn, bk) (`weight_block_size`); None: per channel
+    expert_block_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        block = self.expert_block_shape
+        if block and (self.moe_intermediate_size % block[0] or self.moe_intermediate_size % block[1]):
+            raise UnsupportedModelError(
+                f"the experts' width {self.moe_intermediate_size} (moe_intermediate_size, a rank's share under tensor "
+                f"parallelism) is not a multiple of the FP8 scale blocks {list(block)}: an expert's gate and up "
+                "rows, and a rank's columns, must not share a block"
+            )
 
     def local(self, world_size: int, expert_parallel: bool = False) -> MoeArch:
         """A rank's share: heads, the dense MLP and the shared expert split; the experts' width split,
@@ -88,33 +112,38 @@ class MoeArch(ModelArch):
 UNSUPPORTED = {
     "lora": "the experts are not LoRA-capable linear layers and adapters on the attention projections "
     "alone are not wired for MoE models yet",
-    "fp8_triton": "FP8 experts run only the PyTorch reference so far (attention_backend reference, on CPU); "
-    "the fused MoE kernels take 16-bit weights",
-    "fp8_checkpoint": "the experts' FP8 tensors and scales of a quantized checkpoint are not read yet; serve the "
-    "16-bit checkpoint with --quantization fp8",
 }
 
 
 class Experts(nn.Module):
     """E gated MLPs' weights, stacked: gate and up rows `[E, 2 * I, H]` (gate first), down `[E, H, I]`;
-    in FP8 with a float32 scale per output row (`gate_up_proj_scale [E, 2 * I, 1]`, `down_proj_scale`)."""
+    in FP8 with float32 scales (`gate_up_proj_scale`, `down_proj_scale`): one per output row
+    (`[E, 2 * I, 1]`, `[E, H, 1]`), or one per `block_shape` (bn, bk) block (`[E, 2 * I / bn,
+    ceil(H / bk)]`, `[E, ceil(H / bn), ceil(I / bk)]`: the gate's blocks, then the up's)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, fp8: bool = False,
+                 block_shape: tuple[int, int] | None = None) -> None:  # fmt: skip
         super().__init__()
         dtype = {"dtype": FP8} if fp8 else {}
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, **dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, **dtype), requires_grad=False)
         self.gate_up_proj_scale = self.down_proj_scale = None
+        self.block_shape = block_shape if fp8 else None
         if fp8:
             f32 = torch.float32
-            self.gate_up_proj_scale = nn.Parameter(torch.empty(num_experts, 2 * inter, 1, dtype=f32), False)
-            self.down_proj_scale = nn.Parameter(torch.empty(num_experts, hidden, 1, dtype=f32), False)
+            grid13, grid2 = (2 * inter, 1), (hidden, 1)
+            if block_shape is not None:
+                grid13 = (2 * inter // block_shape[0], block_grid((hidden, hidden), block_shape)[1])
+                grid2 = block_grid((hidden, inter), block_shape)
+            self.gate_up_proj_scale = nn.Parameter(torch.empty(num_experts, *grid13, dtype=f32), False)
+            self.down_proj_scale = nn.Parameter(torch.empty(num_experts, *grid2, dtype=f32), False)
 
     def scales(self) -> dict[str, torch.Tensor]:
         """The FP8 scales as `fused_moe` takes them (none for 16-bit experts)."""
         if self.gate_up_proj_scale is None:
             return {}
-        return {"w13_scale": self.gate_up_proj_scale, "w2_scale": self.down_proj_scale}
+        blocks = {} if self.block_shape is None else {"block_shape": self.block_shape}
+        return {"w13_scale": self.gate_up_proj_scale, "w2_scale": self.down_proj_scale, **blocks}
 
     def fp8_pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
         """(FP8 weight, its scale) pairs (dummy weights are drawn and quantized through these)."""
@@ -135,7 +164,8 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.first_expert = tp.rank * arch.held_experts if arch.local_experts else 0
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router, over every expert
-        self.experts = Experts(arch.held_experts, arch.hidden_size, arch.moe_intermediate_size, quantization == "fp8")
+        self.experts = Experts(arch.held_experts, arch.hidden_size, arch.moe_intermediate_size, quantization == "fp8",
+                               arch.expert_block_shape)  # fmt: skip
         self.shared_expert = self.shared_expert_gate = None
         self.expert_counts: torch.Tensor | None = None  # tokens routed to each expert, when counted
         if arch.shared_expert_intermediate_size:
@@ -216,7 +246,8 @@ class MoeModel(llama.LlamaModel):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
 
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                         r"\.(weight|weight_scale|weight_scale_inv|input_scale)")
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 _SCALE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)_scale")
 
@@ -239,7 +270,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                 if not self._load_expert(name, tensor, experts):
                     yield name, tensor
 
-        return super().load_weights(others()) | experts
+        rest = others()
+        if self.arch.expert_block_shape:  # the dense projections' block scales: per channel (fp8_blocks.py)
+            rest = merge_block_scales(rest, self.arch.expert_block_shape)
+        return super().load_weights(rest) | experts
 
     def _load_expert(self, name: str, tensor: torch.Tensor, loaded: set[str]) -> bool:
         """Copy `tensor` (this rank's part of it) if it is an expert's, per expert or stacked; False
@@ -248,23 +282,33 @@ class MoeForCausalLM(LlamaForCausalLM):
         inter, inter_local = a.moe_intermediate_size, local.moe_intermediate_size
         split = self.tp.world_size > 1 and not self.tp.expert_parallel  # every expert's width split
         if match := _PER_EXPERT.fullmatch(name):
-            prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+            prefix, expert, part, kind = match.group(1), int(match.group(2)), match.group(3), match.group(4)
             target = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
             param = self._expert_param(name, target)
             if expert >= a.num_experts:
                 raise KeyError(f"checkpoint tensor {name!r}: expert {expert}, but the config has {a.num_experts} "
                                "experts")  # fmt: skip
             down = part == "down_proj"
-            self._check_expert_shape(name, tensor, (a.hidden_size, inter) if down else (inter, a.hidden_size))
+            whole = (a.hidden_size, inter) if down else (inter, a.hidden_size)
+            if kind == "weight":
+                self._check_expert_shape(name, tensor, whole)
+            else:
+                tensor = self._checked_scale(name, kind, tensor, whole, param)
             first = self._first_expert()
             if not first <= expert < first + param.shape[0]:  # another rank's expert
                 return True
+            j = 0 if part in ("gate_proj", "down_proj") else 1
+            key = f"{target}#{expert}" if down else f"{target}#{expert}.{j}"
+            if kind != "weight":
+                self._copy_expert_scale(target, expert - first, j, down, tensor, split)
+                loaded.add(key.replace("#", "_scale#"))
+                return True
             if split:
                 tensor = rank_slice(tensor, 1 if down else 0, inter_local, self.tp.rank)
-            j = 0 if part in ("gate_proj", "down_proj") else 1
             rows = slice(None) if down else slice(j * inter_local, (j + 1) * inter_local)
-            self._copy_expert(target, expert - first, rows, tensor)
-            loaded.add(f"{target}#{expert}" if down else f"{target}#{expert}.{j}")
+            if self._copy_expert(target, expert - first, rows, tensor):
+                loaded.add(key.replace("#", "_scale#"))
+            loaded.add(key)
             return True
         if match := _STACKED.fullmatch(name):
             param = self._expert_param(name, name)
@@ -279,9 +323,8 @@ class MoeForCausalLM(LlamaForCausalLM):
                 gate, up = tensor.chunk(2, dim=1)
                 tensor = torch.cat([rank_slice(gate, 1, inter_local, self.tp.rank),
                                     rank_slice(up, 1, inter_local, self.tp.rank)], dim=1)  # fmt: skip
-            for e in range(param.shape[0]):
-                self._copy_expert(name, e, slice(None), tensor[e])
-            loaded.update(self._expert_keys(name))
+            quantized = [self._copy_expert(name, e, slice(None), tensor[e]) for e in range(param.shape[0])]
+            loaded.update(self._expert_keys(name) | (self._expert_keys(name + "_scale") if any(quantized) else set()))
             return True
         return False
 
@@ -289,19 +332,73 @@ class MoeForCausalLM(LlamaForCausalLM):
         """The first expert this rank holds (expert parallelism: rank r holds r * E/world ...)."""
         return self.tp.rank * self.shard.local_experts
 
-    def _copy_expert(self, target: str, expert: int, rows: slice, tensor: torch.Tensor) -> None:
-        """Rows `rows` of local expert `expert` of the stacked parameter `target`: `tensor` as it is,
-        or in FP8 with its scale per row."""
+    def _copy_expert(self, target: str, expert: int, rows: slice, tensor: torch.Tensor) -> bool:
+        """Rows `rows` of local expert `expert` of the stacked parameter `target`: `tensor` as it is
+        (16-bit, or an FP8 checkpoint's, whose scale comes apart), or quantized to FP8 with its
+        scales per row or per block (then True: the scales are set too)."""
         param = self.get_parameter(target)
         dest = param.data[expert, rows]
-        if tensor.dtype == FP8:  # refused at start (UNSUPPORTED["fp8_checkpoint"]); never requantized
-            raise ValueError(f"{target}: FP8 expert tensors are not read yet")
-        if param.dtype == FP8:
-            q, scale = quantize_rows(tensor)
-            dest.copy_(q)
-            self.get_parameter(f"{target}_scale").data[expert, rows].copy_(scale)
-        else:
+        if param.dtype != FP8 or tensor.dtype == FP8:
+            if tensor.dtype == FP8 and param.dtype != FP8:
+                raise ValueError(f"{target}: an FP8 expert tensor, but the experts run in {param.dtype}")
             dest.copy_(tensor)
+            return False
+        scale = self.get_parameter(f"{target}_scale").data[expert]
+        block = self.arch.expert_block_shape
+        if block is None:
+            q, row_scales = quantize_rows(tensor)
+            scale[rows].copy_(row_scales)
+        else:  # the width is a multiple of bn: gate and up rows never share a block
+            q, block_scales = quantize_blocks(tensor, block)
+            first = (rows.start or 0) // block[0]
+            scale[first : first + block_scales.shape[0]].copy_(block_scales)
+        dest.copy_(q)
+        return True
+
+    def _checked_scale(self, name: str, kind: str, tensor: torch.Tensor, whole: tuple[int, int],
+                       param: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """An FP8 checkpoint's scale of an expert's weight of shape `whole`, checked against it and the
+        config, in float32: per channel as `[rows, 1]` (one per tensor repeated), per block as its grid."""
+        block = self.arch.expert_block_shape
+        if kind == "input_scale":
+            raise ValueError(f"checkpoint tensor {name!r}: a static activation scale for an expert; the experts "
+                             "quantize their tokens per token (dynamic activations) only")  # fmt: skip
+        if param.dtype != FP8:
+            raise ValueError(f"checkpoint tensor {name!r}: an FP8 scale, but the experts run in {param.dtype}")
+        if kind == "weight_scale_inv":
+            if block is None:
+                raise ValueError(f"checkpoint tensor {name!r}: a block scale, but the config's quantization_config "
+                                 "gives no weight_block_size")  # fmt: skip
+            check_block_scale(name, tensor, whole, block)
+            return tensor.to(torch.float32)
+        if block is not None:
+            raise ValueError(f"checkpoint tensor {name!r}: a scale per tensor or channel, but the config's "
+                             f"weight_block_size {list(block)} asks for block scales ({BLOCK_SCALE_SUFFIX[1:]})")  # fmt: skip
+        rows = whole[0]
+        if tensor.numel() == 1:
+            return tensor.reshape(1, 1).to(torch.float32).expand(rows, 1)
+        if tuple(tensor.shape) not in ((rows,), (rows, 1)):
+            raise ValueError(f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, but a weight of {whole} takes "
+                             f"one scale (per tensor) or ({rows}, 1) (per output channel)")  # fmt: skip
+        return tensor.reshape(rows, 1).to(torch.float32)
+
+    def _copy_expert_scale(self, target: str, expert: int, j: int, down: bool, scale: torch.Tensor,
+                           split: bool) -> None:  # fmt: skip
+        """A checked checkpoint scale (`_checked_scale`) into local expert `expert`'s scales of
+        `target` (`j`: gate 0, up 1), this rank's part of it under tensor parallelism: the rows
+        (or block rows) of its gate and up slices, the columns' blocks of its down slice."""
+        dest = self.get_parameter(f"{target}_scale").data[expert]
+        block = self.arch.expert_block_shape
+        inter_local = self.shard.moe_intermediate_size
+        if down:
+            if split and block is not None:  # the columns split: their blocks
+                scale = rank_slice(scale, 1, inter_local // block[1], self.tp.rank)
+            dest.copy_(scale)
+            return
+        size = inter_local if block is None else inter_local // block[0]
+        if split:
+            scale = rank_slice(scale, 0, size, self.tp.rank)
+        dest[j * size : (j + 1) * size].copy_(scale)
 
     def _expert_param(self, name: str, target: str) -> nn.Parameter:
         try:
@@ -322,16 +419,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         by the experts' global index)."""
         first = self._first_expert()
         experts = range(first, first + self.get_parameter(param_name).shape[0])
-        if param_name.endswith(".gate_up_proj"):
+        if ".gate_up_proj" in param_name:  # its scales too
             return {f"{param_name}#{e}.{j}" for e in experts for j in (0, 1)}
         return {f"{param_name}#{e}" for e in experts}
 
     def expected_weight_keys(self) -> set[str]:
         keys = super().expected_weight_keys()
         for name in [k for k in keys if _STACKED.fullmatch(k) or _SCALE.fullmatch(k)]:
-            keys.remove(name)
-            if not _SCALE.fullmatch(name):  # an FP8 expert's scales come with its weights
-                keys |= self._expert_keys(name)
+            keys.remove(name)  # an FP8 expert's scales: from the checkpoint, or set as its weight is quantized
+            keys |= self._expert_keys(name)
         return keys
 
     def fused_widths(self, target: str) -> list[int]:
@@ -386,7 +482,19 @@ def parse_moe_config(
         norm_topk_prob=norm_topk_prob,
         shared_expert_intermediate_size=shared_expert_intermediate_size,
         sparse_layers=sparse_layers,
+        expert_block_shape=fp8_block_shape(cfg),
     )
+
+
+def fp8_block_shape(cfg: dict) -> tuple[int, int] | None:
+    """An FP8 checkpoint's weight scale blocks (`quant_method: fp8` with `weight_block_size`), or None."""
+    qc = cfg.get("quantization_config") or {}
+    block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+    if not block:
+        return None
+    if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise UnsupportedModelError(f"quantization_config weight_block_size {block!r}: two positive integers expected")
+    return int(block[0]), int(block[1])
 
 
 def num_experts(cfg: dict, default: int) -> int:
