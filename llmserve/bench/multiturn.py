@@ -10,12 +10,12 @@ interleaved under a concurrency limit (FIFO: a conversation's next turn queues b
 other conversation's), so between two turns of one conversation all the others run, and the
 working set (every history at its end, a shared system prompt once) can be made larger than
 the server's KV cache by any factor. A prefix evicted from the device comes back from a lower
-tier (`--kv-offload-cpu-gb`) or is recomputed: the TTFT of the turns after the first shows which.
+tier (`--kv-offload-cpu-gb`, then `--kv-offload-disk-path`) or is recomputed: the TTFT of the turns after the first shows which.
 
 Reported per run: TTFT over all turns and over the turns after the first, by turn index,
 throughput, and the server's own counters over the run (`/metrics` before and after): prefix
-cache hit rate, host-tier hit tokens and blocks moved, preemptions; a counter the server does
-not export (vLLM has no host tier metric) is None. An HTTP client only, like `bench serve`.
+cache hit rate, host- and disk-tier hit tokens and blocks moved, preemptions; a counter the
+server does not export (vLLM has no host tier metric) is None. An HTTP client only, like `bench serve`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ KV_COUNTERS = {
     "llmserve:kv_offload_hit_tokens_total": "kv_offload_hit_tokens",
     "llmserve:kv_offload_stored_blocks_total": "kv_offload_stored_blocks",
     "llmserve:kv_offload_loaded_blocks_total": "kv_offload_loaded_blocks",
+    "llmserve:kv_disk_hit_tokens_total": "kv_disk_hit_tokens",
+    "llmserve:kv_disk_stored_blocks_total": "kv_disk_stored_blocks",
+    "llmserve:kv_disk_loaded_blocks_total": "kv_disk_loaded_blocks",
+    "llmserve:kv_disk_errors_total": "kv_disk_errors",
     "vllm:num_preemptions_total": "num_preemptions",
 }
 KV_CAPACITY = {"llmserve:kv_cache_tokens": "kv_cache_tokens"}
@@ -347,6 +351,11 @@ def format_report(r: dict, percentiles: Sequence[float]) -> str:
         row(
             "Host tier blocks stored / loaded:",
             f"{maybe(r['kv_offload_stored_blocks'])} / {maybe(r['kv_offload_loaded_blocks'])}",
+        ),  # fmt: skip
+        row("Disk tier hit tokens:", maybe(r["kv_disk_hit_tokens"])),
+        row(
+            "Disk tier blocks stored / loaded; errors:",
+            f"{maybe(r['kv_disk_stored_blocks'])} / {maybe(r['kv_disk_loaded_blocks'])}; {maybe(r['kv_disk_errors'])}",
         ),  # fmt: skip
         row("Preemptions:", maybe(r["num_preemptions"])),
         "=" * 50,
