@@ -162,6 +162,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                      "tokens, one from each file in turn)")  # fmt: skip
     fp8.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens in all")
     fp8.set_defaults(func=_make_fp8_checkpoint)
+    from llmserve import quant_cli
+
+    quant_cli.add_parsers(sub)  # make-int8-checkpoint
     return parser
 
 

@@ -18,7 +18,7 @@ _HELP = {
     "tokenizer": "tokenizer folder or GGUF file, if not the model's",
     "served_model_name": "model name the API reports and accepts",
     "dtype": "auto, float32, float16 or bfloat16",
-    "quantization": "fp8: the projections' weights quantized at load to FP8 E4M3 (a scale per output channel), activations per token",
+    "quantization": "fp8: the projections' weights quantized at load to FP8 E4M3 (a scale per output channel), activations per token; int8: to int8 (W8A8: a scale per output channel, activations per token, int32 accumulation)",
     "quantization_ignore": "with --quantization fp8: comma-separated projections kept in the model's dtype, by module name (model.layers.N.PATH, PATH a linear layer of the model's family: a name that matches none gets an error listing them) or re:PATTERN of the whole name",
     "fp8_fast_accum_tokens": "FP8 GEMMs of steps of at least this many tokens use the GPU's fast FP8 accumulation (as vLLM's FP8 kernels do on Hopper); 0: never",
     "max_model_len": "longest prompt + output, in tokens",

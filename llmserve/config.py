@@ -21,7 +21,7 @@ import torch
 from llmserve.model.arch import ModelArch, UnsupportedModelError, read_model_arch
 
 if TYPE_CHECKING:
-    from llmserve.model.fp8_checkpoint import CheckpointQuantization
+    from llmserve.model.quantized_checkpoint import QuantizedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,9 @@ class ModelConfig:
     seed: int
     served_model_name: str
     arch: ModelArch
-    quantization: str | None = None  # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py)
-    checkpoint_quantization: CheckpointQuantization | None = None  # the FP8 format the checkpoint is in
+    # "fp8": FP8 weights, per-token FP8 activations (model/fp8.py); "int8": W8A8 INT8 (model/int8.py)
+    quantization: str | None = None
+    checkpoint_quantization: QuantizedCheckpoint | None = None  # the quantized format the checkpoint is in
     quantization_ignore: tuple[str, ...] = ()  # projections kept unquantized (module names or re: patterns)
     fp8_fast_accum_tokens: int = 1024  # FP8 GEMMs of steps this long accumulate fast on a GPU (0: never)
 
@@ -279,7 +280,8 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
-    quantization: str | None = None  # fp8: weights quantized at load to FP8 E4M3 (per output channel)
+    # fp8: weights quantized at load to FP8 E4M3 (per output channel); int8: to int8 (W8A8, per output channel)
+    quantization: str | None = None
     # with --quantization fp8: comma-separated projections kept in the model's dtype, by module name
     # (model.layers.29.mlp.down_proj) or `re:` and a pattern of the whole name (compressed-tensors'
     # `ignore`). SmolLM2: the last down_proj alone holds a third of FP8's perplexity cost (docs/models.md)
@@ -370,12 +372,13 @@ class EngineArgs:
         arch = read_arch(model_dir, own_tokenizer=self.tokenizer is None)
         checkpoint_quant = _checkpoint_quantization(model_dir)
         quantization = _check_quantization(self.quantization)
-        if checkpoint_quant is not None:  # an FP8 checkpoint runs as one
-            if quantization not in (None, "fp8"):
-                raise ConfigError(
-                    f"the checkpoint is FP8 ({checkpoint_quant.format}); quantization {quantization!r} cannot apply"
-                )
-            quantization = "fp8"
+        if checkpoint_quant is not None:  # a quantized checkpoint runs as it is (FP8, INT8)
+            method = checkpoint_quant.method
+            if quantization not in (None, method):
+                raise ConfigError(f"the checkpoint is {method.upper()} ({checkpoint_quant.format}); quantization "
+                                  f"{quantization!r} cannot apply")  # fmt: skip
+            quantization = method
+        _check_quantized_family(arch, quantization)
         ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch)
         if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
             ignore = checkpoint_quant.ignore
@@ -425,7 +428,7 @@ class EngineArgs:
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
         tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel)
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
-                               fp8_checkpoint=checkpoint_quant is not None)  # fmt: skip
+                               fp8_checkpoint=checkpoint_quant is not None and quantization == "fp8")  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
         if speculative is not None and speculative.model is not None:
             from llmserve.engine.spec_draft_check import check_draft_model
@@ -661,11 +664,11 @@ def _resolve_max_model_len(requested: int | None, arch: ModelArch) -> int:
     return requested
 
 
-def _checkpoint_quantization(path: Path) -> CheckpointQuantization | None:
-    """An FP8 checkpoint's format from its config.json (GGUF files carry none of these)."""
+def _checkpoint_quantization(path: Path) -> QuantizedCheckpoint | None:
+    """A quantized checkpoint's format from its config.json (GGUF files carry none of these)."""
     import json
 
-    from llmserve.model.fp8_checkpoint import read_checkpoint_quantization
+    from llmserve.model.quantized_checkpoint import read_checkpoint_quantization
 
     if path.is_file():
         return None
@@ -680,9 +683,9 @@ def _check_quantization_ignore(value: str | None, quantization: str | None, chec
     patterns = tuple(p.strip() for p in (value or "").split(",") if p.strip())
     if not patterns:
         return ()
-    if quantization != "fp8" or checkpoint_quant is not None:
-        raise ConfigError("quantization_ignore applies to --quantization fp8 on a checkpoint of bf16/fp16 weights "
-                          "(an FP8 checkpoint lists its own unquantized layers)")  # fmt: skip
+    if quantization not in ("fp8", "int8") or checkpoint_quant is not None:
+        raise ConfigError("quantization_ignore applies to --quantization fp8 (or int8) on a checkpoint of bf16/fp16 "
+                          "weights (an FP8 checkpoint lists its own unquantized layers, as an INT8 one does)")  # fmt: skip
     from llmserve.model.fp8 import projection_paths, unmatched_patterns
 
     try:
@@ -693,6 +696,15 @@ def _check_quantization_ignore(value: str | None, quantization: str | None, chec
         raise ConfigError(f"quantization_ignore: {', '.join(unmatched)} names no projection of this model (its "
                           f"{arch.num_layers} layers have model.layers.N.{{{','.join(projection_paths(arch))}}})")  # fmt: skip
     return patterns
+
+
+def _check_quantized_family(arch: ModelArch, quantization: str | None) -> None:
+    """INT8 layers are the dense projections': a mixture of experts' experts have no such form yet."""
+    from llmserve.model.interface import is_moe
+
+    if quantization not in (None, "fp8") and is_moe(arch):
+        raise ConfigError(f"{arch.architecture}: quantization {quantization} is for dense models; the experts of a "
+                          "mixture of experts have no such form yet (--quantization fp8 has one)")  # fmt: skip
 
 
 def _check_quantization(quantization: str | None) -> str | None:

@@ -25,7 +25,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row or token keeps a finite scale
 
-QUANTIZATION_METHODS = ("fp8",)
+# `--quantization`'s values: FP8 here, INT8 W8A8 in model/int8.py (4-bit checkpoints name their own)
+QUANTIZATION_METHODS = ("fp8", "int8")
 
 
 def quantize_rows(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,10 +133,15 @@ class DenseLinear(nn.Linear):
 
 
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None, matmul,
-                tp: TPGroup | None = None, gemm=fp8_gemm_reference, linear=F.linear) -> nn.Module:  # fmt: skip
-    """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form."""
+                tp: TPGroup | None = None, gemm=fp8_gemm_reference, linear=F.linear, ops=None) -> nn.Module:  # fmt: skip
+    """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form,
+    or its INT8 form (`ops.int8_matmul`'s product, model/int8.py)."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias, matmul, tp, gemm)
+    if quantization == "int8":
+        from llmserve.model.int8 import Int8Linear, int8_matmul_reference
+
+        return Int8Linear(in_features, out_features, bias, getattr(ops, "int8_matmul", int8_matmul_reference), tp)
     if tp is not None:
         from llmserve.model.tensor_parallel import RowParallelLinear
 
@@ -185,10 +191,12 @@ def unmatched_patterns(patterns: tuple[str, ...], arch) -> list[str]:
 
 
 def keep_unquantized(model: nn.Module, patterns: tuple[str, ...]) -> None:
-    """Put a plain (bf16/fp16) linear layer in place of each FP8 projection `patterns` name,
+    """Put a plain (bf16/fp16) linear layer in place of each FP8 (or INT8) projection `patterns` name,
     before the weights load: the checkpoint's weights then load into it as they are."""
+    from llmserve.model.int8 import Int8Linear
+
     for name, module in list(model.named_modules()):
-        if isinstance(module, Fp8Linear) and is_ignored(name, patterns):
+        if isinstance(module, (Fp8Linear, Int8Linear)) and is_ignored(name, patterns):
             parent, _, attr = name.rpartition(".")
             out_features, in_features = module.weight.shape
             plain = make_linear(in_features, out_features, module.bias is not None, None, module.matmul, module.tp)

@@ -48,6 +48,11 @@ class CheckpointQuantization:
     ignore: tuple[str, ...] = ()  # projections left unquantized, by this model's (fused) module names
     block_shape: tuple[int, int] | None = None  # weights "block": each scale's (rows, columns) block
 
+    @property
+    def method(self) -> str:
+        """The engine's quantization (model/quantized_checkpoint.py)."""
+        return "fp8"
+
 
 def _refuse(why: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported quantization_config: {why}")

@@ -20,7 +20,8 @@ from torch import nn
 from llmserve.attention_metadata import SampledRows
 from llmserve.model.arch import SLIDING, ModelArch, UnsupportedModelError, eos_token_ids, parse_rope
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
-from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear, quantize_rows
+from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear
+from llmserve.model.int8 import is_quantized, quantize_rows_as
 from llmserve.model.interface import AttentionSpec, LinearSpec, ModelFamily
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
@@ -50,9 +51,9 @@ class Attention(nn.Module):
         self.window = window  # sliding-window attention (Mistral): keys in (p - window, p]
         self.scale = (arch.query_pre_attn_scalar or arch.head_dim) ** -0.5
         self.qkv_proj = make_linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias,
-                                    quantization, ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
+                                    quantization, ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear, ops=ops)  # fmt: skip
         self.o_proj = make_linear(arch.q_size, arch.hidden_size, arch.o_proj_bias, quantization, ops.fp8_matmul, tp,
-                                  ops.fp8_gemm, ops.linear)  # fmt: skip
+                                  ops.fp8_gemm, ops.linear, ops=ops)  # fmt: skip
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, ops)
@@ -101,9 +102,9 @@ class MLP(nn.Module):
         else:
             self.act, self.act_fp8 = ops.silu_and_mul, ops.silu_and_mul_fp8
         self.gate_up_proj = make_linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, quantization,
-                                        ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear)  # fmt: skip
+                                        ops.fp8_matmul, gemm=ops.fp8_gemm, linear=ops.linear, ops=ops)  # fmt: skip
         self.down_proj = make_linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, quantization,
-                                     ops.fp8_matmul, tp, ops.fp8_gemm, ops.linear)  # fmt: skip
+                                     ops.fp8_matmul, tp, ops.fp8_gemm, ops.linear, ops=ops)  # fmt: skip
 
     def forward(self, x: torch.Tensor | Fp8Tokens) -> torch.Tensor:
         """`x`: the normalised hidden states, or with FP8 layers already quantized (Fp8Tokens)."""
@@ -282,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         self.linear = ops.linear  # the LM head's product
         self.kv_scales_source = "one"  # an FP8 KV cache's scales: "checkpoint" once a checkpoint gives them
         self._kv_scales_read: set[tuple[int, str]] = set()  # (layer, "k" | "v") a checkpoint gave
-        if quantization == "fp8" and quantization_ignore:
+        if quantization in ("fp8", "int8") and quantization_ignore:
             keep_unquantized(self, quantization_ignore)
         if not arch.tie_word_embeddings:  # the vocabulary rows of this rank, as the embedding's
             self.lm_head = nn.Linear(arch.hidden_size, self.model.embed_tokens.per_rank, bias=False)
@@ -395,18 +396,20 @@ class LlamaForCausalLM(nn.Module):
             if list(tensor.shape) != full:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
             part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
-            if is_fp8(dest) and is_fp8(tensor):  # an FP8 checkpoint's weight (its scale comes apart)
+            if is_quantized(dest) and tensor.dtype == dest.dtype:  # an FP8 or INT8 checkpoint's weight (its scale comes apart)
                 dest.copy_(part)
-            elif is_fp8(dest):  # quantized as it loads, rows of this rank's part (model/fp8.py)
+            elif is_quantized(dest) and not is_quantized(tensor):  # quantized as it loads, rows of this rank's part
                 scale_target = target.removesuffix(".weight") + ".weight_scale"
                 scale = params[scale_target]
-                q, row_scales = quantize_rows(part)
+                q, row_scales = quantize_rows_as(dest.dtype, part)  # model/fp8.py, model/int8.py
                 dest.copy_(q)
                 (scale.data if shard is None else self._shard_view(target, scale, shard)).copy_(row_scales)
                 loaded.add(scale_target if shard is None else f"{scale_target}#{shard}")
-            elif is_fp8(tensor):
-                raise ValueError(f"checkpoint tensor {name!r} is FP8 but its projection runs unquantized (the "
-                                 "checkpoint's ignore list names it)")  # fmt: skip
+            elif is_quantized(dest):
+                raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but its projection holds {dest.dtype}")
+            elif is_quantized(tensor):
+                raise ValueError(f"checkpoint tensor {name!r} is {'FP8' if is_fp8(tensor) else 'INT8'} but its projection "
+                                 "runs unquantized (the checkpoint's ignore list names it)")  # fmt: skip
             else:
                 if part.shape != dest.shape:  # the last rank's padded vocabulary rows
                     dest.zero_()

@@ -117,12 +117,13 @@ def _iter_tensors(files: list[Path], progress: bool) -> Iterator[tuple[str, torc
 
 
 def _fp8_pairs(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(FP8 weight, its float32 scale) of every FP8 layer: linear layers and FP8 experts."""
+    """(FP8 or INT8 weight, its float32 scale) of every such layer: linear layers and FP8 experts."""
     from llmserve.model.fp8 import Fp8Linear
+    from llmserve.model.int8 import Int8Linear
 
     pairs = []
     for m in model.modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, (Fp8Linear, Int8Linear)):
             pairs.append((m.weight, m.weight_scale))
         elif hasattr(m, "fp8_pairs"):  # model/moe_block.py Experts
             pairs += m.fp8_pairs()
@@ -135,8 +136,8 @@ def _is_scale(model: torch.nn.Module, param: torch.Tensor) -> bool:
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values.
-    FP8 weights are drawn in float32 and quantized, as a checkpoint's would be."""
-    from llmserve.model.fp8 import quantize_rows
+    FP8 and INT8 weights are drawn in float32 and quantized, as a checkpoint's would be."""
+    from llmserve.model.int8 import quantize_rows_as
 
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -146,7 +147,7 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
         for name, param in model.named_parameters():
             if id(param) in fp8:  # rows of the last dimension each get a scale (an expert's too)
                 draw = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
-                q, scale = quantize_rows(draw.reshape(-1, param.shape[-1]))
+                q, scale = quantize_rows_as(param.dtype, draw.reshape(-1, param.shape[-1]))
                 param.copy_(q.reshape(param.shape))
                 dest = fp8[id(param)]  # per row; block scales (FP8 experts) take the largest: any sane one serves
                 dest.copy_(scale.reshape(dest.shape) if scale.numel() == dest.numel() else scale.max().expand(dest.shape))

@@ -42,7 +42,7 @@ BOXES = {
 # top-level modules grouped into a box; any other top-level module is a leaf
 GROUPS = {
     "up": ("up", "up_workdir"),
-    "cli": ("cli", "__main__"),
+    "cli": ("cli", "__main__", "quant_cli"),
     "llm": ("llm",),
     "config": ("config", "cli_args", "tokenizer"),
     "metrics": ("metrics",),
