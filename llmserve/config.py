@@ -371,7 +371,7 @@ class EngineArgs:
         model_dir = resolve_model_path(self.model)
         arch = read_arch(model_dir, own_tokenizer=self.tokenizer is None)
         checkpoint_quant = _checkpoint_quantization(model_dir)
-        quantization = _check_quantization(self.quantization)
+        quantization = _check_quantization(self.quantization, checkpoint_quant)
         if checkpoint_quant is not None:  # a quantized checkpoint runs as it is (FP8, INT8)
             method = checkpoint_quant.method
             if quantization not in (None, method):
@@ -707,14 +707,19 @@ def _check_quantized_family(arch: ModelArch, quantization: str | None) -> None:
                           "mixture of experts have no such form yet (--quantization fp8 has one)")  # fmt: skip
 
 
-def _check_quantization(quantization: str | None) -> str | None:
+def _check_quantization(quantization: str | None, checkpoint_quant=None) -> str | None:
+    """The --quantization value: a method that quantizes at load, or the checkpoint's own
+    (gptq / awq name a 4-bit checkpoint's format, as vLLM's flag does)."""
     from llmserve.model.fp8 import QUANTIZATION_METHODS
 
     if quantization in (None, "", "none"):
         return None
+    if checkpoint_quant is not None and quantization == checkpoint_quant.method:
+        return quantization
     if quantization not in QUANTIZATION_METHODS:
+        own = " (gptq and awq name a checkpoint's own format)" if quantization in ("gptq", "awq") else ""
         raise ConfigError(
-            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}"
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}{own}"
         )
     return quantization
 

@@ -271,7 +271,7 @@ def test_an_fp8_checkpoint_splits_over_two_ranks(fp8_checkpoints):
 
 @pytest.mark.parametrize(("qc", "reason"), [
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise FP8 scales"),
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp.gate_proj"]}, "gate_proj left unquantized without"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "format 'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {

@@ -135,13 +135,18 @@ class DenseLinear(nn.Linear):
 def make_linear(in_features: int, out_features: int, bias: bool, quantization: str | None, matmul,
                 tp: TPGroup | None = None, gemm=fp8_gemm_reference, linear=F.linear, ops=None) -> nn.Module:  # fmt: skip
     """The model's projections: a plain (or row-parallel, with `tp`) linear layer, or its FP8 form,
-    or its INT8 form (`ops.int8_matmul`'s product, model/int8.py)."""
+    or its INT8 form (`ops.int8_matmul`'s product, model/int8.py), or a GPTQ / AWQ checkpoint's
+    4-bit form (`ops.w4a16_matmul`'s, model/w4a16.py)."""
     if quantization == "fp8":
         return Fp8Linear(in_features, out_features, bias, matmul, tp, gemm)
     if quantization == "int8":
         from llmserve.model.int8 import Int8Linear, int8_matmul_reference
 
         return Int8Linear(in_features, out_features, bias, getattr(ops, "int8_matmul", int8_matmul_reference), tp)
+    if quantization in ("gptq", "awq"):  # a 4-bit checkpoint's projections (model/w4a16.py)
+        from llmserve.model.w4a16 import W4A16Linear, w4a16_matmul_reference
+
+        return W4A16Linear(in_features, out_features, bias, getattr(ops, "w4a16_matmul", w4a16_matmul_reference), tp)
     if tp is not None:
         from llmserve.model.tensor_parallel import RowParallelLinear
 

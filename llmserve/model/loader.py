@@ -20,6 +20,7 @@ from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
 from llmserve.model.pipeline import WHOLE, PipelineStage, stage_keeps
 from llmserve.model.registry import family_of
 from llmserve.model.tensor_parallel import SINGLE, TPGroup
+from llmserve.model.w4a16_checkpoint import w4a16_loader
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,12 @@ def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: 
     tensors = _checkpoint_tensors(Path(model_dir), arch, progress)
     if not stage.whole:
         tensors = ((n, t) for n, t in tensors if stage_keeps(n, stage, arch.tie_word_embeddings))
+    w4a16 = w4a16_loader(model, Path(model_dir)) if not Path(model_dir).is_file() else None
+    if w4a16 is not None:  # a GPTQ / AWQ checkpoint's 4-bit tensors, repacked (model/w4a16_checkpoint.py)
+        tensors = w4a16.take(tensors)
     loaded = model.load_weights(tensors)
+    if w4a16 is not None:
+        loaded |= w4a16.finish()
     missing = model.expected_weight_keys() - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")

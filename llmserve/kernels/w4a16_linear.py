@@ -1,0 +1,86 @@
+"""The W4A16 (GPTQ / AWQ) linear layer's product on the fast path: 4-bit weights dequantized
+inside the GEMM.
+
+PyTorch reference: `llmserve.model.w4a16.w4a16_matmul_reference` (the whole weight dequantized,
+rounded to the activations' dtype, one matmul). The layout is model/w4a16.py's: `qweight` int32
+[N, K / 8] (eight inputs a word), `scales` / `zeros` [N, G], `g_idx` int32 [K].
+- `w4a16_gemm_triton`: each program reads a tile of 4-bit words ([BLOCK_N, BLOCK_K / 8] int32:
+  a quarter of a 16-bit weight's bytes), unpacks the nibbles, looks up each input's group scale
+  and zero point (`g_idx`, so act-order checkpoints need no permutation), dequantizes in
+  registers as the reference does ((q - z) * s in float32, rounded to x's dtype) and
+  accumulates `tl.dot` in float32. For few tokens (decode), where the weight read is the cost.
+- more tokens (prefill): the reference's dequantize then one 16-bit GEMM (cuBLAS's tensor
+  cores), whose cost the many tokens share.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmserve.model.w4a16 import w4a16_matmul_reference
+
+SMALL_M_ROWS = 16  # up to this many tokens the Triton kernel; more: dequantize + cuBLAS
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
+        tile = in_n[:, None] & in_k[None, :]
+        words = tl.load(qw_ptr + cols[:, None] * stride_qn + (ks // 8)[None, :], mask=tile, other=0)
+        q = (words >> ((ks % 8) * 4)[None, :]) & 0xF
+        g = tl.load(g_ptr + ks, mask=in_k, other=0)
+        s = tl.load(s_ptr + cols[:, None] * stride_sn + g[None, :], mask=tile, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + cols[:, None] * stride_sn + g[None, :], mask=tile, other=0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s  # [BLOCK_N, BLOCK_K], the reference's float32 dequantization
+        if DOT_F32:  # the interpreter (CPU): float32 products, no bfloat16 dot
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
+    mask = (rows[:, None] < M) & in_n[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      g_idx: torch.Tensor, block_n: int = 64, block_k: int = 64) -> torch.Tensor:  # fmt: skip
+    """`w4a16_matmul_reference` by the Triton kernel: x [M, K] (16-bit or float32) in, x's dtype out."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.shape[1] * 8 == k and g_idx.shape[0] == k and scales.shape == zeros.shape, (x.shape, qweight.shape)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # the interpreter (CPU) rounds float32 -> bfloat16 otherwise than torch: there torch casts
+    out = torch.empty((m, n), dtype=x.dtype if x.is_cuda else torch.float32, device=x.device)
+    if m == 0:
+        return out.to(x.dtype)
+    block_m = 16 if m <= 16 else 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_gemm_kernel[grid](
+        x, qweight, scales, zeros, g_idx, out, m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=not x.is_cuda,
+    )  # fmt: skip
+    return out.to(x.dtype)
+
+
+def w4a16_matmul_fast(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      g_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Which path for how many tokens: the Triton kernel up to SMALL_M_ROWS, else dequantize and
+    one 16-bit GEMM."""
+    if x.shape[0] <= SMALL_M_ROWS:
+        return w4a16_gemm_triton(x, qweight, scales.contiguous(), zeros.contiguous(), g_idx)
+    return w4a16_matmul_reference(x, qweight, scales, zeros, g_idx)
+
+
+__all__ = ["w4a16_gemm_triton", "w4a16_matmul_fast"]
