@@ -25,7 +25,7 @@ import zmq.asyncio
 from llmserve.gateway.config import GatewayConfig, KVRoutingConfig
 from llmserve.gateway.kv_index import KVIndex
 from llmserve.gateway.kv_prompt import KVPrompt, prompt_ids
-from llmserve.gateway.kv_subscriber import KVStream
+from llmserve.gateway.kv_subscriber import KVStream, QuietLog
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class KVRouting:
         self.indexes = {alias: KVIndex(s.tier_weights) for alias, s in self.settings.items()}
         self.tokenizers: dict[str, object] = {}
         self.metrics = metrics
+        self.quiet = QuietLog()
         for alias, index in self.indexes.items():
             for url in self.urls[alias]:
                 index.add(url)
@@ -105,10 +106,15 @@ class KVRouting:
             return None
         prompt = payload.get("prompt") if path == "/v1/completions" else None
         tokenizer = self.tokenizers.get(alias)
-        if isinstance(prompt, list) and prompt and type(prompt[0]) is int:  # ids: nothing to render
-            ids = prompt_ids(payload, path, tokenizer)
-        else:  # templates and tokenizers off the event loop
-            ids = await asyncio.to_thread(prompt_ids, payload, path, tokenizer)
+        try:
+            if isinstance(prompt, list) and prompt and type(prompt[0]) is int:  # ids: nothing to render
+                ids = prompt_ids(payload, path, tokenizer)
+            else:  # templates and tokenizers off the event loop
+                ids = await asyncio.to_thread(prompt_ids, payload, path, tokenizer)
+        except Exception as exc:  # routing never fails a request: this one goes by load
+            self.quiet.warn("prompt", "kv_aware routing of %s: a prompt could not be read (%r): routed by load",
+                            alias, exc)  # fmt: skip
+            return None
         return KVPrompt(ids) if ids is not None else None
 
     def choose(self, alias: str, candidates: list[Candidate], prompt: KVPrompt | None, max_imbalance: int,
