@@ -25,6 +25,7 @@ from llmserve.model.int8 import is_quantized, quantize_rows_as
 from llmserve.model.interface import AttentionSpec, LinearSpec, ModelFamily
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
+from llmserve.model.moe_gguf import GGUF_EXPERT_LAYER
 from llmserve.model.pipeline import WHOLE, MissingLayer, PipelineStage
 from llmserve.model.tensor_parallel import (
     SINGLE,
@@ -556,7 +557,7 @@ def attention_specs(arch: ModelArch) -> tuple[AttentionSpec, ...]:
                  for i in range(arch.num_layers))  # fmt: skip
 
 
-# GGUF: llama.cpp's names of the Llama block's tensors
+# GGUF: llama.cpp's names of the Llama block's tensors (and Mixtral's experts: model/moe_gguf.py)
 GGUF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -607,7 +608,11 @@ def _gguf_values(hf_name: str, tensor: torch.Tensor, arch: ModelArch, gguf_arch:
 
 
 def _gguf_config(ckpt, config: dict) -> dict:
+    from llmserve.model import moe_gguf
+
     arch = ckpt.architecture
+    if arch == "llama" and moe_gguf.has_experts(ckpt):  # Mixtral: llama.cpp writes it as llama with experts
+        return moe_gguf.gguf_config(ckpt, config)
     config = {**config, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                           "qwen3": "Qwen3ForCausalLM"}[arch]]}  # fmt: skip
     config["attention_bias"] = arch == "llama" and "blk.0.attn_q.bias" in ckpt.tensors
@@ -624,6 +629,6 @@ FAMILY = ModelFamily(
     linears=linear_specs,
     attention=attention_specs,
     gguf_config=_gguf_config,
-    gguf_tensor_name=gguf_name_mapper(GGUF_GLOBAL, GGUF_LAYER, "Llama-family"),
+    gguf_tensor_name=gguf_name_mapper(GGUF_GLOBAL, {**GGUF_LAYER, **GGUF_EXPERT_LAYER}, "Llama-family"),  # Mixtral
     gguf_tensor_values=_gguf_values,
 )

@@ -249,6 +249,8 @@ class MoeModel(llama.LlamaModel):
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                          r"\.(weight|weight_scale|weight_scale_inv|input_scale)")
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
+# one part of every expert stacked, `[E, I, H]` or down `[E, H, I]` (GGUF's ffn_*_exps: model/moe_gguf.py)
+_STACKED_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?")
 _SCALE = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)_scale")
 
 
@@ -309,6 +311,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             if self._copy_expert(target, expert - first, rows, tensor):
                 loaded.add(key.replace("#", "_scale#"))
             loaded.add(key)
+            return True
+        if match := _STACKED_PART.fullmatch(name):  # each expert's slice loads as its own tensor would
+            part = match.group(2)
+            whole = (a.hidden_size, inter) if part == "down_proj" else (inter, a.hidden_size)
+            self._expert_param(name, f"{match.group(1)}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}")
+            self._check_expert_shape(name, tensor, (a.num_experts, *whole))
+            for e in range(a.num_experts):
+                self._load_expert(f"{match.group(1)}.{e}.{part}.weight", tensor[e], loaded)
             return True
         if match := _STACKED.fullmatch(name):
             param = self._expert_param(name, name)

@@ -7,10 +7,10 @@ all but every `decoder_sparse_step`-th, keep a dense MLP of `intermediate_size`.
 
 from __future__ import annotations
 
-from llmserve.model import moe_block
+from llmserve.model import moe_block, moe_gguf
 from llmserve.model.arch import UnsupportedModelError
 from llmserve.model.interface import ModelFamily
-from llmserve.model.llama import attention_specs
+from llmserve.model.llama import GGUF_GLOBAL, GGUF_LAYER, attention_specs, gguf_name_mapper
 from llmserve.model.moe_block import MoeArch
 
 
@@ -30,11 +30,14 @@ FAMILY = ModelFamily(
     name="Qwen3-MoE",
     architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
-    gguf_architectures=(),
+    gguf_architectures=("qwen3moe",),
     parse_config=parse_config,
     build=moe_block.build,
     linears=moe_block.moe_linears,
     attention=attention_specs,
     experts=moe_block.expert_specs,
     unsupported=moe_block.UNSUPPORTED,
+    gguf_config=moe_gguf.gguf_config,
+    gguf_tensor_name=gguf_name_mapper(GGUF_GLOBAL, {**GGUF_LAYER, **moe_gguf.GGUF_EXPERT_LAYER}, "Qwen3-MoE"),
+    gguf_tensor_values=moe_gguf.gguf_tensor_values,
 )

@@ -3,13 +3,17 @@
 The inverse of gguf/config.py and gguf/weights.py: metadata under the GGUF architecture's
 names, tensors renamed, q/k rows of the `llama` architecture reordered as llama.cpp does,
 matrices in the asked tensor type (norms and biases stay F32, as llama.cpp keeps them),
-and the tokenizer (byte-level BPE: tokens, merges, special ids, chat template).
+and the tokenizer (byte-level BPE: tokens, merges, special ids, chat template). A mixture of
+experts' experts stacked per part (`ffn_gate_exps` ...: model/moe_gguf.py), their counts in the
+metadata; Mixtral as `llama`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +23,8 @@ from llmserve.model.arch import ModelArch, RopeConfig, read_model_arch
 from llmserve.model.gguf.quantize import quantize
 from llmserve.model.loader import safetensors_files
 
-_FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILY_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                "qwen2_moe": "qwen2moe", "mixtral": "llama"}  # fmt: skip
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -30,7 +35,14 @@ _LAYER_PARTS = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    # mixtures of experts (model/moe_gguf.py): the router, the stacked experts, Qwen2-MoE's shared expert
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3
 
 
@@ -105,12 +117,35 @@ def _tokenizer_fields(writer, model_dir: Path, arch: ModelArch) -> None:
         writer.add_chat_template(template)
 
 
+def _hf_tensors(model_dir: Path, arch: ModelArch, num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors in float32 under the names the GGUF tables know: the experts' (per expert,
+    Mixtral's w1/w2/w3 too) stacked per part (`mlp.experts.gate_proj [E, I, H]`) once all E are read."""
+    from safetensors import safe_open
+
+    parts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for hf in f.keys():
+                tensor = f.get_tensor(hf).float()
+                match = _PER_EXPERT.fullmatch(hf)
+                if match is None:
+                    yield hf.replace(".block_sparse_moe.", ".mlp."), tensor
+                    continue
+                layer, expert, part = match.group(1), int(match.group(2)), match.group(3)
+                key = (layer, _MIXTRAL_PARTS.get(part, part))
+                parts.setdefault(key, {})[expert] = tensor
+                if len(parts[key]) == num_experts:
+                    experts = parts.pop(key)
+                    yield f"{key[0]}.mlp.experts.{key[1]}.weight", torch.stack([experts[e] for e in range(num_experts)])
+    if parts:
+        raise ValueError(f"{model_dir}: experts missing from {sorted(parts)[:3]}")
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32", tokenizer: bool = True) -> Path:
     """Write the Hugging Face folder `model_dir` (safetensors, byte-level BPE tokenizer) to
     the GGUF file `out`, its matrices in `tensor_type` (`tokenizer=False`: no tokenizer metadata,
     as some converters write)."""
     import gguf
-    from safetensors import safe_open
 
     model_dir, out = Path(model_dir), Path(out)
     arch = read_model_arch(model_dir)
@@ -132,22 +167,29 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32",
     if arch.rope.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(arch.rope.factor)
+    num_experts = getattr(arch, "num_experts", 0)
+    if num_experts:
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(arch.top_k)
+        if name != "llama":  # Mixtral's experts are intermediate_size wide
+            writer.add_expert_feed_forward_length(arch.moe_intermediate_size)
+        if arch.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(arch.shared_expert_intermediate_size)
     if tokenizer:
         _tokenizer_fields(writer, model_dir, arch)
     if arch.rope.rope_type == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(arch))
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for hf in f.keys():
-                if arch.tie_word_embeddings and hf == "lm_head.weight":
-                    continue
-                tensor = f.get_tensor(hf).float()
-                if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-                    tensor = permute_rotary(tensor, arch.num_heads if ".q_proj." in hf else arch.num_kv_heads)
-                kind = tensor_type if tensor.dim() == 2 else "F32"
-                data = quantize(tensor.numpy(), kind)
-                raw = gguf.GGMLQuantizationType[kind]
-                writer.add_tensor(gguf_tensor_name(hf), data, raw_dtype=raw)  # the shape follows from the bytes
+    for hf, tensor in _hf_tensors(model_dir, arch, num_experts):
+        if arch.tie_word_embeddings and hf == "lm_head.weight":
+            continue
+        if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            tensor = permute_rotary(tensor, arch.num_heads if ".q_proj." in hf else arch.num_kv_heads)
+        if hf.endswith(".shared_expert_gate.weight"):  # one row, stored flat as llama.cpp stores it
+            tensor = tensor.reshape(-1)
+        kind = tensor_type if tensor.dim() >= 2 else "F32"
+        data = quantize(tensor.numpy(), kind)
+        raw = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(gguf_tensor_name(hf), data, raw_dtype=raw)  # the shape follows from the bytes
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
