@@ -304,3 +304,14 @@ def test_bad_drafts_are_refused(model_dirs, tmp_path):
         EngineArgs(model=target, speculative_config=_draft(target), enable_sleep_mode=True).create_engine_config()
     cfg = EngineArgs(model=target, max_model_len=160, speculative_config={"model": target}).create_engine_config()
     assert cfg.speculative.method == "draft_model" and cfg.speculative.draft_arch.vocab_size == 512  # (vLLM's guess)
+
+
+def test_a_gguf_draft(model_dirs, plain_greedy, tmp_path):
+    """The target's own weights as a GGUF file (its tokenizer in the file) draft for it."""
+    from llmserve.model.gguf.writer import write_gguf
+
+    gguf = write_gguf(model_dirs["llama"], tmp_path / "draft.gguf")
+    llm = LLM(model_dirs["llama"], max_model_len=160, speculative_config=_draft(str(gguf)))
+    assert _generate(llm, _prompts(7), GREEDY) == plain_greedy("llama")
+    stats = llm.stats()
+    assert 0 < stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
