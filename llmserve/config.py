@@ -356,8 +356,9 @@ class EngineArgs:
     # overlapped, hence 1 (docs/lora.md, docs/history/benchmarks.md); 0: never
     lora_overlap_tokens: int = 1
     # speculative decoding (vLLM's): {"method": "ngram", "num_speculative_tokens": K,
-    # "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}; a dict, or its
-    # JSON on the command line. Greedy requests speculate; others decode one token a step
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}, or {"method":
+    # "draft_model", "model": path, "num_speculative_tokens": K}; a dict, or its JSON on the command
+    # line (docs/spec_decode.md)
     speculative_config: str | dict | None = None
     # KV cache events (vLLM's): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; a dict or its JSON
