@@ -68,7 +68,9 @@ def test_an_unknown_expert_layout_is_refused_naming_the_tensor(tmp_path, monkeyp
     monkeypatch.setattr(writer, "_PER_EXPERT", re.compile(r"(?!)"))  # experts written one by one
     monkeypatch.setattr(writer, "gguf_tensor_name", old_names)
     path = write_gguf(folder, tmp_path / "per_expert.gguf")
-    with pytest.raises((ConfigError, GGUFError), match=r"GGUF tensor 'blk\.0\.ffn_gate\.\d+\.weight': experts stored one tensor each"):
+    with pytest.raises(
+        (ConfigError, GGUFError), match=r"GGUF tensor 'blk\.0\.ffn_gate\.\d+\.weight': experts stored one tensor each"
+    ):
         EngineArgs(model=str(path)).create_engine_config()
     monkeypatch.undo()
     import gguf

@@ -82,7 +82,9 @@ def test_the_block_checkpoint_is_written_as_published(folders):
     assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (4, 4)
     assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router stays
     whole = load_file(str(folders["float"] / "model.safetensors"))[f"{EXPERT}.gate_proj.weight"]
-    back = dequantize_blocks(tensors[f"{EXPERT}.gate_proj.weight"], tensors[f"{EXPERT}.gate_proj.weight_scale_inv"], BLOCK)
+    back = dequantize_blocks(
+        tensors[f"{EXPERT}.gate_proj.weight"], tensors[f"{EXPERT}.gate_proj.weight_scale_inv"], BLOCK
+    )
     assert (back - whole).norm() / whole.norm() < 0.04
 
 
@@ -112,7 +114,9 @@ def test_fp8_moe_checkpoints_load_as_they_are_and_stay_close(folders, exact, kin
                        progress=False, quantization="fp8")  # fmt: skip
     experts = model.model.layers[0].mlp.experts
     tensors = load_file(str(model_dir / "model.safetensors"))
-    assert torch.equal(experts.gate_up_proj[3, :32].view(torch.uint8), tensors[f"{EXPERT}.gate_proj.weight"].view(torch.uint8))
+    assert torch.equal(
+        experts.gate_up_proj[3, :32].view(torch.uint8), tensors[f"{EXPERT}.gate_proj.weight"].view(torch.uint8)
+    )
     if kind == "block":
         assert experts.block_shape == BLOCK and experts.gate_up_proj_scale.shape == (8, 4, 4)
         assert torch.equal(experts.gate_up_proj_scale[3, 2:], tensors[f"{EXPERT}.up_proj.weight_scale_inv"])
@@ -210,7 +214,11 @@ def test_a_scale_of_the_other_layout_and_bad_configs_are_refused(folders, tmp_pa
     ]  # fmt: skip
     dense = make_random_model(tmp_path / "dense", "qwen3", config_only=True)
     cfg = json.loads((dense / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
     (dense / "config.json").write_text(json.dumps(cfg))
     cases.append((dense, "block-wise FP8 scales .* on a dense model"))
     for folder, message in cases:

@@ -294,7 +294,6 @@ class ExpertScales:
         assert self.w13.dtype == self.w2.dtype == torch.float32
 
 
-
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     """A scale tensor's strides (the weight's own where there are no scales: never read)."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -343,7 +342,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     blocks = block_expert.shape[0]
     prec = _dot_precision(x.dtype)
     mode = NO_SCALES if scales is None else scales.mode
-    scale_n, scale_k = (scales.block_shape if scales is not None and scales.block_shape else (1, 1))
+    scale_n, scale_k = scales.block_shape if scales is not None and scales.block_shape else (1, 1)
     a_in, sx = (x, x) if scales is None else quantize_tokens_fp8(x)  # sx unread without scales
     s13 = w13 if scales is None else scales.w13
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)

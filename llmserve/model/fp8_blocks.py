@@ -84,7 +84,9 @@ def merge_block_scales(
         yield module + ".weight", tensor
 
 
-def check_block_scale(name: str, scale: torch.Tensor, weight_shape: tuple[int, ...], block_shape: tuple[int, int]) -> None:
+def check_block_scale(
+    name: str, scale: torch.Tensor, weight_shape: tuple[int, ...], block_shape: tuple[int, int]
+) -> None:
     """A block scale's shape must be its weight's grid (`block_grid`); else refused, named."""
     want = block_grid(weight_shape, block_shape)
     if tuple(scale.shape) != want:

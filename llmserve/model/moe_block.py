@@ -246,8 +246,10 @@ class MoeModel(llama.LlamaModel):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
 
 
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
-                         r"\.(weight|weight_scale|weight_scale_inv|input_scale)")
+_PER_EXPERT = re.compile(
+    r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+    r"\.(weight|weight_scale|weight_scale_inv|input_scale)"
+)
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 # one part of every expert stacked, `[E, I, H]` or down `[E, H, I]` (GGUF's ffn_*_exps: model/moe_gguf.py)
 _STACKED_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)(?:\.weight)?")

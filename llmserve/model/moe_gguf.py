@@ -89,7 +89,9 @@ def gguf_config(ckpt, config: dict) -> dict:
     out = {**config, "architectures": [_ARCHITECTURES[arch]], "num_experts_per_tok": int(used)}
     if arch == "llama":  # Mixtral: every layer sparse, the experts' width is intermediate_size
         if not all(sparse):
-            raise _refuse(ckpt, f"layer {sparse.index(False)} of a llama GGUF with experts has none (Mixtral's layers all do)")
+            raise _refuse(
+                ckpt, f"layer {sparse.index(False)} of a llama GGUF with experts has none (Mixtral's layers all do)"
+            )
         return {**out, "num_local_experts": experts, "intermediate_size": width}
     out.update(num_experts=experts, moe_intermediate_size=width, decoder_sparse_step=1,
                mlp_only_layers=[i for i, s in enumerate(sparse) if not s])  # fmt: skip
