@@ -17,6 +17,7 @@ from llmserve.http_protocol import (
     DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
     HttpLimits,
 )
+from llmserve.responses.storage import location_problem
 
 _ALIAS = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -202,12 +203,18 @@ class ExposureConfig(_Strict):
 
 class ResponsesConfig(_Strict):
     """The gateway's Responses API (llmserve/gateway/responses.py): where its stored responses
-    live (an SQLite file; ":memory:" keeps them in memory only; default
-    $XDG_CACHE_HOME/llmserve/gateway-responses.sqlite) and how many, how old (0: no limit)."""
+    live (an SQLite file; ":memory:" keeps them in memory only; a Postgres URL, postgresql://...;
+    default $XDG_CACHE_HOME/llmserve/gateway-responses.sqlite) and how many, how old (0: no limit)."""
 
     store: str | None = None
     max_count: int = Field(default=10_000, ge=0)
     max_age_days: float = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesConfig:
+        if (problem := location_problem(self.store)) is not None:
+            raise ValueError(f"responses: store: {problem}")
+        return self
 
 
 class GatewayConfig(_Strict):

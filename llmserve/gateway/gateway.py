@@ -30,7 +30,8 @@ from llmserve.gateway.placement import GatewayPlacement
 from llmserve.gateway.router import Replica, Router, health_loop
 from llmserve.gateway.triton_upstream import TritonClients
 from llmserve.responses.service import Responses
-from llmserve.responses.store import ResponseStore, default_store_path
+from llmserve.responses.storage import open_store
+from llmserve.responses.store import default_store_path
 
 
 @dataclass
@@ -61,11 +62,12 @@ class Health:
 
 
 def _store_opener(config: GatewayConfig):
-    """Opens the gateway's responses store (its own file by default: not a server's on this host)."""
+    """Opens the gateway's responses store (its own file by default: not a server's on this host; or a
+    Postgres URL)."""
     settings = config.responses
     path = settings.store or default_store_path().with_name("gateway-responses.sqlite")
     max_age_s = settings.max_age_days * 86400 if settings.max_age_days else None
-    return lambda: ResponseStore(path, settings.max_count or None, max_age_s)
+    return lambda: open_store(path, settings.max_count or None, max_age_s)
 
 
 class Gateway:

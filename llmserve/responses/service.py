@@ -25,7 +25,8 @@ from llmserve.openai.errors import APIError
 from llmserve.openai.protocol import ChatCompletionRequest, DeltaToolCall
 from llmserve.openai.reply import Reply
 from llmserve.responses.items import ResponsesRequest, chat_messages, chat_request, new_id, normalize_items
-from llmserve.responses.store import UNFINISHED, ResponseStore
+from llmserve.responses.storage import ResponseStorage
+from llmserve.responses.store import UNFINISHED
 
 if TYPE_CHECKING:  # (not imported: the gateway uses this module without the engine and torch)
     from llmserve.engine.protocol import EngineClient
@@ -205,15 +206,15 @@ class Responses:
     """The Responses API of one server: its store (opened on first use by `open_store`), and the
     background runs in flight."""
 
-    def __init__(self, open_store: Callable[[], ResponseStore], tool_call_parser: str | None = None,
+    def __init__(self, open_store: Callable[[], ResponseStorage], tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, request_timeout_s: float | None = None) -> None:  # fmt: skip
         self._open_store = open_store
-        self._store: ResponseStore | None = None
+        self._store: ResponseStorage | None = None
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.request_timeout_s = request_timeout_s
         self.background: dict[str, asyncio.Task] = {}
 
-    async def store(self) -> ResponseStore:
+    async def store(self) -> ResponseStorage:
         if self._store is None:
             try:
                 self._store = await asyncio.to_thread(self._open_store)
@@ -280,7 +281,7 @@ class Responses:
 
         return Reply(body=body())
 
-    async def _run(self, items: _Items, pieces: AsyncIterator[Piece | Ended], store: ResponseStore | None,
+    async def _run(self, items: _Items, pieces: AsyncIterator[Piece | Ended], store: ResponseStorage | None,
                    namespace: str, timeout: float | None) -> AsyncIterator[dict]:  # fmt: skip
         """The events of one response, its stored copy kept up to date."""
         response = items.response

@@ -1,7 +1,8 @@
-"""Stored responses: one embedded SQLite file (`llmserve serve --responses-store PATH`), kept
-across restarts. Each row is one response in one namespace (the API key that made it, hashed: a
-key never reads another key's responses; a server without keys has one namespace), with the
-Response object and the input items the model saw (the conversation before this response).
+"""Stored responses: one embedded SQLite file (`llmserve serve --responses-store PATH`; a Postgres
+URL there is pg_store.py: storage.py picks), kept across restarts. Each row is one response in one
+namespace (the API key that made it, hashed: a key never reads another key's responses; a server
+without keys has one namespace), with the Response object and the input items the model saw (the
+conversation before this response).
 
 Retention: at most `max_count` responses (the oldest go first) and none older than
 `max_age_s`, both checked as responses are added. A response the server was still making when it
@@ -40,6 +41,12 @@ def default_store_path() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmserve" / "responses.sqlite"
 
 
+def stopped(response: dict) -> dict:
+    """`response`, which its server stopped making (a crash, a kill), as it is stored then: failed."""
+    error = {"code": "server_error", "message": "the server stopped before this response finished"}
+    return {**response, "status": "failed", "error": error}
+
+
 def namespace_of(api_key: str | None) -> str:
     """The namespace of a request made with `api_key` (None: the server has no keys)."""
     return "" if api_key is None else hashlib.sha256(api_key.encode()).hexdigest()
@@ -68,11 +75,8 @@ class ResponseStore:
             f"SELECT namespace, id, response FROM responses WHERE status IN {UNFINISHED}"
         ).fetchall()
         for namespace, rid, text in rows:
-            response = json.loads(text)
-            response["status"] = "failed"
-            response["error"] = {"code": "server_error", "message": "the server stopped before this response finished"}
             self._db.execute("UPDATE responses SET status = 'failed', response = ? WHERE namespace = ? AND id = ?",
-                             (json.dumps(response), namespace, rid))  # fmt: skip
+                             (json.dumps(stopped(json.loads(text))), namespace, rid))  # fmt: skip
 
     def put(self, namespace: str, response: dict, input_items: list[dict]) -> None:
         """Add (or replace) `response`; then the retention limits."""

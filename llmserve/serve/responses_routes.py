@@ -18,14 +18,15 @@ from fastapi import Depends, FastAPI, Request
 
 from llmserve.responses.items import ResponsesRequest
 from llmserve.responses.service import Responses
-from llmserve.responses.store import ResponseStore, default_store_path, namespace_of
+from llmserve.responses.storage import open_store
+from llmserve.responses.store import default_store_path, namespace_of
 from llmserve.serve.state import ServerState, bearer_token
 
 
 def make_responses(state: ServerState) -> Responses:
     config = state.config
     path = config.responses_store or default_store_path()
-    return Responses(lambda: ResponseStore(path, config.responses_max_count, config.responses_max_age_s),
+    return Responses(lambda: open_store(path, config.responses_max_count, config.responses_max_age_s),
                      config.tool_call_parser, config.reasoning_parser, config.request_timeout_s)  # fmt: skip
 
 

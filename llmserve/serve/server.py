@@ -24,6 +24,7 @@ from llmserve.http_protocol import (
     HttpLimits,
     uvicorn_options,
 )
+from llmserve.responses.storage import location_problem
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,10 @@ def add_parser(subparsers) -> None:
         help="require 'Authorization: Bearer KEY' on the API; given again, any of the keys (each key's stored "
         "responses are its own; default: $LLMSERVE_API_KEY; a key on the command line shows in the process list)",
     )
-    p.add_argument("--responses-store", default=None, metavar="PATH",
-                   help="the SQLite file of stored responses (/v1/responses with store, previous_response_id), "
-                        "kept across restarts; ':memory:' keeps them in memory only (default: "
+    p.add_argument("--responses-store", default=None, metavar="PATH|URL",
+                   help="where stored responses live (/v1/responses with store, previous_response_id), kept "
+                        "across restarts: an SQLite file, ':memory:' (in memory only), or a Postgres database "
+                        "'postgresql://user@host/db' (needs psycopg; several servers may share it) (default: "
                         "$XDG_CACHE_HOME/llmserve/responses.sqlite, else ~/.cache/llmserve/responses.sqlite)")  # fmt: skip
     p.add_argument("--responses-max-count", type=int, default=10_000,
                    help="stored responses kept at most; the oldest go first (0: no limit; default: %(default)s)")  # fmt: skip
@@ -211,6 +213,8 @@ def run(args: argparse.Namespace) -> None:
     _check_runtime_lora(args, engine_config.lora is not None)
     if args.responses_max_count < 0 or args.responses_max_age_days < 0:
         raise SystemExit("llmserve serve: --responses-max-count and --responses-max-age-days must be >= 0")
+    if (problem := location_problem(args.responses_store)) is not None:
+        raise SystemExit(f"llmserve serve: --responses-store: {problem}")
     config = ServerConfig(
         served_model_names=[mc.served_model_name],
         model_path=mc.model,
