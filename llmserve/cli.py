@@ -164,7 +164,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     fp8.set_defaults(func=_make_fp8_checkpoint)
     from llmserve import quant_cli
 
-    quant_cli.add_parsers(sub)  # make-int8-checkpoint
+    quant_cli.add_parsers(sub)  # make-int8-checkpoint, make-w4a16-checkpoint
     return parser
 
 

@@ -1,5 +1,6 @@
-"""The `llmserve make-int8-checkpoint` command (its parser and handler; the work is in
-llmserve/model/int8_checkpoint.py). Imports nothing heavy until it runs."""
+"""The `llmserve make-int8-checkpoint` and `make-w4a16-checkpoint` commands (parsers and handlers;
+the work is in llmserve/model/int8_checkpoint.py and w4a16_checkpoint.py). Imports nothing heavy
+until they run."""
 
 from __future__ import annotations
 
@@ -35,6 +36,23 @@ def _make_int8_checkpoint(args: argparse.Namespace) -> None:
           f"{f', {len(ignore)} pattern(s) kept in 16 bits' if ignore else ''}) to {path}")  # fmt: skip
 
 
+def _make_w4a16_checkpoint(args: argparse.Namespace) -> None:
+    from llmserve.model.fp8_checkpoint import GptqCalibration
+    from llmserve.model.w4a16_checkpoint import write_w4a16_checkpoint
+
+    if args.gptq and not args.calibration_text:
+        raise ValueError("make-w4a16-checkpoint --gptq needs --calibration-text (UTF-8 files; none of the text you "
+                         "will measure on)")  # fmt: skip
+    if args.calibration_text and not args.gptq:
+        raise ValueError("make-w4a16-checkpoint: --calibration-text is read by --gptq")
+    gptq = GptqCalibration(tuple(args.calibration_text), args.calibration_tokens) if args.gptq else None
+    sym = args.method == "gptq" and not args.zero_points
+    path = write_w4a16_checkpoint(_source(args.model), args.out, args.method, args.group_size, sym, args.desc_act, gptq)
+    print(f"wrote a 4-bit {args.method.upper()} checkpoint (group size {args.group_size}, "
+          f"{'symmetric' if sym else 'zero points'}{', act-order' if args.desc_act else ''}, "
+          f"{'GPTQ' if gptq else 'round to nearest'}) to {path}")
+
+
 def add_parsers(sub) -> None:
     """Add the commands to the `llmserve` subparsers."""
     p = sub.add_parser("make-int8-checkpoint", help="write a Hugging Face folder's projections as a W8A8 int8 "
@@ -51,3 +69,19 @@ def add_parsers(sub) -> None:
                    "on (default: a few fixed prompts)")  # fmt: skip
     p.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens in all")
     p.set_defaults(func=_make_int8_checkpoint)
+
+    w = sub.add_parser("make-w4a16-checkpoint", help="write a Hugging Face folder's projections as a 4-bit GPTQ or "
+                       "AWQ checkpoint (round to nearest per group)")  # fmt: skip
+    w.add_argument("model", help="a Hugging Face folder (safetensors), a GGUF file, or the default model's name")
+    w.add_argument("out")
+    w.add_argument("--method", default="gptq", choices=["gptq", "awq"], help="the file format (AWQ: zero points)")
+    w.add_argument("--group-size", type=int, default=128, help="inputs sharing a scale (must divide the model's widths; "
+                   "-1: one group a row)")  # fmt: skip
+    w.add_argument("--zero-points", action="store_true", help="GPTQ: a zero point per group (sym false)")
+    w.add_argument("--desc-act", action="store_true", help="GPTQ act-order: groups over the inputs sorted by "
+                   "importance (here the weights' column norms, shared by q/k/v and gate/up)")  # fmt: skip
+    w.add_argument("--gptq", action="store_true", help="round by GPTQ (error-compensating, layer by layer) on "
+                   "--calibration-text instead of to nearest; with --desc-act the inputs' Hessian orders them")  # fmt: skip
+    w.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files GPTQ calibrates on")
+    w.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens in all")
+    w.set_defaults(func=_make_w4a16_checkpoint)

@@ -231,3 +231,42 @@ def test_the_quantization_flag_names_the_checkpoint_format(gptq_dir, llama_dir):
         EngineArgs(model=str(gptq_dir), quantization="int8").create_engine_config()
     with pytest.raises(ConfigError, match="gptq and awq name a checkpoint's own format"):
         EngineArgs(model=llama_dir, quantization="awq").create_engine_config()
+
+
+def test_gptq_onto_4_bit_groups():
+    """With an identity Hessian GPTQ is round-to-nearest; on correlated inputs it lowers the
+    layer's output error against round-to-nearest, with and without act-order (whose groups then
+    follow the inputs' energy)."""
+    from llmserve.model.w4a16_gptq import dequantized, gptq_int4
+
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(24, 128, generator=gen) * 0.05
+    for sym in (True, False):
+        got = gptq_int4(w, torch.eye(128, dtype=torch.float64), 32, sym, min_zero=1)
+        want = quantize_groups(w, 32, sym, min_zero=1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # correlated inputs (16 directions and a little noise), as a layer's activations are
+    x = torch.randn(512, 16, generator=gen) @ torch.randn(16, 128, generator=gen) + 0.1 * torch.randn(512, 128, generator=gen)
+    h = (x.t() @ x).double()
+    rtn = dequantized(*quantize_groups(w, 32, False))
+    err_rtn = (x @ (rtn - w).t()).norm()
+    for act_order in (False, True):
+        q, scales, zeros, g_idx = gptq_int4(w, h, 32, False, act_order)
+        assert torch.bincount(g_idx.long()).tolist() == [32] * 4 and (g_idx.diff() < 0).any() == act_order
+        err = (x @ (dequantized(q, scales, zeros, g_idx) - w).t()).norm()
+        assert err < 0.5 * err_rtn, (act_order, err, err_rtn)  # (0.28 and 0.20 of it here)
+
+
+def test_a_gptq_rounded_checkpoint_loads_and_runs(wide_llama, tmp_path):
+    from llmserve.model.fp8_checkpoint import GptqCalibration
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"word{i % 97} token{i % 13}" for i in range(600)))
+    path = write_w4a16_checkpoint(wide_llama, tmp_path / "g", "gptq", 64, False, True,
+                                  GptqCalibration((str(text),), tokens=128, window=64))  # fmt: skip
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc["llmserve_rounding"]["method"] == "gptq" and qc["desc_act"]
+    with LLM(str(path), max_model_len=64) as llm:
+        assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
+        layer = llm.core.runner.model.model.layers[0].self_attn.qkv_proj
+        assert (layer.g_idx.diff() < 0).any()  # act-order by the Hessian: scattered groups, one order for q/k/v

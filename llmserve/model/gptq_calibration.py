@@ -97,13 +97,16 @@ def gptq_model(
     model: torch.nn.Module, windows: list[list[int]], skip: set[str] = frozenset(), options: GptqOptions = GptqOptions(),
     input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None, sequential: bool = True,
     on_layer: Callable[[LayerReport, dict[str, tuple[torch.Tensor, torch.Tensor]]], None] | None = None,
+    round_weight: Callable[[torch.Tensor, torch.Tensor], tuple[object, torch.Tensor]] | None = None,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """(FP8 weight, float32 scale [rows, 1]) for every projection of `model` not in `skip`,
     rounded by GPTQ on the calibration `windows` (token-id lists), layer by layer. The model's
     weights are left as they were. `input_transform`: applied to each projection's input, in
     the Hessians and the runs (a study's fake activation quantization); `sequential` False:
     every layer's inputs come from the unrounded model. `on_layer`: called after each layer
-    with what it did and its results."""
+    with what it did and its results. `round_weight` (weight, Hessian) -> (result, the rounded
+    weight in float): another grid than FP8's (model/w4a16_gptq.py's 4-bit groups); the results
+    are then its own."""
     mods = projections(model)
     original = {n: m.weight.detach().clone() for n, m in mods.items()}
     layers = model.model.layers
@@ -151,6 +154,10 @@ def gptq_model(
             done = {}
             with torch.no_grad():
                 for n in names:
+                    if round_weight is not None:
+                        done[n], rounded = round_weight(original[n], hessians[n])
+                        mods[n].weight.copy_(rounded.to(original[n].dtype))
+                        continue
                     q, scale = gptq_fp8(original[n], hessians[n], options.damp, options.block, options.act_order)
                     done[n] = (q, scale)
                     mods[n].weight.copy_(dequantize(q, scale, original[n].dtype))

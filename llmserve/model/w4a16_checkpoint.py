@@ -327,10 +327,11 @@ def config_entry(method: str, group_size: int, sym: bool, desc_act: bool) -> dic
 
 
 def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str = "gptq", group_size: int = 128,
-                           sym: bool = True, desc_act: bool = False) -> Path:  # fmt: skip
-    """Quantize a model's projections to 4 bits per group (round to nearest) and write them as a GPTQ
-    (v1) or AWQ (GEMM) folder: a Hugging Face folder or a GGUF file as the source (its other
-    tensors in bfloat16 then), the LM head and embedding as they are."""
+                           sym: bool = True, desc_act: bool = False, gptq=None) -> Path:  # fmt: skip
+    """Quantize a model's projections to 4 bits per group (round to nearest, or with `gptq`, an
+    fp8_checkpoint.GptqCalibration, by GPTQ on calibration text: model/w4a16_gptq.py) and write
+    them as a GPTQ (v1) or AWQ (GEMM) folder: a Hugging Face folder or a GGUF file as the source
+    (its other tensors in bfloat16 then), the LM head and embedding as they are."""
     from safetensors.torch import save_file
 
     from llmserve.config import read_arch
@@ -354,20 +355,29 @@ def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: s
     except UnsupportedModelError as e:
         raise ValueError(str(e)) from None
     arch = read_arch(source, own_tokenizer=source.is_file())
+    min_zero = int(method == "gptq")
+    rounded = {}
+    if gptq is not None:
+        from llmserve.model.w4a16_gptq import gptq_w4a16_tensors
+
+        rounded = gptq_w4a16_tensors(source, arch, gptq, group_size, sym, desc_act, min_zero)
     source_tensors = dict(_checkpoint_tensors(source, arch, progress=True))
     importance = act_order_importance(source_tensors) if desc_act else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in source_tensors.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.split(".")[-1] in _PROJECTIONS:
-            q, scales, zeros, g_idx = quantize_groups(tensor, group_size, sym, desc_act, importance.get(name),
-                                                      min_zero=int(method == "gptq"))  # fmt: skip
+            q, scales, zeros, g_idx = rounded.get(name) or quantize_groups(tensor, group_size, sym, desc_act,
+                                                                           importance.get(name), min_zero=min_zero)  # fmt: skip
             packed = gptq_tensors(q, scales, zeros, g_idx) if method == "gptq" else awq_tensors(q, scales, zeros)
             tensors.update({f"{module}.{kind}": t for kind, t in packed.items()})
         else:
             tensors[name] = tensor.to(torch.bfloat16).contiguous() if source.is_file() else tensor
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"))
+    if gptq is not None:  # how the weights were rounded (read by nothing; for people)
+        cfg["quantization_config"]["llmserve_rounding"] = {"method": "gptq", "calibration_tokens": gptq.tokens,
+                                                           "calibration_texts": [Path(t).name for t in gptq.texts]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _copy_tokenizer(source, out)
     return out
