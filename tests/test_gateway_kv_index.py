@@ -127,11 +127,12 @@ class R:
     outstanding: int = 0
 
 
-def routing(load_weight=256.0, block_size=4) -> KVRouting:
+def routing(load_weight=256.0, block_size=4, expect_s=0.0) -> KVRouting:
     config = GatewayConfig.model_validate({"models": {"m": {
         "replicas": ["http://a", "http://b", "http://c"], "routing": "kv_aware",
         "kv_events": {"replicas": {u: {"endpoint": "tcp://127.0.0.1:1"} for u in ("http://a", "http://b")},
-                      "tier_weights": WEIGHTS, "load_weight_tokens": load_weight, "block_size": block_size}}}})  # fmt: skip
+                      "tier_weights": WEIGHTS, "load_weight_tokens": load_weight, "block_size": block_size,
+                      "expect_s": expect_s}}}})  # fmt: skip
     return KVRouting(config)
 
 
@@ -159,6 +160,26 @@ def test_the_choice_weighs_the_cached_prefix_by_medium_against_load():
     assert kv.choose("m", [a, b, c], prompt, 4, 0) is None
     assert kv.choose("m", [a, b, c], None, 4, 0) is None  # no prompt to go by
     assert kv.indexes["m"].replicas["http://c"].why_stale == "no kv_events endpoint configured"
+
+
+def test_a_prompt_routed_is_expected_on_its_replica_until_its_events_tell():
+    """Requests sharing a prefix that arrive while the first is in prefill follow it."""
+    kv = routing(load_weight=10.0, expect_s=30.0)
+    index = kv.indexes["m"]
+    for url in ("http://a", "http://b"):
+        index.set_live(url, True)
+    a, b = R("http://a"), R("http://b", outstanding=1)
+    shared = KVPrompt(list(range(40)))
+    first = kv.choose("m", [a, b], shared, 4, 0)
+    assert first.replica is a and first.decision == "kv_load"
+    a.outstanding = 2  # it is busy with that one (and another), yet holds (will hold) the prefix
+    follower = kv.choose("m", [a, b], KVPrompt(list(range(40)) + [7] * 8), 4, 1)
+    assert follower.replica is a and follower.decision == "kv_prefix" and follower.cached_tokens == 40
+    assert index.prefix("http://a", shared.hashes(4), now=1e12).blocks == 0  # the expectation ends
+    index.apply("http://a", batch(0, stored_event(shared.hashes(4)[:5], "CPU")))  # told: where it is
+    assert index.prefix("http://a", shared.hashes(4)).weighted == 5 * 0.5 + 5 * 1.0
+    index.apply("http://a", batch(1, ["AllBlocksCleared"]))
+    assert index.prefix("http://a", shared.hashes(4)).blocks == 0
 
 
 def test_completion_prompts_as_ids_text_and_batches():

@@ -60,6 +60,9 @@ class KVRoutingConfig(_Strict):
     tier_weights: dict[str, float] = {"GPU": 1.0, "CPU": 0.75, "DISK": 0.5}
     # a request in flight on a replica counts against it as this many uncached prompt tokens
     load_weight_tokens: float = Field(default=256.0, ge=0)
+    # a prompt routed to a replica counts as cached there for this long, until its events tell
+    # (requests sharing its prefix that arrive during its prefill follow it)
+    expect_s: float = Field(default=30.0, ge=0)
     probe_interval_s: float = Field(default=1.0, gt=0)  # how often the replay socket is asked for news
     probe_timeout_s: float = Field(default=2.0, gt=0)  # no answer by then: the stream is stale
 

@@ -9,12 +9,15 @@ them too, when a gap cannot be filled: what is known afterwards is a subset of w
 holds, never a block it dropped.
 
 A stream is `live` while the index can vouch for it (synced, its publisher answering);
-the router uses a replica's blocks only then.
+the router uses a replica's blocks only then. A prompt just routed to a replica has its blocks
+`expect`ed there until its events tell (or a deadline passes), so the requests sharing a prefix
+that arrive while the first one is still in prefill follow it.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +37,7 @@ class ReplicaBlocks:
     """One replica's blocks: hash -> bit mask of the mediums holding it."""
 
     held: dict[BlockHash, int] = field(default_factory=dict)
+    expected: dict[BlockHash, float] = field(default_factory=dict)  # hash -> until (monotonic): routed, not told
     counts: Counter = field(default_factory=Counter)  # medium -> blocks held there
     next_seq: int = 0  # the batch expected next
     last_ts: float = float("-inf")  # the last applied batch's time (a restarted publisher's are newer)
@@ -84,6 +88,7 @@ class KVIndex:
                 bit, medium = self._bit(event.medium), event.medium or GPU
                 for h in event.block_hashes:
                     mask = r.held.get(h, 0)
+                    r.expected.pop(h, None)
                     if not mask & bit:
                         r.held[h] = mask | bit
                         r.counts[medium] += 1
@@ -101,6 +106,7 @@ class KVIndex:
                             r.held[h] = mask & ~bit
             elif isinstance(event, AllBlocksCleared):
                 r.held.clear()
+                r.expected.clear()
                 r.counts.clear()
         r.next_seq, r.last_ts = batch.seq + 1, max(r.last_ts, batch.ts)
         return Applied.APPLIED
@@ -109,8 +115,20 @@ class KVIndex:
         """Forget the replica's blocks; batches are applied again from `next_seq`."""
         r = self.replicas[url]
         r.held.clear()
+        r.expected.clear()
         r.counts.clear()
         r.next_seq, r.last_ts = next_seq, float("-inf")
+
+    def expect(self, url: str, hashes: list[BlockHash], until: float) -> None:
+        """A prompt was routed to the replica: its blocks count as held on its device until
+        `until` (time.monotonic()) unless its events tell first."""
+        r = self.replicas[url]
+        if len(r.expected) > 65_536:  # (expired ones dropped now and then)
+            now = time.monotonic()
+            r.expected = {h: t for h, t in r.expected.items() if t > now}
+        for h in hashes:
+            if h not in r.held:
+                r.expected[h] = until
 
     def set_live(self, url: str, live: bool, why: str = "") -> None:
         r = self.replicas[url]
@@ -129,15 +147,20 @@ class KVIndex:
                 return r.block_size
         return None
 
-    def prefix(self, url: str, hashes: list[BlockHash]) -> PrefixHit:
-        """How much of a prompt (its block hashes, first to last) the replica holds."""
-        held = self.replicas[url].held
+    def prefix(self, url: str, hashes: list[BlockHash], now: float | None = None) -> PrefixHit:
+        """How much of a prompt (its block hashes, first to last) the replica holds, or is
+        expected to hold (as on its device)."""
+        r = self.replicas[url]
+        now = time.monotonic() if now is None else now
         weighted, n = 0.0, 0
         for h in hashes:
-            mask = held.get(h, 0)
-            if not mask:
+            mask = r.held.get(h, 0)
+            if mask:
+                weighted += max(w for i, w in enumerate(self.bit_weights) if mask >> i & 1)
+            elif r.expected.get(h, 0.0) > now:
+                weighted += self.weights.get(GPU, 1.0)
+            else:
                 break
-            weighted += max(w for i, w in enumerate(self.bit_weights) if mask >> i & 1)
             n += 1
         return PrefixHit(n, weighted)
 

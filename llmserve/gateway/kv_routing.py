@@ -4,7 +4,8 @@ weighed against how busy the replicas are.
 For every route with `routing: kv_aware` this holds an index of the replicas' blocks (kv_index.py)
 fed by their event streams (kv_subscriber.py), and the model's tokenizer (kv_prompt.py). A
 replica's worth for a prompt is the cached prefix it saves, in tokens, each block weighted by its
-best medium (`tier_weights`: GPU over CPU over DISK), less `load_weight_tokens` for each request
+best medium (`tier_weights`: GPU over CPU over DISK; a prompt routed there in the last
+`expect_s` counts as on its GPU until its events tell), less `load_weight_tokens` for each request
 it has in flight; the highest wins, ties to the least busy. A replica whose stream is stale
 counts as holding nothing; when no candidate's stream is live, or the prompt cannot be read
 (no tokenizer, a malformed body, a LoRA route: the adapter's cache key is the replica's own), the
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -138,6 +140,8 @@ class KVRouting:
         best = max(s[:2] for s in scored)
         tied = [s for s in scored if s[:2] == best]
         _, _, cached, replica = tied[turn % len(tied)]
+        if index.live(replica.url):  # its prompt's blocks will be there: the next ones sharing it follow
+            index.expect(replica.url, hashes, time.monotonic() + settings.expect_s)
         return KVChoice(replica, "kv_prefix" if cached > 0 else "kv_load", cached)
 
     def snapshot(self) -> dict[str, dict]:
