@@ -37,6 +37,7 @@ def gateway(model_dir):  # noqa: F811
               "keys": [{"name": name, "sha256": hash_key(key), "tpm": 100_000} for name, key in KEYS.items()],
               "responses": {"store": str(tmp / "gateway-responses.sqlite")}}  # fmt: skip
     gw = start_gateway(config, free_port(), str(tmp))
+    gw.replica_url = replica.base_url
     yield gw
     gw.stop()
     replica.stop()
@@ -74,6 +75,37 @@ def test_chat_reasoning_passes_through(gateway):
     # the key's tokens count the thoughts (the limits settle with the total, thoughts included)
     assert tokens(gateway, "alice", "reasoning") == before + 2 * k
     assert tokens(gateway, "alice", "completion") >= 2 * usage.completion_tokens
+
+
+def token_ids(client: openai.OpenAI, model: str) -> dict:
+    """vLLM's `return_token_ids` asked of `client`, chat and completions, streamed and not: the
+    prompt's and each answer's token ids as they came, checked against the usage, and streamed equal
+    to whole (the regex and temperature 0 make the answers repeat)."""
+    found = {}
+    ask = dict(model=model, max_tokens=60, temperature=0,
+               extra_body={"guided_regex": THOUGHTS, "return_token_ids": True})  # fmt: skip
+    chat = client.chat.completions.create(messages=MESSAGES, **ask)
+    found["chat"] = (chat.prompt_token_ids, chat.choices[0].token_ids)
+    assert (len(chat.prompt_token_ids), len(chat.choices[0].token_ids)) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)  # fmt: skip
+    chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **ask))
+    assert chunks[0].prompt_token_ids == chat.prompt_token_ids and all(
+        getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])  # fmt: skip
+    assert [t for c in chunks for choice in c.choices for t in choice.token_ids] == chat.choices[0].token_ids
+    text = client.completions.create(prompt="2+2=", **{**ask, "max_tokens": 8})
+    found["completions"] = (text.choices[0].prompt_token_ids, text.choices[0].token_ids)
+    assert len(text.choices[0].token_ids) == text.usage.completion_tokens == 8
+    assert len(text.choices[0].prompt_token_ids) == text.usage.prompt_tokens
+    chunks = list(client.completions.create(prompt="2+2=", stream=True, **{**ask, "max_tokens": 8}))
+    assert chunks[0].choices[0].prompt_token_ids == text.choices[0].prompt_token_ids
+    assert [t for c in chunks for choice in c.choices for t in choice.token_ids] == text.choices[0].token_ids
+    return found
+
+
+def test_return_token_ids_pass_through(gateway):
+    """The gateway passes `return_token_ids` on and the replica's token ids back, as they are."""
+    direct = openai.OpenAI(base_url=f"{gateway.replica_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert token_ids(client_of(gateway, "alice"), "tiny") == token_ids(direct, "tiny")
 
 
 def test_responses_through_the_gateway(gateway):

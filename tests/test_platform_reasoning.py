@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 import yaml
+from test_gateway_reasoning import token_ids
 from test_responses_server import MESSAGES, THOUGHTS, model_dir  # noqa: F401 - model_dir: the fixture
+from transformers import AutoTokenizer
 from up_utils import running_up
 
 pytestmark = pytest.mark.integration
@@ -67,3 +69,16 @@ def test_responses_through_triton(client, up):
     assert (stored.status, stored.output_text, stored.usage) == ("completed", second.output_text, second.usage)
     bad = httpx.post(up["url"] + "/v1/responses", json={"model": "chat", "input": [{"type": "nope"}]})
     assert bad.status_code == 400 and "input[0]" in bad.json()["error"]["message"]
+
+
+def test_return_token_ids_through_triton(client, model_dir):  # noqa: F811
+    """vLLM's `return_token_ids` through the gateway to the Triton chat model and back: the prompt's
+    ids and the answer's, streamed and not (token_ids checks them against the usage and each other),
+    and they read back as the prompt and the answer."""
+    found = token_ids(client, "chat")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    (chat_prompt, chat_answer), (prompt, answer) = found["chat"], found["completions"]
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert chat_prompt == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert re.fullmatch(THOUGHTS, tokenizer.decode(chat_answer, skip_special_tokens=True))  # (its EOS too)
+    assert tokenizer.decode(prompt, skip_special_tokens=True) == "2+2=" and len(answer) == 8
