@@ -150,6 +150,7 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # set: the cache's changes published (engine/kv_events.py)
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over (engine/pp_stages.py)
+    data_parallel_size: int = 1  # engine cores behind one front (engine/dp_front.py)
 
 
 @dataclass(frozen=True)
@@ -329,6 +330,7 @@ class EngineArgs:
     # flag), not every expert's slice; attention, dense MLPs and shared experts stay tensor-parallel
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each tensor_parallel_size ranks
+    data_parallel_size: int = 1  # engine cores (each TP x PP ranks) behind one front, requests balanced over them
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
     step_timing_log: str | None = None  # PATH: one JSON line per step from the engine core process
@@ -442,6 +444,7 @@ class EngineArgs:
             logger.info("pipeline parallelism: steps run eagerly (no CUDA graphs per stage yet)")
             eager = True
         kv_events = kv_events_config(self.kv_events_config)
+        dp = self._check_data_parallel(device, tp * pp, kv_events is not None)
         # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)
         overlap = self.async_scheduling and tp == 1 and pp == 1
         if self.max_mixed_graph_tokens < 0:
@@ -456,7 +459,20 @@ class EngineArgs:
         return EngineConfig(model_config, cache_config, scheduler_config, device, backend, eager, tp, overlap, mixed,
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
                             speculative, kv_events=kv_events,
-                            enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=pp)  # fmt: skip
+                            enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=pp,
+                            data_parallel_size=dp)  # fmt: skip
+
+    def _check_data_parallel(self, device: str, ranks_per_core: int, kv_events: bool) -> int:
+        """The engine core count: each core its own GPUs (ranks_per_core of them) on a GPU machine."""
+        dp = self.data_parallel_size
+        if dp < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {dp}")
+        if dp > 1 and kv_events:
+            raise ConfigError("KV events with data parallelism are not supported yet (one endpoint per core)")
+        if dp > 1 and device == "cuda" and dp * ranks_per_core > torch.cuda.device_count():
+            raise ConfigError(f"data_parallel_size {dp} x {ranks_per_core} GPUs per engine core needs "
+                              f"{dp * ranks_per_core} GPUs; this machine has {torch.cuda.device_count()}")  # fmt: skip
+        return dp
 
     def _check_pipeline_parallel(self, arch: ModelArch, device: str, tp: int) -> int:
         """The stage count, or why not: at most one stage per decoder layer, one GPU per rank,

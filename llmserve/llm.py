@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from llmserve.chat_template import render_chat
-from llmserve.config import EngineArgs, EngineConfig
+from llmserve.config import ConfigError, EngineArgs, EngineConfig
 from llmserve.engine.engine_core import EngineCore, StepPipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
@@ -47,6 +47,9 @@ class LLM:
             check_parser(reasoning_parser)  # an unknown name fails here
         self.reasoning_parser = reasoning_parser
         self.config: EngineConfig = engine_args_from_kwargs(model, kwargs).create_engine_config()
+        if self.config.data_parallel_size > 1:
+            raise ConfigError("LLM runs one engine core in this process; data_parallel_size > 1 is served by "
+                              "AsyncEngine (`llmserve serve --data-parallel-size N`)")  # fmt: skip
         self.tokenizer = load_tokenizer(self.config.model_config.tokenizer)
         self.core = EngineCore(self.config)
         self.input_processor = InputProcessor(self.config.model_config, self.tokenizer, self.core.structured)

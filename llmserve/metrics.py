@@ -8,6 +8,7 @@ Each server has its own registry: no global state.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -32,9 +33,22 @@ class _EngineStateCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator:
-        s = self.engine.stats()
-        labels = ["model_name"]
-        value = [self.model_name]
+        by_rank = getattr(self.engine, "stats_by_rank", None)
+        ranks = by_rank() if by_rank is not None else []
+        if len(ranks) <= 1:
+            yield from self._families(self.engine.stats(), ["model_name"], [self.model_name])
+            return
+        # data parallelism: each engine core's series, labelled with its index as vLLM's `engine`
+        merged: dict[str, Any] = {}
+        for rank, s in enumerate(ranks):
+            for family in self._families(s, ["model_name", "engine"], [self.model_name, str(rank)]):
+                if family.name in merged:
+                    merged[family.name].samples += family.samples
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
+
+    def _families(self, s, labels: list[str], value: list[str]) -> Iterator:
         for name, doc, v in (
             ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),

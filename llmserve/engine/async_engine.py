@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from llmserve.config import EngineArgs, EngineConfig
-from llmserve.engine.core_client import CoreClient, EngineDeadError
+from llmserve.engine.core_client import EngineDeadError
+from llmserve.engine.dp_front import make_core_client
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.ipc import Kind, UtilityCall, UtilityResult
 from llmserve.engine.output_processor import IterationStats, OutputProcessor, RequestFailedError
@@ -50,7 +51,7 @@ class AsyncEngine:
         self.sleeping = False  # the core gave its device memory back (sleep); the next request wakes it
         self._sleep_lock = asyncio.Lock()
         self.dead_reason: str | None = None
-        self.client = CoreClient(config, self._on_message, self._on_dead, start_timeout)
+        self.client = make_core_client(config, self._on_message, self._on_dead, start_timeout)  # (DP: several)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
@@ -68,6 +69,11 @@ class AsyncEngine:
     def stats(self) -> SchedulerStats:
         """The core's latest scheduler stats (running, waiting, KV usage, cache, preemptions)."""
         return self._stats
+
+    def stats_by_rank(self) -> list[SchedulerStats]:
+        """Each engine core's latest stats (data parallelism: one per core; else the one core's)."""
+        by_rank = getattr(self.client, "stats_by_rank", None)
+        return by_rank() if by_rank is not None else [self._stats]
 
     def add_stats_listener(self, listener: Callable[[IterationStats], None]) -> None:
         """Call `listener(IterationStats)` in the event loop after each batch of outputs."""
