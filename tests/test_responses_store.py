@@ -9,7 +9,9 @@ import time
 
 import pytest
 from pg_utils import fresh_database, postgres_server
+from pydantic import ValidationError
 
+from llmserve.gateway.config import ResponsesConfig
 from llmserve.openai.errors import APIError
 from llmserve.responses.items import chat_messages, normalize_items
 from llmserve.responses.storage import PSYCOPG_MISSING, location_problem, open_store, redacted
@@ -137,6 +139,9 @@ def test_postgres_is_optional(monkeypatch, tmp_path):
     assert location_problem(url) == PSYCOPG_MISSING and location_problem(str(tmp_path / "s.sqlite")) is None
     with pytest.raises(RuntimeError, match="psycopg"):
         open_store(url)
+    with pytest.raises(ValidationError, match="responses: store: .*psycopg"):  # the gateway's config, at start
+        ResponsesConfig(store=url)
+    assert ResponsesConfig(store=str(tmp_path / "s.sqlite")).store
     assert open_store(tmp_path / "s.sqlite").get("", "resp_x") is None
     assert redacted(url) == "postgresql://user:***@db.example:5432/llm" and "secret" not in redacted(url)
     assert redacted("postgres:///llm?host=/tmp") == "postgres:///llm?host=/tmp"

@@ -62,11 +62,15 @@ class PostgresResponseStore:
         self._db: psycopg.Connection | None = None
         with self._lock:
             self._connect()  # a database that cannot be reached fails here, for the caller to report
-            with self._db.transaction():
-                self._db.execute("SELECT pg_advisory_xact_lock(%s, 0)", (LOCK_SPACE,))  # one creator at a time
-                for statement in filter(str.strip, SCHEMA.split(";")):
-                    self._db.execute(statement)
-            self._fail_orphans()
+            try:
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s, 0)", (LOCK_SPACE,))  # one creator at a time
+                    for statement in filter(str.strip, SCHEMA.split(";")):
+                        self._db.execute(statement)
+                self._fail_orphans()
+            except BaseException:
+                self._db.close()
+                raise
 
     def _connect(self) -> None:
         self._db = psycopg.connect(**self._conninfo, autocommit=True)
