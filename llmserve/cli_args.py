@@ -51,7 +51,7 @@ _HELP = {
     "data_parallel_size": "run this many engine cores (each its own process and GPUs, each tensor x pipeline parallel) behind one API server, requests balanced by prefix affinity and queue length",
     "enable_expert_parallel": "a mixture of experts: each of the tensor-parallel ranks holds num_experts / tensor_parallel_size whole experts (every token routed on every rank, the ranks' sums all-reduced) instead of every expert's slice",
     "kv_events_config": 'KV cache events as vLLM publishes them, as JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
-    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}, or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller model of the same tokenizer); requests with penalties, logit bias or a grammar decode one token a step',
+    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "disable_by_batch_size": 32}, or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4} (a smaller model of the same tokenizer), or {"method": "eagle" | "eagle3", "model": HEAD, "num_speculative_tokens": 4} (an EAGLE head folder); requests with penalties, logit bias or a grammar decode one token a step',
 }
 
 

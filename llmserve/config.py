@@ -21,6 +21,7 @@ import torch
 from llmserve.model.arch import ModelArch, UnsupportedModelError, read_model_arch
 
 if TYPE_CHECKING:
+    from llmserve.model.eagle_format import EagleSpec
     from llmserve.model.quantized_checkpoint import QuantizedCheckpoint
 
 logger = logging.getLogger(__name__)
@@ -166,12 +167,28 @@ class SpeculativeConfig:
     # speculation pauses while more sequences than this decode in a step: a large batch is
     # compute-bound, and verifying K more tokens each would cost it throughput
     disable_by_batch_size: int
-    model: str | None = None  # draft_model: the draft's folder (resolved)
+    model: str | None = None  # draft_model: the draft's folder; eagle, eagle3: the head's (resolved)
     draft_arch: ModelArch | None = None  # draft_model: its architecture, checked against the target's
+    eagle: EagleSpec | None = None  # eagle, eagle3: the head, checked against the target (model/eagle_format.py)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-SPECULATIVE_LATER = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPECULATIVE_LATER = ("medusa", "mlp_speculator", "suffix", "mtp")
+
+
+def _check_eagle_head(spec: SpeculativeConfig, target: ModelConfig, pipeline_parallel_size: int) -> SpeculativeConfig:
+    """`spec` with its EAGLE head read and checked against the target (model/eagle_format.py)."""
+    from llmserve.model.eagle_format import EagleHeadError, read_eagle_head
+
+    if pipeline_parallel_size > 1:
+        raise ConfigError("speculative decoding with an EAGLE head and pipeline parallelism is not supported yet")
+    if target.arch.family not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ConfigError(f"speculative_config: EAGLE heads take Llama-family targets for now; "
+                          f"{target.arch.architecture} is not one")  # fmt: skip
+    try:
+        return dataclasses.replace(spec, eagle=read_eagle_head(spec.model, spec.method, target.arch))
+    except EagleHeadError as exc:
+        raise ConfigError(f"speculative_config: {exc}") from None
 
 
 def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> SpeculativeConfig | None:
@@ -200,10 +217,11 @@ def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> S
             f"(known: {', '.join(sorted(known))})"
         )
     draft = None
-    if method == "draft_model":
+    if method != "ngram":
+        what = "the draft model's folder" if method == "draft_model" else "the EAGLE head's folder"
         if not isinstance(value.get("model"), str) or not value["model"]:
-            raise ConfigError("speculative_config: method 'draft_model' needs \"model\": the draft model's folder")
-        draft = str(resolve_model_path(value["model"], "speculative_config's draft model"))
+            raise ConfigError(f'speculative_config: method {method!r} needs "model": {what}')
+        draft = str(resolve_model_path(value["model"], f"speculative_config's {what.removeprefix('the ')}"))
     if tensor_parallel_size > 1:
         raise ConfigError("speculative decoding with tensor parallelism is not supported yet")
 
@@ -433,16 +451,23 @@ class EngineArgs:
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None and quantization == "fp8")  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
-        if speculative is not None and speculative.model is not None:
-            from llmserve.engine.spec_draft_check import check_draft_model
-
-            if self.enable_sleep_mode:
-                raise ConfigError("speculative decoding with a draft model and sleep mode is not supported yet")
-            speculative = check_draft_model(speculative, model_config)
         pp = self._check_pipeline_parallel(arch, device, tp)
         if pp > 1 and not eager:
             logger.info("pipeline parallelism: steps run eagerly (no CUDA graphs per stage yet)")
             eager = True
+        if speculative is not None and speculative.model is not None:
+            from llmserve.engine.spec_draft_check import check_draft_model
+
+            if self.enable_sleep_mode:
+                what = "a draft model" if speculative.method == "draft_model" else "an EAGLE head"
+                raise ConfigError(f"speculative decoding with {what} and sleep mode is not supported yet")
+            if speculative.method == "draft_model":
+                speculative = check_draft_model(speculative, model_config)
+            else:
+                speculative = _check_eagle_head(speculative, model_config, self.pipeline_parallel_size)
+                if not eager:
+                    logger.info("EAGLE heads: steps run eagerly (CUDA graphs do not keep the states they read yet)")
+                    eager = True
         kv_events = kv_events_config(self.kv_events_config)
         dp = self._check_data_parallel(device, tp * pp, kv_events is not None)
         # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)

@@ -75,7 +75,7 @@ def test_verify_greedy_keeps_the_agreeing_prefix_and_one_more():
 @pytest.mark.parametrize(
     "value, message",
     [
-        ({"method": "eagle3", "model": "x"}, "not supported yet"),
+        ({"method": "medusa", "model": "x"}, "not supported yet"),
         ({"method": "draft_model"}, "needs \"model\""),
         ({"method": "magic"}, "unknown method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -72,10 +72,16 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config, progress=progress)
         phase("model")
-        self.draft = None  # speculative decoding's draft model (before the profile: its weights count)
+        self.draft = None  # speculative decoding's draft model or EAGLE head (before the profile: its weights count)
         if config.speculative is not None and config.speculative.method == "draft_model":
             self.draft = DraftProposer(config, self.runner.device, select_attention_backend(config.attention_backend))
             phase("draft model")
+        elif config.speculative is not None and config.speculative.eagle is not None:
+            from llmserve.engine.spec_eagle import EagleProposer
+
+            self.draft = EagleProposer(config, self.runner.device, select_attention_backend(config.attention_backend),
+                                       self.runner.model)  # fmt: skip
+            phase("EAGLE head")
         num_blocks = self.runner.num_blocks_for_memory()
         if self.draft is not None:
             num_blocks, draft_blocks = draft_cache_blocks(config, self.runner.device, num_blocks,
@@ -131,6 +137,8 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, config.cache_config.enable_prefix_caching, num_cpu_blocks, layout,
                                  num_host_blocks, events, self._open_disk_tier(config))  # fmt: skip
         spec = SpecDecoder(config.speculative, max_len, self.draft) if config.speculative is not None else None
+        if config.speculative is not None and config.speculative.eagle is not None:  # (after the warm-up's forwards)
+            self.runner.capture_hidden(self.draft.capture, self.draft.take_hidden)
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
                                    spec=spec)  # fmt: skip

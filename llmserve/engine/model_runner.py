@@ -42,6 +42,7 @@ from llmserve.host_copy import staged, to_device
 from llmserve.kernels import tuning
 from llmserve.lora.adapter import LoRAAdapter
 from llmserve.model.attention import FP8_KV, AttentionBackend, reference_paged_attention
+from llmserve.model.interface import HiddenCapture
 from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
@@ -278,6 +279,8 @@ class ModelRunner:
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
         self.requests = RunnerRequests()  # each running request's tokens and blocks (driver)
         self.sleep_mode = RunnerSleep(self)  # sleep and wake (engine/runner_sleep.py)
+        # an EAGLE head's: the hidden states the model keeps, and who takes them with each step's rows
+        self.hidden_sink: tuple[HiddenCapture, Callable[[list[RowInput], list[torch.Tensor]], None]] | None = None
         if config.enable_sleep_mode:  # weights in an arena of fixed addresses: a wake keeps the graphs
             self.sleep_mode.move_weights_to_arena()
 
@@ -575,6 +578,13 @@ class ModelRunner:
         driver's table chose."""
         self.lora.write_shard(slot, adapter)
 
+    def capture_hidden(self, capture: HiddenCapture,
+                       sink: Callable[[list[RowInput], list[torch.Tensor]], None]) -> None:  # fmt: skip
+        """Speculative decoding's EAGLE head: every step's hidden states that `capture` names
+        (kept by the model's eager forward) go to `sink` with the step's rows."""
+        self.model.set_hidden_capture(capture)
+        self.hidden_sink = (capture, sink)
+
     # -- one step -----------------------------------------------------------------------
     def forget_requests(self, request_ids: list[str]) -> None:
         """Requests that ended in a step with nothing to run: their sampler rows and state go."""
@@ -598,6 +608,8 @@ class ModelRunner:
         logits, prompt_logprobs = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch,
                                                            lora_slots, prompt, plan.kv_offload, plan.kv_load,
                                                            plan.kv_spill, plan.kv_disk_load))  # fmt: skip
+        if self.hidden_sink is not None and batch is not None:  # (an EAGLE head's features of every row)
+            self.hidden_sink[1](rows, self.hidden_sink[0].states)
         step = PendingStep([], None, prompt=prompt_logprobs)
         if logits is not None:
             verify = None
@@ -681,7 +693,8 @@ class ModelRunner:
         `sampled`)? Where some rows do not sample (prompt chunks) and no LoRA adapter's deltas
         follow the batch's rows. A fresh 7,680-token prompt then spends 1/32 less of its
         prefill's GEMMs and attention on rows whose hidden states nobody reads."""
-        return self.lora is None and len(batch.logits_indices) < len(batch.input_ids) and not batch.verifies
+        return (self.lora is None and len(batch.logits_indices) < len(batch.input_ids) and not batch.verifies
+                and (self.hidden_sink is None or not self.hidden_sink[0].final))  # fmt: skip
 
     def _forward_graphs(self, batch: BatchInputs, fill: Callable[[torch.Tensor], None] | None,
                         ) -> tuple[torch.Tensor, list[int]] | None:  # fmt: skip

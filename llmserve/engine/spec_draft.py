@@ -153,25 +153,30 @@ class DraftProposer:
                 row.probs.append(probs[i])
 
     def _draw(self, logits: torch.Tensor, rows: list[_DraftRow]) -> tuple[list[int], torch.Tensor | None]:
-        """Each row's proposal: the argmax for a greedy request; for a sampled one a draw from its
-        filtered distribution q (returned, [rows, V], for the target's rejection sampling)."""
-        if all(r.greedy for r in rows):
-            return row_argmax(logits).tolist(), None
-        params = [r.req.sampling_params for r in rows]
-        temperatures = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
-        filtered = apply_top_k_top_p_min_p(logits.float() / temperatures[:, None], [p.top_k for p in params],
-                                           [p.top_p for p in params], [p.min_p for p in params])  # fmt: skip
-        probs = torch.softmax(filtered, dim=-1)
-        noise = torch.empty_like(probs).exponential_()
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        if seeded:
-            keys = torch.tensor([seeded_noise.row_key(params[i].seed ^ DRAFT_SEED_MIX, rows[i].next_output_index)
-                                 for i in seeded], device=logits.device)  # fmt: skip
-            vocab = torch.arange(probs.shape[1], device=logits.device)
-            noise[torch.tensor(seeded, device=logits.device)] = seeded_noise.exponential(keys, vocab)
-        drawn = row_argmax(probs.log() - noise.log())
-        greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
-        return torch.where(greedy, row_argmax(logits), drawn).tolist(), probs
+        return draw_proposals(logits, rows)
+
+
+def draw_proposals(logits: torch.Tensor, rows: list) -> tuple[list[int], torch.Tensor | None]:
+    """Each row's proposal: the argmax for a greedy request; for a sampled one a draw from its
+    filtered distribution q (returned, [rows, V], for the target's rejection sampling). A row has
+    `req`, `greedy` and `next_output_index` (the output position drawn: a seeded row's noise key)."""
+    if all(r.greedy for r in rows):
+        return row_argmax(logits).tolist(), None
+    params = [r.req.sampling_params for r in rows]
+    temperatures = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+    filtered = apply_top_k_top_p_min_p(logits.float() / temperatures[:, None], [p.top_k for p in params],
+                                       [p.top_p for p in params], [p.min_p for p in params])  # fmt: skip
+    probs = torch.softmax(filtered, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if seeded:
+        keys = torch.tensor([seeded_noise.row_key(params[i].seed ^ DRAFT_SEED_MIX, rows[i].next_output_index)
+                             for i in seeded], device=logits.device)  # fmt: skip
+        vocab = torch.arange(probs.shape[1], device=logits.device)
+        noise[torch.tensor(seeded, device=logits.device)] = seeded_noise.exponential(keys, vocab)
+    drawn = row_argmax(probs.log() - noise.log())
+    greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+    return torch.where(greedy, row_argmax(logits), drawn).tolist(), probs
 
 
 class _DraftRow:

@@ -27,6 +27,7 @@ __all__ = [
     "CausalLM",
     "ExpertSpec",
     "Feature",
+    "HiddenCapture",
     "count_expert_tokens",
     "expert_token_counts",
     "LinearSpec",
@@ -130,6 +131,18 @@ class ExpertSpec:
         return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
 
 
+@dataclass(slots=True)
+class HiddenCapture:
+    """Hidden states a forward keeps for an EAGLE head (model/eagle.py), set on the model with
+    `CausalLM.set_hidden_capture` only when a head is configured: the residual stream entering
+    each of `layers` (in that order), then with `final` the final hidden states after the final
+    norm, every row of the step's tokens each. The forward replaces `states`."""
+
+    layers: tuple[int, ...] = ()
+    final: bool = False
+    states: list[Any] = field(default_factory=list)  # [T, hidden] tensors of the latest forward
+
+
 class CausalLM(Protocol):
     """What the runner, CUDA graphs, LoRA and the loaders call on a built model."""
 
@@ -163,6 +176,14 @@ class CausalLM(Protocol):
 
     def embedding_dtype(self) -> torch.dtype:
         """The activations' dtype."""
+        ...
+
+    def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of `input_ids` (unscaled: what an EAGLE head takes)."""
+        ...
+
+    def set_hidden_capture(self, capture: HiddenCapture | None) -> None:
+        """Keep these hidden states from every eager forward (None: none, the default)."""
         ...
 
     # The forward cut at its attention calls (piecewise CUDA graphs run attention between pieces):

@@ -22,7 +22,7 @@ from llmserve.model.arch import SLIDING, ModelArch, UnsupportedModelError, eos_t
 from llmserve.model.attention import AttentionBackend, AttentionMetadata
 from llmserve.model.fp8 import Fp8Linear, Fp8Tokens, is_fp8, keep_unquantized, make_linear
 from llmserve.model.int8 import is_quantized, quantize_rows_as
-from llmserve.model.interface import AttentionSpec, LinearSpec, ModelFamily
+from llmserve.model.interface import AttentionSpec, HiddenCapture, LinearSpec, ModelFamily
 from llmserve.model.kv_scales import checkpoint_scale_target, checkpoint_scale_value
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.moe_gguf import GGUF_EXPERT_LAYER
@@ -188,6 +188,7 @@ class LlamaModel(nn.Module):
         return self.embed_tokens(input_ids)
 
     stage = WHOLE  # the pipeline stage this model runs (model/pipeline.py): its layers, first or last
+    capture: HiddenCapture | None = None  # hidden states kept for an EAGLE head (model/interface.py)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -208,15 +209,24 @@ class LlamaModel(nn.Module):
         x, residual = (self.embed(input_ids), None) if carried is None else carried
         layers = [self.layers[i] for i in stage.layers(len(self.layers))]
         last_sampled = sampled is not None and stage.is_last
-        for layer in layers[:-1] if last_sampled else layers:
+        capture = self.capture
+        if capture is not None:
+            capture.states = []
+        for i, layer in enumerate(layers[:-1] if last_sampled else layers):
+            if capture is not None and i in capture.layers:
+                capture.states.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, meta)
         if not stage.is_last:
             return x, residual
         if last_sampled:
+            if capture is not None and len(layers) - 1 in capture.layers:
+                capture.states.append(x + residual)
             x, residual = layers[-1].forward_sampled(positions, x, residual, sampled)
             if x.shape[0] == 0:
                 return x
         x, _ = self.norm(x, residual)
+        if capture is not None and capture.final:
+            capture.states.append(x)
         return x
 
     # The forward cut at its attention calls, for piecewise CUDA graphs (attention, whose
@@ -335,6 +345,13 @@ class LlamaForCausalLM(nn.Module):
 
     def embedding_dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
+
+    def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def set_hidden_capture(self, capture: HiddenCapture | None) -> None:
+        """Keep hidden states for an EAGLE head (`capture`'s layers index the whole model's)."""
+        self.model.capture = capture
 
     def first_piece(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.model.first_piece(input_ids, positions)
