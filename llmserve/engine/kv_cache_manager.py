@@ -15,7 +15,8 @@ from __future__ import annotations
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
 from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest
 from llmserve.engine.kv_disk_tier import DiskTier
-from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog, block_hash
+from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog
+from llmserve.kv_block_hash import block_hash
 from llmserve.engine.kv_host_tier import HostTier
 from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request

@@ -19,10 +19,10 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmserve.config import KVEventsConfig
+from llmserve.kv_block_hash import block_hash, block_hashes  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
@@ -30,23 +30,7 @@ GPU, CPU = "GPU", "CPU"  # the mediums vLLM names
 DISK = "DISK"  # the prefix cache's disk tier (engine/kv_disk_tier.py)
 
 
-# -- the block hashes a router can compute --------------------------------------------------------
-def block_hash(parent: int | None, token_ids: Iterable[int], lora: str | None = None) -> int:
-    """A block's 64-bit hash: of its parent's hash, its token ids and its LoRA adapter."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack(">q", -1 if parent is None else parent))
-    h.update(struct.pack(f">{len(token_ids := list(token_ids))}q", *token_ids))
-    if lora is not None:
-        h.update(lora.encode())
-    return int.from_bytes(h.digest(), "big") >> 1  # (a non-negative int64)
-
-
-def block_hashes(token_ids: list[int], block_size: int, lora: str | None = None) -> list[int]:
-    """The hashes of every full block of a prompt, as the engine announces them."""
-    out: list[int] = []
-    for i in range(len(token_ids) // block_size):
-        out.append(block_hash(out[-1] if out else None, token_ids[i * block_size : (i + 1) * block_size], lora))
-    return out
+# the block hashes a router can compute: llmserve/kv_block_hash.py (a leaf the gateway imports too)
 
 
 # -- msgpack, the subset the events need --------------------------------------------------------
