@@ -95,14 +95,19 @@ def test_int8_logits_stay_close_to_the_float_model(model_dirs, family):
     assert (int8.argmax(-1) == base.argmax(-1)).float().mean() >= 0.8
 
 
-def test_the_fast_path_gives_the_reference_logits_bit_for_bit(llama_dir):
-    """The model with `int8_matmul_fast` (torch._int_mm on a CPU) and with the reference: the same
-    int32 sums and the same epilogue, so the same logits exactly."""
-    from llmserve.kernels.int8_linear import int8_matmul_fast
+def test_torch_int_mm_gives_the_reference_logits_bit_for_bit(llama_dir):
+    """The model with `torch._int_mm` (under CUDA's padding rules; a GPU's path for more than 16
+    tokens) and with the reference: the same int32 sums and the same epilogue, so the same
+    logits exactly."""
+    from llmserve.kernels.int8_linear import int8_gemm_int_mm
     from llmserve.model.layers import LayerOps
 
+    def int_mm_matmul(x, weight, weight_scale, input_scale=None):
+        xq, sx = quantize_tokens_int8(x, input_scale)
+        return int8_gemm_int_mm(xq, sx, weight, weight_scale, x.dtype, cuda_rules=True)
+
     ref = _logits(llama_dir, "int8")
-    fast = _logits(llama_dir, "int8", ops=LayerOps(int8_matmul=int8_matmul_fast))
+    fast = _logits(llama_dir, "int8", ops=LayerOps(int8_matmul=int_mm_matmul))
     assert torch.equal(ref, fast)
 
 

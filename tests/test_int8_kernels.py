@@ -10,6 +10,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
 
 import subprocess  # noqa: E402
+from functools import partial  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 
@@ -28,7 +29,6 @@ from llmserve.kernels.int8_linear import (  # noqa: E402
     int8_gemm_fast,
     int8_gemm_int_mm,
     int8_gemm_triton,
-    int8_matmul_fast,
     int_mm,
 )
 from llmserve.model.int8 import (  # noqa: E402
@@ -89,15 +89,20 @@ def test_int_mm_with_cuda_rules_pads_and_equals_the_reference(m, k, n):
     assert int_mm(xq, wq.t(), cuda_rules=True).shape == (m, n)
 
 
-def test_the_fast_path_quantizes_as_the_reference():
+def test_the_gpu_paths_pieces_compose_to_the_reference():
+    """What `int8_matmul_fast` runs on a GPU (per-token quantization, then the Triton kernel up to
+    16 tokens or `_int_mm` past them) against `int8_matmul_reference`, on bfloat16 activations,
+    dynamic and static."""
     gen = torch.Generator().manual_seed(3)
-    x = (torch.randn(7, 96, generator=gen) * 2).to(torch.bfloat16)
     wq, sw = quantize_rows_int8(torch.randn(48, 96, generator=gen))
-    want = int8_matmul_reference(x, wq, sw)
-    assert want.dtype == torch.bfloat16 and torch.equal(int8_matmul_fast(x, wq, sw), want)
-    static = torch.tensor(0.03)
-    assert torch.equal(int8_matmul_fast(x, wq, sw, static), int8_matmul_reference(x, wq, sw, static))
-    xq, sx = quantize_tokens_int8(x)
+    for tokens in (7, 40):
+        x = (torch.randn(tokens, 96, generator=gen) * 2).to(torch.bfloat16)
+        for static in (None, torch.tensor(0.03)):
+            want = int8_matmul_reference(x, wq, sw, static)
+            xq, sx = quantize_tokens_int8(x, static)
+            gemm = int8_gemm_triton if tokens <= 16 else partial(int8_gemm_int_mm, cuda_rules=True)
+            assert want.dtype == torch.bfloat16 and torch.equal(gemm(xq, sx, wq, sw, x.dtype), want)
+    xq, sx = quantize_tokens_int8(x)  # off a GPU the fast path is the reference itself
     assert torch.equal(int8_gemm_fast(xq, sx, wq, sw, torch.float32), int8_gemm_reference(xq, sx, wq, sw, torch.float32))
 
 

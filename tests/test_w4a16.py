@@ -231,6 +231,8 @@ def test_the_quantization_flag_names_the_checkpoint_format(gptq_dir, llama_dir):
         EngineArgs(model=str(gptq_dir), quantization="int8").create_engine_config()
     with pytest.raises(ConfigError, match="gptq and awq name a checkpoint's own format"):
         EngineArgs(model=llama_dir, quantization="awq").create_engine_config()
+    with pytest.raises(ConfigError, match=r"4-bit \(gptq\) weights are not drawn yet"):
+        EngineArgs(model=str(gptq_dir), load_format="dummy").create_engine_config()
 
 
 def test_gptq_onto_4_bit_groups():

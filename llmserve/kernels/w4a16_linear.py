@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.model.w4a16 import w4a16_matmul_reference
-
 SMALL_M_ROWS = 16  # up to this many tokens the Triton kernel; more: dequantize + cuBLAS
 
 
@@ -80,6 +78,8 @@ def w4a16_matmul_fast(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     one 16-bit GEMM."""
     if x.shape[0] <= SMALL_M_ROWS:
         return w4a16_gemm_triton(x, qweight, scales.contiguous(), zeros.contiguous(), g_idx)
+    from llmserve.model.w4a16 import w4a16_matmul_reference  # (model/ sits above kernels/)
+
     return w4a16_matmul_reference(x, qweight, scales, zeros, g_idx)
 
 
