@@ -130,6 +130,16 @@ class SchedulerConfig:
             )
 
 
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How an engine core's worker ranks are started (engine/executor.py)."""
+
+    backend: str = "mp"  # mp: processes on this machine; ray: Ray actors on a cluster's nodes
+    placement_strategy: str = "STRICT_PACK"  # ray: the placement group's (PACK, SPREAD: across nodes)
+    placement_timeout_s: float = 60.0  # ray: a placement group not met by then fails the start
+    num_cpus: float = 1.0  # ray on CPUs: CPUs reserved per rank
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -152,6 +162,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over (engine/pp_stages.py)
     data_parallel_size: int = 1  # engine cores behind one front (engine/dp_front.py)
+    executor: ExecutorConfig = ExecutorConfig()  # how worker ranks start (engine/executor.py)
 
 
 @dataclass(frozen=True)
@@ -291,6 +302,29 @@ class LoRAConfig:
     overlap_tokens: int = 1  # layer inputs of at most this many rows run the adapter on a second CUDA stream (0: never)
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+RAY_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def executor_config(backend: str, strategy: str, timeout: float, data_parallel_size: int) -> ExecutorConfig:
+    """The executor settings, or why not (Ray must be installed to be chosen)."""
+    if backend not in EXECUTOR_BACKENDS:
+        raise ConfigError(f"distributed_executor_backend must be mp or ray; got {backend!r}")
+    if strategy not in RAY_STRATEGIES:
+        raise ConfigError(f"ray_placement_strategy must be one of {', '.join(RAY_STRATEGIES)}; got {strategy!r}")
+    if timeout <= 0:
+        raise ConfigError(f"ray_placement_timeout must be > 0 seconds; got {timeout}")
+    if backend == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise ConfigError("--distributed-executor-backend ray needs Ray, which is not installed: "
+                              "pip install 'ray>=2.40' (or mp, the default, on one machine)")  # fmt: skip
+        if data_parallel_size > 1:
+            raise ConfigError("data parallelism with the Ray executor is not supported yet (use mp)")
+    return ExecutorConfig(backend, strategy, float(timeout))
+
+
 @dataclass
 class EngineArgs:
     """Every engine option, with vLLM's names and defaults where vLLM has them."""
@@ -383,6 +417,11 @@ class EngineArgs:
     # KV cache events (vLLM's): {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
     # "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}; a dict or its JSON
     kv_events_config: str | dict | None = None
+    # mp: worker ranks as processes on this machine; ray: as Ray actors on the nodes of the Ray
+    # cluster RAY_ADDRESS names (else a local one), one GPU each (engine/executor_ray.py)
+    distributed_executor_backend: str = "mp"
+    ray_placement_strategy: str = "STRICT_PACK"  # STRICT_PACK: one node; PACK or SPREAD: across nodes
+    ray_placement_timeout: float = 60.0  # seconds for the cluster to place every rank before the start fails
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -449,7 +488,8 @@ class EngineArgs:
         )
         backend = _resolve_backend(self.attention_backend, device)
         eager = self.enforce_eager or device != "cuda" or backend != "triton"
-        tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel)
+        on_ray = self.distributed_executor_backend == "ray"  # GPUs counted by the Ray cluster, not here
+        tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel, on_ray)
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None and quantization == "fp8")  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
@@ -472,6 +512,8 @@ class EngineArgs:
                     eager = True
         kv_events = kv_events_config(self.kv_events_config)
         dp = self._check_data_parallel(device, tp * pp, kv_events is not None)
+        executor = executor_config(self.distributed_executor_backend, self.ray_placement_strategy,
+                                   self.ray_placement_timeout, dp)  # fmt: skip
         # tensor-parallel workers do not see sampled tokens (speculation decides per step: EngineCore.can_overlap)
         overlap = self.async_scheduling and tp == 1 and pp == 1
         if self.max_mixed_graph_tokens < 0:
@@ -487,7 +529,7 @@ class EngineArgs:
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
                             speculative, kv_events=kv_events,
                             enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=pp,
-                            data_parallel_size=dp)  # fmt: skip
+                            data_parallel_size=dp, executor=executor)  # fmt: skip
 
     def _check_data_parallel(self, device: str, ranks_per_core: int, kv_events: bool) -> int:
         """The engine core count: each core its own GPUs (ranks_per_core of them) on a GPU machine."""
@@ -518,7 +560,7 @@ class EngineArgs:
         for name, asked in refused.items():
             if asked:
                 raise ConfigError(f"{name} with pipeline parallelism is not supported yet")
-        if device == "cuda" and tp * pp > torch.cuda.device_count():
+        if device == "cuda" and self.distributed_executor_backend != "ray" and tp * pp > torch.cuda.device_count():
             raise ConfigError(f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} GPUs; this "
                               f"machine has {torch.cuda.device_count()}")  # fmt: skip
         return pp
@@ -584,7 +626,8 @@ def _check_family_features(arch: ModelArch, **features: object) -> None:
             raise ConfigError(reason)
 
 
-def _check_tensor_parallel(size: int, arch: ModelArch, device: str, expert_parallel: bool = False) -> int:
+def _check_tensor_parallel(size: int, arch: ModelArch, device: str, expert_parallel: bool = False,
+                           on_ray: bool = False) -> int:  # fmt: skip
     from llmserve.model.interface import is_moe
     from llmserve.model.tensor_parallel import check_tp_shape
 
@@ -594,7 +637,7 @@ def _check_tensor_parallel(size: int, arch: ModelArch, device: str, expert_paral
     problem = check_tp_shape(arch, size, expert_parallel)
     if problem:
         raise ConfigError(problem)
-    if device == "cuda" and size > torch.cuda.device_count():
+    if device == "cuda" and not on_ray and size > torch.cuda.device_count():
         raise ConfigError(
             f"tensor_parallel_size {size} needs {size} GPUs; this machine has {torch.cuda.device_count()}"
         )

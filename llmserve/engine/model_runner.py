@@ -232,7 +232,7 @@ class ModelRunner:
         self.mirror = mirror
         self._mirroring = False  # inside a mirrored call (whose inner calls the workers make themselves)
         mc = config.model_config
-        self.device = rank_device(config.device, stage.rank if stage.link is not None else tp.rank)
+        self.device = rank_device(config.device, stage.device_rank)  # (global rank == tp.rank without stages)
         self._gpu_used_at_start = self._check_free_gpu_memory() if self.device.type == "cuda" else 0
         self.dtype = mc.dtype
         self.kv_dtype = kv_torch_dtype(config.cache_config.kv_cache_dtype, mc.dtype)

@@ -78,19 +78,26 @@ class StageLink:
 
 @dataclass
 class StagePlace:
-    """What a rank's ModelRunner needs to know of the pipeline: its global rank (the device it
-    uses), its stage's layers and its link to the neighbour stages (None: one stage)."""
+    """What a rank's ModelRunner needs to know of its place: its global rank, its stage's layers,
+    its link to the neighbour stages (None: one stage) and the GPU it uses (None: GPU `rank`)."""
 
     rank: int = 0
     stage: PipelineStage = WHOLE
     link: StageLink | None = None
+    device_index: int | None = None
+
+    @property
+    def device_rank(self) -> int:
+        """The index of this rank's GPU (as its process sees them)."""
+        return self.rank if self.device_index is None else self.device_index
 
 
 SINGLE_STAGE = StagePlace()
 
 
 def join_stages(rank: int, tp_size: int, pp_size: int, device: str, num_layers: int, hidden_size: int,
-                world_cpu: object, expert_parallel: bool = False) -> tuple[TPGroup, StagePlace]:  # fmt: skip
+                world_cpu: object, expert_parallel: bool = False,
+                device_index: int | None = None) -> tuple[TPGroup, StagePlace]:  # fmt: skip
     """After `dist.init_process_group` over all tp_size x pp_size ranks (`world_cpu`: a gloo group
     of them all): every rank makes every stage's tensor-parallel group (torch wants each group
     made by all ranks, in the same order) and gets its own, its stage and its link."""
@@ -104,7 +111,7 @@ def join_stages(rank: int, tp_size: int, pp_size: int, device: str, num_layers: 
             mine, cpu_mine = group, cpu_group
     tp = TPGroup(place.tp_rank, tp_size, cpu_mine, expert_parallel, group=mine)
     stage = pipeline_stage(num_layers, pp_size, place.stage)
-    return tp, StagePlace(rank, stage, StageLink(place, stage, hidden_size, world_cpu))
+    return tp, StagePlace(rank, stage, StageLink(place, stage, hidden_size, world_cpu), device_index)
 
 
 def stage_slots(layer_slot: tuple[int, ...], stage: PipelineStage) -> list[int]:

@@ -1,17 +1,19 @@
-"""Tensor-parallel worker processes.
+"""Tensor-parallel (and pipeline) worker ranks: the worker loop and the driver's side.
 
 Rank 0 is the engine core's own ModelRunner (the driver); ranks 1..N-1 each run a
-ModelRunner in a process of their own, one per GPU (or CPU process with gloo). The
-driver sends every call that touches the model (`on_every_rank` methods of ModelRunner)
-to the workers over a pipe before running it itself, so all ranks run the same forward
-in lockstep and meet in the same collectives; only the driver schedules and samples.
+ModelRunner of their own, one per GPU (or CPU process with gloo), started by an executor
+(engine/executor.py): a process on this machine (`mp`, the default) or a Ray actor on any node
+of a cluster (`ray`). The driver sends every call that touches the model (`on_every_rank`
+methods of ModelRunner) to the workers over a connection before running it itself, so all
+ranks run the same forward in lockstep and meet in the same collectives; only the driver
+schedules and samples. `serve_rank` is the worker's loop wherever it runs.
 
-Failure handling: a worker that exits breaks its pipe (the next step raises
+Failure handling: a worker that exits breaks its connection (the next step raises
 `WorkerDiedError`) and, on CPUs, the gloo collective it was part of (raises at once).
 NCCL collectives would wait forever instead, so in the engine core process a monitor
 thread ends the process when a worker dies and the step does not fail by itself; the
-front then reports the engine dead. Workers exit when their pipe closes or their parent
-disappears.
+front then reports the engine dead. Workers exit when their connection closes or (processes)
+their parent disappears; Ray ends the actors of an engine core that died.
 """
 
 from __future__ import annotations
@@ -19,11 +21,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from llmserve.config import EngineConfig
+from llmserve.engine.executor import RankSpec, WorkerHandle, executor_for
 from llmserve.engine.pp_stages import StagePlace, join_stages
 from llmserve.heap import freeze_startup_objects, unfreeze
 from llmserve.model.tensor_parallel import TPGroup
 from llmserve.net import free_port
-from llmserve.processes import start_spawned
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +48,16 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
 
-def init_distributed(rank: int, world_size: int, port: int, device: str, expert_parallel: bool = False) -> TPGroup:
-    """Join the group (NCCL_ENV is already set: by the driver, and inherited by the workers);
-    `expert_parallel`: a mixture of experts splits whole experts over it."""
+def init_distributed(spec: RankSpec, world_size: int, device: str, expert_parallel: bool = False) -> TPGroup:
+    """Join the group at `spec.rendezvous` (NCCL_ENV is already set: by the driver, inherited by
+    worker processes, set by actors); `expert_parallel`: a mixture of experts splits whole experts
+    over it."""
+    rank = spec.rank
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(spec.device_index)
     dist.init_process_group(
         backend="nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{spec.rendezvous}",
         rank=rank,
         world_size=world_size,
         timeout=COLLECTIVE_TIMEOUT,
@@ -64,16 +66,16 @@ def init_distributed(rank: int, world_size: int, port: int, device: str, expert_
     return TPGroup(rank, world_size, cpu_group, expert_parallel)
 
 
-def join_engine_group(config: EngineConfig, rank: int, port: int) -> tuple[TPGroup, StagePlace]:
+def join_engine_group(config: EngineConfig, spec: RankSpec) -> tuple[TPGroup, StagePlace]:
     """Join the engine's ranks: with one pipeline stage, the tensor-parallel group itself; with
     several, every stage's tensor-parallel group and this rank's stage (engine/pp_stages.py)."""
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    group = init_distributed(rank, tp * pp, port, config.device, config.enable_expert_parallel)
+    group = init_distributed(spec, tp * pp, config.device, config.enable_expert_parallel)
     if pp == 1:
-        return group, StagePlace(rank)
+        return group, StagePlace(spec.rank, device_index=spec.device_index)
     arch = config.model_config.arch
-    return join_stages(rank, tp, pp, config.device, arch.num_layers, arch.hidden_size, group.cpu_group,
-                       config.enable_expert_parallel)  # fmt: skip
+    return join_stages(spec.rank, tp, pp, config.device, arch.num_layers, arch.hidden_size, group.cpu_group,
+                       config.enable_expert_parallel, spec.device_index)  # fmt: skip
 
 
 def shutdown_distributed(timeout: float = 10.0) -> None:
@@ -89,25 +91,19 @@ def shutdown_distributed(timeout: float = 10.0) -> None:
         logger.warning("process group teardown did not finish within %.0f s; left behind", timeout)
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
-    """Entry point of worker `rank`: build this rank's shard, then run what the driver sends."""
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s tp-rank{rank} %(name)s: %(message)s")
-    parent = os.getppid()
-
-    def orphan_watch() -> None:  # a collective cannot notice a vanished driver on its own
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=orphan_watch, daemon=True, name="tp-orphan-watch").start()
+def serve_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> bool:
+    """The worker loop, the same in a process and in a Ray actor: build this rank's shard, then
+    run what the driver sends until it says stop or the connection closes (True: a clean end,
+    the group left). False: it failed (the driver was told why); the caller exits at once, as a
+    collective with the others may never return."""
     from llmserve.engine.model_runner import ModelRunner
 
     runner = None
     try:
         conn.send(("joining", None))
-        tp, place = join_engine_group(config, rank, port)
+        tp, place = join_engine_group(config, spec)
         runner = ModelRunner(config, progress=False, tp=tp, stage=place)
-        freeze_startup_objects(f"tensor-parallel rank {rank}")
+        freeze_startup_objects(f"tensor-parallel rank {spec.rank}")
         conn.send(("ready", None))
         while True:
             try:
@@ -119,61 +115,65 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             name, args = msg
             getattr(runner, name)(*args)
     except Exception as exc:
-        logger.exception("tensor-parallel worker %d failed", rank)
+        logger.exception("tensor-parallel worker %d failed", spec.rank)
         with contextlib.suppress(OSError):
             conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        os._exit(1)
+        return False
     finally:
         conn.close()
     unfreeze()
     if runner is not None:
         runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
     shutdown_distributed()
-    os._exit(0)  # nothing left to run; skip interpreter teardown of the CUDA/NCCL state
+    return True
 
 
-@dataclass
-class _Worker:
-    rank: int
-    process: mp.process.BaseProcess
-    conn: Connection
+def worker_main(config: EngineConfig, spec: RankSpec, conn: Connection) -> None:
+    """Entry point of a worker process (the `mp` executor)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s tp-rank{spec.rank} %(name)s: %(message)s")
+    parent = os.getppid()
+
+    def orphan_watch() -> None:  # a collective cannot notice a vanished driver on its own
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=orphan_watch, daemon=True, name="tp-orphan-watch").start()
+    # nothing left to run either way; skip interpreter teardown of the CUDA/NCCL state
+    os._exit(0 if serve_rank(config, spec, conn) else 1)
 
 
 class TPDriver:
-    """Rank 0's side of the group: starts the workers and sends them each call."""
+    """Rank 0's side of the group: has the executor start the workers, and sends them each call."""
 
     def __init__(self, config: EngineConfig, exit_on_worker_death: bool = False) -> None:
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine already runs in this process (one per process)")
-        port = free_port()
-        ctx = mp.get_context("spawn")
-        for key, value in NCCL_ENV.items():  # inherited by the workers
+        for key, value in NCCL_ENV.items():  # the driver's own, inherited by worker processes
             os.environ.setdefault(key, value)
-        self.workers: list[_Worker] = []
+        self.executor = executor_for(config)
+        self.workers: list[WorkerHandle] = []
         self._closed = threading.Event()
         self.exit_on_worker_death = exit_on_worker_death
-        for rank in range(1, world):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main, args=(config, rank, port, theirs), name=f"llmserve-tp{rank}"
-            )  # not a daemon: the engine core process that starts it is one (and cannot have those)
-            start_spawned(proc)
-            theirs.close()
-            self.workers.append(_Worker(rank, proc, ours))
-        threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
         atexit.register(self.close)  # an LLM nobody shut down must not keep its workers
         try:
+            placement = self.executor.place(world)
+            port = free_port()  # on this node, where rank 0's store listens
+            self.workers = self.executor.launch(config, [placement.spec(rank, port) for rank in range(1, world)])
+            threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
             self._await_all("joining")  # a worker that died before the rendezvous would hang it
-            self.group, self.stage_place = join_engine_group(config, 0, port)
-        except Exception:
+            self.group, self.stage_place = join_engine_group(config, placement.spec(0, port))
+        except BaseException:
             self.close()
             raise
+        how = f"{self.executor.name} executor, workers {[w.where for w in self.workers]}"
         if config.pipeline_parallel_size > 1:
-            logger.info("pipeline parallel: %d stages x %d tensor-parallel ranks (workers %s)",
-                        config.pipeline_parallel_size, config.tensor_parallel_size, self.worker_pids)  # fmt: skip
+            logger.info("pipeline parallel: %d stages x %d tensor-parallel ranks (%s)",
+                        config.pipeline_parallel_size, config.tensor_parallel_size, how)  # fmt: skip
         else:
-            logger.info("tensor parallel: %d ranks (workers %s)", world, [w.process.pid for w in self.workers])
+            logger.info("tensor parallel: %d ranks (workers %s), %s executor", world, self.worker_pids,
+                        self.executor.name)  # fmt: skip
 
     def wait_ready(self) -> None:
         """Wait until every worker has built its shard (before the first collective: a worker
@@ -183,7 +183,7 @@ class TPDriver:
     def _await_all(self, expected: str) -> None:
         for w in self.workers:
             while True:
-                ready = wait([w.conn, w.process.sentinel])
+                ready = wait([w.conn, w.sentinel])
                 if w.conn in ready:
                     try:
                         kind, detail = w.conn.recv()
@@ -193,12 +193,13 @@ class TPDriver:
                         raise WorkerDiedError(f"tensor-parallel worker rank {w.rank} failed: {detail}")
                     if kind == expected:
                         break
-                elif w.process.sentinel in ready:
+                elif w.sentinel in ready:
                     raise WorkerDiedError(self._death_message(w))
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers]
+        """The workers' process ids (each on its own node under Ray)."""
+        return [w.pid for w in self.workers]
 
     def send(self, name: str, args: tuple) -> None:
         """Ask every worker to run `ModelRunner.<name>(*args)` (the driver runs it too)."""
@@ -208,12 +209,11 @@ class TPDriver:
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
                 raise WorkerDiedError(self._death_message(w)) from None
 
-    def _death_message(self, w: _Worker) -> str:
-        w.process.join(1.0)
-        return f"tensor-parallel worker rank {w.rank} (pid {w.process.pid}) died (exit code {w.process.exitcode})"
+    def _death_message(self, w: WorkerHandle) -> str:
+        return f"tensor-parallel worker rank {w.rank} ({w.where}) died ({self.executor.death_cause(w)})"
 
     def _monitor(self) -> None:
-        sentinels = {w.process.sentinel: w for w in self.workers}
+        sentinels = {w.sentinel: w for w in self.workers}
         while sentinels and not self._closed.is_set():
             for ready in wait(list(sentinels), timeout=1.0):
                 w = sentinels.pop(ready)
@@ -238,10 +238,6 @@ class TPDriver:
             except OSError:
                 pass
         shutdown_distributed()  # together with the workers, which leave on the None
-        deadline = time.monotonic() + 10.0
+        self.executor.stop(self.workers, timeout=10.0)
         for w in self.workers:
-            w.process.join(max(0.1, deadline - time.monotonic()))
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(5.0)
             w.conn.close()
