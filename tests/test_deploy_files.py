@@ -177,6 +177,132 @@ def test_gateway_config_from_configmap_and_secret_is_a_valid_gateway_config():
     assert joined.keys and joined.models
 
 
+# --- Kubernetes, multi-node (LeaderWorkerSet + Ray) ------------------------------------------
+
+# The LeaderWorkerSet fields (leaderworkerset.x-k8s.io/v1) these manifests may use, closed to any
+# other (a typo fails, as kubernetes-validate's strict mode does for the built-in kinds); the pod
+# templates inside are checked against the Kubernetes schemas themselves.
+_POD_TEMPLATE = {"type": "object", "required": ["spec"]}
+LWS_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"}, "kind": {"const": "LeaderWorkerSet"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {"type": "object", "additionalProperties": False, "required": ["leaderWorkerTemplate"], "properties": {
+            "replicas": {"type": "integer", "minimum": 0},
+            "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+            "rolloutStrategy": {"type": "object", "additionalProperties": False, "properties": {
+                "type": {"enum": ["RollingUpdate"]},
+                "rollingUpdateConfiguration": {"type": "object", "additionalProperties": False, "properties": {
+                    "partition": {"type": "integer"}, "maxUnavailable": {"type": ["integer", "string"]},
+                    "maxSurge": {"type": ["integer", "string"]}}}}},
+            "networkConfig": {"type": "object", "additionalProperties": False, "properties": {
+                "subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}},
+            "leaderWorkerTemplate": {"type": "object", "additionalProperties": False,
+                                     "required": ["size", "workerTemplate"], "properties": {
+                "size": {"type": "integer", "minimum": 1},
+                "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
+                "leaderTemplate": _POD_TEMPLATE, "workerTemplate": _POD_TEMPLATE}}}},
+    },
+}  # fmt: skip
+
+
+def _multinode_docs() -> list[dict]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s" / "multinode").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def _lws() -> dict:
+    (lws,) = [d for d in _multinode_docs() if d["kind"] == "LeaderWorkerSet"]
+    return lws
+
+
+def _validate_lws(doc: dict, version: str) -> None:
+    """The LWS fields, then each pod template as the Kubernetes PodTemplate it is."""
+    import jsonschema
+    import kubernetes_validate
+
+    jsonschema.validate(doc, LWS_SCHEMA)
+    template = doc["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
+               "template": template[role]}  # fmt: skip
+        kubernetes_validate.validate(pod, version, strict=True)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_multinode_manifests_validate(version):
+    import kubernetes_validate
+
+    docs = _multinode_docs()
+    assert {d["kind"] for d in docs} == {"LeaderWorkerSet", "Service"}
+    for doc in docs:
+        if doc["kind"] == "LeaderWorkerSet":
+            _validate_lws(doc, version)
+        else:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_multinode_validation_rejects_typos():
+    import jsonschema
+    import kubernetes_validate
+
+    bad = _lws()
+    bad["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="sise"):
+        _validate_lws(bad, K8S_VERSIONS[-1])
+    bad = _lws()
+    bad["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["livenesProbes"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_lws(bad, K8S_VERSIONS[-1])
+
+
+def _serve_args(script: str) -> list[str]:
+    """The `llmserve serve ...` part of a shell line (`ray start ... && exec llmserve serve ...`)."""
+    import shlex
+
+    words = shlex.split(script)
+    return words[words.index("llmserve") + 1 :]
+
+
+def _parse_serve(argv: list[str]):
+    """argv through llmserve's own command line (an unknown or misspelt flag fails here): the
+    parsed flags and the engine's arguments."""
+    from llmserve.cli import build_parser
+    from llmserve.cli_args import engine_args_from_cli
+
+    ns = build_parser().parse_args(argv)
+    assert ns.command == "serve"
+    return ns, engine_args_from_cli(ns, "api_server")
+
+
+def test_leaderworkerset_runs_ray_head_serve_and_workers():
+    lws = _lws()
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"  # a lost rank cannot rejoin a running engine
+    leader = group["leaderTemplate"]["spec"]["containers"][0]
+    worker = group["workerTemplate"]["spec"]["containers"][0]
+    script = leader["args"][0]
+    assert script.startswith("ray start --head --port=6379") and "&& exec llmserve serve" in script
+    ns, args = _parse_serve(_serve_args(script))
+    assert args.distributed_executor_backend == "ray" and args.ray_placement_strategy in ("PACK", "SPREAD")
+    gpus = int(leader["resources"]["limits"]["nvidia.com/gpu"])
+    assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) == gpus
+    assert args.tensor_parallel_size * args.pipeline_parallel_size == group["size"] * gpus  # every GPU a rank
+    assert f"--num-gpus={gpus}" in script and f"--num-gpus={gpus}" in worker["args"][0]
+    assert worker["args"][0].startswith("ray start --address=$(LWS_LEADER_ADDRESS):6379")
+    assert worker["args"][0].endswith("--block")  # the pod lives as long as its Ray node
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert leader[probe]["httpGet"]["path"] == "/health"
+    spec = group["leaderTemplate"]["spec"]
+    pre_stop = int(leader["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + float(ns.shutdown_timeout) + 10
+    (service,) = [d for d in _multinode_docs() if d["kind"] == "Service"]
+    assert service["spec"]["selector"] == group["leaderTemplate"]["metadata"]["labels"]  # the leaders alone
+
+
 # --- nginx ----------------------------------------------------------------------------------
 
 
@@ -194,7 +320,7 @@ def test_compose_file_validates(tmp_path):
     """docker-compose checks the file against the Compose schema (it needs no Docker engine)."""
     out = run_tool([tool("docker-compose"), "-f", str(DEPLOY / "compose.yaml"), "config"])
     services = yaml.safe_load(out.stdout)["services"]
-    assert set(services) == {"engine", "triton", "gateway", "prometheus", "grafana"}
+    assert set(services) == {"engine", "triton", "gateway", "prometheus", "grafana", "ray-head", "ray-worker"}
     devices = services["engine"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     for name in ("engine", "triton"):
@@ -214,6 +340,21 @@ def test_compose_validation_rejects_a_typo(tmp_path):
         [tool("docker-compose"), "-f", str(bad), "config"], check=False, capture_output=True, text=True
     )
     assert proc.returncode != 0 and "shm_sise" in proc.stderr
+
+
+def test_compose_two_node_ray_example():
+    """A Ray head serving the model over its GPU and the worker's (TP=2 across the two), started
+    only with --profile ray; the serve line parses with llmserve's own command line."""
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    head, worker = services["ray-head"], services["ray-worker"]
+    assert head["profiles"] == worker["profiles"] == ["ray"]
+    assert head["command"][0].startswith("ray start --head --port=6379")
+    _, args = _parse_serve(_serve_args(head["command"][0]))
+    assert args.distributed_executor_backend == "ray" and args.tensor_parallel_size == 2
+    assert worker["command"][0].startswith("ray start --address=ray-head:6379") and "--block" in worker["command"][0]
+    assert worker["depends_on"] == ["ray-head"]
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] for s in (head, worker)]
+    assert gpus == [["0"], ["1"]]
 
 
 def test_compose_gateway_config_is_valid():
