@@ -345,6 +345,10 @@ class EngineArgs:
     # the exact accumulation by under 1.5 % of their largest value (docs/history/benchmarks.md).
     # 0: never. CPUs ignore it
     fp8_fast_accum_tokens: int = 1024
+    # a GGUF file's projections keep their blocks on the device (Q4_K, Q5_K, Q6_K, Q8_0; other formats
+    # dequantized), dequantized inside the GEMM (model/gguf_linear.py): None, on a GPU; True, also on a
+    # CPU (the layers' PyTorch reference: tests); False (--no-gguf-keep-quantized), all dequantized at load
+    gguf_keep_quantized: bool | None = None
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -447,6 +451,8 @@ class EngineArgs:
         _check_family_features(arch, quantization=quantization, lora=self.enable_lora,
                                tensor_parallel=self.tensor_parallel_size > 1, fp8_kv_cache=self.kv_cache_dtype != "auto")  # fmt: skip
         device = _resolve_device(self.device)
+        if _gguf_keep_quantized(self, model_dir, quantization, arch, device):
+            quantization = "gguf"  # (vLLM's name for GGUF's own kernels)
         max_model_len = _resolve_max_model_len(self.max_model_len, arch)
         model_config = ModelConfig(
             model=str(model_dir),
@@ -809,6 +815,37 @@ def _check_quantization(quantization: str | None, checkpoint_quant=None) -> str 
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}{own}"
         )
     return quantization
+
+
+def _gguf_keep_quantized(args: EngineArgs, model_dir: Path, quantization: str | None, arch: ModelArch,
+                         device: str) -> bool:  # fmt: skip
+    """Whether a GGUF file's projections keep their blocks (`gguf_keep_quantized`): by default on a
+    GPU, where it can; True asks for it anywhere (an error where it cannot); False never."""
+    from llmserve.model.interface import is_moe
+
+    keep = args.gguf_keep_quantized
+    if keep is False or (keep is None and not model_dir.is_file()):
+        return False
+    why = None
+    if not model_dir.is_file():
+        why = "the model is not a GGUF file"
+    elif quantization is not None:
+        why = f"quantization {quantization} quantizes the dequantized weights"
+    elif args.load_format == "dummy":
+        why = "load_format dummy draws no GGUF blocks"
+    elif is_moe(arch):
+        why = "a mixture of experts' experts have no kept GGUF form yet"
+    elif args.tensor_parallel_size > 1:
+        why = "kept GGUF blocks do not run tensor-parallel yet"
+    elif args.enable_lora:
+        why = "LoRA on kept GGUF blocks is not supported yet"
+    if why is None:
+        return keep is True or device == "cuda"
+    if keep:
+        raise ConfigError(f"gguf_keep_quantized: {why} (--no-gguf-keep-quantized dequantizes a GGUF file at load)")
+    if device == "cuda":
+        logger.info("GGUF weights dequantized at load: %s", why)
+    return False
 
 
 def _check_load_format(load_format: str) -> str:

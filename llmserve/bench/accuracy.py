@@ -147,8 +147,9 @@ def run(args: argparse.Namespace) -> AccuracyResult:
 
     started = time.perf_counter()
     candidate_args = engine_args_from_cli(args)
+    # the baseline: the model's dtype, every GGUF tensor dequantized at load
     baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto",
-                                        calculate_kv_scales=None)  # fmt: skip
+                                        calculate_kv_scales=None, gguf_keep_quantized=False)  # fmt: skip
     two_models = bool(getattr(args, "baseline_model", None))
     if two_models:
         baseline_args = dataclasses.replace(baseline_args, model=args.baseline_model, tokenizer=None)

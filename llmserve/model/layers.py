@@ -19,6 +19,7 @@ from torch import nn
 
 from llmserve.model.arch import RopeConfig
 from llmserve.model.fp8 import Fp8Tokens, fp8_gemm_reference, fp8_matmul_reference, quantized
+from llmserve.model.gguf_linear import gguf_matmul_reference
 from llmserve.model.int8 import int8_matmul_reference
 from llmserve.model.w4a16 import w4a16_matmul_reference
 from llmserve.model.moe import fused_moe_reference
@@ -111,6 +112,7 @@ class LayerOps:
     fused_moe: Callable = fused_moe_reference
     int8_matmul: Callable = int8_matmul_reference  # INT8 (W8A8) linear layers (model/int8.py)
     w4a16_matmul: Callable = w4a16_matmul_reference  # GPTQ / AWQ 4-bit linear layers (model/w4a16.py)
+    gguf_matmul: Callable = gguf_matmul_reference  # GGUF layers kept quantized (model/gguf_linear.py)
 
 
 REFERENCE_OPS = LayerOps()
@@ -124,6 +126,7 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
     from llmserve import kernels
     from llmserve.kernels.fp8_linear import FAST_ACCUM_TOKENS
     from llmserve.kernels.fused_moe import fused_moe
+    from llmserve.kernels.gguf_linear import gguf_matmul_fast
     from llmserve.kernels.int8_linear import int8_matmul_fast
     from llmserve.kernels.w4a16_linear import w4a16_matmul_fast
 
@@ -134,7 +137,7 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
                     kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear,
                     gelu_tanh_and_mul=kernels.gelu_tanh_and_mul,
                     gelu_tanh_and_mul_fp8=kernels.gelu_tanh_and_mul_fp8, fused_moe=fused_moe, int8_matmul=int8_matmul_fast,
-                    w4a16_matmul=w4a16_matmul_fast)  # fmt: skip
+                    w4a16_matmul=w4a16_matmul_fast, gguf_matmul=gguf_matmul_fast)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

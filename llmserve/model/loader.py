@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
+from llmserve.model.gguf_keep import gguf_kept_loader, keep_gguf_quantized
 from llmserve.model.interface import CausalLM
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
 from llmserve.model.pipeline import WHOLE, PipelineStage, stage_keeps
@@ -45,12 +46,15 @@ def load_model(
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
     rank's tensor-parallel group (each rank builds and loads only its shard); `quantization`
     "fp8" gives the projections FP8 weights, quantized from the checkpoint as it loads, except
-    the modules `quantization_ignore` names."""
+    the modules `quantization_ignore` names; "gguf" keeps a GGUF file's blocks (model/gguf_linear.py)."""
     start = time.perf_counter()
     with torch.device("meta"):
-        model = family_of(arch).build(arch, backend, max_positions, ops, tp, quantization, quantization_ignore)
+        built_as = None if quantization == "gguf" else quantization
+        model = family_of(arch).build(arch, backend, max_positions, ops, tp, built_as, quantization_ignore)
         if not stage.whole:  # a pipeline stage: the other stages' layers never get memory
             model.set_pipeline_stage(stage)
+        if quantization == "gguf":  # a GGUF file's projections keep their blocks (model/gguf_keep.py)
+            keep_gguf_quantized(model, model_dir, arch, ops.gguf_matmul, tp)
         for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
             if param.dtype == torch.float32 and not _is_scale(model, param):
                 param.data = param.data.to(dtype)
@@ -74,7 +78,8 @@ def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: 
     if load_format == "dummy":
         _init_dummy(model, seed + tp.rank + 1000 * stage.index)
         return
-    tensors = _checkpoint_tensors(Path(model_dir), arch, progress)
+    kept = gguf_kept_loader(model, Path(model_dir), arch)  # GGUF blocks kept quantized (model/gguf_keep.py)
+    tensors = _checkpoint_tensors(Path(model_dir), arch, progress, kept.take if kept is not None else None)
     if not stage.whole:
         tensors = ((n, t) for n, t in tensors if stage_keeps(n, stage, arch.tie_word_embeddings))
     w4a16 = w4a16_loader(model, Path(model_dir)) if not Path(model_dir).is_file() else None
@@ -83,18 +88,21 @@ def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: 
     loaded = model.load_weights(tensors)
     if w4a16 is not None:
         loaded |= w4a16.finish()
+    if kept is not None:
+        loaded |= kept.finish()
     missing = model.expected_weight_keys() - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {sorted(missing)[:5]} ...")
 
 
-def _checkpoint_tensors(path: Path, arch: ModelArch, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) from a GGUF file (dequantized) or a folder of safetensors."""
+def _checkpoint_tensors(path: Path, arch: ModelArch, progress: bool, take=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) from a GGUF file (dequantized, but for those `take` takes) or a
+    folder of safetensors."""
     if path.is_file():
         from llmserve.model.gguf.checkpoint import open_gguf
         from llmserve.model.gguf.weights import iter_gguf_weights
 
-        return iter_gguf_weights(open_gguf(path), arch, progress)
+        return iter_gguf_weights(open_gguf(path), arch, progress, take)
     return _iter_tensors(safetensors_files(path), progress)
 
 

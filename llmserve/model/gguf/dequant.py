@@ -1,4 +1,5 @@
-"""GGUF tensor types to floating point, in PyTorch (vectorized over blocks).
+"""GGUF tensor types to floating point, in PyTorch (vectorized over blocks, on any device: the
+kept-quantized layers' reference and prefill path dequantize on the GPU, model/gguf_linear.py).
 
 Each quantized type stores a tensor row by row in fixed-size blocks of bytes (ggml's
 layouts: ggml-common.h). A function here takes a row-major uint8 tensor holding whole
@@ -51,7 +52,7 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0/Q5_1: [n, 4] bytes -> [n, 32]: bit j of the little-endian 32-bit word is the
     fifth bit of value j."""
-    bits = torch.arange(8, dtype=torch.uint8)
+    bits = torch.arange(8, dtype=torch.uint8, device=qh.device)
     return ((qh.unsqueeze(-1) >> bits) & 1).reshape(-1, 32)
 
 
@@ -93,7 +94,7 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     scale = (_f16(b[:, 0:2]) * sc).unsqueeze(-1)
     shift = (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
     low = _nibbles(b[:, 48:].reshape(n * 4, 32)).reshape(n, 8, 32)
-    bits = torch.arange(8, dtype=torch.uint8).view(1, 8, 1)
+    bits = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
     high = (b[:, 16:48].unsqueeze(1) >> bits) & 1  # bit j of byte l: the fifth bit of value l of sub-block j
     return (scale * (low | (high << 4)).float() - shift).reshape(n, QK_K)
 
@@ -104,7 +105,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     scales = b[:, 192:208].contiguous().view(torch.int8).float()  # one per 16 values
     d = _f16(b[:, 208:210])
     low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 8, 32)  # two halves of 128 values
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
     high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.int16) - 32
     return ((d * scales).unsqueeze(-1) * q.reshape(n, 16, 16).float()).reshape(n, QK_K)

@@ -8,13 +8,13 @@ the Hugging Face way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
 from llmserve.model.arch import ModelArch, UnsupportedModelError
-from llmserve.model.gguf.checkpoint import GGUFCheckpoint, GGUFError
+from llmserve.model.gguf.checkpoint import GGUFCheckpoint, GGUFError, GGUFTensor
 from llmserve.model.gguf.dequant import dequantize
 from llmserve.model.registry import family_for_gguf
 
@@ -39,16 +39,17 @@ def unpermute_rotary(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    ckpt: GGUFCheckpoint, arch: ModelArch, progress: bool = True
+    ckpt: GGUFCheckpoint, arch: ModelArch, progress: bool = True, take: Callable[[str, GGUFTensor], bool] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every weight, in file order."""
+    """(Hugging Face name, float32 tensor) for every weight, in file order; a tensor `take`
+    takes (returns True for: model/gguf_keep.py keeps its blocks) is not dequantized."""
     family = family_for_gguf(ckpt.architecture)
     tensors = list(ckpt.tensors.values())
     with tqdm(total=len(tensors), desc="Loading GGUF weights", unit="tensor", disable=not progress) as bar:
         for t in tensors:
             name = hf_name(t.name, ckpt.architecture)
             bar.update(1)
-            if name is None:
+            if name is None or (take is not None and take(name, t)):
                 continue
             weight = dequantize(t.data, t.type_name, t.shape)
             yield name, family.gguf_tensor_values(name, weight, arch, ckpt.architecture)

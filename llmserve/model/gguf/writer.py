@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -141,9 +141,11 @@ def _hf_tensors(model_dir: Path, arch: ModelArch, num_experts: int) -> Iterator[
         raise ValueError(f"{model_dir}: experts missing from {sorted(parts)[:3]}")
 
 
-def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32", tokenizer: bool = True) -> Path:
+def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str | Callable[[str], str] = "F32",
+               tokenizer: bool = True) -> Path:  # fmt: skip
     """Write the Hugging Face folder `model_dir` (safetensors, byte-level BPE tokenizer) to
-    the GGUF file `out`, its matrices in `tensor_type` (`tokenizer=False`: no tokenizer metadata,
+    the GGUF file `out`, its matrices in `tensor_type` (or each in the type it gives for its
+    Hugging Face name: a mixed file, as Q4_K_M is) (`tokenizer=False`: no tokenizer metadata,
     as some converters write)."""
     import gguf
 
@@ -186,7 +188,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, tensor_type: str = "F32",
             tensor = permute_rotary(tensor, arch.num_heads if ".q_proj." in hf else arch.num_kv_heads)
         if hf.endswith(".shared_expert_gate.weight"):  # one row, stored flat as llama.cpp stores it
             tensor = tensor.reshape(-1)
-        kind = tensor_type if tensor.dim() >= 2 else "F32"
+        kind = (tensor_type(hf) if callable(tensor_type) else tensor_type) if tensor.dim() >= 2 else "F32"
         data = quantize(tensor.numpy(), kind)
         raw = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(gguf_tensor_name(hf), data, raw_dtype=raw)  # the shape follows from the bytes
