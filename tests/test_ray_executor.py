@@ -28,8 +28,11 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def cluster():
-    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    saved = {
+        k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED")
+    }
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # (read when Ray is imported)
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # nothing sent anywhere
     import ray
     from ray.cluster_utils import Cluster
 

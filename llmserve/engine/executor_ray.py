@@ -203,13 +203,14 @@ class RayExecutor:
         return "its loop ended"
 
     def stop(self, handles: list[WorkerHandle], timeout: float) -> None:
-        if self._runs:
-            ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=timeout)
         self._closed.set()
-        for actor in self.actors.values():
-            ray.kill(actor)
-        if self.group is not None:
-            remove_placement_group(self.group)
+        if ray.is_initialized():  # (at interpreter exit Ray's own atexit may have left already)
+            if self._runs:
+                ray.wait(list(self._runs.values()), num_returns=len(self._runs), timeout=timeout)
+            for actor in self.actors.values():
+                ray.kill(actor)
+            if self.group is not None:
+                remove_placement_group(self.group)
         with self._lock:
             for fd in self._gone.values():
                 os.close(fd)
