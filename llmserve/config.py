@@ -345,9 +345,9 @@ class EngineArgs:
     # the exact accumulation by under 1.5 % of their largest value (docs/history/benchmarks.md).
     # 0: never. CPUs ignore it
     fp8_fast_accum_tokens: int = 1024
-    # a GGUF file's projections keep their blocks on the device (Q4_K, Q5_K, Q6_K, Q8_0; other formats
-    # dequantized), dequantized inside the GEMM (model/gguf_linear.py): None, on a GPU; True, also on a
-    # CPU (the layers' PyTorch reference: tests); False (--no-gguf-keep-quantized), all dequantized at load
+    # a GGUF file's projections keep their Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 blocks on the device, dequantized
+    # inside the GEMM (model/gguf_linear.py): None, on a GPU; True, also on a CPU (the layers' PyTorch
+    # reference: tests); False (--no-gguf-keep-quantized), every tensor dequantized at load
     gguf_keep_quantized: bool | None = None
     max_model_len: int | None = None
     load_format: str = "auto"

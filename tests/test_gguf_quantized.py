@@ -1,7 +1,7 @@
 """GGUF kept quantized (model/gguf_linear.py, model/gguf_keep.py, kernels/gguf_linear.py): each
 format's Triton kernel (under the interpreter) against the loader's dequantizer then a matmul, on
 blocks the quantizers wrote and on random bytes; a layer of mixed pieces on the fast path against
-the reference; the engine on a mixed-format GGUF (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, F16) kept quantized
+the reference; the engine on a mixed-format GGUF (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0 kept; Q4_1, F16 not) kept quantized
 on CPU gives the dequantize-at-load path's greedy tokens; the real Gemma 3 270M Q4_K_M too."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from llmserve.model.random_model import make_random_model  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-FORMATS = list(KEPT_FORMATS)  # Q8_0 Q4_K Q5_K Q6_K
+FORMATS = list(KEPT_FORMATS)  # Q8_0 Q5_0 Q4_K Q5_K Q6_K
 K = 512  # two super-blocks a row
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -107,11 +107,11 @@ def test_a_layer_of_mixed_pieces_fast_path_equals_the_reference():
 
 
 # -- a whole model: a mixed-format GGUF kept quantized == dequantized at load ------------------
-# layer 0: every kept format; layer 1: Q5_0 (not kept: dense rows of a kept layer, or a plain layer)
+# layer 0: the K-quants and Q8_0; layer 1: Q5_0, and Q4_1 and F16 (not kept: dense rows of a kept layer)
 TYPES = {
     (0, "q_proj"): "Q4_K", (0, "k_proj"): "Q4_K", (0, "v_proj"): "Q6_K", (0, "o_proj"): "Q8_0",
     (0, "gate_proj"): "Q5_K", (0, "up_proj"): "Q5_K", (0, "down_proj"): "Q6_K",
-    (1, "q_proj"): "Q5_0", (1, "k_proj"): "Q4_K", (1, "v_proj"): "Q8_0", (1, "o_proj"): "Q5_0",
+    (1, "q_proj"): "Q4_1", (1, "k_proj"): "Q4_K", (1, "v_proj"): "Q8_0", (1, "o_proj"): "Q5_0",
     (1, "gate_proj"): "F16", (1, "up_proj"): "Q4_K", (1, "down_proj"): "Q4_K",
 }  # fmt: skip
 
@@ -145,7 +145,7 @@ def test_a_mixed_gguf_kept_quantized_on_cpu_gives_the_dequantized_tokens(mixed_g
     assert kinds(layers[0].self_attn.o_proj) == ["Q8_0"] and kinds(layers[0].mlp.gate_up_proj) == ["Q5_K"]
     assert kinds(layers[1].self_attn.qkv_proj) == ["dense", "Q4_K", "Q8_0"]
     assert kinds(layers[1].mlp.gate_up_proj) == ["dense", "Q4_K"]
-    assert not isinstance(layers[1].self_attn.o_proj, GGUFLinear)  # Q5_0 alone: the plain layer
+    assert kinds(layers[1].self_attn.o_proj) == ["Q5_0"]
     kept_bytes = layer_bytes(kept.core.runner.model)
     _, plain_tokens = _greedy(mixed_gguf, False)
     assert kept_tokens == plain_tokens
@@ -167,7 +167,7 @@ def test_keeping_is_refused_where_it_cannot_run(mixed_gguf, tmp_path):
 
 
 def test_gemma3_270m_q4_k_m_kept_quantized_reads_as_dequantized():
-    """The real Q4_K_M file (Q4_K, Q6_K, Q8_0 kept; Q5_0 dense rows): each position's greedy token
+    """The real Q4_K_M file (Q4_K, Q6_K, Q8_0 and Q5_0, every projection kept): each position's greedy token
     and log-likelihood over a short text, teacher-forced (the engine twice took 90 s here)."""
     from gemma3_oracle import gemma3_gguf
 
@@ -186,7 +186,7 @@ def test_gemma3_270m_q4_k_m_kept_quantized_reads_as_dequantized():
                            max_positions=64, quantization=mc.quantization)  # fmt: skip
         if keep:
             kinds = {p.type_name for m in model.modules() if isinstance(m, GGUFLinear) for p in m.pieces}
-            assert kinds == {"Q4_K", "Q6_K", "Q8_0", "dense"}  # o_proj, down_proj, half the v_proj; Q5_0 dense rows
+            assert kinds == {"Q4_K", "Q6_K", "Q8_0", "Q5_0"}  # o/down; down; half the v; q/k/v/gate/up
         readings.append(read_text(model, ids, 64, torch.device("cpu"), torch.float32))
         del model
     kept, plain = readings

@@ -1,15 +1,15 @@
 """The product of a GGUF layer kept quantized (model/gguf_linear.py): the blocks dequantized inside
-the GEMM, one Triton kernel per block format.
+the GEMM, one Triton kernel per block format (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K).
 
 PyTorch reference: `llmserve.model.gguf_linear.gguf_matmul_reference` (each piece dequantized by the
 loader's dequantizer, stacked, rounded to the activations' dtype, one matmul). The fields are the
 layout of model/gguf_linear.py (`KEPT_FORMATS`), output rows first.
 - `gguf_gemm_triton`: each program reads a [BLOCK_N, 32] tile of one sub-block's values a step
-  (Q8_0 a block; Q4_K/Q5_K one of a super-block's eight 32-value sub-blocks: a 32-byte run's low
+  (Q8_0 or Q5_0 a block; Q4_K/Q5_K one of a super-block's eight 32-value sub-blocks: a 32-byte run's low
   or high nibbles, plus Q5_K's fifth bits; Q6_K one of its eight 32-value quarters), decodes the
   sub-block's scale (and min) as the reference does in float32, and accumulates `tl.dot` with the
   matching 32 inputs in float32. For few tokens (decode), where reading the weight is the cost:
-  the blocks' bytes (Q4_K 4.5 bits a weight, Q6_K 6.56, Q8_0 8.5) instead of 16 bits.
+  the blocks' bytes (Q4_K 4.5 bits a weight, Q5_0 5.5, Q6_K 6.56, Q8_0 8.5) instead of 16 bits.
 - more tokens (prefill): the reference's dequantize then one 16-bit GEMM (cuBLAS's tensor
   cores), whose cost the many tokens share.
 """
@@ -61,6 +61,29 @@ def _q8_0_kernel(x_ptr, qs_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_qs, s
         q = tl.load(qs_ptr + cols[:, None] * stride_qs + b * 32 + lane[None, :], mask=in_n[:, None], other=0)
         d = tl.load(d_ptr + cols * stride_d + b, mask=in_n, other=0.0).to(tl.float32)
         w = d[:, None] * q.to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + b * 32 + lane[None, :], mask=in_m[:, None], other=0.0)
+        acc = _dot(acc, x, w, DOT_F32)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=in_m[:, None] & in_n[None, :])  # fmt: skip
+
+
+@triton.jit
+def _q5_0_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_qs, stride_qh, stride_d, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+    """Q5_0: w = d * (q - 16); value l's low 4 bits are the low (l < 16) or high nibble of byte l % 16,
+    its fifth bit bit l of the block's little-endian 32-bit qh."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = rows < M, cols < N
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for b in range(0, K // 32):
+        qs = tl.load(qs_ptr + cols[:, None] * stride_qs + b * 16 + (lane % 16)[None, :], mask=in_n[:, None], other=0)
+        qh = tl.load(qh_ptr + cols[:, None] * stride_qh + b * 4 + (lane // 8)[None, :], mask=in_n[:, None], other=0)
+        low = (qs.to(tl.int32) >> ((lane // 16) * 4)[None, :]) & 0xF
+        high = (qh.to(tl.int32) >> (lane % 8)[None, :]) & 1
+        d = tl.load(d_ptr + cols * stride_d + b, mask=in_n, other=0.0).to(tl.float32)
+        w = d[:, None] * ((low | (high << 4)) - 16).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + b * 32 + lane[None, :], mask=in_m[:, None], other=0.0)
         acc = _dot(acc, x, w, DOT_F32)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -147,6 +170,9 @@ def gguf_gemm_triton(x: torch.Tensor, type_name: str, fields: dict[str, torch.Te
     if type_name == "Q8_0":
         _q8_0_kernel[grid](x, f["qs"], f["d"], out, m, n, k, x.stride(0), f["qs"].stride(0), f["d"].stride(0),
                            out.stride(0), **common)  # fmt: skip
+    elif type_name == "Q5_0":
+        _q5_0_kernel[grid](x, f["qs"], f["qh"], f["d"], out, m, n, k, x.stride(0), f["qs"].stride(0), f["qh"].stride(0),
+                           f["d"].stride(0), out.stride(0), **common)  # fmt: skip
     elif type_name in ("Q4_K", "Q5_K"):
         qh = f.get("qh", f["qs"])  # (Q4_K has none: never read)
         _q45_k_kernel[grid](x, f["qs"], qh, f["scales"], f["d"], f["dmin"], out, m, n, k, x.stride(0), f["qs"].stride(0),

@@ -3,7 +3,9 @@ product dequantizes them inside the GEMM (llmserve/kernels/gguf_linear.py) inste
 dequantizing the whole model to 16 bits (a 7B Q4_K_M file: 4.4 GB of blocks, 15 GB in bf16).
 
 A GGUF tensor is rows of blocks, each block an array of structs (ggml-common.h): Q8_0 is an fp16
-scale and 32 int8 values; Q4_K/Q5_K a 256-value super-block with fp16 d and dmin, eight 6-bit
+scale and 32 int8 values; Q5_0 an fp16 scale, 32 fifth bits and 32 nibbles, w = d * (q - 16)
+(what Q4_K_M files hold where a row is not whole super-blocks: Gemma 3 270M's q/k/v/gate/up);
+Q4_K/Q5_K a 256-value super-block with fp16 d and dmin, eight 6-bit
 scales and mins packed in 12 bytes, and 4-bit values (plus a fifth bit for Q5_K), w = d * sc * q -
 dmin * m; Q6_K 256 values in 6 bits with sixteen int8 scales and an fp16 d, w = d * sc * (q - 32).
 At load each block's fields are split into arrays of their own, output rows first
@@ -11,13 +13,14 @@ At load each block's fields are split into arrays of their own, output rows firs
 reads aligned, typed fields, and joining them back gives the file's bytes (`blocks_of`), so the
 reference is the loader's own dequantizer (model/gguf/dequant.py) on exactly those bytes.
 
-None of the four maps exactly onto the W4A16 layout (w = (q - z) * s with an integer zero point
+None of these maps exactly onto the W4A16 layout (w = (q - z) * s with an integer zero point
 z): Q4_K's offset dmin * m is a float of its own per 32 values, Q6_K has 6 bits and sixteen
-scales, Q8_0 a scale per 32 values (the INT8 layer's is per row). Each has its own kernel.
+scales, Q8_0 a scale per 32 values (the INT8 layer's is per row), Q5_0 five bits. Each has its own
+kernel.
 
 A layer is a stack of pieces along its outputs, each one part's rows (q, k, v of a fused
 q/k/v; adjacent parts of one format join): `GGUFBlocks` for a kept format, `DenseRows` (the
-model's dtype) for a part whose format is not kept (Q5_0, F16, ...), so a Q4_K_M file's q/k in
+model's dtype) for a part whose format is not kept (Q4_0, Q4_1, Q5_1, F16, ...), so a Q4_K_M file's q/k in
 Q4_K and v in Q6_K each keep their own format.
 """
 
@@ -61,6 +64,7 @@ _U8, _I8, _F16 = torch.uint8, torch.int8, torch.float16
 # fmt: off
 KEPT_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q8_0", (Field("d", 0, 2, _F16), Field("qs", 2, 32, _I8))),
+    BlockFormat("Q5_0", (Field("d", 0, 2, _F16), Field("qh", 2, 4, _U8), Field("qs", 6, 16, _U8))),
     BlockFormat("Q4_K", (Field("d", 0, 2, _F16), Field("dmin", 2, 2, _F16), Field("scales", 4, 12, _U8),
                          Field("qs", 16, 128, _U8))),
     BlockFormat("Q5_K", (Field("d", 0, 2, _F16), Field("dmin", 2, 2, _F16), Field("scales", 4, 12, _U8),
