@@ -18,6 +18,7 @@ import pytest
 
 from llmserve import LLM, AsyncEngine, EngineArgs, SamplingParams
 from llmserve.config import ConfigError, executor_config
+from llmserve.engine.executor import RankSpec, placement_from_gpus
 from llmserve.errors import EngineDeadError
 
 pytestmark = pytest.mark.integration
@@ -69,6 +70,17 @@ def test_executor_settings_are_checked(llama_dir, monkeypatch):
     with pytest.raises(ConfigError, match="needs Ray, which is not installed: pip install"):
         executor_config("ray", "STRICT_PACK", 10, 1)
     assert executor_config("mp", "STRICT_PACK", 10, 2).backend == "mp"  # mp never asks for Ray
+
+
+def test_gpu_placement_per_node():
+    """Ranks on two nodes: each actor sees its node's GPUs of this engine and picks its own; the
+    driver (rank 0, the GPU its holder actor was given) keeps its own view of the GPUs."""
+    gpus = {0: ("A", ["3"]), 1: ("A", ["1"]), 2: ("B", ["0"]), 3: ("B", ["5"])}
+    placed = placement_from_gpus("10.0.0.1", 4, gpus, None)
+    assert placed.visible_devices == (None, "1,3", "0,5", "0,5")
+    assert placed.device_index == (3, 0, 0, 1)
+    assert placed.spec(2, 29500) == RankSpec(2, "10.0.0.1:29500", 0, "0,5")
+    assert placement_from_gpus("10.0.0.1", 4, gpus, "2,3").device_index[0] == 1  # GPU 3 is its second
 
 
 def test_tp2_over_two_nodes_equals_one_process_and_a_killed_actor_fails_the_engine(cluster, llama_dir):

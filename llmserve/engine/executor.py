@@ -51,6 +51,24 @@ class WorkerHandle:
     where: str  # for messages: "pid 123", "Ray actor ... on node 10.0.0.2"
 
 
+def placement_from_gpus(host: str, world_size: int, gpus: dict[int, tuple[str, list[str]]],
+                        driver_visible: str | None) -> Placement:  # fmt: skip
+    """Each rank's GPU from what a cluster gave it (`gpus`: rank -> (node id, GPU ids); rank 0's:
+    what was reserved for the driver): every actor sees its node's GPUs of this engine (so NCCL
+    finds NVLink between them) and uses its own; the driver keeps its view (`driver_visible`, its
+    CUDA_VISIBLE_DEVICES) and uses the holder's GPU in it."""
+    node_gpus: dict[str, set[str]] = {}
+    for node, ids in gpus.values():
+        node_gpus.setdefault(node, set()).update(ids)
+    index, visible = [0] * world_size, [None] * world_size
+    for rank, (node, ids) in gpus.items():
+        mine = sorted(node_gpus[node], key=int)
+        index[rank], visible[rank] = mine.index(ids[0]), ",".join(mine)
+    held = gpus[0][1][0]
+    index[0], visible[0] = (driver_visible.split(",").index(held) if driver_visible else int(held)), None
+    return Placement(host, tuple(index), tuple(visible))
+
+
 class Executor(Protocol):
     """Reserves room for the ranks, starts the workers, says why one died, stops them."""
 

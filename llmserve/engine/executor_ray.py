@@ -33,7 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from llmserve.config import ConfigError, EngineConfig
-from llmserve.engine.executor import Placement, RankSpec, WorkerHandle
+from llmserve.engine.executor import Placement, RankSpec, WorkerHandle, placement_from_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -151,22 +151,9 @@ class RayExecutor:
                                "network", first, first + tp - 1, len(spanned))  # fmt: skip
         if not gpu:
             return Placement(host, (0,) * world_size, (None,) * world_size)
-        return self._gpu_placement(host, world_size, where)
-
-    def _gpu_placement(self, host: str, world_size: int, where: dict[int, tuple]) -> Placement:
-        """Each rank's GPU: every rank of a node sees that node's GPUs of this engine (NVLink for
-        NCCL) and uses its own; the driver (rank 0) uses the GPU its holder actor was given."""
-        node_gpus: dict[str, list[str]] = {}
-        for node, _, gpus, _ in where.values():
-            node_gpus.setdefault(node, []).extend(gpus)
-        index, visible = [0] * world_size, [None] * world_size
-        for rank, (node, _, gpus, _) in where.items():
-            ids = sorted(node_gpus[node], key=int)
-            index[rank], visible[rank] = ids.index(gpus[0]), ",".join(ids)
-        seen = os.environ.get("CUDA_VISIBLE_DEVICES")  # the driver's process keeps its own view
-        mine = where[0][2][0]
-        index[0], visible[0] = (seen.split(",").index(mine) if seen else int(mine)), None
-        return Placement(host, tuple(index), tuple(visible))
+        return placement_from_gpus(
+            host, world_size, {rank: (w[0], w[2]) for rank, w in where.items()}, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )  # (the driver process's own view)
 
     # -- the workers -----------------------------------------------------------------------------
     def launch(self, config: EngineConfig, specs: list[RankSpec]) -> list[WorkerHandle]:
