@@ -51,7 +51,7 @@ _HELP = {
     "pipeline_parallel_size": "split the decoder layers over this many stages (processes; each stage tensor_parallel_size ranks); one step in flight at a time",
     "data_parallel_size": "run this many engine cores (each its own process and GPUs, each tensor x pipeline parallel) behind one API server, requests balanced by prefix affinity and queue length",
     "distributed_executor_backend": "mp (default): tensor/pipeline worker ranks as processes on this machine; ray: as Ray actors, one GPU each, on the nodes of the Ray cluster RAY_ADDRESS names (else one started here)",
-    "ray_placement_strategy": "with ray: the placement group's strategy: STRICT_PACK (every rank on one node), PACK, SPREAD or STRICT_SPREAD (across nodes)",
+    "ray_placement_strategy": "with ray: the placement group's strategy: PACK (the default, as vLLM: as few nodes as fit), STRICT_PACK (every rank on one node), SPREAD or STRICT_SPREAD (across nodes)",
     "ray_placement_timeout": "with ray: seconds for the cluster to place every rank; past them the start fails, naming what is missing",
     "enable_expert_parallel": "a mixture of experts: each of the tensor-parallel ranks holds num_experts / tensor_parallel_size whole experts (every token routed on every rank, the ranks' sums all-reduced) instead of every expert's slice",
     "kv_events_config": 'KV cache events as vLLM publishes them, as JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',

@@ -135,7 +135,7 @@ class ExecutorConfig:
     """How an engine core's worker ranks are started (engine/executor.py)."""
 
     backend: str = "mp"  # mp: processes on this machine; ray: Ray actors on a cluster's nodes
-    placement_strategy: str = "STRICT_PACK"  # ray: the placement group's (PACK, SPREAD: across nodes)
+    placement_strategy: str = "PACK"  # ray: the placement group's (PACK: as few nodes as fit, as vLLM; STRICT_PACK: one node)
     placement_timeout_s: float = 60.0  # ray: a placement group not met by then fails the start
     num_cpus: float = 1.0  # ray on CPUs: CPUs reserved per rank
 
@@ -424,7 +424,7 @@ class EngineArgs:
     # mp: worker ranks as processes on this machine; ray: as Ray actors on the nodes of the Ray
     # cluster RAY_ADDRESS names (else a local one), one GPU each (engine/executor_ray.py)
     distributed_executor_backend: str = "mp"
-    ray_placement_strategy: str = "STRICT_PACK"  # STRICT_PACK: one node; PACK or SPREAD: across nodes
+    ray_placement_strategy: str = "PACK"  # PACK (as vLLM): as few nodes as fit; STRICT_PACK: one node; SPREAD: across nodes
     ray_placement_timeout: float = 60.0  # seconds for the cluster to place every rank before the start fails
 
     @classmethod

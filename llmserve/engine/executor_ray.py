@@ -6,8 +6,8 @@ nodes of a Ray cluster.
   local cluster it started ends) when the engine stops.
 - **Placement.** One placement group per engine core, a bundle per rank: one GPU each (on CPUs
   `num_cpus` CPUs each), bundle 0 held on this node for rank 0, the driver, whose process is not
-  an actor. The strategy is `STRICT_PACK` (every rank on one node) unless told otherwise; `PACK`
-  or `SPREAD` let the ranks span nodes. A group the cluster cannot meet within the timeout is an
+  an actor. The strategy is `PACK` (as few nodes as fit, as vLLM) unless told otherwise:
+  `STRICT_PACK` keeps every rank on one node, `PACK` and `SPREAD` let the ranks span nodes. A group the cluster cannot meet within the timeout is an
   error at start naming what was asked and what the cluster has.
 - **The workers.** Each actor listens on its node's address; the driver connects (HMAC-checked
   with a key of this engine's) and from then on drives it exactly as a worker process: the same
