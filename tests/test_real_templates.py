@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
+from reasoning_utils import stream
 
 from llmserve.chat_template import render_chat
 from llmserve.config import TINY_MODEL_DIR
-from llmserve.openai.chat import MessageStream, reply_parts
+from llmserve.openai.chat import reply_parts
 from llmserve.openai.protocol import ChatCompletionRequest
 from llmserve.openai.tools import conversation, plan_tools
 from llmserve.reasoning import reasoning_parser, thinking_state
@@ -71,17 +72,9 @@ def read_back(turn: str, tool_parser: str, reasoning: str | None, prompt: str = 
     whole = reply_parts(turn, "stop", plan, parser)
     calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole[2]]
     for cut in range(1, len(turn)):
-        ms = MessageStream(plan, parser)
-        got_reasoning, got_content, got_calls = "", "", []
-        for text, finish in ((turn[:cut], None), (turn, "stop")):
-            step = ms.step(text, finish)
-            if step is not None:
-                got_reasoning += step[0] or ""
-                got_content += step[1] or ""
-                got_calls += step[2]
-        assert (got_reasoning or None, (got_content or "").strip() or None) == (whole[0], (whole[1] or "").strip() or None), cut
-        names = [c.function.name for c in got_calls if c.function.name]
-        assert names == [name for name, _ in calls], cut
+        got = stream(parser, [turn[:cut], turn[cut:]], "stop", plan)
+        assert (got[0], (got[1] or "").strip() or None) == (whole[0], (whole[1] or "").strip() or None), cut
+        assert [c.function.name for c in got[2] if c.function.name] == [name for name, _ in calls], cut
     return whole[0], whole[1], calls, whole[3]
 
 

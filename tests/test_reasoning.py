@@ -11,10 +11,11 @@ import logging
 import os
 
 import pytest
+from reasoning_utils import stream
 
 from llmserve.chat_template import render_chat
 from llmserve.config import TINY_MODEL_DIR
-from llmserve.openai.chat import MessageStream, reply_parts
+from llmserve.openai.chat import reply_parts
 from llmserve.openai.protocol import ChatCompletionRequest
 from llmserve.openai.tool_parsers import PARSERS, ToolCallFormatError
 from llmserve.openai.tools import plan_tools
@@ -62,22 +63,6 @@ def r1():
         tokenizer_object=backend, chat_template=meta["tokenizer.chat_template"],
         bos_token=tokens[meta["tokenizer.ggml.bos_token_id"]], eos_token=tokens[meta["tokenizer.ggml.eos_token_id"]],
     )  # fmt: skip
-
-
-def stream(parser, pieces: list[str], finish: str = "stop", tools=None):
-    """Feed the cumulative text piece by piece; (reasoning, content, calls, finish) as assembled by a client."""
-    ms = MessageStream(tools, parser)
-    text, reasoning, content, calls, last = "", "", "", [], None
-    for k, piece in enumerate(pieces):
-        text += piece
-        step = ms.step(text, finish if k == len(pieces) - 1 else None)
-        if step is None:
-            continue
-        thought, delta, call_deltas, last = step
-        reasoning += thought or ""
-        content += delta or ""
-        calls += call_deltas
-    return reasoning or None, content or None, calls, last
 
 
 def test_r1_template_and_markers(r1):

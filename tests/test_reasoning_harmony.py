@@ -11,9 +11,10 @@ import json
 import logging
 
 import pytest
+from reasoning_utils import stream
 
 from llmserve.config import TINY_MODEL_DIR
-from llmserve.openai.chat import MessageStream, reasoning_tokens, reply_parts
+from llmserve.openai.chat import reasoning_tokens, reply_parts
 from llmserve.openai.protocol import ChatCompletionRequest
 from llmserve.openai.tools import plan_tools
 from llmserve.reasoning import reasoning_parser
@@ -34,22 +35,6 @@ CALL_OUTPUT = (
 )
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
     "zone": {"type": "string"}}}}}]  # fmt: skip
-
-
-def stream(parser, pieces: list[str], finish: str = "stop", tools=None):
-    """Feed the cumulative text piece by piece; (reasoning, content, calls, finish) as a client assembles them."""
-    ms = MessageStream(tools, parser)
-    text, reasoning, content, calls, last = "", "", "", [], None
-    for k, piece in enumerate(pieces):
-        text += piece
-        step = ms.step(text, finish if k == len(pieces) - 1 else None)
-        if step is None:
-            continue
-        thought, delta, call_deltas, last = step
-        reasoning += thought or ""
-        content += delta or ""
-        calls += call_deltas
-    return reasoning or None, content or None, calls, last
 
 
 def test_analysis_is_reasoning_and_final_is_content():
