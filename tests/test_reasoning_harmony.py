@@ -74,7 +74,7 @@ def test_built_in_tools_and_preambles():
     parser = reasoning_parser("gpt_oss")
     text = (
         "<|channel|>analysis<|message|>Search first.<|end|>"
-        "<|start|>assistant to=browser.search<|channel|>analysis<|message|>{\"query\": \"x\"}<|end|>"
+        '<|start|>assistant to=browser.search<|channel|>analysis<|message|>{"query": "x"}<|end|>'
         "<|start|>assistant<|channel|>commentary<|message|>Checking now. <|end|>"
         "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
     )

@@ -65,8 +65,10 @@ def after_thoughts(spec: StructuredOutputsParams, state: State) -> StructuredOut
         texts = (spec.regex or "", spec.grammar or "", *(spec.choice or []))
         if any(CHANNEL in re.sub(r"\\(.)", r"\1", text) for text in texts):  # a regex escapes the "|"s
             return spec  # it spells out the harmony messages itself
-        raise ValueError("structured outputs (and tool_choice required or named) are not supported with the "
-                         "gpt_oss reasoning parser yet, unless the constraint spells out the harmony messages")
+        raise ValueError(
+            "structured outputs (and tool_choice required or named) are not supported with the "
+            "gpt_oss reasoning parser yet, unless the constraint spells out the harmony messages"
+        )
     if any(END in text for text in (spec.regex or "", spec.grammar or "", *(spec.choice or []))):
         return spec  # a constraint that writes the end marker itself spells out the thoughts too
     import xgrammar as xgr

@@ -74,8 +74,12 @@ def _first_end(text: str, start: int) -> tuple[int, int]:
 
 
 def _call_block(name: str, body: str, closed: bool) -> str:
-    return '<tool_call>{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ' + body + (
-        "}</tool_call>" if closed else ""
+    return (
+        '<tool_call>{"name": '
+        + json.dumps(name, ensure_ascii=False)
+        + ', "arguments": '
+        + body
+        + ("}</tool_call>" if closed else "")
     )
 
 
