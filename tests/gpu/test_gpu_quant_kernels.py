@@ -1,0 +1,117 @@
+"""The quantized-weight kernels compiled for the GPU against their PyTorch references, at shapes the
+CPU tests (Triton's interpreter, tiny shapes) cannot reach: W8A8 INT8 (exact: int32 sums), W4A16
+(GPTQ/AWQ groups, act-order), GGUF kept quantized (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K) and the fused
+MoE kernels on FP8 experts (per channel and per 128 x 128 block)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_utils import free_device_memory  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("m", [1, 16, 300])
+@pytest.mark.parametrize(("k", "n"), [(4096, 1024), (1024, 6144)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_int8_gemms_equal_the_integer_reference(m, k, n, out_dtype):
+    from llmserve.kernels.int8_linear import int8_gemm_fast, int8_gemm_triton
+    from llmserve.model.int8 import int8_gemm_reference, quantize_rows_int8, quantize_tokens_int8
+
+    gen = _gen(m + k)
+    xq, sx = quantize_tokens_int8(torch.randn(m, k, generator=gen) * 4)
+    wq, sw = quantize_rows_int8(torch.randn(n, k, generator=gen) * 0.05)
+    xq, sx, wq, sw = (t.to(CUDA) for t in (xq, sx, wq, sw))
+    want = int8_gemm_reference(xq.cpu(), sx.cpu(), wq.cpu(), sw.cpu(), out_dtype).to(CUDA)
+    got = int8_gemm_triton(xq, sx, wq, sw, out_dtype)
+    assert got.dtype == out_dtype
+    # int32 sums are exact in any order; the epilogue's float rounding may differ by one ulp
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=1e-3 * want.abs().max().item())
+    torch.testing.assert_close(int8_gemm_fast(xq, sx, wq, sw, out_dtype), want, rtol=8e-3,
+                               atol=1e-3 * want.abs().max().item())  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 7, 256])
+@pytest.mark.parametrize(("k", "n", "group", "act_order"), [(4096, 1024, 128, False), (2048, 512, 32, True),
+                                                            (1024, 768, -1, False)])  # fmt: skip
+def test_w4a16_kernel_equals_dequantize_then_matmul(m, k, n, group, act_order):
+    from llmserve.kernels.w4a16_linear import w4a16_gemm_triton, w4a16_matmul_fast
+    from llmserve.model.w4a16 import pack_rows, w4a16_matmul_reference
+    from llmserve.model.w4a16_checkpoint import quantize_groups
+
+    gen = _gen(m + k + n)
+    q, scales, zeros, g_idx = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group, False, act_order)
+    qweight, scales = pack_rows(q), scales.to(torch.float16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    want = w4a16_matmul_reference(x.float(), qweight, scales, zeros, g_idx)
+    args = [t.to(CUDA) if isinstance(t, torch.Tensor) else t for t in (qweight, scales, zeros, g_idx)]
+    got = w4a16_gemm_triton(x.to(CUDA), *args)
+    assert got.dtype == torch.bfloat16
+    tol = dict(rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    torch.testing.assert_close(got.float().cpu(), want, **tol)
+    torch.testing.assert_close(w4a16_matmul_fast(x.to(CUDA), *args).float().cpu(), want, **tol)
+
+
+@pytest.mark.parametrize("m", [1, 5, 200])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_kernels_equal_dequantize_then_matmul(type_name, m):
+    from llmserve.kernels.gguf_linear import gguf_gemm_triton
+    from llmserve.model.gguf.dequant import dequantize
+    from llmserve.model.gguf.quantize import quantize
+    from llmserve.model.gguf_linear import GGUFBlocks
+
+    rows, k = 1000, 2048  # rows not a multiple of the kernels' tiles: masked
+    w = torch.randn(rows, k, generator=_gen(rows))
+    raw = torch.from_numpy(quantize(w.numpy(), type_name).view(np.uint8).reshape(rows, -1).copy())
+    piece = GGUFBlocks(type_name, rows, k)
+    piece.load_raw(raw)
+    x = torch.randn(m, k, generator=_gen(m))
+    want = x @ dequantize(raw, type_name, (rows, k)).t()
+    fields = {name: t.to(CUDA) for name, t in piece.fields().items()}
+    got = gguf_gemm_triton(x.to(CUDA), type_name, fields).float().cpu()
+    # float32 activations: the kernel's dot may use TF32 on the GPU
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    got16 = gguf_gemm_triton(x.to(CUDA, torch.bfloat16), type_name, fields).float().cpu()
+    want16 = x.to(torch.bfloat16).float() @ dequantize(raw, type_name, (rows, k)).t()
+    torch.testing.assert_close(got16, want16, rtol=3e-2, atol=2e-2 * want16.abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+@pytest.mark.parametrize("block_shape", [None, (128, 128)])
+def test_fp8_fused_moe_equals_the_fp8_reference(tokens, block_shape):
+    from llmserve.kernels import fused_moe as fm
+    from llmserve.model.fp8 import quantize_rows
+    from llmserve.model.fp8_blocks import quantize_blocks
+    from llmserve.model.moe import fused_moe_reference
+
+    experts, top_k, hidden, inter = 16, 4, 1024, 768
+    gen = _gen(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    if block_shape is not None:
+        (q13, s13), (q2, s2) = quantize_blocks(w13, block_shape), quantize_blocks(w2, block_shape)
+        scales = dict(w13_scale=s13, w2_scale=s2, block_shape=block_shape)
+    else:
+        q13, s13 = quantize_rows(w13.reshape(-1, hidden))
+        q2, s2 = quantize_rows(w2.reshape(-1, inter))
+        q13, q2 = q13.reshape(w13.shape), q2.reshape(w2.shape)
+        scales = dict(w13_scale=s13.reshape(experts, 2 * inter, 1), w2_scale=s2.reshape(experts, hidden, 1))
+    ref = fused_moe_reference(x, logits, q13, q2, top_k, True, **scales)
+    on = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in scales.items()}
+    out = fm.fused_moe(x.to(CUDA, torch.bfloat16), logits.to(CUDA), q13.to(CUDA), q2.to(CUDA), top_k, True, **on)
+    assert out.dtype == torch.bfloat16
+    got = out.float().cpu()
+    # bf16 tokens and output against float32 tokens: bf16's rounding, far under FP8's own error
+    assert (got - ref).norm() / ref.norm() < 0.02
+    exact = fused_moe_reference(x, logits, w13, w2, top_k, True)
+    assert (got - exact).norm() / exact.norm() < 0.08
