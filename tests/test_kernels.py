@@ -378,6 +378,22 @@ def test_fresh_long_prompts_of_a_mixed_batch_take_sdpa_and_the_rest_the_kernel(m
     assert sdpa_rows == [] and launches[0][:2] == (0, 7)
 
 
+def test_fresh_prefill_tiles_fit_shared_memory_for_every_head_size():
+    """The tiles `launch_config` picks stay under the shared-memory budget for 64-, 128- and
+    256-wide heads in 16 and 32 bits (Gemma 3's 256 in bf16 asked for 256 KiB on an H100 and did
+    not launch), and Llama's 128 in 16 bits keeps the swept tiles. Warm-up compiles each shape once."""
+    from llmserve.kernels.fresh_prefill import SMEM_BUDGET, launch_config, tile_bytes, warmup_fresh_prefill
+
+    for head_dim in (64, 128, 256):
+        for itemsize in (2, 4):
+            for n in (100, 1000, 8000):
+                assert tile_bytes(launch_config(n, head_dim, itemsize), head_dim, itemsize) <= SMEM_BUDGET
+    assert [launch_config(n) for n in (600, 1100, 1600)] == [(64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)]
+    assert launch_config(1600, 256, 2) != (128, 64, 8, 3)
+    units = []
+    assert warmup_fresh_prefill(1, 1, 256, torch.float32, torch.device("cpu"), units.append) == len(units) == 1
+
+
 def test_the_fresh_prefill_kernel_matches_causal_sdpa_per_prompt():
     """`fresh_prefill_attention` against each prompt's causal SDPA (the math backend) over its own
     rows: strided q/k/v views of one fused projection, lengths on and off the tiles (the last

@@ -42,8 +42,32 @@ LOG2E = 1.4426950408889634
 _SHORT, _MEDIUM, _LONG = (64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)
 
 
-def launch_config(longest: int) -> tuple[int, int, int, int]:
-    return _SHORT if longest < 768 else _MEDIUM if longest < 1536 else _LONG
+# Shared memory a program's tiles take (the Q tile, and a K and a V tile per pipeline stage) is kept
+# under this: an A100 gives a block 163 KiB, Hopper 227 KiB, and the compiler adds its own buffers.
+# D 128 in 16 bits is never cut (128 KiB at most); Gemma 3's D 256 was: (128, 64, 8, 3) asked for
+# 256 KiB and failed to launch on an H100 (2026-12-07).
+SMEM_BUDGET = 144 * 1024
+
+
+def tile_bytes(config: tuple[int, int, int, int], head_dim: int, itemsize: int) -> int:
+    block_m, block_n, _, stages = config
+    return itemsize * head_dim * (block_m + 2 * stages * block_n)
+
+
+def launch_config(longest: int, head_dim: int = 128, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) by the longest prompt, cut to the shared-memory budget for
+    wider heads or 32-bit tokens: fewer stages first, then narrower key tiles, then fewer rows."""
+    block_m, block_n, warps, stages = _SHORT if longest < 768 else _MEDIUM if longest < 1536 else _LONG
+    while tile_bytes((block_m, block_n, warps, stages), head_dim, itemsize) > SMEM_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > 16:
+            block_m, warps = block_m // 2, 4
+        else:
+            break
+    return block_m, block_n, warps, stages
 
 
 @triton.jit
@@ -148,7 +172,7 @@ def fresh_prefill_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     assert head_dim == triton.next_power_of_2(head_dim) and q.shape[1] % k.shape[1] == 0
     longest = max(n for _, n in seqs)
-    block_m, block_n, warps, stages = config or launch_config(longest)
+    block_m, block_n, warps, stages = config or launch_config(longest, head_dim, q.element_size())
     num_tiles = triton.cdiv(longest, block_m)
     _fresh_prefill_kernel[(num_tiles, len(seqs), num_heads)](
         q, k, v, out, _seqs_on_device(tuple(seqs), q.device),
@@ -168,8 +192,9 @@ def warmup_fresh_prefill(num_heads: int, num_kv_heads: int, head_dim: int, dtype
     A `window`: the sliding-window variants. Returns how many (0: a head size it does not take)."""
     if head_dim != triton.next_power_of_2(head_dim):
         return 0
-    lengths = (600, 1100, 1600)  # one of each config's range
-    assert len({launch_config(n) for n in lengths}) == len(lengths)
+    # one length of each config's range; where wide heads cut two ranges to one shape, it once
+    by_config = {launch_config(n, head_dim, dtype.itemsize): n for n in (1600, 1100, 600)}
+    lengths = sorted(by_config.values())
 
     def launch(n: int) -> None:
         qkv = torch.zeros(n, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
