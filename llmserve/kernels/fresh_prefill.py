@@ -44,8 +44,7 @@ _SHORT, _MEDIUM, _LONG = (64, 32, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)
 
 # Shared memory a program's tiles take (the Q tile, and a K and a V tile per pipeline stage) is kept
 # under this: an A100 gives a block 163 KiB, Hopper 227 KiB, and the compiler adds its own buffers.
-# D 128 in 16 bits is never cut (128 KiB at most); Gemma 3's D 256 was: (128, 64, 8, 3) asked for
-# 256 KiB and failed to launch on an H100 (2026-12-07).
+# D 128 in 16 bits is never cut (128 KiB at most); D 256 is: (128, 64, 8, 3) would ask for 256 KiB.
 SMEM_BUDGET = 144 * 1024
 
 
