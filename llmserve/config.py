@@ -837,8 +837,6 @@ def _gguf_keep_quantized(args: EngineArgs, model_dir: Path, quantization: str | 
         why = "a mixture of experts' experts have no kept GGUF form yet"
     elif args.tensor_parallel_size > 1:
         why = "kept GGUF blocks do not run tensor-parallel yet"
-    elif args.enable_lora:
-        why = "LoRA on kept GGUF blocks is not supported yet"
     if why is None:
         return keep is True or device == "cuda"
     if keep:

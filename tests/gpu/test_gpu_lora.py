@@ -184,3 +184,52 @@ def test_cuda_graphs_with_adapters_give_eager_tokens(eager_run, overlap):
     llm = lora_engine(model, eager=False, overlap=overlap)
     assert token_ids(llm.generate(PROMPTS, PARAMS, lora_request=per_request, use_tqdm=False)) == want
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def quantized_bases(tmp_path_factory):
+    """One float32 Llama as three quantized bases (W8A8 INT8 at load, a GPTQ checkpoint, a GGUF file
+    of K-quants kept quantized), and four adapters."""
+    from llmserve.model.arch import read_model_arch
+    from llmserve.model.gguf.writer import write_gguf
+    from llmserve.model.w4a16_checkpoint import write_w4a16_checkpoint
+
+    work = tmp_path_factory.mktemp("lora_quantized")
+    model = make_random_model(work / "model", "llama", vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                              max_position_embeddings=2048)  # fmt: skip
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q5_K",
+             "up_proj": "Q5_K", "down_proj": "Q6_K"}  # fmt: skip
+    gguf = write_gguf(model, work / "model.gguf", lambda hf: types.get(hf.split(".")[-2], "F16"))
+    gptq = write_w4a16_checkpoint(str(model), work / "gptq", "gptq", 128, False, True)
+    arch = read_model_arch(model)
+    loras = [LoRARequest(f"a{k}", k + 1, str(write_random_adapter(arch, work / f"a{k}", (8, 16)[k % 2], k)))
+             for k in range(4)]  # fmt: skip
+    return {"int8": (str(model), {"quantization": "int8"}), "gptq": (str(gptq), {}),
+            "gguf": (str(gguf), {"gguf_keep_quantized": True})}, loras  # fmt: skip
+
+
+@pytest.mark.parametrize("base", ["int8", "gptq", "gguf"])
+def test_adapters_on_quantized_bases_in_cuda_graphs_give_eager_tokens(quantized_bases, base):
+    """Each base's kernels under the adapters (decode batches of up to 16 rows take the
+    dequant-in-the-GEMM kernels): CUDA graphs with the adapters overlapped give eager's tokens, and
+    the adapters change their requests' tokens."""
+    bases, loras = quantized_bases
+    model, kwargs = bases[base]
+    prompts, params = PROMPTS[:12], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    per_request = [None if i % 5 == 4 else loras[i % 5] for i in range(len(prompts))]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(model=model, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_model_len=256,
+                  max_num_seqs=16, enforce_eager=eager, lora_cuda_graphs=not eager, kv_cache_memory_bytes=1 << 30,
+                  **kwargs)  # fmt: skip
+        assert llm.config.model_config.quantization == {"int8": "int8", "gptq": "gptq", "gguf": "gguf"}[base]
+        runs[eager] = token_ids(llm.generate(prompts, params, lora_request=per_request, use_tqdm=False))
+        if eager:
+            plain = token_ids(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+        del llm
+        release()
+    assert runs[False] == runs[True]
+    for lora, got, want in zip(per_request, runs[True], plain):
+        assert (got != want) if lora is not None else (got == want)
