@@ -8,7 +8,7 @@ import time
 from llmserve.config import ConfigError, EngineConfig
 from llmserve.engine.grammar_manager import GrammarManager
 from llmserve.engine.kv_cache_manager import KVCacheManager
-from llmserve.engine.kv_disk_store import DiskStore, disk_fingerprint
+from llmserve.engine.kv_disk_store import DiskStore
 from llmserve.engine.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.model_runner import ModelRunner, PendingStep, select_attention_backend
@@ -153,24 +153,21 @@ class EngineCore:
     disk_errors = 0  # the disk tier's directory could not be used (so there is no tier)
 
     def _open_disk_tier(self, config: EngineConfig) -> DiskStore | None:
-        """The prefix cache's disk tier (`--kv-offload-disk-path`), below the host tier; None
-        without one, or when its directory cannot be used (logged: prefixes are recomputed)."""
+        """The prefix cache's disk tier (`--kv-offload-disk-path`), below the host tier, a file per
+        tensor-parallel rank (engine/kv_tier_ranks.py); None without one, or when its directory
+        cannot be used (logged: prefixes are recomputed)."""
         cc = config.cache_config
         if not cc.kv_offload_disk_bytes:
             return None
-        if config.tensor_parallel_size > 1 or getattr(config, "pipeline_parallel_size", 1) > 1:
-            raise ConfigError("--kv-offload-disk-path: the KV disk tier takes one rank for now "
-                              "(no tensor or pipeline parallelism)")  # fmt: skip
-        runner = self.runner
-        block_bytes = sum(c[:, 0].numel() * c.element_size() for c in runner.host_tier_caches)
+        if getattr(config, "pipeline_parallel_size", 1) > 1:
+            raise ConfigError("--kv-offload-disk-path: the KV disk tier takes no pipeline parallelism for now")
         max_seq_blocks = -(-config.model_config.max_model_len // cc.block_size)
-        store = DiskStore(cc.kv_offload_disk_path, cc.kv_offload_disk_bytes, block_bytes, cc.block_size,
-                          disk_fingerprint(config, runner, block_bytes), max_staged=max_seq_blocks + 1)  # fmt: skip
-        if not store.enabled:
-            self.disk_errors = store.counts.errors
+        store, errors = self.runner.open_disk_store(max_seq_blocks + 1)
+        if store is None:
+            self.disk_errors = errors
             return None
-        logger.info("KV disk tier: %d blocks of %d bytes in %s", store.num_slots, block_bytes, cc.kv_offload_disk_path)
-        runner.disk_store = store
+        logger.info("KV disk tier: %d blocks of %d bytes in %s (each of %d ranks its own file)", store.num_slots,
+                    store.block_bytes, cc.kv_offload_disk_path, config.tensor_parallel_size)  # fmt: skip
         return store
 
     def shutdown(self) -> None:

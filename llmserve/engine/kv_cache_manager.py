@@ -16,10 +16,10 @@ from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
 from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest
 from llmserve.engine.kv_disk_tier import DiskTier
 from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog
-from llmserve.kv_block_hash import block_hash
 from llmserve.engine.kv_host_tier import HostTier
 from llmserve.engine.kv_layout import NULL_BLOCK, KVLayout, single_group
 from llmserve.engine.request import Request
+from llmserve.kv_block_hash import block_hash
 
 NO_SWAP = -1  # a swapped-out request's entry for a released (NULL_BLOCK) one
 HOST_HIT = -2  # a `get_computed_blocks` entry the host tier holds (a device block is placed at allocation)
@@ -144,6 +144,7 @@ class KVCacheManager:
             return self._computed_groups(req, num_full, salt)
         hits = PrefixHit()
         host = self.host
+        on_disk: list[tuple[int, int, SlotMeta]] = []  # (index, slot, header): read together, below
         for i in range(num_full):
             if i == len(keys):
                 self._extend_keys(req, i + 1, salt)
@@ -154,12 +155,14 @@ class KVCacheManager:
                     hits.loads.append((len(hits), held))
                     block_id = HOST_HIT
                 else:
-                    stage = self._read_disk(req, i, keys[i]) if self.disk is not None else None
-                    if stage is None:
+                    found = self._find_on_disk(req, i, keys[i]) if self.disk is not None else None
+                    if found is None:
                         break
-                    hits.disk_loads.append((len(hits), stage))
+                    on_disk.append((i, *found))
                     block_id = DISK_HIT
             hits.append(block_id)
+        if on_disk:
+            return self._read_disk(hits, on_disk)
         return hits
 
     def _computed_groups(self, req: Request, num_full: int, salt: str | None) -> list[int]:
@@ -380,20 +383,27 @@ class KVCacheManager:
                 digests.append(chain_digest(digests[-1] if digests else None, tokens[i * bs : (i + 1) * bs], salt))
         return digests
 
-    def _read_disk(self, req: Request, index: int, key: BlockKey) -> int | None:
-        """The stage id of the request's block `index` read back from the disk tier, or None."""
+    def _find_on_disk(self, req: Request, index: int, key: BlockKey) -> tuple[int, SlotMeta] | None:
+        """(slot, header) of the request's block `index` if the disk tier holds it, else None."""
         digest = self._digests(req, index + 1)[index]
         if digest in self._spilling:
             return None  # its bytes reach the file at the next step's start
         slot = self.disk.lookup(digest)
-        if slot is None:
-            return None
-        stage = self.disk_store.stage(slot, SlotMeta(digest, key.token_ids, key.salt is None))
-        if stage is None:  # torn, corrupt or unreadable: recomputed (the store logged and counted it)
-            entry = self.disk.forget(digest)
+        return None if slot is None else (slot, SlotMeta(digest, key.token_ids, key.salt is None))
+
+    def _read_disk(self, hits: PrefixHit, on_disk: list[tuple[int, int, SlotMeta]]) -> PrefixHit:
+        """The prefix hit with its disk blocks read back and checked (in one go: under tensor
+        parallelism one call to every rank), cut before the first that did not read back."""
+        staged = self.disk_store.stage_run([(slot, meta) for _, slot, meta in on_disk])
+        hits.disk_loads = [(index, stage) for (index, _, _), stage in zip(on_disk, staged)]
+        if len(staged) < len(on_disk):  # torn, corrupt or unreadable (on some rank): recomputed
+            cut, _, meta = on_disk[len(staged)]
+            entry = self.disk.forget(meta.digest)
             if self.events is not None and entry is not None and entry.key is not None:
                 self.events.removed(DISK, entry.key)
-        return stage
+            del hits[cut:]
+            hits.loads = [(i, b) for i, b in hits.loads if i < cut]
+        return hits
 
     def _spill(self, key: BlockKey, host_block: int) -> None:
         """A block the host tier evicts from `host_block` goes to a disk slot (written at the step's

@@ -36,6 +36,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -104,6 +105,15 @@ class SlotMeta:
     persistent: bool
 
 
+class DiskPeers(Protocol):
+    """Rank 0's calls that every tensor-parallel rank runs on its own store (the model runner's
+    mirrored methods)."""
+
+    def read_disk_blocks(self, reads: list[tuple[int, int, SlotMeta]], drops: list[int]) -> int: ...
+
+    def clear_disk_store(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RestoredSlot:
     slot: int
@@ -115,7 +125,9 @@ class DiskStore:
     """The arena file, its writer thread and the blocks read back (staged) for the next step."""
 
     def __init__(self, path: str, capacity_bytes: int, block_bytes: int, block_size: int, fingerprint: dict,
-                 max_staged: int = 64) -> None:  # fmt: skip
+                 max_staged: int = 64, name: str = "kv_arena") -> None:  # fmt: skip
+        """`name`: the files' stem (a tensor-parallel rank's own: engine/kv_tier_ranks.py)."""
+        self.name = name
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.header_bytes = _HEAD.size + 8 * block_size + 2 * _CRC.size
@@ -128,6 +140,10 @@ class DiskStore:
         self._claimed: set[int] = set()  # stage ids a step will load: kept until taken
         self._staged_ids: dict[bytes, int] = {}  # digest -> stage id
         self._next_stage = 0
+        # rank 0 under tensor parallelism: every rank's reads (engine/kv_disk_ranks.py); the stage ids
+        # it dropped since its last read, for the other ranks to drop too
+        self.peers: DiskPeers | None = None
+        self._dropped: list[int] = []
         self._lock = threading.Lock()
         self._valid: dict[int, bytes] = {}  # slot -> the digest written there
         self._pending: dict[int, tuple[SlotMeta, torch.Tensor]] = {}  # slot -> the latest write not done
@@ -160,12 +176,13 @@ class DiskStore:
     def _open(self, root: Path, fingerprint: dict) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(root / "kv_arena.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        name = self.name
+        self._lock_fd = os.open(root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OSError(f"another engine holds {root / 'kv_arena.lock'}") from None
-        meta_path, arena_path = root / "kv_arena.json", root / "kv_arena.bin"
+            raise OSError(f"another engine holds {root / f'{name}.lock'}") from None
+        meta_path, arena_path = root / f"{name}.json", root / f"{name}.bin"
         meta = _read_json(meta_path)
         wanted = {"fingerprint": fingerprint, "version": VERSION, "slot_bytes": self.slot_bytes}
         reuse = meta is not None and all(meta.get(k) == v for k, v in wanted.items()) and arena_path.exists()
@@ -286,24 +303,58 @@ class DiskStore:
     def stage(self, slot: int, meta: SlotMeta) -> int | None:
         """Read and check the block `meta` names from `slot`, kept for the next step's load; its
         stage id, or None (not there, torn, corrupt, or an I/O error: a miss)."""
-        known = self._staged_ids.get(meta.digest)
-        if known is not None:
-            self._staged.move_to_end(known)
-            return known
-        start = time.perf_counter()
-        payload = self._read(slot, meta)
-        if payload is None:
-            return None
-        self.counts.latency.observe(time.perf_counter() - start)
-        self.counts.read += 1
-        self.counts.bytes_read += self.block_bytes
-        stage_id, self._next_stage = self._next_stage, self._next_stage + 1
-        self._staged[stage_id] = payload
-        self._staged_ids[meta.digest] = stage_id
+        staged = self.stage_run([(slot, meta)])
+        return staged[0] if staged else None
+
+    def stage_run(self, blocks: list[tuple[int, SlotMeta]]) -> list[int]:
+        """Read and check a run of blocks, (slot, header) each, kept for a coming step's load: the
+        stage ids of the longest prefix of them that read back whole (a block after a miss is of
+        no use to a prefix). Under tensor parallelism every rank reads its own shard of each, and
+        the prefix is the one every rank read (`peers`: rank 0's, engine/kv_disk_ranks.py)."""
+        ids, reads = [], []
+        for slot, meta in blocks:
+            known = self._staged_ids.get(meta.digest)
+            if known is None:
+                known, self._next_stage = self._next_stage, self._next_stage + 1
+                reads.append((known, slot, meta))
+            ids.append(known)
+        if reads:
+            drops, self._dropped = self._dropped, []
+            done = self.peers.read_disk_blocks(reads, drops) if self.peers is not None else self.read_staged(reads)
+            failed = reads[done][0] if done < len(reads) else None
+            if failed is not None:
+                ids = ids[: ids.index(failed)]
+            for stage_id, _, meta in reads[:done]:
+                self._staged_ids[meta.digest] = stage_id
+        for stage_id in ids:
+            self._staged.move_to_end(stage_id)
         unclaimed = [s for s in self._staged if s not in self._claimed]
         for old in unclaimed[: max(0, len(unclaimed) - self.max_staged)]:
             self._unstage(old)
-        return stage_id
+            if self.peers is not None:
+                self._dropped.append(old)  # (the other ranks drop it with the next read)
+        return ids
+
+    def read_staged(self, reads: list[tuple[int, int, SlotMeta]], drops: list[int] = ()) -> int:
+        """This rank's part of `stage_run`: forget the stage ids `drops`, then read and check each
+        (stage id, slot, header) in order, up to the first that fails; how many were read."""
+        for stage_id in drops:
+            self._unstage(stage_id)
+        for done, (stage_id, slot, meta) in enumerate(reads):
+            start = time.perf_counter()
+            payload = self._read(slot, meta)
+            if payload is None:
+                return done
+            self.counts.latency.observe(time.perf_counter() - start)
+            self.counts.read += 1
+            self.counts.bytes_read += self.block_bytes
+            self._staged[stage_id] = payload
+        return len(reads)
+
+    def unstage(self, stage_ids: list[int]) -> None:
+        """Forget staged blocks (read here, but not by every rank)."""
+        for stage_id in stage_ids:
+            self._unstage(stage_id)
 
     def _read(self, slot: int, meta: SlotMeta) -> torch.Tensor | None:
         with self._lock:
@@ -347,7 +398,15 @@ class DiskStore:
             self._staged_ids = {d: s for d, s in self._staged_ids.items() if s != stage_id}
 
     def clear(self) -> None:
-        """Forget every block (the prefix cache was reset): a new arena id, so none is reused."""
+        """Forget every block (the prefix cache was reset): a new arena id, so none is reused
+        (on every rank: `peers`)."""
+        if self.peers is not None:
+            self.peers.clear_disk_store()
+        else:
+            self.clear_local()
+
+    def clear_local(self) -> None:
+        """This rank's part of `clear`."""
         if not self.enabled:
             return
         self.flush()
@@ -357,8 +416,9 @@ class DiskStore:
         self._staged.clear()
         self._staged_ids.clear()
         self._claimed.clear()
+        self._dropped = []
         self.arena_id = secrets.token_bytes(8)
-        meta_path = self.root / "kv_arena.json"
+        meta_path = self.root / f"{self.name}.json"
         meta = _read_json(meta_path) or {}
         meta["arena_id"] = self.arena_id.hex()
         tmp = meta_path.with_suffix(".json.tmp")
@@ -418,8 +478,9 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
 
 def disk_fingerprint(config, runner, block_bytes: int) -> dict:
     """What must be equal for a block written by one engine to be another's KV: the model and its
-    weights, the dtypes, the block size and KV layout, the tokenizer, quantization, FP8 KV scales."""
-    mc, a = config.model_config, runner.arch
+    weights, the dtypes, the block size and KV layout, the tokenizer, quantization, FP8 KV scales,
+    and the tensor-parallel rank and size (a rank's blocks hold its share of the KV heads)."""
+    mc, a, tp = config.model_config, runner.arch, runner.tp
     weights = f"dummy, seed {mc.seed}" if mc.load_format == "dummy" else weights_fingerprint(mc.model)
     return {
         "model": mc.model,
@@ -431,5 +492,6 @@ def disk_fingerprint(config, runner, block_bytes: int) -> dict:
         "tokenizer": tokenizer_fingerprint(mc.tokenizer),
         "quantization": f"{mc.quantization} {sorted(mc.quantization_ignore)}",
         "kv_scales": repr(runner.kv_scales.scales),
+        "tensor_parallel": f"rank {tp.rank} of {tp.world_size}",
         "format": VERSION,
     }

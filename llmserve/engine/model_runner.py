@@ -25,8 +25,9 @@ from llmserve.engine import seeded_noise
 from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
-from llmserve.engine.kv_disk_store import DiskStore, LoadLatency
+from llmserve.engine.kv_disk_store import DiskStore, LoadLatency, SlotMeta
 from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget, kv_layout
+from llmserve.engine.kv_tier_ranks import RankTierCounts, gather_counts, open_rank_store, read_on_every_rank
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.pp_stages import SINGLE_STAGE, StagePlace, run_stage, stage_slots
@@ -265,6 +266,7 @@ class ModelRunner:
         self.host_tier_caches: list[torch.Tensor] = []  # the prefix cache's host tier (engine/kv_host_tier.py)
         self.disk_store: DiskStore | None = None  # the disk tier's file, below it (engine/kv_disk_store.py)
         self.host_load_latency = LoadLatency()  # the host tier's loads, a block's share of a step's copy
+        self.tier_counts = RankTierCounts(tp.rank)  # this rank's own copies between the tiers
         sc = config.scheduler_config
         # block table columns: enough for max_model_len, in the kernel-friendly width (`table_width`)
         self.max_blocks = table_width(-(-mc.max_model_len // self.block_size))
@@ -777,6 +779,10 @@ class ModelRunner:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
         start = time.perf_counter()
+        if to_host:
+            self.tier_counts.host_stored += len(pairs)
+        else:
+            self.tier_counts.host_loaded += len(pairs)
         for dev_cache, host_cache in zip(self.kv_caches, self.host_tier_caches):
             if to_host:
                 host_cache[:, dst] = dev_cache[:, src.to(self.device)].to("cpu")
@@ -805,6 +811,7 @@ class ModelRunner:
                 rows[i] = row
         for (_, _, slot, meta), row in zip(spills, rows):  # (in order: a slot written twice keeps the last)
             self.disk_store.write(slot, meta, row)
+        self.tier_counts.disk_spilled += len(spills)
 
     def _load_from_disk(self, loads: list[tuple[int, int]]) -> None:
         """Blocks read back from the disk tier (checked when their request was admitted) into
@@ -812,6 +819,7 @@ class ModelRunner:
         if not loads:
             return
         rows = torch.stack([self.disk_store.take(stage) for stage, _ in loads])
+        self.tier_counts.disk_loaded += len(loads)
         dst = torch.tensor([d for _, d in loads], dtype=torch.long).to(self.device)
         offset = 0
         for dev_cache in self.kv_caches:
@@ -829,6 +837,30 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host_tier_caches = [torch.zeros(shape, dtype=self.kv_dtype, pin_memory=pin)
                                  for _ in range(len(self.kv_slots))] if num_blocks else []  # fmt: skip
+
+    @on_every_rank
+    def open_disk_store(self, max_staged: int) -> tuple[DiskStore | None, int]:
+        """Each rank's own disk tier file (engine/kv_tier_ranks.py), after `init_host_tier`: (the
+        store, else None on every rank; this rank's errors opening it)."""
+        self.disk_store, errors = open_rank_store(self.config, self, max_staged)
+        if self.disk_store is not None and self.mirror is not None:  # rank 0 of several: reads on every rank
+            self.disk_store.peers = self
+        return self.disk_store, errors
+
+    @on_every_rank
+    def read_disk_blocks(self, reads: list[tuple[int, int, SlotMeta]], drops: list[int]) -> int:
+        """Disk blocks read back on every rank (rank 0's `DiskStore.stage_run`): how many every rank read."""
+        return read_on_every_rank(self.disk_store, self.tp, reads, drops)
+
+    @on_every_rank
+    def clear_disk_store(self) -> None:
+        """The prefix cache was reset: every rank forgets its disk blocks."""
+        self.disk_store.clear_local()
+
+    @on_every_rank
+    def tier_counts_by_rank(self) -> list[dict]:
+        """Every rank's own tier copies and disk counts, in rank order (on rank 0)."""
+        return gather_counts(self.tp, self.tier_counts.with_store(self.disk_store))
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:

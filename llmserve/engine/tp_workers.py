@@ -123,6 +123,8 @@ def serve_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> bool:
         conn.close()
     unfreeze()
     if runner is not None:
+        if runner.disk_store is not None:  # its queued writes finish, for a restart to find
+            runner.disk_store.close()
         runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
     shutdown_distributed()
     return True

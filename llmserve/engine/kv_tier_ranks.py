@@ -1,0 +1,102 @@
+"""The KV cache tiers under tensor parallelism: each rank keeps its own shard of every block.
+
+Rank 0 (the scheduler's) decides every move, as it does the block tables: which device block goes
+to which host block, which host block to which disk slot, which block is read back into which
+device block. The moves travel with the step to every rank (`StepInputs`), and each rank copies its
+own shard (its KV heads) between its device cache, its host memory and its own arena file:
+
+    DIR/kv_arena-tp{rank}of{size}.{bin,json,lock}   (one rank alone: DIR/kv_arena.*)
+
+A rank's fingerprint names its rank and the group's size, so a restart with another tensor-parallel
+size never loads another split's shards (its files have other names, too).
+
+Disk reads are the one move that can fail on one rank and not another (a torn slot, an I/O error,
+a write that failed on that rank only). A prefix hit on disk is therefore decided by every rank:
+when a request is admitted, rank 0 sends the run of blocks it wants read (`read_on_every_rank`,
+a mirrored call), each rank reads and checks its own shards into memory, and the ranks agree on
+the shortest run that every one of them read (one MIN over the group). The blocks past it are a
+miss on every rank, and dropped from every rank's memory; rank 0 forgets the first of them. So a
+block is loaded on every rank or on none. The alternative, trusting the other ranks' files to hold
+what rank 0's does, fails the first time one rank's write fails: that rank would load garbage.
+
+Which read-back blocks a rank keeps in memory follows rank 0 too: the stage ids are rank 0's, a
+load takes its block on every rank, and a block rank 0 drops unloaded is dropped by the others with
+the next read (`DiskStore.stage_run`'s `drops`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, disk_fingerprint
+from llmserve.model.tensor_parallel import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+def store_name(rank: int, world_size: int) -> str:
+    """The stem of a rank's arena files (one rank: the plain `kv_arena`)."""
+    return "kv_arena" if world_size == 1 else f"kv_arena-tp{rank}of{world_size}"
+
+
+def open_rank_store(config, runner, max_staged: int) -> tuple[DiskStore | None, int]:
+    """This rank's disk store, if every rank could open one of the same number of slots (else
+    none on any rank: a tier some ranks lack is no tier); and this rank's errors opening it."""
+    cc, tp = config.cache_config, runner.tp
+    block_bytes = sum(c[:, 0].numel() * c.element_size() for c in runner.host_tier_caches)
+    store = DiskStore(cc.kv_offload_disk_path, cc.kv_offload_disk_bytes, block_bytes, cc.block_size,
+                      disk_fingerprint(config, runner, block_bytes), max_staged=max_staged,
+                      name=store_name(tp.rank, tp.world_size))  # fmt: skip
+    slots = store.num_slots if store.enabled else 0
+    fewest, most = tp.min_over_ranks(slots), -tp.min_over_ranks(-slots)
+    if fewest == most and fewest > 0:
+        return store, store.counts.errors
+    if store.enabled and tp.rank == 0:
+        logger.warning("KV disk tier off: another tensor-parallel rank could not use %s (or has another "
+                       "slot count); prefixes past the host tier are recomputed", cc.kv_offload_disk_path)  # fmt: skip
+    errors = store.counts.errors
+    store.close()
+    return None, errors
+
+
+def read_on_every_rank(store: DiskStore, tp: TPGroup, reads: list[tuple[int, int, SlotMeta]], drops: list[int]) -> int:
+    """Each rank's part of a read rank 0 asked for: read its own shards, agree on how many every
+    rank read, drop the rest; that number."""
+    done = store.read_staged(reads, drops)
+    agreed = tp.min_over_ranks(done)
+    store.unstage([stage_id for stage_id, _, _ in reads[agreed:done]])
+    return agreed
+
+
+@dataclass
+class RankTierCounts:
+    """One rank's own copies between its tiers (each a block's shard)."""
+
+    rank: int = 0
+    host_stored: int = 0  # device -> host memory
+    host_loaded: int = 0  # host memory -> device
+    disk_spilled: int = 0  # handed to the disk store's writer
+    disk_loaded: int = 0  # read back from disk into the device
+    disk_written: int = 0  # written to this rank's file
+    disk_read: int = 0  # read and checked from it (a read not every rank made is not loaded)
+    disk_errors: int = 0
+    disk_corrupt: int = 0
+
+    def with_store(self, store: DiskStore | None) -> dict:
+        counts = asdict(self)
+        if store is not None:
+            c = store.counts
+            counts.update(disk_written=c.written, disk_read=c.read, disk_errors=c.errors, disk_corrupt=c.corrupt)
+        return counts
+
+
+def gather_counts(tp: TPGroup, mine: dict) -> list[dict]:
+    """Every rank's counts, in rank order (every rank calls it)."""
+    if tp.world_size == 1:
+        return [mine]
+    every: list[dict | None] = [None] * tp.world_size
+    dist.all_gather_object(every, mine, group=tp.cpu_group)
+    return every
