@@ -161,6 +161,7 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # set: the cache's changes published (engine/kv_events.py)
     enable_expert_parallel: bool = False  # a mixture of experts' whole experts split over the ranks
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over (engine/pp_stages.py)
+    pipeline_batches_in_flight: int = 1  # resolved: batches in the stages at once (engine/pp_batches.py)
     data_parallel_size: int = 1  # engine cores behind one front (engine/dp_front.py)
     executor: ExecutorConfig = ExecutorConfig()  # how worker ranks start (engine/executor.py)
 
@@ -386,6 +387,10 @@ class EngineArgs:
     # flag), not every expert's slice; attention, dense MLPs and shared experts stay tensor-parallel
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1  # stages the decoder layers are split over, each tensor_parallel_size ranks
+    # with pipeline parallelism: batches of disjoint requests moving through the stages at once, so
+    # the first stage runs batch N+1 while the last runs batch N (None: pipeline_parallel_size; 1: one
+    # step at a time, each stage then idle (P-1)/P of the time)
+    pipeline_batches_in_flight: int | None = None
     data_parallel_size: int = 1  # engine cores (each TP x PP ranks) behind one front, requests balanced over them
     async_scheduling: bool = True  # schedule the next step while the device runs this one
     max_mixed_graph_tokens: int = 1024  # steps with prefill tokens up to this: piecewise CUDA graphs
@@ -500,6 +505,7 @@ class EngineArgs:
                                fp8_checkpoint=checkpoint_quant is not None and quantization == "fp8")  # fmt: skip
         speculative = speculative_config(self.speculative_config, tp)
         pp = self._check_pipeline_parallel(arch, device, tp)
+        batches = self._check_batches_in_flight(pp)
         if pp > 1 and not eager:
             logger.info("pipeline parallelism: steps run eagerly (no CUDA graphs per stage yet)")
             eager = True
@@ -535,6 +541,7 @@ class EngineArgs:
                             _check_writable(self.step_timing_log), self.sampler, self.enable_sleep_mode, lora,
                             speculative, kv_events=kv_events,
                             enable_expert_parallel=self.enable_expert_parallel, pipeline_parallel_size=pp,
+                            pipeline_batches_in_flight=batches,
                             data_parallel_size=dp, executor=executor)  # fmt: skip
 
     def _check_data_parallel(self, device: str, ranks_per_core: int, kv_events: bool) -> int:
@@ -570,6 +577,18 @@ class EngineArgs:
             raise ConfigError(f"tensor_parallel_size {tp} x pipeline_parallel_size {pp} needs {tp * pp} GPUs; this "
                               f"machine has {torch.cuda.device_count()}")  # fmt: skip
         return pp
+
+    def _check_batches_in_flight(self, pp: int) -> int:
+        """Batches in the pipeline at once: 1 to pipeline_parallel_size (default: all of it)."""
+        asked = self.pipeline_batches_in_flight
+        if asked is None:
+            return pp
+        if pp == 1 and asked != 1:
+            raise ConfigError(f"pipeline_batches_in_flight {asked} needs pipeline parallelism "
+                              "(--pipeline-parallel-size 2 or more)")  # fmt: skip
+        if not 1 <= asked <= pp:
+            raise ConfigError(f"pipeline_batches_in_flight must be 1 to pipeline_parallel_size ({pp}); got {asked}")
+        return asked
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

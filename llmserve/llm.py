@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from llmserve.chat_template import render_chat
 from llmserve.config import ConfigError, EngineArgs, EngineConfig
-from llmserve.engine.engine_core import EngineCore, StepPipeline
+from llmserve.engine.engine_core import EngineCore, step_pipeline
 from llmserve.engine.input_processor import InputProcessor, PromptType
 from llmserve.engine.output_processor import OutputProcessor, RequestFailedError
 from llmserve.engine.request import SchedulerStats
@@ -180,7 +180,7 @@ class LLM:
 
         previous = None
         with step_timing_log(self.core.config.step_timing_log) as step_log:
-            pipeline = StepPipeline(self.core, step_log)
+            pipeline = step_pipeline(self.core, step_log)
             while self.core.has_unfinished() or pipeline.busy or not feed.done:
                 pipeline.launch()
                 feed.more()

@@ -17,8 +17,9 @@ import traceback
 import zmq
 
 from llmserve.config import EngineConfig
-from llmserve.engine.engine_core import EngineCore, StepPipeline
+from llmserve.engine.engine_core import EngineCore, StepPipeline, step_pipeline
 from llmserve.engine.ipc import Kind, Message, UtilityCall, UtilityResult
+from llmserve.engine.pp_batches import BatchQueue
 from llmserve.engine.request import EngineCoreOutputs
 from llmserve.engine.step_log import step_timing_log
 from llmserve.heap import freeze_startup_objects, unfreeze
@@ -84,9 +85,9 @@ class EngineCoreProc:
 
     def _loop(self) -> None:
         with step_timing_log(self.core.config.step_timing_log) as step_log:
-            self._steps(StepPipeline(self.core, step_log))
+            self._steps(step_pipeline(self.core, step_log))
 
-    def _steps(self, pipeline: StepPipeline) -> None:
+    def _steps(self, pipeline: StepPipeline | BatchQueue) -> None:
         while True:
             handled = False
             if not self.core.has_unfinished() and not pipeline.busy:

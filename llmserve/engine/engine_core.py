@@ -12,6 +12,8 @@ from llmserve.engine.kv_disk_store import DiskStore
 from llmserve.engine.kv_events import KVEventLog, KVEventPublisher
 from llmserve.engine.lora_manager import LoRAManager
 from llmserve.engine.model_runner import ModelRunner, PendingStep, select_attention_backend
+from llmserve.engine.pp_batches import BatchQueue, BatchQueueCounts, StageBusy
+from llmserve.engine.pp_stages import RankPlace
 from llmserve.engine.request import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -141,7 +143,8 @@ class EngineCore:
             self.runner.capture_hidden(self.draft.capture, self.draft.take_hidden)
         self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
-                                   spec=spec)  # fmt: skip
+                                   spec=spec, batches_in_flight=config.pipeline_batches_in_flight)  # fmt: skip
+        self.batch_counts = BatchQueueCounts()  # pipeline parallelism's batches in flight (engine/pp_batches.py)
         self.loras = LoRAManager(config.lora, config.model_config.arch, self.runner.lora) if self.runner.lora else None
         mc = config.model_config
         self.structured = StructuredOutputs(mc.tokenizer, mc.arch.vocab_size)  # compiles on first use
@@ -319,6 +322,19 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def stage_busy(self, reset: bool = False) -> list[StageBusy]:
+        """Pipeline parallelism: each rank's time in its stage's layers over the wall time since
+        the last reset (the bubble is the rest); `reset`: count again from now. Only between
+        steps (it is a collective of every rank)."""
+        if self.config.pipeline_parallel_size == 1:
+            raise RuntimeError("stage busy times are kept under pipeline parallelism only")
+        if self.scheduler.in_flight:
+            raise RuntimeError("stage busy times are read between steps, with no batch in flight")
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        times = self.runner.stage_busy(reset)
+        places = [RankPlace(rank, tp, pp) for rank in range(len(times))]
+        return [StageBusy(p.stage, p.tp_rank, busy, wall) for p, (busy, wall) in zip(places, times, strict=True)]
+
     # -- sleep mode ----------------------------------------------------------------------
     sleep_level: int = 0  # 0: awake
 
@@ -351,6 +367,15 @@ class EngineCore:
     def memory_footprint(self) -> dict:
         return {**self.runner.memory_footprint(), "num_blocks": self.kv.num_blocks,
                 "num_blocks_used": self.kv.pool.num_used}  # fmt: skip
+
+
+def step_pipeline(core: EngineCore, step_log: StepTimingLog | None = None) -> StepPipeline | BatchQueue:
+    """The step loop's driver: several batches in flight under pipeline parallelism (unless
+    `pipeline_batches_in_flight` is 1), else one step, or two with async scheduling."""
+    depth = core.config.pipeline_batches_in_flight
+    if depth > 1:
+        return BatchQueue(core, depth, core.batch_counts, step_log)
+    return StepPipeline(core, step_log)
 
 
 class StepPipeline:

@@ -30,6 +30,7 @@ from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_bu
 from llmserve.engine.kv_tier_ranks import RankTierCounts, gather_counts, open_rank_store, read_on_every_rank
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
+from llmserve.engine.pp_batches import DeferredStep
 from llmserve.engine.pp_stages import SINGLE_STAGE, StagePlace, run_stage, stage_slots
 from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from llmserve.engine.request import TokenLogprobs
@@ -192,6 +193,7 @@ class StepInputs:
     # (stage id, device block) loads of blocks read back, last
     kv_spill: list[tuple] = field(default_factory=list)
     kv_disk_load: list[tuple[int, int]] = field(default_factory=list)
+    seq: int = 0  # pipeline parallelism: the batch's number, the tag of its hand-overs between stages
 
 
 def on_every_rank(method: Callable) -> Callable:
@@ -279,6 +281,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         self._last_step: PendingStep | None = None  # the latest launched step (driver)
+        self._batch_seq = 0  # pipeline parallelism: the number of the batch launched last (driver)
         self.requests = RunnerRequests()  # each running request's tokens and blocks (driver)
         self.sleep_mode = RunnerSleep(self)  # sleep and wake (engine/runner_sleep.py)
         # an EAGLE head's: the hidden states the model keeps, and who takes them with each step's rows
@@ -607,9 +610,18 @@ class ModelRunner:
         prompt = None
         if self.requests.prompt_logprobs and batch is not None:  # (only while a request asks)
             prompt = prompt_rows(rows, batch.query_start_loc, self.requests.prompt_logprobs)
-        logits, prompt_logprobs = self.run_step(StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch,
-                                                           lora_slots, prompt, plan.kv_offload, plan.kv_load,
-                                                           plan.kv_spill, plan.kv_disk_load))  # fmt: skip
+        inputs = StepInputs(plan.blocks_to_swap_out, plan.blocks_to_swap_in, batch, lora_slots, prompt,
+                            plan.kv_offload, plan.kv_load, plan.kv_spill, plan.kv_disk_load)  # fmt: skip
+        if self.stage.link is not None and self.mirror is not None:
+            return self._launch_stages(inputs, rows, sampling, plan)
+        step = self._sampled_step(inputs, rows, sampling, plan, *self.run_step(inputs))
+        self._last_step = step
+        return step
+
+    def _sampled_step(self, inputs: StepInputs, rows: list[RowInput], sampling: list[RunnerRequest], plan: StepPlan,
+                      logits: torch.Tensor | None, prompt_logprobs: PendingPromptLogprobs | None) -> PendingStep:  # fmt: skip
+        """The step's sampling, launched after its forward; its rows hold their tokens' places."""
+        batch = inputs.batch
         if self.hidden_sink is not None and batch is not None:  # (an EAGLE head's features of every row)
             self.hidden_sink[1](rows, self.hidden_sink[0].states)
         step = PendingStep([], None, prompt=prompt_logprobs)
@@ -620,8 +632,35 @@ class ModelRunner:
             pending = self.sampler.sample_async(logits, sampling, plan.grammar) if sampling else None
             step = PendingStep(sampling, pending, self.requests.fill, prompt_logprobs, verify)
         self.requests.hold_places(sampling)
-        self._last_step = step
         return step
+
+    def _launch_stages(self, inputs: StepInputs, rows: list[RowInput], sampling: list[RunnerRequest],
+                       plan: StepPlan) -> DeferredStep:  # fmt: skip
+        """Pipeline parallelism, on the driver: the batch goes to the workers now (the first stage
+        starts it), numbered for the hand-overs; this rank's part (the last stage) and the sampling
+        run when the step is finished, after the batches launched before it (engine/pp_batches.py)."""
+        self._batch_seq = inputs.seq = (self._batch_seq + 1) & 0x3FFFFFFF
+        self.mirror("run_step", (inputs,))
+
+        def run_last_stage() -> PendingStep:
+            self._mirroring = True  # (the workers have it already)
+            try:
+                logits, prompt_logprobs = self.run_step(inputs)
+            finally:
+                self._mirroring = False
+            step = self._sampled_step(inputs, rows, sampling, plan, logits, prompt_logprobs)
+            gone = [s.request_id for s in sampling if self.requests.requests.get(s.request_id) is not s]
+            if gone:  # aborted while the batch was in flight: the sampler's rows of them go too
+                self.sampler.forget(gone)
+            return step
+
+        return DeferredStep(run_last_stage)
+
+    @on_every_rank
+    def stage_busy(self, reset: bool = False) -> list[tuple[float, float]]:
+        """Pipeline parallelism: every rank's (seconds in its stage's layers, wall seconds) since
+        the last reset, by global rank; only with no batch in flight (a collective of all ranks)."""
+        return self.stage.link.gather_busy(reset)
 
     def _split_verification(self, rows: list[RowInput], logits: torch.Tensor) -> tuple[torch.Tensor, Verification]:
         """The logits rows of the sampling rows, and the verification of the speculating rows:
@@ -661,6 +700,8 @@ class ModelRunner:
         self._swap(step.swap_in, to_cpu=False)
         if step.batch is None:
             return None, None
+        if self.stage.link is not None:
+            self.stage.link.tag = step.seq
         if step.lora_slots is not None:
             self.lora.context.set_token_slots(step.lora_slots)
         hidden, rows = self._forward(step.batch, every_row=step.prompt_rows is not None)

@@ -11,15 +11,21 @@ rank to the same tensor rank of the next stage. A stage's tensor-parallel collec
 group of its own ranks.
 
     rank:   0 .. T-1 = last stage, T .. 2T-1 = the stage before, ..., (P-1)T .. PT-1 = first stage
+
+With several batches in flight (engine/pp_batches.py) each hand-over is tagged with its batch's
+sequence number (`StageLink.tag`), and a stage's send does not wait for the next stage to take it
+before the stage goes on to its next batch (at most one send outstanding a link, in order).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from llmserve.engine.pp_batches import StageClock
 from llmserve.model.pipeline import WHOLE, PipelineStage, pipeline_stage
 from llmserve.model.tensor_parallel import TPGroup
 
@@ -57,17 +63,44 @@ class StageLink:
         self.next = None if stage.is_last else place.rank_of(place.stage + 1)
         self.world_cpu_group = world_cpu_group
         self.sent_bytes = 0  # carried bytes sent so far (the scaling model's communication term)
+        self.tag = 0  # the tag of the batch being run (its sequence number, StepInputs.seq)
+        self.clock = StageClock()  # time in this stage's layers (the bubble's measure)
+        self.wait_s = 0.0  # time spent waiting on the links, within the current forward
+        self._sending: tuple[object, torch.Tensor] | None = None  # the send still on its way, and its tensor
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """The carried tensors, as one [2, T, H] tensor (one message a step)."""
+        """The carried tensors, as one [2, T, H] tensor (one message a step), tagged with the
+        batch's number; returns once the previous send is taken, not this one."""
         both = torch.stack((hidden, residual)).contiguous()
-        dist.send(both, self.next)
+        self.flush()
+        self._sending = (dist.isend(both, self.next, tag=self.tag), both)
         self.sent_bytes += both.numel() * both.element_size()
+
+    def flush(self) -> None:
+        """Wait until the send on its way (if any) is taken by the next stage."""
+        if self._sending is not None:
+            began = time.perf_counter()
+            self._sending[0].wait()
+            self._sending = None
+            self.wait_s += time.perf_counter() - began
 
     def recv(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.empty((2, num_tokens, self.hidden_size), dtype=dtype, device=device)
-        dist.recv(both, self.prev)
+        began = time.perf_counter()
+        dist.recv(both, self.prev, tag=self.tag)
+        self.wait_s += time.perf_counter() - began
         return both[0], both[1]
+
+    def gather_busy(self, reset: bool) -> list[tuple[float, float]]:
+        """Every rank's (busy seconds, wall seconds) since the last reset, by global rank (every
+        rank must call it, with no batch in flight); `reset`: start counting again."""
+        self.flush()
+        mine = torch.tensor(self.clock.read(), dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.world_cpu_group))]
+        dist.all_gather(every, mine, group=self.world_cpu_group)
+        if reset:
+            self.clock.reset()
+        return [(float(t[0]), float(t[1])) for t in every]
 
     def min_over_world(self, value: int) -> int:
         """The smallest of every rank's `value`, all stages (every rank must call it)."""
@@ -125,9 +158,11 @@ def run_stage(model, link: StageLink, input_ids: torch.Tensor, positions: torch.
     """One step's part of this stage: its layers over the embedding (first stage) or what the
     stage before sent; sent on to the next stage (None returned), or on the last stage the final
     hidden states (of the `sampled` rows alone, if given)."""
+    began, link.wait_s = time.perf_counter(), 0.0
     carried = None if link.prev is None else link.recv(input_ids.shape[0], dtype, input_ids.device)
     out = model.forward_stage(input_ids, positions, meta, carried, sampled if link.next is None else None)
-    if link.next is None:
-        return out
-    link.send(*out)
-    return None
+    if link.next is not None:
+        link.send(*out)
+        out = None
+    link.clock.busy_s += time.perf_counter() - began - link.wait_s
+    return out

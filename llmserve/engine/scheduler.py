@@ -70,10 +70,12 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool, max_loras: int | None = None,
-        spec: SpecDecoder | None = None,
+        spec: SpecDecoder | None = None, batches_in_flight: int = 1,
     ) -> None:  # fmt: skip
         """`max_loras`: the most distinct LoRA adapters running at once (the device's slots);
-        `spec`: speculative decoding's proposer and counts."""
+        `spec`: speculative decoding's proposer and counts; `batches_in_flight` > 1: pipeline
+        parallelism's batch queue (engine/pp_batches.py): each batch takes requests that no batch
+        in flight holds, up to its share of the live requests."""
         self.config = config
         self.spec = spec
         self.max_loras = max_loras
@@ -87,6 +89,10 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_computed_tokens_total = 0
         self._finished_ids: list[str] = []
+        self.batches_in_flight = batches_in_flight
+        # the requests of the batches in flight (the batch queue's; None: steps may share requests)
+        self.in_flight: set[str] | None = set() if batches_in_flight > 1 else None
+        self._batch_cap: int | None = None  # the batch queue's most sequences in the batch being scheduled
         # keep a few blocks free when admitting, so running decodes rarely preempt; and the blocks
         # running requests still need (`_growth_blocks`, config.admission_reserve_tokens)
         self.watermark = max(1, kv.num_blocks // 100)
@@ -132,6 +138,9 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
+        if self.in_flight is not None:  # P batches of about equal size take turns in the pipeline
+            live = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            self._batch_cap = max(1, -(-live // self.batches_in_flight))
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
@@ -146,10 +155,17 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
         self.running.sort(key=lambda r: r.sort_key)
         drafts = self.spec.propose(self.running) if self.spec is not None else {}
+        in_flight = self.in_flight
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if in_flight is not None:  # the batch queue: a request in flight is not scheduled again
+                if req.request_id in in_flight:
+                    i += 1
+                    continue
+                if len(out.scheduled) >= self._batch_cap:
+                    break
             if req.num_pending and self._ends_by_length(req):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
@@ -163,7 +179,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
-                victim = self.running[-1]  # lowest priority, latest arrival
+                victim = self._victim()  # lowest priority, latest arrival
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
@@ -175,6 +191,15 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing below it can run either
         return budget, preempted
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the last (lowest priority, latest arrival), but never
+        one in a batch still in flight (the batch queue's: its blocks are still being written)."""
+        if self.in_flight:
+            for req in reversed(self.running):
+                if req.request_id not in self.in_flight:
+                    return req
+        return self.running[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -198,6 +223,8 @@ class Scheduler:
         idx = 0
         while idx < len(self.waiting) and budget > 0:
             if len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._batch_cap is not None and len(out.scheduled) >= self._batch_cap:
                 break
             req = self.waiting[idx]
             if req.share_group in prefilling_groups or req.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -318,6 +345,8 @@ class Scheduler:
             if sched.num_new_tokens > 1:  # (a decode's block waits: its input may still be on the device)
                 self.kv.cache_full_blocks(req)
         self.kv.pool.drop_evicted()  # the prefix-cache entries this step's allocations left stale
+        if self.in_flight is not None:
+            self.in_flight.update(s.request.request_id for s in out.scheduled)
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, int], logprobs: dict, prompt_logprobs: dict | None = None,
@@ -327,6 +356,8 @@ class Scheduler:
         `prompt_logprobs`: request id -> (first prompt position, entries), kept on the request
         until its first token goes out; `verified`: a speculating request's tokens of the step."""
         results = []
+        if self.in_flight is not None:  # the batch is back: its requests may be scheduled again
+            self.in_flight.difference_update(s.request.request_id for s in out.scheduled)
         for sched in out.scheduled:
             req = sched.request
             if req.status.finished:

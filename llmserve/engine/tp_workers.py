@@ -22,8 +22,10 @@ import atexit
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
@@ -105,13 +107,8 @@ def serve_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> bool:
         runner = ModelRunner(config, progress=False, tp=tp, stage=place)
         freeze_startup_objects(f"tensor-parallel rank {spec.rank}")
         conn.send(("ready", None))
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                break
-            if msg is None:
-                break
+        receive = _read_ahead(conn) if config.pipeline_batches_in_flight > 1 else _read_now(conn)
+        while (msg := receive()) is not None:
             name, args = msg
             getattr(runner, name)(*args)
     except Exception as exc:
@@ -128,6 +125,39 @@ def serve_rank(config: EngineConfig, spec: RankSpec, conn: Connection) -> bool:
         runner.release_cuda_graphs()  # before NCCL's teardown, which waits for them
     shutdown_distributed()
     return True
+
+
+def _read_now(conn: Connection) -> Callable[[], tuple | None]:
+    """The driver's next call, read when asked (None: stop, or the connection closed)."""
+
+    def receive() -> tuple | None:
+        try:
+            return conn.recv()
+        except (EOFError, OSError):
+            return None
+
+    return receive
+
+
+def _read_ahead(conn: Connection) -> Callable[[], tuple | None]:
+    """The driver's calls, read as they come by a thread of their own and taken in order: with
+    several batches in flight the driver mirrors batch N+1 while this rank may still wait in
+    batch N's hand-over to the driver (gloo's send waits for the receive), so the connection
+    must never fill up behind that wait."""
+    calls: queue.SimpleQueue = queue.SimpleQueue()
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            calls.put(msg)
+            if msg is None:
+                return
+
+    threading.Thread(target=reader, daemon=True, name="tp-calls").start()
+    return calls.get
 
 
 def worker_main(config: EngineConfig, spec: RankSpec, conn: Connection) -> None:
