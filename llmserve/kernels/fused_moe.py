@@ -122,11 +122,14 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, N, E, M
 # how the weights are scaled (the SCALES constexpr): 16-bit/float32 weights, FP8 with a scale per
 # output channel, FP8 with a scale per (SCALE_N, SCALE_K) block
 NO_SCALES, CHANNEL_SCALES, BLOCK_SCALES = 0, 1, 2
+# the same as the kernels read them: Triton's compiler takes no global but a constexpr (the
+# interpreter takes any, so tests/test_kernel_globals.py checks every kernel's globals)
+_NO, _CHANNEL, _BLOCK = tl.constexpr(NO_SCALES), tl.constexpr(CHANNEL_SCALES), tl.constexpr(BLOCK_SCALES)
 
 
 @triton.jit
 def _dot(a, w, DOT_PREC: tl.constexpr, SCALES: tl.constexpr):
-    if SCALES == NO_SCALES:
+    if SCALES == _NO:
         return tl.dot(a, w, input_precision=DOT_PREC)
     return tl.dot(a, w, out_dtype=tl.float32)  # FP8 operands, float32 accumulation
 
@@ -158,7 +161,7 @@ def _gate_up_kernel(
         w_mask = k_ok[:, None] & n_ok[None, :]
         w_gate = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (ns + I)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        if SCALES == BLOCK_SCALES:  # this K step's blocks of the gate and up rows
+        if SCALES == _BLOCK:  # this K step's blocks of the gate and up rows
             s_k = s_base + (k // SCALE_K) * stride_sk
             s_gate = tl.load(s_k + (ns // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
             s_up = tl.load(s_k + ((ns + I) // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
@@ -167,10 +170,10 @@ def _gate_up_kernel(
         else:
             acc_gate += _dot(a, w_gate, DOT_PREC, SCALES)
             acc_up += _dot(a, w_up, DOT_PREC, SCALES)
-    if SCALES == CHANNEL_SCALES:
+    if SCALES == _CHANNEL:
         acc_gate *= tl.load(s_base + ns * stride_sn, mask=n_ok, other=0.0)[None, :]
         acc_up *= tl.load(s_base + (ns + I) * stride_sn, mask=n_ok, other=0.0)[None, :]
-    if SCALES != NO_SCALES:  # the token's scale
+    if SCALES != _NO:  # the token's scale
         sx = tl.load(sx_ptr + tok, mask=row_ok, other=0.0)[:, None]
         acc_gate *= sx
         acc_up *= sx
@@ -202,14 +205,14 @@ def _down_kernel(
         k_ok = ks < I
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + ns[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if SCALES == BLOCK_SCALES:
+        if SCALES == _BLOCK:
             s_w = tl.load(s_base + (k // SCALE_K) * stride_sk + (ns // SCALE_N) * stride_sn, mask=n_ok, other=0.0)
             acc += _dot(a, w, DOT_PREC, SCALES) * s_w[None, :]
         else:
             acc += _dot(a, w, DOT_PREC, SCALES)
-    if SCALES == CHANNEL_SCALES:
+    if SCALES == _CHANNEL:
         acc *= tl.load(s_base + ns * stride_sn, mask=n_ok, other=0.0)[None, :]
-    if SCALES != NO_SCALES:  # the row's scale
+    if SCALES != _NO:  # the row's scale
         acc *= tl.load(sa_ptr + rows, mask=row_ok, other=0.0)[:, None]
     acc = acc * tl.load(weights_ptr + rows, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_om + ns[None, :], acc.to(out_ptr.dtype.element_ty),
