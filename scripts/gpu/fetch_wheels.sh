@@ -9,7 +9,8 @@ PKGS=(pyzmq fastapi starlette uvicorn pydantic pydantic-core annotated-types typ
       prometheus_client httpx httpcore h11 anyio sniffio idna certifi uvloop httptools
       aiohttp aiosignal aiohappyeyeballs frozenlist multidict yarl propcache attrs
       opentelemetry-api annotated-doc  # fastapi 0.165 imports opentelemetry (its telemetry module)
-      pytest pluggy iniconfig pytest-xdist execnet pytest-timeout)  # the GPU tier: `pytest -m gpu`
+      pytest pluggy iniconfig pytest-xdist execnet pytest-timeout  # the GPU tier: `pytest -m gpu`
+      gguf pyyaml)  # GGUF files (the GPU tier quantizes its GGUF kernels' test weights with it)
 # the versions of the project's own venv (known to work together) where it has them
 if [ -x .venv/bin/python ]; then
   mapfile -t PKGS < <(.venv/bin/python - "${PKGS[@]}" <<'PY'
