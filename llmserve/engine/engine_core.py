@@ -115,8 +115,6 @@ class EngineCore:
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
         num_host_blocks = config.cache_config.kv_offload_cpu_bytes // self.runner.bytes_per_block
         if num_host_blocks:
-            if not layout.simple:
-                raise ConfigError(f"--kv-offload-cpu-gb takes models of one KV group for now; this one has {layout}")
             if not config.cache_config.enable_prefix_caching:
                 raise ConfigError("--kv-offload-cpu-gb extends the prefix cache: enable prefix caching")
             self.runner.init_host_tier(num_host_blocks)

@@ -13,7 +13,7 @@ blocks and every sliding group the blocks of its last window.
 from __future__ import annotations
 
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
-from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest
+from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest, group_digest
 from llmserve.engine.kv_disk_tier import DiskTier
 from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog
 from llmserve.engine.kv_host_tier import HostTier
@@ -49,7 +49,7 @@ class KVCacheManager:
         events: KVEventLog | None = None,
         disk: DiskStore | None = None,
     ) -> None:
-        """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py; one KV group);
+        """`num_host_blocks`: the prefix cache's host tier (engine/kv_host_tier.py);
         `events`: where the cache's changes are told (engine/kv_events.py; one KV group); `disk`:
         the disk tier's file, below the host tier (engine/kv_disk_tier.py)."""
         self.block_size = block_size
@@ -70,8 +70,6 @@ class KVCacheManager:
         self.prefix_hits = 0  # tokens found
         self.host: HostTier | None = None
         if num_host_blocks:
-            if not self.layout.simple:
-                raise ValueError("the KV host tier takes models of one KV group (no sliding windows) for now")
             self.host = HostTier(num_host_blocks)
             self.pool.record_evictions = True
         self.events = events
@@ -177,14 +175,70 @@ class KVCacheManager:
             if i == len(keys):
                 self._extend_keys(req, i + 1, salt)
             ids = [lookup(self._group_key(keys[i], g)) for g in range(groups)]
+            if self.host is not None:  # (a tier's block: a HOST_HIT or DISK_HIT entry, see _tier_entry)
+                ids = [self._tier_entry(req, i, g, keys[i]) if b is None else b for g, b in enumerate(ids)]
             if (any(ids[g] is None for g in full)) if full else all(b is None for b in ids):
                 break
             found.append(ids)
+        if self.host is not None:
+            return self._groups_from_tiers(found)
         for n in range(len(found), 0, -1):
             firsts = [layout.first_needed(g, n * bs, bs) for g in range(groups)]
             if all(found[i][g] is not None for g in range(groups) for i in range(firsts[g], n)):
                 return [found[i][g] if i >= firsts[g] else NULL_BLOCK for i in range(n) for g in range(groups)]
         return []
+
+    def _tier_entry(self, req: Request, index: int, group: int, key: BlockKey) -> tuple | None:
+        """Where a lower tier holds group `group`'s block `index`: (HOST_HIT, host block), (DISK_HIT,
+        slot, header), or None."""
+        group_key = self._group_key(key, group)
+        held = self.host.lookup(group_key)
+        if held is not None:
+            return HOST_HIT, held
+        found = self._find_on_disk(req, index, group_key, group) if self.disk is not None else None
+        return None if found is None else (DISK_HIT, *found)
+
+    def _groups_from_tiers(self, found: list[list]) -> PrefixHit:
+        """The longest prefix whose every full-attention group has all its blocks and every sliding
+        group the blocks of its last window, on the device or a lower tier; the disk blocks it needs
+        read back (one run), and the prefix shortened to what remains whole if one did not."""
+        layout, bs, groups = self.layout, self.block_size, self.groups
+
+        def longest(usable) -> tuple[int, list[int]]:
+            for n in range(len(found), 0, -1):
+                firsts = [layout.first_needed(g, n * bs, bs) for g in range(groups)]
+                if all(usable(i, g) for g in range(groups) for i in range(firsts[g], n)):
+                    return n, firsts
+            return 0, []
+
+        n, firsts = longest(lambda i, g: found[i][g] is not None)
+        at_disk = [(i * groups + g, found[i][g]) for i in range(n) for g in range(groups)
+                   if i >= firsts[g] and isinstance(found[i][g], tuple) and found[i][g][0] == DISK_HIT]  # fmt: skip
+        staged: dict[int, int] = {}
+        if at_disk:
+            ids = self.disk_store.stage_run([(slot, meta) for _, (_, slot, meta) in at_disk])
+            staged = {index: stage for (index, _), stage in zip(at_disk, ids)}
+            if len(ids) < len(at_disk):  # torn, corrupt or unreadable (on some rank): recomputed
+                self._forget_on_disk(at_disk[len(ids)][1][2])
+
+                def whole(i: int, g: int) -> bool:  # on the device, in host memory, or read back
+                    entry = found[i][g]
+                    return entry is not None and (not isinstance(entry, tuple) or entry[0] == HOST_HIT
+                                                  or i * groups + g in staged)  # fmt: skip
+
+                n, firsts = longest(whole)
+        hits = PrefixHit()
+        for i in range(n):
+            for g in range(groups):
+                entry = found[i][g] if i >= firsts[g] else NULL_BLOCK
+                if isinstance(entry, tuple):
+                    if entry[0] == HOST_HIT:
+                        hits.loads.append((len(hits), entry[1]))
+                    else:
+                        hits.disk_loads.append((len(hits), staged[len(hits)]))
+                    entry = entry[0]
+                hits.append(entry)
+        return hits
 
     def num_hit_blocks(self, computed: list[int]) -> int:
         """Logical blocks a `get_computed_blocks` answer covers."""
@@ -221,11 +275,15 @@ class KVCacheManager:
             if self.events is not None:
                 self._announce(req, blocks, keys, start, num_full)
         else:
+            digests = self._digests(req, num_full) if self.disk is not None else None
             for i in range(start, num_full):
                 for g in range(groups):
                     block = blocks[i * groups + g]
                     if block != NULL_BLOCK:  # (released behind its window before it was offered)
-                        self.pool.register(block, self._group_key(keys[i], g))
+                        key = self._group_key(keys[i], g)
+                        self.pool.register(block, key)
+                        if digests is not None:
+                            self._digest_of.setdefault(key, group_digest(digests[i], g))
         self._num_registered[req.request_id] = num_full
 
     def _known_full_blocks(self, req: Request) -> int:
@@ -297,7 +355,7 @@ class KVCacheManager:
         if computed:
             loads, disk_loads = getattr(computed, "loads", None), getattr(computed, "disk_loads", None)
             if loads or disk_loads:  # device blocks for the tiers' hits, registered now, filled at the step's start
-                self.pool.touch(b for b in computed if b >= 0)  # (first: the allocation cannot take them)
+                self.pool.touch(b for b in self._held(computed) if b >= 0)  # (first: the allocation cannot take them)
                 computed = self._place_loads(req, computed, loads, disk_loads)
             else:
                 self.pool.touch(self._held(computed))
@@ -324,15 +382,17 @@ class KVCacheManager:
         computed = list(computed)
         loads, disk_loads = loads or [], disk_loads or []
         fresh = iter(self.pool.allocate(len(loads) + len(disk_loads)))
-        keys = self._block_keys(req, len(computed))
-        digests = self._digests(req, len(computed)) if self.disk is not None else None
+        groups = self.groups
+        keys = self._block_keys(req, len(computed) // groups)
+        digests = self._digests(req, len(computed) // groups) if self.disk is not None else None
         for medium, hits in ((CPU, loads), (DISK, disk_loads)):
             for index, held in hits:
                 computed[index] = block = next(fresh)
-                key = keys[index]
+                i, g = divmod(index, groups)
+                key = self._group_key(keys[i], g)
                 self.pool.register(block, key)
                 if digests is not None:
-                    self._digest_of[key] = digests[index]
+                    self._digest_of[key] = group_digest(digests[i], g)
                 if self.events is not None and (medium, key) in self.events.hashes:
                     self.events.stored(GPU, key, self.events.hashes[medium, key], None, None)
                 if medium == CPU:
@@ -341,8 +401,9 @@ class KVCacheManager:
                 else:
                     self.disk_store.claim(held)
                     self._disk_loads.append((held, block))
-        self.host_hits += len(loads) * self.block_size
-        self.disk_hits += len(disk_loads) * self.block_size
+        # (tokens: the logical blocks loaded, each counted once over its groups)
+        self.host_hits += len({index // groups for index, _ in loads}) * self.block_size
+        self.disk_hits += len({index // groups for index, _ in disk_loads}) * self.block_size
         if self.disk is not None:
             self.disk.counts.loaded += len(disk_loads)
         return computed
@@ -383,13 +444,14 @@ class KVCacheManager:
                 digests.append(chain_digest(digests[-1] if digests else None, tokens[i * bs : (i + 1) * bs], salt))
         return digests
 
-    def _find_on_disk(self, req: Request, index: int, key: BlockKey) -> tuple[int, SlotMeta] | None:
-        """(slot, header) of the request's block `index` if the disk tier holds it, else None."""
-        digest = self._digests(req, index + 1)[index]
+    def _find_on_disk(self, req: Request, index: int, key: BlockKey, group: int = 0) -> tuple[int, SlotMeta] | None:
+        """(slot, header) of the request's block `index` (of KV group `group`, whose `key` this is) if
+        the disk tier holds it, else None."""
+        digest = group_digest(self._digests(req, index + 1)[index], group)
         if digest in self._spilling:
             return None  # its bytes reach the file at the next step's start
         slot = self.disk.lookup(digest)
-        return None if slot is None else (slot, SlotMeta(digest, key.token_ids, key.salt is None))
+        return None if slot is None else (slot, SlotMeta(digest, key.token_ids, _persistent(key)))
 
     def _read_disk(self, hits: PrefixHit, on_disk: list[tuple[int, int, SlotMeta]]) -> PrefixHit:
         """The prefix hit with its disk blocks read back and checked (in one go: under tensor
@@ -398,12 +460,16 @@ class KVCacheManager:
         hits.disk_loads = [(index, stage) for (index, _, _), stage in zip(on_disk, staged)]
         if len(staged) < len(on_disk):  # torn, corrupt or unreadable (on some rank): recomputed
             cut, _, meta = on_disk[len(staged)]
-            entry = self.disk.forget(meta.digest)
-            if self.events is not None and entry is not None and entry.key is not None:
-                self.events.removed(DISK, entry.key)
+            self._forget_on_disk(meta)
             del hits[cut:]
             hits.loads = [(i, b) for i, b in hits.loads if i < cut]
         return hits
+
+    def _forget_on_disk(self, meta: SlotMeta) -> None:
+        """A disk block that did not read back whole: its slot is free again."""
+        entry = self.disk.forget(meta.digest)
+        if self.events is not None and entry is not None and entry.key is not None:
+            self.events.removed(DISK, entry.key)
 
     def _spill(self, key: BlockKey, host_block: int) -> None:
         """A block the host tier evicts from `host_block` goes to a disk slot (written at the step's
@@ -420,7 +486,7 @@ class KVCacheManager:
                 events.removed(DISK, gone.key)
         if slot is None:
             return  # on disk already
-        meta = SlotMeta(digest, key.token_ids, key.salt is None)
+        meta = SlotMeta(digest, key.token_ids, _persistent(key))
         if device_block is None:
             self._spills.append((True, host_block, slot, meta))
         else:
@@ -582,3 +648,10 @@ class KVCacheManager:
         if self.events is not None:
             self.events.cleared()
         return True
+
+
+def _persistent(key: BlockKey) -> bool:
+    """Whether a block may be reused after a restart: of the global cache (no LoRA adapter); a KV
+    group's key keeps the block's salt as the first of (salt, group)."""
+    salt = key.salt[0] if isinstance(key.salt, tuple) else key.salt
+    return salt is None

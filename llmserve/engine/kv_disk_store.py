@@ -96,6 +96,14 @@ def chain_digest(parent: bytes | None, token_ids, salt: str | None) -> bytes:
     return h.digest()
 
 
+def group_digest(digest: bytes, group: int) -> bytes:
+    """KV group `group`'s block of the block `digest` names (group 0: the block's own digest; a model
+    with sliding-window layers keeps each group's blocks apart, engine/kv_layout.py)."""
+    if group == 0:
+        return digest
+    return hashlib.blake2b(digest + struct.pack("<I", group), digest_size=16).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class SlotMeta:
     """What a slot's header says of its block."""
@@ -488,7 +496,8 @@ def disk_fingerprint(config, runner, block_bytes: int) -> dict:
         "dtype": str(mc.dtype),
         "kv_dtype": str(runner.kv_dtype),
         "block_size": config.cache_config.block_size,
-        "kv_layout": f"{a.num_layers} layers, {a.num_kv_heads} KV heads x {a.head_dim}, {block_bytes} bytes a block",
+        "kv_layout": f"{a.num_layers} layers, {a.num_kv_heads} KV heads x {a.head_dim}, {block_bytes} bytes a block, "
+        f"{runner.kv_layout}",
         "tokenizer": tokenizer_fingerprint(mc.tokenizer),
         "quantization": f"{mc.quantization} {sorted(mc.quantization_ignore)}",
         "kv_scales": repr(runner.kv_scales.scales),
