@@ -854,8 +854,6 @@ def _gguf_keep_quantized(args: EngineArgs, model_dir: Path, quantization: str | 
         why = "load_format dummy draws no GGUF blocks"
     elif is_moe(arch):
         why = "a mixture of experts' experts have no kept GGUF form yet"
-    elif args.tensor_parallel_size > 1:
-        why = "kept GGUF blocks do not run tensor-parallel yet"
     if why is None:
         return keep is True or device == "cuda"
     if keep:

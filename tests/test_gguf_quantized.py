@@ -157,13 +157,40 @@ def test_keeping_is_refused_where_it_cannot_run(mixed_gguf, tmp_path):
     assert auto.model_config.quantization is None  # a CPU dequantizes at load unless asked
     forced = EngineArgs(model=str(mixed_gguf), device="cpu", gguf_keep_quantized=True).create_engine_config()
     assert forced.model_config.quantization == "gguf"
-    with pytest.raises(ConfigError, match="tensor-parallel"):
-        EngineArgs(model=str(mixed_gguf), gguf_keep_quantized=True, tensor_parallel_size=2).create_engine_config()
     with pytest.raises(ConfigError, match="quantization fp8"):
         EngineArgs(model=str(mixed_gguf), gguf_keep_quantized=True, quantization="fp8").create_engine_config()
     folder = make_random_model(tmp_path / "hf", "llama", seed=1)
     with pytest.raises(ConfigError, match="not a GGUF file"):
         EngineArgs(model=str(folder), gguf_keep_quantized=True).create_engine_config()
+
+
+def test_a_gguf_kept_quantized_over_two_ranks_gives_one_processs_tokens(tmp_path, caplog):
+    """Tensor parallelism: q/k/v and gate/up ranks take their rows of each part (q and k after
+    llama's row permutation), o and down their whole blocks of every row; layer 1's o_proj in
+    Q4_K has 256 inputs, 128 a rank, half a block: dequantized at load (logged), each rank its
+    columns. Layer 0's down_proj (Q6_K, 512 inputs: one block a rank) stays kept."""
+    folder = make_random_model(tmp_path / "llama", "llama", seed=4, hidden_size=256, intermediate_size=512,
+                               num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    types = {**TYPES, (1, "o_proj"): "Q4_K"}
+    path = write_gguf(folder, tmp_path / "tp.gguf",
+                      lambda hf: types[(int(hf.split(".")[2]), hf.split(".")[4])] if hf.startswith("model.layers.")
+                      else _type_of(hf))  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 33, 70], [3, 8, 200, 11, 7, 64, 90, 2])]
+    with caplog.at_level("INFO", logger="llmserve.model.gguf_keep"):
+        two = LLM(str(path), max_model_len=128, dtype="float32", gguf_keep_quantized=True, tensor_parallel_size=2)
+    with two, LLM(str(path), max_model_len=128, dtype="float32", gguf_keep_quantized=True) as one:
+        layers = two.core.runner.model.model.layers  # rank 0's share
+        kinds = lambda m: [(p.type_name, p.rows, p.in_features) for p in m.pieces]  # noqa: E731
+        assert kinds(layers[0].self_attn.qkv_proj) == [("Q4_K", 192, 256), ("Q6_K", 64, 256)]  # q 128 + k 64; v 64
+        assert kinds(layers[0].self_attn.o_proj) == [("Q8_0", 256, 128)] and layers[0].self_attn.o_proj.tp is not None
+        assert kinds(layers[0].mlp.down_proj) == [("Q6_K", 256, 256)]
+        assert kinds(layers[1].mlp.gate_up_proj) == [("dense", 256, 256), ("Q4_K", 256, 256)]
+        assert type(layers[1].self_attn.o_proj).__name__ == "RowParallelLinear"  # no kept part left
+        assert layers[1].self_attn.o_proj.weight.shape == (256, 128)
+        assert kinds(one.core.runner.model.model.layers[1].self_attn.o_proj) == [("Q4_K", 256, 256)]
+        assert "2 ranks would split their rows inside a block (row-parallel inputs): Q4_K (1 tensors)" in caplog.text
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 def test_gemma3_270m_q4_k_m_kept_quantized_reads_as_dequantized():

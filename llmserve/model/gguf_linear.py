@@ -150,15 +150,17 @@ def gguf_matmul_reference(x: torch.Tensor, pieces: list[Piece], bias: torch.Tens
 
 class GGUFLinear(nn.Module):
     """A projection as GGUF blocks: `pieces` stacked along the outputs (`piece_specs`: (type name,
-    rows) each, a type name not in KEPT_FORMATS giving dense rows). One rank's (no tensor
-    parallelism yet: config.py refuses it)."""
+    rows) each, a type name not in KEPT_FORMATS giving dense rows). One rank's: column-parallel or
+    plain (`tp` None: its rows of every part), or row-parallel (`tp` given: its whole blocks of
+    the inputs, the outputs summed over the ranks, the bias added once after)."""
 
     def __init__(self, in_features: int, piece_specs: list[tuple[str, int]], bias: bool,
-                 matmul=gguf_matmul_reference) -> None:  # fmt: skip
+                 matmul=gguf_matmul_reference, tp=None) -> None:  # fmt: skip
         super().__init__()
         self.in_features = in_features
         self.out_features = sum(rows for _, rows in piece_specs)
         self.matmul = matmul
+        self.tp = tp
         self.pieces = nn.ModuleList(GGUFBlocks(t, rows, in_features) if t in KEPT_FORMATS else DenseRows(rows, in_features)
                                     for t, rows in piece_specs)  # fmt: skip
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
@@ -168,7 +170,12 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = self.matmul(x.reshape(-1, shape[-1]), list(self.pieces), self.bias)
+        x = x.reshape(-1, shape[-1])
+        if self.tp is not None and self.tp.world_size > 1:
+            y = self.tp.all_reduce(self.matmul(x, list(self.pieces)))
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = self.matmul(x, list(self.pieces), self.bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

@@ -78,7 +78,7 @@ def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: 
     if load_format == "dummy":
         _init_dummy(model, seed + tp.rank + 1000 * stage.index)
         return
-    kept = gguf_kept_loader(model, Path(model_dir), arch)  # GGUF blocks kept quantized (model/gguf_keep.py)
+    kept = gguf_kept_loader(model, Path(model_dir), arch, tp)  # GGUF blocks kept quantized (model/gguf_keep.py)
     tensors = _checkpoint_tensors(Path(model_dir), arch, progress, kept.take if kept is not None else None)
     if not stage.whole:
         tensors = ((n, t) for n, t in tensors if stage_keeps(n, stage, arch.tie_word_embeddings))
