@@ -7,6 +7,8 @@ back in) is copied afresh; rows of requests not scheduled in a step are released
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -19,13 +21,24 @@ class BlockTableBuffer:
 
     def rows_for(self, requests: list[tuple[str, list[int]]]) -> np.ndarray:
         """Row index of each (request id, block list), in order, after syncing the rows."""
-        live = {rid for rid, _ in requests}
-        for rid in [r for r in self._rows if r not in live]:
-            self._free.append(self._rows.pop(rid)[0])
-        out = np.empty(len(requests), dtype=np.int64)
-        for i, (rid, blocks) in enumerate(requests):
-            out[i] = self._sync(rid, blocks)
-        return out
+        return self.rows_of([rid for rid, _ in requests], [blocks for _, blocks in requests])
+
+    def rows_of(self, ids: Sequence[str], tables: Sequence[list[int]]) -> np.ndarray:
+        """`rows_for` over the ids and the block lists apart: a row whose list is the same object
+        at the same length as last time (a running request between its blocks) is looked up only."""
+        rows = self._rows
+        if len(rows) > len(ids) or not rows.keys() <= set(ids):
+            for rid in rows.keys() - set(ids):
+                self._free.append(rows.pop(rid)[0])
+        out = []
+        append, get = out.append, rows.get
+        for rid, blocks in zip(ids, tables):  # (every running request every step: kept lean)
+            entry = get(rid)
+            if entry is not None and entry[1] is blocks and entry[2] == len(blocks):
+                append(entry[0])
+            else:
+                append(self._sync(rid, blocks))
+        return np.array(out, dtype=np.int64)
 
     def _sync(self, rid: str, blocks: list[int]) -> int:
         n = len(blocks)

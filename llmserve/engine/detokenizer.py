@@ -94,14 +94,19 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string that matched, if one did (the text is
         then cut at it)."""
         start_len = len(self.text)
-        if self._stream is not None:
+        if self._stream is not None:  # (every token of every sequence: kept lean)
+            ids, step, backend = self.ids, self._stream.step, self._backend
             for token in token_ids:
-                self.ids.append(token)
-                chunk = self._stream.step(self._backend, token)
+                ids.append(token)
+                chunk = step(backend, token)
                 if chunk:
-                    self._append(chunk)
-                    self._emitted()
-            return self._find_stop(start_len)
+                    if self._skip:
+                        self._append(chunk)
+                    else:
+                        self.text += chunk
+                    self.prefix_offset = self.read_offset  # (`_emitted`)
+                    self.read_offset = len(ids)
+            return self._find_stop(start_len) if self.stop_strings else None
         for token in token_ids:
             self.ids.append(token)
             prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

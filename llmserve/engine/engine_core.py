@@ -284,8 +284,7 @@ class EngineCore:
         spec = self.config.speculative
         if spec is not None and len(self.scheduler.running) <= spec.disable_by_batch_size:
             return False  # the next step may speculate: its requests' last tokens must be on the host
-        safe = self.runner.sampler.overlap_safe
-        return all(safe(r) for r in self.scheduler.running)
+        return all(map(self.runner.sampler.overlap_safe, self.scheduler.running))
 
     def finish(self, launched: tuple[SchedulerOutput, PendingStep | None]) -> EngineCoreOutputs:
         """Wait for a launched step and apply its tokens (requests aborted meanwhile are skipped)."""

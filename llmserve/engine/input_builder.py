@@ -146,6 +146,14 @@ class InputBuilder:
         """Decode rows take a fast path: one token, one slot. `last_rows`: request id -> row of
         the still-running previous step's tokens, for decode rows whose input token is a
         PLACEHOLDER."""
+        columns = tuple(zip(*rows))  # request ids, tables, starts, counts, tokens, samples, drafts, draft probs
+        if rows and columns[3].count(1) == len(rows):
+            return self._build_decodes(columns, last_rows)
+        return self._build_rows(rows, columns, last_rows)
+
+    def _build_rows(self, rows: list[RowInput], columns: tuple[tuple, ...],
+                    last_rows: dict[str, int] | None) -> BatchInputs:  # fmt: skip
+        """`build` row by row: any mix of decodes, chunks and speculating rows."""
         bs = self.block_size
         # decode rows go to plain lists; a chunk of several tokens comes as numpy arrays (its
         # positions a range, its slots computed from its table: no list of 7,680 ints made and
@@ -202,10 +210,10 @@ class InputBuilder:
                 parts.append((input_ids, positions, slots))
             input_ids, positions, slots = (np.concatenate([np.asarray(p[i], dtype=np.int64) for p in parts])
                                            for i in range(3))  # fmt: skip
-        table_rows = self.block_tables.rows_for([(row.request_id, row.block_ids) for row in rows])
+        table_rows = self.block_tables.rows_of(columns[0], columns[1])
         # copy only the columns this batch uses (`table_width`)
         groups = self.groups
-        width = table_width(max(len(row.block_ids) for row in rows) // groups, self.max_blocks)
+        width = table_width(max(map(len, columns[1])) // groups, self.max_blocks)
         batch = BatchInputs(
             input_ids, positions, slots, query_start, seq_lens,
             self.block_tables.table[table_rows, : width * groups], logits_indices, max_query, fill_positions,
@@ -214,6 +222,31 @@ class InputBuilder:
         if groups > 1:
             self._split_groups(batch, width)
         batch.verifies = max_query > 1 and any(row.drafts for row in rows)  # (a draft makes a row of several)
+        return batch
+
+    def _build_decodes(self, columns: tuple[tuple, ...], last_rows: dict[str, int] | None) -> BatchInputs:
+        """`build` for a batch of decode rows (one new token each, so no drafts), a column at a
+        time: what `build`'s loop makes of the same rows (tests/test_input_builder.py compares)."""
+        ids, tables, starts, _, tokens, samples = columns[:6]
+        bs, n = self.block_size, len(ids)
+        input_ids = [t[s] for t, s in zip(tokens, starts)]
+        fill_positions = [i for i, t in enumerate(input_ids) if t == PLACEHOLDER] if PLACEHOLDER in input_ids else []
+        fill_rows = [last_rows[ids[i]] for i in fill_positions]
+        if samples.count(True) == n:
+            logits_indices, sample_seqs = list(range(n)), list(range(n))
+        else:
+            logits_indices = [i for i, s in enumerate(samples) if s]
+            sample_seqs = list(logits_indices)
+        groups = self.groups
+        width = table_width(max(map(len, tables)) // groups, self.max_blocks)
+        table_rows = self.block_tables.rows_of(ids, tables)
+        batch = BatchInputs(
+            input_ids, list(starts), [t[s // bs] * bs + s % bs for t, s in zip(tables, starts)], list(range(n + 1)),
+            [s + 1 for s in starts], self.block_tables.table[table_rows, : width * groups], logits_indices, 1,
+            fill_positions, fill_rows, n, (), (), sample_seqs,
+        )  # fmt: skip
+        if groups > 1:
+            self._split_groups(batch, width)
         return batch
 
     def _split_groups(self, batch: BatchInputs, width: int) -> None:

@@ -151,15 +151,18 @@ class OutputProcessor:
         now = time.time()
         core_time = now if core_time is None else core_time
         touched: dict[str, _RequestState] = {}
+        ended: set[str] = set()  # requests a sample of which finished here
         to_abort: list[str] = []
         errors: dict[str, str] = {}
         stats = IterationStats()
-        for out in outputs:
-            key = self.core_to_request.get(out.request_id)
+        lookup, states, latencies = self.core_to_request.get, self.states, stats.inter_token_latencies
+        generated = 0
+        for out in outputs:  # (every request, every step: kept lean)
+            key = lookup(out.request_id)
             if key is None:
                 continue  # already finished here (stop string) or aborted
             request_id, index = key
-            state = self.states[request_id]
+            state = states[request_id]
             if out.error is not None:
                 errors[request_id] = out.error
                 to_abort.extend(self.abort(request_id))
@@ -167,29 +170,43 @@ class OutputProcessor:
             sample = state.samples[index]
             if out.new_prompt_logprobs and state.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, out.new_prompt_logprobs)
-            self._update_sample(sample, out, to_abort)
-            self._record_timing(state, sample, out, now, core_time, stats)
+            if sample.finish_reason is None:
+                detok = sample.detok
+                if out.finish_reason is None and not out.new_logprobs and not detok.stop_strings:
+                    sample.token_ids += out.new_token_ids  # (`_update_sample` where nothing can end it)
+                    detok.add_tokens(out.new_token_ids)
+                else:
+                    self._update_sample(sample, out, to_abort)
+                    if sample.finish_reason is not None:
+                        ended.add(request_id)
+            m = state.metrics
+            if m.first_token_time is None or m.first_scheduled_time is None:
+                self._record_first(state, out, now, core_time, stats)
+            elif out.num_cached_tokens > state.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
+            if sample.last_token_time is not None:
+                latencies.append(now - sample.last_token_time)
+            sample.last_token_time = m.last_token_time = now
+            generated += len(out.new_token_ids)
             touched[request_id] = state
+        stats.num_generation_tokens += generated
         results = []
-        for request_id, state in touched.items():
-            if state.finished:
-                state.metrics.finished_time = now
-                self.abort(request_id)
-                stats.finished.append(self._finished_stats(state))
-            elif only_finished:
-                continue
-            results.append(self._request_output(state))
+        if ended or not only_finished:  # (a state is finished only in the call its last sample finishes)
+            for request_id, state in touched.items():
+                if request_id in ended and state.finished:
+                    state.metrics.finished_time = now
+                    self.abort(request_id)
+                    stats.finished.append(self._finished_stats(state))
+                elif only_finished:
+                    continue
+                results.append(self._request_output(state))
         return ProcessedOutputs(results, to_abort, errors, stats)
 
     @staticmethod
-    def _record_timing(
-        state: _RequestState,
-        sample: _Sample,
-        out: EngineCoreOutput,
-        now: float,
-        core_time: float,
-        stats: IterationStats,
+    def _record_first(
+        state: _RequestState, out: EngineCoreOutput, now: float, core_time: float, stats: IterationStats
     ) -> None:
+        """`_record_timing`'s first-token part (the rest is in `process`'s loop)."""
         m = state.metrics
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if m.first_scheduled_time is None:
@@ -198,11 +215,6 @@ class OutputProcessor:
             m.first_token_time, m.first_token_core_time = now, core_time
             stats.time_to_first_tokens.append(now - m.arrival_time)
             stats.num_prompt_tokens += len(state.processed.prompt_token_ids)
-        if sample.last_token_time is not None:
-            stats.inter_token_latencies.append(now - sample.last_token_time)
-        sample.last_token_time = now
-        m.last_token_time = now
-        stats.num_generation_tokens += len(out.new_token_ids)
 
     @staticmethod
     def _finished_stats(state: _RequestState) -> FinishedRequestStats:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from llmserve.config import SchedulerConfig
@@ -25,6 +26,8 @@ from llmserve.engine.request import (
     SchedulerStats,
 )
 from llmserve.engine.spec_decode import SpecDecoder
+
+_sort_key = attrgetter("priority", "arrival_time")  # Request.sort_key, read in C
 
 
 @dataclass(slots=True)
@@ -143,8 +146,8 @@ class Scheduler:
             self._batch_cap = max(1, -(-live // self.batches_in_flight))
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
-            self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+            budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget  # (each scheduled row took its tokens)
         if self.kv.host is not None:
             out.kv_offload, out.kv_load = self.kv.take_copies()
             if self.kv.disk is not None:
@@ -153,24 +156,32 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        self.running.sort(key=lambda r: r.sort_key)
-        drafts = self.spec.propose(self.running) if self.spec is not None else {}
+        """(Every running request every step: kept lean. Request's properties are read inline:
+        num_tokens is len(all_token_ids); `_ends_by_length` and `ScheduledRequest.scheduled` too.)"""
+        running = self.running
+        running.sort(key=_sort_key)
+        drafts = self.spec.propose(running) if self.spec is not None else {}
         in_flight = self.in_flight
+        max_len = self.config.max_model_len
+        allocate_slots, block_table, append = self.kv.allocate_slots, self.kv.block_table, out.scheduled.append
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             if in_flight is not None:  # the batch queue: a request in flight is not scheduled again
                 if req.request_id in in_flight:
                     i += 1
                     continue
                 if len(out.scheduled) >= self._batch_cap:
                     break
-            if req.num_pending and self._ends_by_length(req):
+            num_tokens = len(req.all_token_ids)
+            if req.num_pending and (
+                num_tokens - len(req.prompt_token_ids) >= req.max_tokens or num_tokens >= max_len
+            ):  # (`_ends_by_length`)
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            proposal = drafts.get(req.request_id)
+            num_new = min(num_tokens - req.num_computed_tokens, budget)
+            proposal = drafts.get(req.request_id) if drafts else None
             if proposal and 1 + len(proposal) <= budget and self.kv.allocate_slots(req, 1 + len(proposal)):
                 sched = ScheduledRequest(req, 1 + len(proposal), self.kv.block_table(req.request_id), True, proposal,
                                          self.spec.draft_probs.get(req.request_id))  # fmt: skip
@@ -178,14 +189,15 @@ class Scheduler:
                 budget -= sched.num_new_tokens
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, num_new):
+            while not allocate_slots(req, num_new):
                 victim = self._victim()  # lowest priority, latest arrival
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.scheduled(req, num_new, self.kv.block_table(req.request_id)))
+                append(ScheduledRequest(req, num_new, block_table(req.request_id),
+                                        req.num_computed_tokens + num_new == num_tokens))  # fmt: skip
                 budget -= num_new
                 i += 1
                 continue
@@ -216,7 +228,10 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(req)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests; returns the budget left."""
+        if not self.waiting:
+            return budget
         prefilling_groups = {r.share_group for r in self.running if self._fills_shared_blocks(r)}
         adapters = {r.lora_request.key for r in self.running if r.lora_request is not None}
         growth = None  # the running requests' `_growth_blocks`, summed when first needed
@@ -259,6 +274,7 @@ class Scheduler:
             budget -= num_new
             if self._fills_shared_blocks(req):
                 prefilling_groups.add(req.share_group)
+        return budget
 
     def _growth_blocks(self, req: Request) -> int:
         """Blocks a running request will still take: the rest of its prompt, and up to
@@ -356,43 +372,49 @@ class Scheduler:
         `prompt_logprobs`: request id -> (first prompt position, entries), kept on the request
         until its first token goes out; `verified`: a speculating request's tokens of the step."""
         results = []
+        append = results.append
         if self.in_flight is not None:  # the batch is back: its requests may be scheduled again
             self.in_flight.difference_update(s.request.request_id for s in out.scheduled)
-        for sched in out.scheduled:
+        cache_full_blocks, check_stop, sampled_token = self.kv.cache_full_blocks, self._check_stop, sampled.get
+        for sched in out.scheduled:  # (every running request every step: kept lean)
             req = sched.request
+            rid = req.request_id
             if req.status.finished:
                 continue  # aborted, or stopped by an earlier step while this one ran
             if sched.draft_token_ids:
-                results.append(self._take_verified(sched, verified[req.request_id], logprobs.get(req.request_id)))
+                append(self._take_verified(sched, verified[rid], logprobs.get(rid)))
                 continue
-            if prompt_logprobs and req.request_id in prompt_logprobs:
-                _keep_prompt_logprobs(req, *prompt_logprobs[req.request_id])
-            token = sampled.get(req.request_id)
+            if prompt_logprobs and rid in prompt_logprobs:
+                _keep_prompt_logprobs(req, *prompt_logprobs[rid])
+            token = sampled_token(rid)
             if token is None:  # a prefill chunk that did not reach the end
-                self.kv.cache_full_blocks(req)
+                cache_full_blocks(req)
                 continue
-            index = req.num_known_tokens
-            req.all_token_ids[index] = token
+            tokens = req.all_token_ids
+            index = len(tokens) - req.num_pending  # (num_known_tokens)
+            tokens[index] = token
             req.num_pending -= 1
-            self.kv.cache_full_blocks(req)
-            self._check_stop(req, token)
-            if req.status.finished and req.num_pending:  # a later step sampled past the end
-                del req.all_token_ids[index + 1 :]
+            cache_full_blocks(req)
+            check_stop(req, token)
+            status = req.status
+            finished = status.finished
+            if finished and req.num_pending:  # a later step sampled past the end
+                del tokens[index + 1 :]
                 req.num_pending = 0
-            results.append(
+            append(
                 EngineCoreOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[token],
-                    new_logprobs=logprobs.get(req.request_id),
-                    new_prompt_logprobs=_take_prompt_logprobs(req) if req.prompt_logprobs else None,
-                    finish_reason=req.status.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                    first_scheduled_time=req.first_scheduled_time,
-                    queued_time=req.queued_time,
-                )
-            )
-            if req.status.finished:
+                    rid,
+                    [token],
+                    logprobs.get(rid) if logprobs else None,
+                    _take_prompt_logprobs(req) if req.prompt_logprobs else None,
+                    status.finish_reason if finished else None,
+                    req.stop_reason,
+                    req.num_cached_tokens,
+                    req.first_scheduled_time,
+                    req.queued_time,
+                )  # (positional: request_id, new_token_ids, new_logprobs, new_prompt_logprobs, finish_reason,
+            )  # stop_reason, num_cached_tokens, first_scheduled_time, queued_time)
+            if finished:
                 if req in self.running:
                     self.running.remove(req)
                 else:  # preempted while its token was in flight
@@ -439,7 +461,8 @@ class Scheduler:
     def _check_stop(self, req: Request, token: int) -> None:
         """`token` has just been filled in; later tokens may still be pending."""
         params = req.sampling_params
-        num_output = req.num_known_tokens - req.num_prompt_tokens
+        num_known = len(req.all_token_ids) - req.num_pending
+        num_output = num_known - len(req.prompt_token_ids)
         if req.matcher is not None:
             if not req.matcher.accept_token(token):  # only if sampling bypassed the mask
                 req.status = RequestStatus.FINISHED_ABORTED
@@ -455,7 +478,7 @@ class Scheduler:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token
                 return
-        if num_output >= req.max_tokens or req.num_known_tokens >= self.config.max_model_len:
+        if num_output >= req.max_tokens or num_known >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
 
     def stats(self) -> SchedulerStats:
