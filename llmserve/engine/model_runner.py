@@ -169,8 +169,11 @@ class PendingStep:
             return ModelRunnerOutput({}, spec_logprobs, prompt, verified)
         with torch.inference_mode():
             out = self.pending.result()
-        sampled = {r.request_id: t for r, t in zip(self.sampling, out.token_ids)}
-        logprobs = {r.request_id: [lp] for r, lp in zip(self.sampling, out.logprobs) if lp is not None}
+        ids = [r.request_id for r in self.sampling]
+        sampled = dict(zip(ids, out.token_ids))
+        logprobs = {}
+        if self.pending.logprobs is not None:  # (else every row's is None)
+            logprobs = {rid: [lp] for rid, lp in zip(ids, out.logprobs) if lp is not None}
         logprobs.update(spec_logprobs)
         if self.on_result is not None:
             self.on_result(self.sampling, out.token_ids)
