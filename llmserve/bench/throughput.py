@@ -20,6 +20,7 @@ from llmserve.bench.lora_args import BenchAdapters, add_lora_bench_args, enable_
 from llmserve.bench.prompts import random_requests
 from llmserve.bench.sampling_args import add_sampling_args, sampling_label, sampling_params
 from llmserve.cli_args import add_engine_args, engine_args_from_cli
+from llmserve.engine.pp_batches import busy_line
 from llmserve.heap import frozen
 
 
@@ -44,6 +45,10 @@ class ThroughputResult:
     sampling: dict | None = None  # the settings that differ from the defaults
     gpu: dict | None = None  # utilisation and memory over the timed run (gpu_monitor.GpuUsage)
     lora: dict | None = None  # the adapters the requests took in turn (--lora-adapters)
+    # pipeline parallelism: batches in the stages at once, and each rank's share of the timed run
+    # spent in its stage's layers ({"stage": s, "tp_rank": t, "busy": fraction}; the bubble is the rest)
+    pp_batches_in_flight: int | None = None
+    pp_stage_busy: list[dict] | None = None
 
 
 def add_parser(subparsers) -> None:
@@ -98,6 +103,9 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False,
                      lora_request=loras[:1] if loras else None)  # fmt: skip
         monitor = monitor_for(llm)
+        staged = llm.config.pipeline_parallel_size > 1
+        if staged:
+            llm.core.stage_busy(reset=True)  # (the warm-up's and the start's forwards not counted)
         with frozen("bench throughput"), monitor or contextlib.nullcontext():  # no full GC pass mid-measurement
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, lora_request=loras)
@@ -106,6 +114,7 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         if adapters is not None:
             adapters.close()
     usage = monitor.usage() if monitor is not None else None
+    busy = llm.core.stage_busy() if staged else None
     out_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     in_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     result = ThroughputResult(
@@ -128,6 +137,10 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
         sampling=sampling_label(args) or None,
         gpu=usage.as_dict() if usage is not None else None,
         lora=adapters.label(llm) if adapters else None,
+        pp_batches_in_flight=llm.config.pipeline_batches_in_flight if staged else None,
+        pp_stage_busy=[{"stage": b.stage, "tp_rank": b.tp_rank, "busy": round(b.fraction, 3)} for b in busy]
+        if busy
+        else None,
     )
     print(
         f"Throughput: {result.requests_per_s:.2f} requests/s, "
@@ -144,6 +157,8 @@ def measure(llm, args: argparse.Namespace, startup: float = 0.0) -> ThroughputRe
     )
     if usage is not None:
         print(usage.line())
+    if busy:
+        print(f"{busy_line(busy)}, {result.pp_batches_in_flight} batch(es) in flight")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(asdict(result), f, indent=2)
