@@ -403,7 +403,7 @@ def test_a_batch_is_queued_while_its_first_steps_run(llama_dir, tmp_path, monkey
     import random
 
     from llmserve.engine import request_feed
-    from llmserve.llm import StepPipeline
+    from llmserve.engine.engine_core import StepPipeline
 
     rng = random.Random(3)
     prompts = [ids(*(rng.randrange(1, 200) for _ in range(rng.randrange(5, 40)))) for _ in range(40)]
