@@ -22,6 +22,7 @@ _HELP = {
     "gguf_keep_quantized": "a GGUF file's projections keep their Q4_K/Q5_K/Q6_K/Q8_0/Q5_0 blocks on the device, dequantized inside the GEMM (default: on a GPU; other formats, the embedding and the LM head dequantized at load); --no-gguf-keep-quantized dequantizes every tensor at load",
     "quantization_ignore": "with --quantization fp8: comma-separated projections kept in the model's dtype, by module name (model.layers.N.PATH, PATH a linear layer of the model's family: a name that matches none gets an error listing them) or re:PATTERN of the whole name",
     "fp8_fast_accum_tokens": "FP8 GEMMs of steps of at least this many tokens use the GPU's fast FP8 accumulation (as vLLM's FP8 kernels do on Hopper); 0: never",
+    "int8_embedding": "with --quantization int8: the embedding's rows in int8 too, a float32 scale per row, dequantized on lookup; a tied LM head reads the same rows, an untied one stays in the model's dtype",
     "max_model_len": "longest prompt + output, in tokens",
     "load_format": "auto/safetensors, or dummy for random weights",
     "device": "auto, cpu or cuda",

@@ -60,6 +60,7 @@ class ModelConfig:
     checkpoint_quantization: QuantizedCheckpoint | None = None  # the quantized format the checkpoint is in
     quantization_ignore: tuple[str, ...] = ()  # projections kept unquantized (module names or re: patterns)
     fp8_fast_accum_tokens: int = 1024  # FP8 GEMMs of steps this long accumulate fast on a GPU (0: never)
+    int8_embedding: bool = False  # the embedding's rows in int8, a scale each (model/int8_embedding.py)
 
 
 def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -350,6 +351,10 @@ class EngineArgs:
     # inside the GEMM (model/gguf_linear.py): None, on a GPU; True, also on a CPU (the layers' PyTorch
     # reference: tests); False (--no-gguf-keep-quantized), every tensor dequantized at load
     gguf_keep_quantized: bool | None = None
+    # with quantization int8: the embedding's rows in int8 too, a float32 scale per row, dequantized on
+    # lookup (model/int8_embedding.py); a tied LM head reads the same rows, an untied one stays in the
+    # model's dtype. An int8 checkpoint written with --int8-embedding turns it on by itself
+    int8_embedding: bool = False
     max_model_len: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -472,6 +477,7 @@ class EngineArgs:
             checkpoint_quantization=checkpoint_quant,
             quantization_ignore=ignore,
             fp8_fast_accum_tokens=_check_non_negative("fp8_fast_accum_tokens", self.fp8_fast_accum_tokens),
+            int8_embedding=_check_int8_embedding(self.int8_embedding, quantization, checkpoint_quant),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,
@@ -834,6 +840,18 @@ def _check_quantization(quantization: str | None, checkpoint_quant=None) -> str 
             f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset); got {quantization!r}{own}"
         )
     return quantization
+
+
+def _check_int8_embedding(asked: bool, quantization: str | None, checkpoint_quant) -> bool:
+    """Whether the embedding is int8: asked for (with int8 projections), or an int8 checkpoint's."""
+    from llmserve.model.int8_checkpoint import Int8Checkpoint
+
+    if isinstance(checkpoint_quant, Int8Checkpoint) and checkpoint_quant.embedding:
+        return True
+    if asked and quantization != "int8":
+        raise ConfigError(f"int8_embedding goes with quantization int8 (W8A8 projections); quantization is "
+                          f"{quantization or 'none'}")  # fmt: skip
+    return asked
 
 
 def _gguf_keep_quantized(args: EngineArgs, model_dir: Path, quantization: str | None, arch: ModelArch,

@@ -30,10 +30,11 @@ def _make_int8_checkpoint(args: argparse.Namespace) -> None:
             raise ValueError(f"--smoothquant: the migration strength alpha is in [0, 1]; got {args.smoothquant}")
         smooth = SmoothQuant(args.smoothquant, tuple(args.calibration_text or ()), args.calibration_tokens)
     ignore = _split(args.ignore)
-    path = write_int8_checkpoint(_source(args.model), args.out, args.activations, ignore, smooth)
+    path = write_int8_checkpoint(_source(args.model), args.out, args.activations, ignore, smooth, args.int8_embedding)
     print(f"wrote a W8A8 int8 checkpoint (compressed-tensors int-quantized, weight scales per channel, "
           f"{args.activations} activations{f', SmoothQuant alpha {smooth.alpha}' if smooth else ''}"
-          f"{f', {len(ignore)} pattern(s) kept in 16 bits' if ignore else ''}) to {path}")  # fmt: skip
+          f"{f', {len(ignore)} pattern(s) kept in 16 bits' if ignore else ''}"
+          f"{', the embedding in int8' if args.int8_embedding else ''}) to {path}")  # fmt: skip
 
 
 def _make_w4a16_checkpoint(args: argparse.Namespace) -> None:
@@ -68,6 +69,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files SmoothQuant measures activations "
                    "on (default: a few fixed prompts)")  # fmt: skip
     p.add_argument("--calibration-tokens", type=int, default=4096, help="calibration tokens in all")
+    p.add_argument("--int8-embedding", action="store_true", help="the embedding's rows in int8 too, a float32 "
+                   "scale each (llmserve reads it; the LM head stays 16-bit unless tied to the embedding)")  # fmt: skip
     p.set_defaults(func=_make_int8_checkpoint)
 
     w = sub.add_parser("make-w4a16-checkpoint", help="write a Hugging Face folder's projections as a 4-bit GPTQ or "

@@ -131,7 +131,7 @@ def load_for_reading(engine_args):
     mc = cfg.model_config
     model = load_model(mc.model, mc.arch, mc.dtype, cfg.device, reference_paged_attention, load_format=mc.load_format,
                        seed=mc.seed, progress=False, max_positions=mc.max_model_len, quantization=mc.quantization,
-                       quantization_ignore=mc.quantization_ignore)  # fmt: skip
+                       quantization_ignore=mc.quantization_ignore, int8_embedding=mc.int8_embedding)  # fmt: skip
     return model, load_tokenizer(mc.tokenizer), cfg
 
 
@@ -139,7 +139,8 @@ def describe(cfg) -> str:
     mc = cfg.model_config
     kv = cfg.cache_config.kv_cache_dtype
     kept = f" (kept: {', '.join(mc.quantization_ignore)})" if mc.quantization_ignore else ""
-    return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}{kept}, KV {kv}"
+    embedding = " with an int8 embedding" if mc.int8_embedding else ""
+    return f"{str(mc.dtype).removeprefix('torch.')}, quantization {mc.quantization or 'none'}{kept}{embedding}, KV {kv}"
 
 
 def run(args: argparse.Namespace) -> AccuracyResult:
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> AccuracyResult:
     candidate_args = engine_args_from_cli(args)
     # the baseline: the model's dtype, every GGUF tensor dequantized at load
     baseline_args = dataclasses.replace(candidate_args, quantization=None, quantization_ignore=None, kv_cache_dtype="auto",
-                                        calculate_kv_scales=None, gguf_keep_quantized=False)  # fmt: skip
+                                        calculate_kv_scales=None, gguf_keep_quantized=False,
+                                        int8_embedding=False)  # fmt: skip
     two_models = bool(getattr(args, "baseline_model", None))
     if two_models:
         baseline_args = dataclasses.replace(baseline_args, model=args.baseline_model, tokenizer=None)

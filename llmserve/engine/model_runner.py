@@ -254,7 +254,7 @@ class ModelRunner:
             mc.model, mc.arch, mc.dtype, str(self.device), select_attention_backend(config.attention_backend),
             load_format=mc.load_format, seed=mc.seed, progress=progress and tp.rank == 0,
             max_positions=mc.max_model_len, tp=tp, quantization=mc.quantization, quantization_ignore=mc.quantization_ignore,
-            stage=stage.stage,
+            stage=stage.stage, int8_embedding=mc.int8_embedding,
             ops=triton_ops(mc.fp8_fast_accum_tokens) if config.attention_backend == "triton" else REFERENCE_OPS,
         )  # fmt: skip
         self.kv_scales = KVScales("none (the cache is not FP8)", ())  # set_kv_scales: an FP8 cache's

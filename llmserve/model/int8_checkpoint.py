@@ -30,6 +30,10 @@ from llmserve.model.arch import UnsupportedModelError
 from llmserve.model.int8 import INT8_MAX
 
 FORMAT = "int-quantized"
+# `make-int8-checkpoint --int8-embedding`: the quantization_config key that says the embedding is int8
+# (`model.embed_tokens.weight` int8 and `model.embed_tokens.weight_scale` [vocab, 1]); compressed-tensors
+# has no such form, so only llmserve reads these checkpoints' embedding
+EMBEDDING_KEY = "llmserve_int8_embedding"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class Int8Checkpoint:
     activations: str  # dynamic | static
     ignore: tuple[str, ...] = ()  # projections left unquantized, by this model's (fused) module names
     format: str = "compressed-tensors"
+    embedding: bool = False  # the embedding's rows in int8 with a scale each (llmserve's own key: EMBEDDING_KEY)
 
     @property
     def method(self) -> str:
@@ -89,7 +94,7 @@ def read_int8_quantization(cfg: dict) -> Int8Checkpoint:
         else:
             raise _refuse(f"static activation strategy {acts.get('strategy')!r} (tensor is read)")
     kept = _kept_projections(qc.get("ignore") or [], cfg)
-    return Int8Checkpoint(weights["strategy"], activations, kept)
+    return Int8Checkpoint(weights["strategy"], activations, kept, embedding=bool(qc.get(EMBEDDING_KEY)))
 
 
 def config_entry(weights: str, activations: str, kept_parts: list[str]) -> dict:
@@ -180,12 +185,14 @@ def _calibration_prompts(source: Path, smooth: SmoothQuant | None) -> list[list[
 
 
 def write_int8_checkpoint(model_dir: str | Path, out_dir: str | Path, activations: str = "dynamic",
-                          ignore: tuple[str, ...] = (), smooth: SmoothQuant | None = None) -> Path:  # fmt: skip
+                          ignore: tuple[str, ...] = (), smooth: SmoothQuant | None = None,
+                          embedding: bool = False) -> Path:  # fmt: skip
     """Quantize a model's projections to int8 (a scale per output channel, round to nearest) and
     write them as a compressed-tensors W8A8 folder: activations "dynamic" (per token at run time)
     or "static" (a scale per tensor calibrated on a few prompts). `ignore`: projections left in 16
     bits (module names or `re:` patterns, as `--quantization-ignore`). `smooth`: SmoothQuant first
-    (Llama-family folders: plain RMSNorm weights)."""
+    (Llama-family folders: plain RMSNorm weights). `embedding`: the embedding's rows in int8 too, a
+    float32 scale each (model/int8_embedding.py; a tied LM head reads them, an untied one stays)."""
     from safetensors.torch import save_file
 
     from llmserve.config import read_arch
@@ -249,11 +256,15 @@ def write_int8_checkpoint(model_dir: str | Path, out_dir: str | Path, activation
             quantized[module + ".weight_scale"] = scale
             if module in input_scales:
                 quantized[module + ".input_scale"] = torch.tensor([input_scales[module]], dtype=torch.float32)
+        elif name == "model.embed_tokens.weight" and embedding:
+            quantized[name], quantized["model.embed_tokens.weight_scale"] = quantize_rows_int8(tensor)
         else:
             quantized[name] = tensor
     out.mkdir(parents=True, exist_ok=True)
     save_file(quantized, str(out / "model.safetensors"))
     cfg["quantization_config"] = config_entry("channel", activations, kept_parts)
+    if embedding:
+        cfg["quantization_config"][EMBEDDING_KEY] = True
     if smooth is not None:  # how the weights were prepared (read by nothing; for people)
         cfg["quantization_config"]["llmserve_smoothquant"] = {"alpha": smooth.alpha, "prompts": len(prompts),
                                                               "texts": [Path(t).name for t in smooth.texts]}  # fmt: skip

@@ -260,7 +260,8 @@ _STACKED = {
 
 
 def _is_vocab(target: str) -> bool:
-    return target in ("model.embed_tokens.weight", "lm_head.weight")
+    """Split over the vocabulary: the embedding (an int8 one's row scales too) and the LM head."""
+    return target in ("model.embed_tokens.weight", "model.embed_tokens.weight_scale", "lm_head.weight")
 
 
 def _split_dim(target: str) -> int | None:
@@ -270,6 +271,13 @@ def _split_dim(target: str) -> int | None:
     if target.endswith((".o_proj.weight", ".down_proj.weight")):
         return 1  # row-parallel: their biases are whole on every rank
     return None
+
+
+def _copy_rows(dest: torch.Tensor, rows: torch.Tensor) -> None:
+    """`dest.copy_(rows)`; the last rank's padded vocabulary rows (fewer in `rows`) zeroed."""
+    if rows.shape != dest.shape:
+        dest.zero_()
+    dest.narrow(0, 0, rows.shape[0]).copy_(rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -344,7 +352,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers
 
     def embedding_dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.embed_tokens.dtype  # (an int8 table's: the dtype its rows come out in)
 
     def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -400,11 +408,12 @@ class LlamaForCausalLM(nn.Module):
             dest = param.data if shard is None else self._shard_view(target, param, shard)
             if name.endswith(".weight_scale"):  # an FP8 checkpoint's: per tensor, or a row each
                 rows = tensor.reshape(-1, 1).to(torch.float32)
-                full_rows = dest.shape[0] * (self.tp.world_size if _split_dim(target) == 0 else 1)
+                full_rows = self.arch.vocab_size if _is_vocab(target) else \
+                    dest.shape[0] * (self.tp.world_size if _split_dim(target) == 0 else 1)  # fmt: skip
                 rows = rows.expand(full_rows, 1) if rows.shape[0] == 1 else rows
                 if rows.shape[0] != full_rows:
                     raise ValueError(f"{name}: {tuple(tensor.shape)} scales for {full_rows} rows")
-                dest.copy_(rows if _split_dim(target) != 0 else rank_slice(rows, 0, dest.shape[0], self.tp.rank))
+                _copy_rows(dest, rows if _split_dim(target) != 0 else rank_slice(rows, 0, dest.shape[0], self.tp.rank))
                 loaded.add(target if shard is None else f"{target}#{shard}")
                 continue
             dim = _split_dim(target)
@@ -415,13 +424,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
             part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
             if is_quantized(dest) and tensor.dtype == dest.dtype:  # an FP8 or INT8 checkpoint's weight (its scale comes apart)
-                dest.copy_(part)
+                _copy_rows(dest, part)
             elif is_quantized(dest) and not is_quantized(tensor):  # quantized as it loads, rows of this rank's part
                 scale_target = target.removesuffix(".weight") + ".weight_scale"
                 scale = params[scale_target]
                 q, row_scales = quantize_rows_as(dest.dtype, part)  # model/fp8.py, model/int8.py
-                dest.copy_(q)
-                (scale.data if shard is None else self._shard_view(target, scale, shard)).copy_(row_scales)
+                _copy_rows(dest, q)
+                _copy_rows(scale.data if shard is None else self._shard_view(target, scale, shard), row_scales)
                 loaded.add(scale_target if shard is None else f"{scale_target}#{shard}")
             elif is_quantized(dest):
                 raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype} but its projection holds {dest.dtype}")
@@ -429,9 +438,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} is {'FP8' if is_fp8(tensor) else 'INT8'} but its projection "
                                  "runs unquantized (the checkpoint's ignore list names it)")  # fmt: skip
             else:
-                if part.shape != dest.shape:  # the last rank's padded vocabulary rows
-                    dest.zero_()
-                dest.narrow(0, 0, part.shape[0]).copy_(part)
+                _copy_rows(dest, part)
             loaded.add(target if shard is None else f"{target}#{shard}")
         self._check_kv_scales()
         return loaded

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from llmserve.model.arch import ModelArch
 from llmserve.model.attention import AttentionBackend
 from llmserve.model.gguf_keep import gguf_kept_loader, keep_gguf_quantized
+from llmserve.model.int8_embedding import log_saving, use_int8_embedding
 from llmserve.model.interface import CausalLM
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
 from llmserve.model.pipeline import WHOLE, PipelineStage, stage_keeps
@@ -41,12 +42,14 @@ def load_model(
     quantization: str | None = None,
     quantization_ignore: tuple[str, ...] = (),
     stage: PipelineStage = WHOLE,
+    int8_embedding: bool = False,
 ) -> CausalLM:
     """`max_positions` bounds the rotary table (the engine's max_model_len); `ops` picks
     the elementwise kernels (PyTorch references or fused Triton kernels); `tp` is this
     rank's tensor-parallel group (each rank builds and loads only its shard); `quantization`
     "fp8" gives the projections FP8 weights, quantized from the checkpoint as it loads, except
-    the modules `quantization_ignore` names; "gguf" keeps a GGUF file's blocks (model/gguf_linear.py)."""
+    the modules `quantization_ignore` names; "gguf" keeps a GGUF file's blocks (model/gguf_linear.py).
+    `int8_embedding`: the embedding's rows in int8 (model/int8_embedding.py)."""
     start = time.perf_counter()
     with torch.device("meta"):
         built_as = None if quantization == "gguf" else quantization
@@ -55,6 +58,7 @@ def load_model(
             model.set_pipeline_stage(stage)
         if quantization == "gguf":  # a GGUF file's projections keep their blocks (model/gguf_keep.py)
             keep_gguf_quantized(model, model_dir, arch, ops.gguf_matmul, tp)
+        embedding = use_int8_embedding(model, dtype) if int8_embedding else None
         for param in model.parameters():  # the final dtype, but FP8 weights and their float32 scales stay
             if param.dtype == torch.float32 and not _is_scale(model, param):
                 param.data = param.data.to(dtype)
@@ -63,6 +67,8 @@ def load_model(
         if isinstance(module, RotaryEmbedding):
             module.rebuild(torch.device(device))
     fill_weights(model, model_dir, arch, load_format, seed, tp, progress, stage)
+    if embedding is not None and tp.rank == 0:
+        log_saving(embedding, arch.tie_word_embeddings)
     if progress:
         params = sum(p.numel() for p in model.parameters())
         logger.info("loaded %s (%.1fM parameters, %s, %s) in %.1f s", model_dir if load_format != "dummy" else "dummy weights",

@@ -108,6 +108,11 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the rows it gives (model/int8_embedding.py: int8 rows come out in the model's)."""
+        return self.weight.dtype
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return F.embedding(ids, self.weight)

@@ -116,3 +116,37 @@ def test_fp8_fused_moe_equals_the_fp8_reference(tokens, block_shape):
     assert (got - ref).norm() / ref.norm() < 0.02
     exact = fused_moe_reference(x, logits, w13, w2, top_k, True)
     assert (got - exact).norm() / exact.norm() < 0.08
+
+
+def test_an_int8_embedding_gives_the_dequantized_tables_tokens(tmp_path):
+    """`--int8-embedding` on a tied bf16 model (the LM head reads the int8 rows): CUDA graphs give
+    eager's greedy tokens, and both the tokens of the model whose table holds the dequantized rows."""
+    import shutil
+
+    from gpu_utils import release, token_ids
+    from safetensors.torch import load_file, save_file
+
+    from llmserve import LLM, SamplingParams
+    from llmserve.model.int8 import dequantize_int8, quantize_rows_int8
+    from llmserve.model.random_model import make_random_model
+
+    model = make_random_model(tmp_path / "m", "llama", vocab_size=4096, hidden_size=512, intermediate_size=1536,
+                              num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                              tie_word_embeddings=True, max_position_embeddings=2048)  # fmt: skip
+    twin = tmp_path / "twin"
+    shutil.copytree(model, twin)
+    tensors = load_file(str(twin / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = dequantize_int8(*quantize_rows_int8(tensors["model.embed_tokens.weight"]))
+    save_file(tensors, str(twin / "model.safetensors"))
+    prompts = [{"prompt_token_ids": [(17 * i + 5 * j) % 4000 + 10 for j in range(12 + i)]} for i in range(12)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = []
+    for path, eager, embedding in ((model, True, True), (model, False, True), (twin, False, False)):
+        llm = LLM(str(path), dtype="bfloat16", quantization="int8", int8_embedding=embedding, enforce_eager=eager,
+                  max_model_len=256, kv_cache_memory_bytes=1 << 30)  # fmt: skip
+        assert (llm.core.runner.model.model.embed_tokens.weight.dtype == torch.int8) == embedding
+        runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+        llm.shutdown()
+        del llm
+        release()
+    assert runs[0] == runs[1] == runs[2]
