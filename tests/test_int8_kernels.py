@@ -10,9 +10,9 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton or llmserve.kernels is imported
 
 import subprocess  # noqa: E402
-from functools import partial  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
+from functools import partial  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -21,8 +21,8 @@ from llmserve.model.arch import RopeConfig
 from llmserve.model.fp8 import Fp8Tokens, fp8_gemm_reference, fp8_matmul_reference, quantized
 from llmserve.model.gguf_linear import gguf_matmul_reference
 from llmserve.model.int8 import int8_matmul_reference
-from llmserve.model.w4a16 import w4a16_matmul_reference
 from llmserve.model.moe import fused_moe_reference
+from llmserve.model.w4a16 import w4a16_matmul_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
