@@ -90,9 +90,13 @@ class CacheConfig:
         if self.kv_offload_disk_bytes < 0:
             raise ConfigError(f"kv_offload_disk_gb must be >= 0; got {self.kv_offload_disk_bytes / (1 << 30)}")
         if bool(self.kv_offload_disk_path) != (self.kv_offload_disk_bytes > 0):
-            raise ConfigError("the KV disk tier takes both kv_offload_disk_path (a directory) and kv_offload_disk_gb > 0")
+            raise ConfigError(
+                "the KV disk tier takes both kv_offload_disk_path (a directory) and kv_offload_disk_gb > 0"
+            )
         if self.kv_offload_disk_bytes and not self.kv_offload_cpu_bytes:
-            raise ConfigError("kv_offload_disk_gb: the disk tier is below the host tier; give kv_offload_cpu_gb > 0 too")
+            raise ConfigError(
+                "kv_offload_disk_gb: the disk tier is below the host tier; give kv_offload_cpu_gb > 0 too"
+            )
         if self.kv_cache_dtype in ("fp8_e4m3", "fp8e4m3"):
             self.kv_cache_dtype = "fp8"
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -136,7 +140,9 @@ class ExecutorConfig:
     """How an engine core's worker ranks are started (engine/executor.py)."""
 
     backend: str = "mp"  # mp: processes on this machine; ray: Ray actors on a cluster's nodes
-    placement_strategy: str = "PACK"  # ray: the placement group's (PACK: as few nodes as fit, as vLLM; STRICT_PACK: one node)
+    placement_strategy: str = (
+        "PACK"  # ray: the placement group's (PACK: as few nodes as fit, as vLLM; STRICT_PACK: one node)
+    )
     placement_timeout_s: float = 60.0  # ray: a placement group not met by then fails the start
     num_cpus: float = 1.0  # ray on CPUs: CPUs reserved per rank
 
@@ -434,7 +440,9 @@ class EngineArgs:
     # mp: worker ranks as processes on this machine; ray: as Ray actors on the nodes of the Ray
     # cluster RAY_ADDRESS names (else a local one), one GPU each (engine/executor_ray.py)
     distributed_executor_backend: str = "mp"
-    ray_placement_strategy: str = "PACK"  # PACK (as vLLM): as few nodes as fit; STRICT_PACK: one node; SPREAD: across nodes
+    ray_placement_strategy: str = (
+        "PACK"  # PACK (as vLLM): as few nodes as fit; STRICT_PACK: one node; SPREAD: across nodes
+    )
     ray_placement_timeout: float = 60.0  # seconds for the cluster to place every rank before the start fails
 
     @classmethod
@@ -454,7 +462,9 @@ class EngineArgs:
             quantization = method
         _check_quantized_family(arch, quantization)
         if quantization in ("gptq", "awq") and self.load_format == "dummy":
-            raise ConfigError(f"load_format dummy: 4-bit ({quantization}) weights are not drawn yet; load the checkpoint")
+            raise ConfigError(
+                f"load_format dummy: 4-bit ({quantization}) weights are not drawn yet; load the checkpoint"
+            )
         ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch)
         if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
             ignore = checkpoint_quant.ignore

@@ -49,9 +49,11 @@ def _make_w4a16_checkpoint(args: argparse.Namespace) -> None:
     gptq = GptqCalibration(tuple(args.calibration_text), args.calibration_tokens) if args.gptq else None
     sym = args.method == "gptq" and not args.zero_points
     path = write_w4a16_checkpoint(_source(args.model), args.out, args.method, args.group_size, sym, args.desc_act, gptq)
-    print(f"wrote a 4-bit {args.method.upper()} checkpoint (group size {args.group_size}, "
-          f"{'symmetric' if sym else 'zero points'}{', act-order' if args.desc_act else ''}, "
-          f"{'GPTQ' if gptq else 'round to nearest'}) to {path}")
+    print(
+        f"wrote a 4-bit {args.method.upper()} checkpoint (group size {args.group_size}, "
+        f"{'symmetric' if sym else 'zero points'}{', act-order' if args.desc_act else ''}, "
+        f"{'GPTQ' if gptq else 'round to nearest'}) to {path}"
+    )
 
 
 def add_parsers(sub) -> None:

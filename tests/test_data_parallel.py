@@ -134,7 +134,9 @@ def test_serve_with_two_engine_cores_through_openai(llama_dir, tmp_path):
             assert reply.usage.completion_tokens == 4 or reply.choices[0].finish_reason == "stop"
         metrics = httpx.get(f"{srv.base_url}/metrics").text
         for engine in ("0", "1"):  # each core's series, both computed tokens
-            assert re.search(rf'vllm:prefix_cache_queries_total\{{[^}}]*engine="{engine}"[^}}]*\}} [1-9]', metrics), metrics
+            assert re.search(rf'vllm:prefix_cache_queries_total\{{[^}}]*engine="{engine}"[^}}]*\}} [1-9]', metrics), (
+                metrics
+            )
         assert "data parallel: 2 engine cores" in srv.log()
     finally:
         srv.stop()

@@ -116,7 +116,9 @@ def test_the_engine_runs_int8_and_mostly_agrees_with_float(model_dirs):
     int8 = LLM(model_dirs["llama"], max_model_len=128, quantization="int8")
     layer = int8.core.runner.model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
-    assert layer.mlp.gate_up_proj.weight.dtype == torch.int8 and layer.mlp.gate_up_proj.weight_scale.dtype == torch.float32
+    assert (
+        layer.mlp.gate_up_proj.weight.dtype == torch.int8 and layer.mlp.gate_up_proj.weight_scale.dtype == torch.float32
+    )
     assert int8.core.runner.model.model.embed_tokens.weight.dtype == torch.float32  # embedding and LM head stay
     a = [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in int8.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -142,7 +144,10 @@ def test_int8_shards_over_two_ranks(llama_dir):
     with LLM(llama_dir, max_model_len=64, quantization="int8") as one, \
             LLM(llama_dir, max_model_len=64, quantization="int8", tensor_parallel_size=2) as two:  # fmt: skip
         shard = two.core.runner.model.model.layers[0]
-        assert shard.self_attn.qkv_proj.weight.shape == (64, 64) and shard.self_attn.qkv_proj.weight_scale.shape == (64, 1)
+        assert shard.self_attn.qkv_proj.weight.shape == (64, 64) and shard.self_attn.qkv_proj.weight_scale.shape == (
+            64,
+            1,
+        )
         assert shard.mlp.down_proj.weight.shape == (64, 64) and shard.mlp.down_proj.weight.dtype == torch.int8
         a = [o.outputs[0].token_ids[:4] for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert a == [o.outputs[0].token_ids[:4] for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
@@ -163,7 +168,13 @@ def test_a_compressed_tensors_int8_checkpoint_loads_as_it_is(llama_dir, int8_che
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized"
     group = qc["config_groups"]["group_0"]
-    assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    assert group["weights"] == {
+        "num_bits": 8,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "channel",
+        "dynamic": False,
+    }
     assert group["input_activations"]["strategy"] == "token" and group["input_activations"]["dynamic"]
     with safe_open(str(int8_checkpoint / "model.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.int8
@@ -179,7 +190,9 @@ def test_a_compressed_tensors_int8_checkpoint_loads_as_it_is(llama_dir, int8_che
         want = [o.outputs[0].token_ids for o in at_load.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert [o.outputs[0].token_ids for o in from_file.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
     with LLM(str(int8_checkpoint), max_model_len=64, tensor_parallel_size=2) as two:  # whole rows' scales on each rank
-        assert [o.outputs[0].token_ids[:4] for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == [w[:4] for w in want]
+        assert [o.outputs[0].token_ids[:4] for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == [
+            w[:4] for w in want
+        ]
 
 
 def test_static_activations_and_an_ignore_list(llama_dir, tmp_path):

@@ -52,7 +52,9 @@ def test_rows_are_looked_up_dequantized_within_half_a_step(monkeypatch):
     monkeypatch.setattr(int8_embedding, "LOGIT_ROWS", 128)
     h = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(emb.logits(h), F.linear(h, deq), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(emb.logits(h, torch.ones(300, 64)), h.sum(-1, keepdim=True).expand(4, 300))  # untied: its own rows
+    torch.testing.assert_close(
+        emb.logits(h, torch.ones(300, 64)), h.sum(-1, keepdim=True).expand(4, 300)
+    )  # untied: its own rows
     assert embedding_bytes(emb) == (300 * 64 + 300 * 4, 300 * 64 * 4)
     bf16 = Int8VocabParallelEmbedding(300, 64, SINGLE, torch.bfloat16)
     bf16.load_state_dict(emb.state_dict())

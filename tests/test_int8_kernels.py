@@ -103,7 +103,9 @@ def test_the_gpu_paths_pieces_compose_to_the_reference():
             gemm = int8_gemm_triton if tokens <= 16 else partial(int8_gemm_int_mm, cuda_rules=True)
             assert want.dtype == torch.bfloat16 and torch.equal(gemm(xq, sx, wq, sw, x.dtype), want)
     xq, sx = quantize_tokens_int8(x)  # off a GPU the fast path is the reference itself
-    assert torch.equal(int8_gemm_fast(xq, sx, wq, sw, torch.float32), int8_gemm_reference(xq, sx, wq, sw, torch.float32))
+    assert torch.equal(
+        int8_gemm_fast(xq, sx, wq, sw, torch.float32), int8_gemm_reference(xq, sx, wq, sw, torch.float32)
+    )
 
 
 COMPILE = textwrap.dedent(

@@ -147,4 +147,3 @@ def test_dead_stage_worker_ends_requests_and_health(three_layers):
             engine.shutdown()
 
     asyncio.run(main())
-

@@ -130,8 +130,14 @@ def test_a_cluster_too_small_fails_fast_saying_what_is_missing(cluster, llama_di
     """Two 1-CPU nodes cannot hold two 1-CPU ranks on one node (STRICT_PACK)."""
     start = time.monotonic()
     with pytest.raises(ConfigError) as refused:
-        LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray", ray_placement_timeout=3,
-            ray_placement_strategy="STRICT_PACK", **OPTS)
+        LLM(
+            llama_dir,
+            tensor_parallel_size=2,
+            distributed_executor_backend="ray",
+            ray_placement_timeout=3,
+            ray_placement_strategy="STRICT_PACK",
+            **OPTS,
+        )
     assert time.monotonic() - start < 30
     message = str(refused.value)
     assert "could not place 2 ranks within 3 s" in message and "2 x 1 CPUs" in message

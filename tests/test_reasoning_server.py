@@ -23,8 +23,10 @@ MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 THOUGHTS = r"<think>\nI see [a-z]{3,6}\.\n</think>\n\nThe answer is [0-9]\."
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}  # fmt: skip
-HARMONY = (r"<\|channel\|>analysis<\|message\|>I see [a-z]{3,6}\.<\|end\|>"
-           r"<\|start\|>assistant<\|channel\|>final<\|message\|>The answer is [0-9]\.")
+HARMONY = (
+    r"<\|channel\|>analysis<\|message\|>I see [a-z]{3,6}\.<\|end\|>"
+    r"<\|start\|>assistant<\|channel\|>final<\|message\|>The answer is [0-9]\."
+)
 CALL = r'<think>\nI will call it\.\n</think>\n\n<tool_call>\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}</tool_call>'
 
 
@@ -146,9 +148,13 @@ def test_offline_chat_returns_the_parts():
         )
         assert plain[0].outputs[0].reasoning is None and plain[0].outputs[0].content == plain[0].outputs[0].text
         # gpt-oss's harmony messages (here plain text in the tiny vocabulary, held to the format by a regex)
-        harmony = SamplingParams(max_tokens=160, temperature=0, structured_outputs=StructuredOutputsParams(regex=HARMONY))
+        harmony = SamplingParams(
+            max_tokens=160, temperature=0, structured_outputs=StructuredOutputsParams(regex=HARMONY)
+        )
         out = llm.chat(MESSAGES, harmony, use_tqdm=False, reasoning_parser="gpt_oss")[0].outputs[0]
-        assert re.fullmatch(r"I see [a-z]{3,6}\.", out.reasoning) and re.fullmatch(r"The answer is [0-9]\.", out.content)
+        assert re.fullmatch(r"I see [a-z]{3,6}\.", out.reasoning) and re.fullmatch(
+            r"The answer is [0-9]\.", out.content
+        )
         with pytest.raises(ValueError, match="gpt_oss"):  # a constraint on the answer alone: not yet
             json_only = StructuredOutputsParams(json={"type": "object"})
             llm.chat(MESSAGES, SamplingParams(max_tokens=5, structured_outputs=json_only), reasoning_parser="gpt_oss")

@@ -76,7 +76,7 @@ def test_verify_greedy_keeps_the_agreeing_prefix_and_one_more():
     "value, message",
     [
         ({"method": "medusa", "model": "x"}, "not supported yet"),
-        ({"method": "draft_model"}, "needs \"model\""),
+        ({"method": "draft_model"}, 'needs "model"'),
         ({"method": "magic"}, "unknown method"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),

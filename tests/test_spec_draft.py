@@ -127,8 +127,12 @@ def test_draft_blocks_evict_the_least_recent_requests_outside_the_step():
 # -- the engine: lossless -------------------------------------------------------------------
 VARIANTS = {
     "plain": dict(),
-    "chunked-no-prefix-cache": dict(enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False),
-    "preempt": dict(block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0, admission_reserve_tokens=0),
+    "chunked-no-prefix-cache": dict(
+        enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False
+    ),
+    "preempt": dict(
+        block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0, admission_reserve_tokens=0
+    ),
     "preempt-swap": dict(
         block_size=8, num_gpu_blocks_override=14, max_model_len=112, swap_space=0.001, admission_reserve_tokens=0
     ),

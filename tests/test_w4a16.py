@@ -167,7 +167,11 @@ def test_the_engine_serves_4_bit_checkpoints_over_two_ranks(wide_llama, tmp_path
         path = str(write_w4a16_checkpoint(wide_llama, tmp_path / method, method, group, sym, act_order))
         with LLM(path, max_model_len=64) as one, LLM(path, max_model_len=64, tensor_parallel_size=2) as two:
             shard = two.core.runner.model.model.layers[0].mlp.down_proj
-            assert shard.qweight.shape == (128, 16) and shard.g_idx.shape == (128,) and shard.scales.shape == (128, 256 // group)
+            assert (
+                shard.qweight.shape == (128, 16)
+                and shard.g_idx.shape == (128,)
+                and shard.scales.shape == (128, 256 // group)
+            )
             a = [o.outputs[0].token_ids for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert a == [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert one.core.runner.model.model.layers[0].self_attn.qkv_proj.scales.dtype == torch.float16
@@ -226,7 +230,9 @@ def test_unsupported_4_bit_configs_are_refused_at_start(gptq_dir, tmp_path, chan
 
 def test_the_quantization_flag_names_the_checkpoint_format(gptq_dir, llama_dir):
     assert EngineArgs(model=str(gptq_dir)).create_engine_config().model_config.quantization == "gptq"
-    assert EngineArgs(model=str(gptq_dir), quantization="gptq").create_engine_config().model_config.quantization == "gptq"
+    assert (
+        EngineArgs(model=str(gptq_dir), quantization="gptq").create_engine_config().model_config.quantization == "gptq"
+    )
     with pytest.raises(ConfigError, match=r"the checkpoint is GPTQ \(gptq, 4-bit, group 32, act-order\)"):
         EngineArgs(model=str(gptq_dir), quantization="int8").create_engine_config()
     with pytest.raises(ConfigError, match="gptq and awq name a checkpoint's own format"):
@@ -248,7 +254,9 @@ def test_gptq_onto_4_bit_groups():
         want = quantize_groups(w, 32, sym, min_zero=1)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     # correlated inputs (16 directions and a little noise), as a layer's activations are
-    x = torch.randn(512, 16, generator=gen) @ torch.randn(16, 128, generator=gen) + 0.1 * torch.randn(512, 128, generator=gen)
+    x = torch.randn(512, 16, generator=gen) @ torch.randn(16, 128, generator=gen) + 0.1 * torch.randn(
+        512, 128, generator=gen
+    )
     h = (x.t() @ x).double()
     rtn = dequantized(*quantize_groups(w, 32, False))
     err_rtn = (x @ (rtn - w).t()).norm()

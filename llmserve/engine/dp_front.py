@@ -253,7 +253,9 @@ class DPCoreClient:
         with self._lock:
             self.rank_stats[rank] = outputs.stats
             for out in outputs.outputs:
-                if (out.finish_reason is not None or out.error is not None) and self.owner.pop(out.request_id, None) is not None:
+                if (out.finish_reason is not None or out.error is not None) and self.owner.pop(
+                    out.request_id, None
+                ) is not None:
                     self.balancer.done(rank)
             total = sum_stats(self.rank_stats)
         self.on_message(Kind.OUTPUTS, EngineCoreOutputs(outputs.outputs, total, outputs.timestamp))

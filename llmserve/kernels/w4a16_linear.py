@@ -36,7 +36,9 @@ def _w4a16_gemm_kernel(
     for k in range(0, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         in_k = ks < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0.0
+        )
         tile = in_n[:, None] & in_k[None, :]
         words = tl.load(qw_ptr + cols[:, None] * stride_qn + (ks // 8)[None, :], mask=tile, other=0)
         q = (words >> ((ks % 8) * 4)[None, :]) & 0xF

@@ -33,7 +33,9 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale.contiguous()
 
 
-def quantize_tokens_int8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens_int8(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [T, K] in int8, dynamically per token (or with a checkpoint's static scale);
     each value times the scale's reciprocal (as the FP8 path quantizes), rounded to nearest even."""
     x = x.to(torch.float32)

@@ -423,7 +423,9 @@ class LlamaForCausalLM(nn.Module):
             if list(tensor.shape) != full:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(full)}")
             part = tensor if dim is None else rank_slice(tensor, dim, dest.shape[dim], self.tp.rank)
-            if is_quantized(dest) and tensor.dtype == dest.dtype:  # an FP8 or INT8 checkpoint's weight (its scale comes apart)
+            if (
+                is_quantized(dest) and tensor.dtype == dest.dtype
+            ):  # an FP8 or INT8 checkpoint's weight (its scale comes apart)
                 _copy_rows(dest, part)
             elif is_quantized(dest) and not is_quantized(tensor):  # quantized as it loads, rows of this rank's part
                 scale_target = target.removesuffix(".weight") + ".weight_scale"

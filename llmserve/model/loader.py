@@ -170,7 +170,9 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                 q, scale = quantize_rows_as(param.dtype, draw.reshape(-1, param.shape[-1]))
                 param.copy_(q.reshape(param.shape))
                 dest = fp8[id(param)]  # per row; block scales (FP8 experts) take the largest: any sane one serves
-                dest.copy_(scale.reshape(dest.shape) if scale.numel() == dest.numel() else scale.max().expand(dest.shape))
+                dest.copy_(
+                    scale.reshape(dest.shape) if scale.numel() == dest.numel() else scale.max().expand(dest.shape)
+                )
             elif id(param) in scales:
                 continue  # set with its weight
             elif "norm" in name:

@@ -37,7 +37,9 @@ def local_ids(ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Ten
     return torch.where((local >= 0) & (local < num_local), local, torch.full_like(local, -1))
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None = None) -> torch.Tensor:
+def dequantize_experts(
+    w: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, int] | None = None
+) -> torch.Tensor:
     """FP8 weights `[..., N, K]` in float32: times their scale per output channel (`[..., N, 1]`),
     or per (bn, bk) block (`[..., ceil(N / bn), ceil(K / bk)]`, the last blocks partial)."""
     if block_shape is not None:

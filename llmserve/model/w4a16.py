@@ -77,7 +77,9 @@ class W4A16Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.matmul = matmul
         self.tp = tp
-        self.qweight = nn.Parameter(torch.empty(out_features, in_features // PACK, dtype=torch.int32), requires_grad=False)
+        self.qweight = nn.Parameter(
+            torch.empty(out_features, in_features // PACK, dtype=torch.int32), requires_grad=False
+        )
         self.g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
         self.scales = nn.Parameter(torch.empty(out_features, 0, dtype=torch.float16), requires_grad=False)
         self.zeros = nn.Parameter(torch.empty(out_features, 0, dtype=torch.uint8), requires_grad=False)
@@ -88,7 +90,9 @@ class W4A16Linear(nn.Module):
         if self.scales.shape[1] == groups and self.scales.dtype == dtype:
             return
         device = self.qweight.device
-        self.scales = nn.Parameter(torch.empty(self.out_features, groups, dtype=dtype, device=device), requires_grad=False)
+        self.scales = nn.Parameter(
+            torch.empty(self.out_features, groups, dtype=dtype, device=device), requires_grad=False
+        )
         self.zeros = nn.Parameter(torch.empty(self.out_features, groups, dtype=torch.uint8, device=device),
                                   requires_grad=False)  # fmt: skip
 

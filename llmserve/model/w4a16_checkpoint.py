@@ -144,7 +144,8 @@ class W4A16Loader:
                 for j, (part, width) in enumerate(zip(spec.parts, spec.widths)):
                     rows = width // self.world if column else width
                     self.targets[f"model.layers.{i}.{spec.parent}.{part}"] = _Target(
-                        layer, name, j, offset, rows, width, spec.in_features, column)
+                        layer, name, j, offset, rows, width, spec.in_features, column
+                    )
                     offset += rows
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.done: set[str] = set()
@@ -181,7 +182,9 @@ class W4A16Loader:
         loaded = set()
         for t in self.targets.values():
             fused = ".qkv_proj" in t.name or ".gate_up_proj" in t.name
-            loaded |= {f"{t.name}.{p}#{t.part}" if fused else f"{t.name}.{p}" for p in ("qweight", "scales", "zeros", "g_idx")}
+            loaded |= {
+                f"{t.name}.{p}#{t.part}" if fused else f"{t.name}.{p}" for p in ("qweight", "scales", "zeros", "g_idx")
+            }
         return loaded
 
     def _load(self, module: str, t: _Target, got: dict[str, torch.Tensor]) -> None:
@@ -204,7 +207,9 @@ class W4A16Loader:
                 zeros = zeros + 1  # v1 stored z - 1
             g_idx = got["g_idx"].to(torch.int32)
             if g_idx.min() < 0 or g_idx.max() >= groups:
-                raise ValueError(f"{module}.g_idx: groups {int(g_idx.min())}..{int(g_idx.max())} outside 0..{groups - 1}")
+                raise ValueError(
+                    f"{module}.g_idx: groups {int(g_idx.min())}..{int(g_idx.max())} outside 0..{groups - 1}"
+                )
         else:
             q_kn = unpack_awq(got["qweight"].to(torch.int32))  # [K, N]
             qweight = None
