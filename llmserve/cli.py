@@ -165,6 +165,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     from llmserve import quant_cli
 
     quant_cli.add_parsers(sub)  # make-int8-checkpoint, make-w4a16-checkpoint
+    from llmserve.spec_train import cli as spec_train_cli
+
+    spec_train_cli.add_parser(sub)  # train-eagle
     return parser
 
 

@@ -586,12 +586,13 @@ class ModelRunner:
         driver's table chose."""
         self.lora.write_shard(slot, adapter)
 
-    def capture_hidden(self, capture: HiddenCapture,
-                       sink: Callable[[list[RowInput], list[torch.Tensor]], None]) -> None:  # fmt: skip
-        """Speculative decoding's EAGLE head: every step's hidden states that `capture` names
-        (kept by the model's eager forward) go to `sink` with the step's rows."""
+    def capture_hidden(self, capture: HiddenCapture | None,
+                       sink: Callable[[list[RowInput], list[torch.Tensor]], None] | None = None) -> None:  # fmt: skip
+        """Speculative decoding's EAGLE head (and `llmserve train-eagle`'s data): every step's hidden
+        states that `capture` names (kept by the model's eager forward) go to `sink` with the
+        step's rows. None: stop."""
         self.model.set_hidden_capture(capture)
-        self.hidden_sink = (capture, sink)
+        self.hidden_sink = None if capture is None or sink is None else (capture, sink)
 
     # -- one step -----------------------------------------------------------------------
     def forget_requests(self, request_ids: list[str]) -> None:
