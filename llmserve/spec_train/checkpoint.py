@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from llmserve.model.arch import ModelArch
-from llmserve.spec_train.head import Eagle3TrainHead
+from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.vocab import DraftVocab
 
 

@@ -1,5 +1,5 @@
 """The training loop of `llmserve train-eagle`: batches of whole sequences through the head,
-unrolled over `ttt_steps` proposal steps (head.py), cross-entropy over the draft vocabulary, step
+unrolled over `ttt_steps` proposal steps (model/eagle3_train_head.py), cross-entropy over the draft vocabulary, step
 j weighted 0.8^j; AdamW with warm-up and cosine decay; per-epoch lines."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.spec_train.data import Sequence
-from llmserve.spec_train.head import Eagle3TrainHead
+from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.metrics import BatchStats, EpochStats, walk
 from llmserve.spec_train.options import TrainOptions
 from llmserve.spec_train.vocab import DraftVocab
@@ -125,7 +125,7 @@ def step_loss(head: Eagle3TrainHead, seqs: list[Sequence], target: TargetInputs,
         mask = labelled[:, 2 + j : 2 + j + P]
         token = target.draft_index[ids[:, 2 + j : 2 + j + P]]  # (-1: outside the draft vocabulary)
         trainable = mask & (token >= 0)
-        logits = head.lm_head(out[trainable]).float()
+        logits = head.logits(out[trainable]).float()
         if logits.shape[0]:
             loss = loss + STEP_DECAY**j * F.cross_entropy(logits, token[trainable])
             weights += STEP_DECAY**j

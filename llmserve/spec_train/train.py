@@ -5,7 +5,7 @@ generates itself.
    of instructions (or random token seeds), greedy or sampled; its forward keeps the states
    entering the head's three aux layers at every position (data.py), the runtime's own features.
 2. The draft vocabulary: the tokens it generated, most frequent first (vocab.py).
-3. The head (head.py) learns to predict the target's next token at every generated position,
+3. The head (model/eagle3_train_head.py) learns to predict the target's next token at every generated position,
    unrolled over `ttt_steps` proposal steps (EAGLE-3's training-time test): cross-entropy over
    the draft vocabulary, step j weighted 0.8^j, AdamW with warm-up and cosine decay (loop.py;
    what it reports: metrics.py).
@@ -32,7 +32,7 @@ from llmserve.spec_train.data import (
     prompt_token_ids,
     random_prompt_ids,
 )
-from llmserve.spec_train.head import Eagle3TrainHead
+from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.loop import TargetInputs, fit
 from llmserve.spec_train.options import TrainOptions, check_aux_layers, default_aux_layers
 from llmserve.spec_train.vocab import DraftVocab, choose_draft_vocab

@@ -12,7 +12,8 @@ the step-0 keys of positions <= t and to its own chain's keys of steps 1..j at i
 the head's KV cache when the runtime proposes after position t.
 
 Its state dict carries the published names (`midlayer.*`, `fc`, `norm`, `lm_head`): checkpoint.py
-writes it in the format model/eagle_format.py reads.
+writes it in the format model/eagle_format.py reads. It lives under model/ as the
+other Llama-shaped layers do; llmserve/spec_train/ trains it.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class Eagle3TrainHead(nn.Module):
             outs.append(self.norm(out))
             feature = out  # the next step's feature: the output before the final norm
         return outs
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The draft vocabulary's logits of normed output states (one of `unroll`'s)."""
+        return self.lm_head(out)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, P, Hq, D], k and v [B, P, Hkv, D], rotated at `positions` [P]."""
