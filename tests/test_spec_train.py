@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 
 from llmserve import LLM, SamplingParams
 from llmserve.cli import main
+from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.model.eagle_format import read_eagle_head
 from llmserve.model.random_model import make_random_model
 from llmserve.spec_train.checkpoint import head_arch
 from llmserve.spec_train.data import generate_sequences, random_prompt_ids
-from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.metrics import walk
 from llmserve.spec_train.options import TrainOptions, default_aux_layers
 from llmserve.spec_train.vocab import choose_draft_vocab

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from llmserve.spec_train.data import Sequence
 from llmserve.model.eagle3_train_head import Eagle3TrainHead
+from llmserve.spec_train.data import Sequence
 from llmserve.spec_train.metrics import BatchStats, EpochStats, walk
 from llmserve.spec_train.options import TrainOptions
 from llmserve.spec_train.vocab import DraftVocab

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from llmserve.model.arch import ModelArch
+from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.checkpoint import head_arch, head_config, write_head
 from llmserve.spec_train.data import (
     Sequence,
@@ -32,7 +33,6 @@ from llmserve.spec_train.data import (
     prompt_token_ids,
     random_prompt_ids,
 )
-from llmserve.model.eagle3_train_head import Eagle3TrainHead
 from llmserve.spec_train.loop import TargetInputs, fit
 from llmserve.spec_train.options import TrainOptions, check_aux_layers, default_aux_layers
 from llmserve.spec_train.vocab import DraftVocab, choose_draft_vocab
