@@ -100,7 +100,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
-    tune = sub.add_parser("tune", help="measure the kernels' settings on this GPU and write them for every engine on it")
+    tune = sub.add_parser(
+        "tune", help="measure the kernels' settings on this GPU and write them for every engine on it"
+    )
     tune.add_argument("--hidden-size", type=int, default=4096, help="the projections' shapes: a model's (8B default)")
     tune.add_argument("--intermediate-size", type=int, default=14336)
     tune.add_argument("--num-heads", type=int, default=32)
