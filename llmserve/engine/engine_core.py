@@ -81,8 +81,10 @@ class EngineCore:
         elif config.speculative is not None and config.speculative.eagle is not None:
             from llmserve.engine.spec_eagle import EagleProposer
 
+            # (under tensor parallelism the head runs here alone, over whole tables of the target's vocabulary)
+            vocab = self.runner.proposer_vocab(not config.speculative.eagle.eagle3)
             self.draft = EagleProposer(config, self.runner.device, select_attention_backend(config.attention_backend),
-                                       self.runner.model)  # fmt: skip
+                                       vocab)  # fmt: skip
             phase("EAGLE head")
         num_blocks = self.runner.num_blocks_for_memory()
         if self.draft is not None:
@@ -139,7 +141,7 @@ class EngineCore:
         spec = SpecDecoder(config.speculative, max_len, self.draft) if config.speculative is not None else None
         if config.speculative is not None and config.speculative.eagle is not None:  # (after the warm-up's forwards)
             self.runner.capture_hidden(self.draft.capture, self.draft.take_hidden)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=num_cpu_blocks > 0,
+        self.scheduler = Scheduler(config.scheduler_config, self.kv, swap_enabled=self.kv.swap_enabled,
                                    max_loras=config.lora.max_loras if config.lora is not None else None,
                                    spec=spec, batches_in_flight=config.pipeline_batches_in_flight)  # fmt: skip
         self.batch_counts = BatchQueueCounts()  # pipeline parallelism's batches in flight (engine/pp_batches.py)

@@ -420,11 +420,7 @@ class KVCacheManager:
                 continue
             held = host.store(key)
             for gone in host.take_dropped():  # (the host block `held` held it: spilled before the offload)
-                if self.disk is not None:
-                    self._spill(gone, held)
-                self._offload_targets.pop(held, None)
-                if events is not None:
-                    events.removed(CPU, gone)
+                self._host_dropped(gone, held)
             if held is not None:
                 self._offloads.append((block, held))
                 self._offload_targets[held] = block
@@ -433,6 +429,15 @@ class KVCacheManager:
             elif self.disk is not None and key not in host.entries:
                 self._forget_digest(key)  # (dropped: every host block pinned)
         pool.evictions.clear()
+
+    def _host_dropped(self, key: BlockKey, host_block: int) -> None:
+        """The host tier gave up `key`'s block `host_block` (for another block, or a swap-out): the
+        block moves to the disk tier if there is one, and is told as removed from the host."""
+        if self.disk is not None:
+            self._spill(key, host_block)
+        self._offload_targets.pop(host_block, None)
+        if self.events is not None:
+            self.events.removed(CPU, key)
 
     # -- the disk tier ----------------------------------------------------------------------
     def _digests(self, req: Request, num_blocks: int) -> list[bytes]:
@@ -547,7 +552,9 @@ class KVCacheManager:
             self.pool.free(order)
             self._refresh_prompt_windows(req)
         cpu_blocks = self.req_cpu_blocks.pop(req.request_id, None)
-        if cpu_blocks:
+        if cpu_blocks and self.host is not None:  # swapped out to the host tier: its copies are free
+            self.host.release([b for b in cpu_blocks if b != NO_SWAP])
+        elif cpu_blocks:
             self.swap_pool.free(b for b in cpu_blocks if b != NO_SWAP)
         self._num_registered.pop(req.request_id, None)
         self._req_digests.pop(req.request_id, None)
@@ -583,14 +590,42 @@ class KVCacheManager:
         return self.layout.blocks_held(start, end, self.block_size)
 
     # -- swap -------------------------------------------------------------------------
+    @property
+    def swap_enabled(self) -> bool:
+        """Can a preempted request be swapped out (to swap space, or to the host tier)?"""
+        return self.swap_pool.num_blocks > 0 or self.host is not None
+
+    @property
+    def num_swapped_blocks(self) -> int:
+        """Host blocks holding swapped-out requests' blocks."""
+        if self.host is not None:
+            return self.host.num_reserved
+        return self.swap_pool.num_blocks - self.swap_pool.num_free
+
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
-        """Move the request's blocks to CPU swap blocks; None when swap space is short."""
+        """Move the request's blocks (its partial last one too) to CPU swap blocks; None when swap
+        space is short. With the host tier, its host blocks are the swap space: the blocks are
+        taken out of its LRU (`HostTier.reserve`), the copies go with the tier's offloads
+        (`take_copies`) and the answer is []."""
         blocks = self.req_blocks.get(req.request_id, [])
         held = self._held(blocks)
-        if not blocks or len(held) > self.swap_pool.num_free:
+        if not blocks:
             return None
-        cpu_held = self.swap_pool.allocate(len(held))
-        mapping = list(zip(held, cpu_held))
+        if self.host is not None:
+            taken = self.host.reserve(len(held))
+            if taken is None:
+                return None
+            for host_block, gone in taken:
+                if gone is not None:  # a cached block the host tier gave up: to the disk tier, if any
+                    self._host_dropped(gone, host_block)
+            cpu_held = [b for b, _ in taken]
+            self._offloads.extend(zip(held, cpu_held))
+            mapping = []
+        elif len(held) > self.swap_pool.num_free:
+            return None
+        else:
+            cpu_held = self.swap_pool.allocate(len(held))
+            mapping = list(zip(held, cpu_held))
         if self.layout.sliding:
             it = iter(cpu_held)
             cpu_blocks = [NO_SWAP if b == NULL_BLOCK else next(it) for b in blocks]
@@ -614,8 +649,12 @@ class KVCacheManager:
             self.req_blocks[req.request_id] = [NULL_BLOCK if b == NO_SWAP else next(it) for b in cpu_blocks]
         else:
             self.req_blocks[req.request_id] = gpu_held
-        self.swap_pool.free(held)
         del self.req_cpu_blocks[req.request_id]
+        if self.host is not None:  # from the host tier, with its loads (after its offloads); free after the step
+            self._loads.extend(zip(held, gpu_held))
+            self.host.release_after_step(held)
+            return []
+        self.swap_pool.free(held)
         return list(zip(held, gpu_held))
 
     def swap_in_blocks_needed(self, req: Request, num_new_tokens: int) -> int:

@@ -6,6 +6,11 @@ the host memory and copies the blocks (`ModelRunner._tier_copy`), at the start o
 allocations evicted them, before anything writes the device blocks again: offloads first, then
 loads, so a block evicted and hit in one step reads what was just written. A host block that a
 step loads from is pinned until the step's copies are taken, so no offload of that step overwrites it.
+
+Swap preemption uses the same host memory: a preempted request's blocks are copied to host blocks
+`reserve` takes out of the LRU (free ones first, then the least recently used cached blocks, which
+move down to the disk tier if there is one), held until the request swaps back in (`release_after_step`:
+free again once that step's copies are taken) or ends (`release`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class HostTierCounts:
     stored: int = 0  # blocks written to the host tier
     loaded: int = 0  # blocks read back to the device
     dropped: int = 0  # evicted blocks not kept (every host block pinned by this step's loads)
+    swapped_out: int = 0  # blocks of preempted requests copied here
+    swapped_in: int = 0  # and copied back to the device
 
 
 class HostTier:
@@ -31,6 +38,8 @@ class HostTier:
         self.pinned: set[int] = set()
         self.counts = HostTierCounts()
         self.dropped: list[BlockKey] = []  # keys evicted from the host tier, until taken (KV events)
+        self.reserved: set[int] = set()  # host blocks holding swapped-out requests' blocks (outside the LRU)
+        self._release_later: list[int] = []  # reserved blocks free again once the step's copies are taken
 
     def lookup(self, key: BlockKey) -> int | None:
         """The host block holding `key` (now the most recently used), or None."""
@@ -67,10 +76,49 @@ class HostTier:
         self.counts.loaded += 1
 
     def unpin_all(self) -> None:
+        """The step's copies are taken: its loads' blocks may be written again, and the blocks its
+        swap-ins read are free."""
         self.pinned.clear()
+        if self._release_later:
+            self.release(self._release_later)
+            self._release_later = []
+
+    # -- swap preemption --------------------------------------------------------------------
+    def reserve(self, n: int) -> list[tuple[int, BlockKey | None]] | None:
+        """`n` host blocks for a swapped-out request, out of the LRU: free ones first, then those
+        of the least recently used cached blocks not pinned by this step; each with the key it held
+        (None: it was free). None, taking nothing, when fewer than `n` can be had."""
+        if n > len(self.free) + sum(1 for b in self.entries.values() if b not in self.pinned):
+            return None
+        taken: list[tuple[int, BlockKey | None]] = []
+        while len(taken) < n and self.free:
+            taken.append((self.free.pop(), None))
+        if len(taken) < n:
+            victims = [k for k, b in self.entries.items() if b not in self.pinned][: n - len(taken)]
+            taken.extend((self.entries.pop(k), k) for k in victims)
+        self.reserved.update(b for b, _ in taken)
+        self.counts.swapped_out += n
+        return taken
+
+    def release(self, blocks: list[int]) -> None:
+        """Reserved blocks free again (their request ended while swapped out)."""
+        for b in blocks:
+            self.reserved.discard(b)
+            self.free.append(b)
+
+    def release_after_step(self, blocks: list[int]) -> None:
+        """Reserved blocks a swap-in reads this step: free once the step's copies are taken (no
+        offload of the same step may overwrite them first)."""
+        self._release_later.extend(blocks)
+        self.counts.swapped_in += len(blocks)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self.reserved)
 
     def clear(self) -> None:
-        """Forget every block (the counts stay)."""
-        self.free = list(range(self.num_blocks - 1, -1, -1))
+        """Forget every cached block (the counts stay; the reserved ones stay reserved)."""
+        held = self.reserved
+        self.free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in held]
         self.entries.clear()
         self.pinned.clear()

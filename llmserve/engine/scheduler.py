@@ -494,7 +494,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             num_swap_outs=self.num_swap_outs,
-            num_swapped_blocks=self.kv.swap_pool.num_blocks - self.kv.swap_pool.num_free,
+            num_swapped_blocks=self.kv.num_swapped_blocks,
             num_computed_tokens_total=self.num_computed_tokens_total,
             **self._spec_stats(),
             **self._host_tier_stats(),
