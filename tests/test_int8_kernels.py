@@ -115,10 +115,11 @@ COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from llmserve.kernels.int8_linear import _int8_gemm_kernel
 
-    sig = dict(x_ptr="*i8", w_ptr="*i8", sx_ptr="*fp32", sw_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32", K="i32",
-               stride_xm="i32", stride_wn="i32", stride_om="i32")
-    for bm in (16, 64):
-        consts = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128)
+    sig = dict(x_ptr="*i8", w_ptr="*i8", sx_ptr="*fp32", sw_ptr="*fp32", out_ptr="*bf16", part_ptr="*i32",
+               count_ptr="*i32", M="i32", N="i32", K="i32", k_per_split="i32", stride_xm="i32", stride_wn="i32",
+               stride_om="i32")
+    for bm in (16, 64):  # (split along K: tests/test_quant_split_k.py)
+        consts = dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1)
         triton.compile(ASTSource(_int8_gemm_kernel, dict(sig, **{c: "constexpr" for c in consts}), consts),
                        target=GPUTarget("cuda", 90, 32))
         print("compiled", bm, flush=True)

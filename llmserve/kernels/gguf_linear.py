@@ -10,6 +10,9 @@ layout of model/gguf_linear.py (`KEPT_FORMATS`), output rows first.
   sub-block's scale (and min) as the reference does in float32, and accumulates `tl.dot` with the
   matching 32 inputs in float32. For few tokens (decode), where reading the weight is the cost:
   the blocks' bytes (Q4_K 4.5 bits a weight, Q5_0 5.5, Q6_K 6.56, Q8_0 8.5) instead of 16 bits.
+- up to `SPLIT_K_RULE.max_rows` tokens K is split too, in whole blocks or super-blocks
+  (llmserve/kernels/quant_split_k.py): a 4,096-row weight in 64-wide tiles is 64 programs, too
+  few for the SMs; the slices' float32 partials are added in slice order in the same launch.
 - more tokens (prefill): the reference's dequantize then one 16-bit GEMM (cuBLAS's tensor
   cores), whose cost the many tokens share.
 """
@@ -21,7 +24,21 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from llmserve.kernels.quant_split_k import (
+    MAX_TILES,
+    SplitKRule,
+    counters,
+    partials,
+    slice_steps,
+    split_k_count,
+    sum_slices,
+)
+
 SMALL_M_ROWS = 16  # up to this many tokens the Triton kernels; more: dequantize + cuBLAS
+# split-K at decode (llmserve/kernels/quant_split_k.py): up to 16 tokens, K split for about 256
+# programs (a heuristic default, the FP8 split-K kernel's measured target; no GGUF timing yet)
+SPLIT_K_RULE = SplitKRule(max_rows=16, programs=256)
+_STEP = {"Q8_0": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # inputs a kernel's K step reads
 
 
 @triton.jit
@@ -32,6 +49,16 @@ def _dot(acc, x, w, DOT_F32: tl.constexpr):
     else:
         acc += tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
     return acc
+
+
+@triton.jit
+def _finish(acc, out_ptr, part_ptr, count_ptr, rows, cols, M, N, stride_om, SPLIT_K: tl.constexpr):
+    """Store the tile (split-K: its last slice to arrive stores the slices' sum, in slice order)."""
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K > 1:
+        acc, mask = sum_slices(acc, part_ptr, count_ptr, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
+                               tl.program_id(2), rows[:, None] * N + cols[None, :], mask, M * N, SPLIT_K)  # fmt: skip
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -50,26 +77,27 @@ def _k_scale_min(row_ptr, j: tl.constexpr, mask):
 
 
 @triton.jit
-def _q8_0_kernel(x_ptr, qs_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_qs, stride_d, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+def _q8_0_kernel(x_ptr, qs_ptr, d_ptr, out_ptr, part_ptr, count_ptr, M, N, K, steps, stride_xm, stride_qs, stride_d,
+                 stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                 SPLIT_K: tl.constexpr):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = rows < M, cols < N
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for b in range(0, K // 32):
+    for b in range(tl.program_id(2) * steps, tl.minimum(tl.program_id(2) * steps + steps, K // 32)):
         q = tl.load(qs_ptr + cols[:, None] * stride_qs + b * 32 + lane[None, :], mask=in_n[:, None], other=0)
         d = tl.load(d_ptr + cols * stride_d + b, mask=in_n, other=0.0).to(tl.float32)
         w = d[:, None] * q.to(tl.float32)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + b * 32 + lane[None, :], mask=in_m[:, None], other=0.0)
         acc = _dot(acc, x, w, DOT_F32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=in_m[:, None] & in_n[None, :])  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, rows, cols, M, N, stride_om, SPLIT_K)
 
 
 @triton.jit
-def _q5_0_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_qs, stride_qh, stride_d, stride_om,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+def _q5_0_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, out_ptr, part_ptr, count_ptr, M, N, K, steps, stride_xm, stride_qs,
+                 stride_qh, stride_d, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                 SPLIT_K: tl.constexpr):  # fmt: skip
     """Q5_0: w = d * (q - 16); value l's low 4 bits are the low (l < 16) or high nibble of byte l % 16,
     its fifth bit bit l of the block's little-endian 32-bit qh."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +105,7 @@ def _q5_0_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stri
     in_m, in_n = rows < M, cols < N
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for b in range(0, K // 32):
+    for b in range(tl.program_id(2) * steps, tl.minimum(tl.program_id(2) * steps + steps, K // 32)):
         qs = tl.load(qs_ptr + cols[:, None] * stride_qs + b * 16 + (lane % 16)[None, :], mask=in_n[:, None], other=0)
         qh = tl.load(qh_ptr + cols[:, None] * stride_qh + b * 4 + (lane // 8)[None, :], mask=in_n[:, None], other=0)
         low = (qs.to(tl.int32) >> ((lane // 16) * 4)[None, :]) & 0xF
@@ -86,21 +114,21 @@ def _q5_0_kernel(x_ptr, qs_ptr, qh_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stri
         w = d[:, None] * ((low | (high << 4)) - 16).to(tl.float32)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + b * 32 + lane[None, :], mask=in_m[:, None], other=0.0)
         acc = _dot(acc, x, w, DOT_F32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=in_m[:, None] & in_n[None, :])  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, rows, cols, M, N, stride_om, SPLIT_K)
 
 
 @triton.jit
-def _q45_k_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, dmin_ptr, out_ptr, M, N, K, stride_xm, stride_qs, stride_qh,
-                  stride_sc, stride_d, stride_om, FIFTH_BIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+def _q45_k_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, dmin_ptr, out_ptr, part_ptr, count_ptr, M, N, K, steps,
+                  stride_xm, stride_qs, stride_qh, stride_sc, stride_d, stride_om, FIFTH_BIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                  SPLIT_K: tl.constexpr):  # fmt: skip
     """Q4_K, and Q5_K (`FIFTH_BIT`): w = d * sc * q - dmin * m per 32-value sub-block."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = rows < M, cols < N
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(0, K // 256):
+    for s in range(tl.program_id(2) * steps, tl.minimum(tl.program_id(2) * steps + steps, K // 256)):
         d = tl.load(d_ptr + cols * stride_d + s, mask=in_n, other=0.0).to(tl.float32)
         dmin = tl.load(dmin_ptr + cols * stride_d + s, mask=in_n, other=0.0).to(tl.float32)
         for j in tl.static_range(8):  # sub-block j: the low (j even) or high nibbles of run j // 2
@@ -116,13 +144,13 @@ def _q45_k_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, d_ptr, dmin_ptr, out_ptr, M, N,
                 x_ptr + rows[:, None] * stride_xm + s * 256 + j * 32 + lane[None, :], mask=in_m[:, None], other=0.0
             )
             acc = _dot(acc, x, w, DOT_F32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=in_m[:, None] & in_n[None, :])  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, rows, cols, M, N, stride_om, SPLIT_K)
 
 
 @triton.jit
-def _q6_k_kernel(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, out_ptr, M, N, K, stride_xm, stride_ql, stride_qh, stride_sc,
-                 stride_d, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+def _q6_k_kernel(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, out_ptr, part_ptr, count_ptr, M, N, K, steps, stride_xm,
+                 stride_ql, stride_qh, stride_sc, stride_d, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_F32: tl.constexpr, SPLIT_K: tl.constexpr):  # fmt: skip
     """Q6_K: w = d * sc * (q - 32), q six bits, a scale per 16 values. Each half (128 values) of a
     super-block: quarter j's low 4 bits are the low (j < 2) or high nibbles of 32 of its 64 `ql`
     bytes, its top 2 bits bits 2 j of its 32 `qh` bytes."""
@@ -131,7 +159,7 @@ def _q6_k_kernel(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, out_ptr, M, N, K, stride_
     in_m, in_n = rows < M, cols < N
     lane = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for s in range(0, K // 256):
+    for s in range(tl.program_id(2) * steps, tl.minimum(tl.program_id(2) * steps + steps, K // 256)):
         d = tl.load(d_ptr + cols * stride_d + s, mask=in_n, other=0.0).to(tl.float32)
         for h in tl.static_range(2):
             high = tl.load(
@@ -147,14 +175,14 @@ def _q6_k_kernel(x_ptr, ql_ptr, qh_ptr, sc_ptr, d_ptr, out_ptr, M, N, K, stride_
                 x = tl.load(x_ptr + rows[:, None] * stride_xm + s * 256 + h * 128 + j * 32 + lane[None, :],
                             mask=in_m[:, None], other=0.0)  # fmt: skip
                 acc = _dot(acc, x, w, DOT_F32)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=in_m[:, None] & in_n[None, :])  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, rows, cols, M, N, stride_om, SPLIT_K)
 
 
 def gguf_gemm_triton(x: torch.Tensor, type_name: str, fields: dict[str, torch.Tensor],
-                     out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:  # fmt: skip
+                     out: torch.Tensor | None = None, block_n: int = 64, split_k: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ one piece's dequantized weight^T by its format's kernel, into `out` [M, N] (a
-    column slice of a wider output is fine) or a new float32 tensor."""
+    column slice of a wider output is fine) or a new float32 tensor. `split_k`: K's slices, whole
+    blocks (Q8_0, Q5_0) or super-blocks (K-quants) each (None: the `SPLIT_K_RULE` rule's; 1: none)."""
     m, k = x.shape
     n = next(iter(fields.values())).shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -163,26 +191,33 @@ def gguf_gemm_triton(x: torch.Tensor, type_name: str, fields: dict[str, torch.Te
     assert out.shape == (m, n) and out.stride(-1) == 1, (out.shape, m, n)
     if m == 0:
         return out
+    if type_name not in _STEP:
+        raise ValueError(f"no kernel for GGUF blocks of type {type_name}")
     f = {name: t.contiguous() for name, t in fields.items()}
     block_m = 16
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=not x.is_cuda)
+    tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    k_steps = k // _STEP[type_name]
+    if split_k is None:
+        split_k = split_k_count(SPLIT_K_RULE, m, k_steps, tiles_m * tiles_n, x.is_cuda)
+    steps, split_k = slice_steps(k_steps, split_k)
+    assert split_k == 1 or tiles_m * tiles_n <= MAX_TILES, (m, n)
+    part = partials(split_k, m, n, torch.float32, x.device)
+    grid = (tiles_m, tiles_n, split_k)
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=not x.is_cuda, SPLIT_K=split_k)
+    head = (out, part, counters(x.device) if split_k > 1 else part, m, n, k, max(steps, 1), x.stride(0))
     if type_name == "Q8_0":
-        _q8_0_kernel[grid](x, f["qs"], f["d"], out, m, n, k, x.stride(0), f["qs"].stride(0), f["d"].stride(0),
-                           out.stride(0), **common)  # fmt: skip
+        _q8_0_kernel[grid](x, f["qs"], f["d"], *head, f["qs"].stride(0), f["d"].stride(0), out.stride(0), **common)
     elif type_name == "Q5_0":
-        _q5_0_kernel[grid](x, f["qs"], f["qh"], f["d"], out, m, n, k, x.stride(0), f["qs"].stride(0), f["qh"].stride(0),
-                           f["d"].stride(0), out.stride(0), **common)  # fmt: skip
+        _q5_0_kernel[grid](x, f["qs"], f["qh"], f["d"], *head, f["qs"].stride(0), f["qh"].stride(0), f["d"].stride(0),
+                           out.stride(0), **common)  # fmt: skip
     elif type_name in ("Q4_K", "Q5_K"):
         qh = f.get("qh", f["qs"])  # (Q4_K has none: never read)
-        _q45_k_kernel[grid](x, f["qs"], qh, f["scales"], f["d"], f["dmin"], out, m, n, k, x.stride(0), f["qs"].stride(0),
-                            qh.stride(0), f["scales"].stride(0), f["d"].stride(0), out.stride(0),
-                            FIFTH_BIT=type_name == "Q5_K", **common)  # fmt: skip
-    elif type_name == "Q6_K":
-        _q6_k_kernel[grid](x, f["ql"], f["qh"], f["scales"], f["d"], out, m, n, k, x.stride(0), f["ql"].stride(0),
-                           f["qh"].stride(0), f["scales"].stride(0), f["d"].stride(0), out.stride(0), **common)  # fmt: skip
+        _q45_k_kernel[grid](x, f["qs"], qh, f["scales"], f["d"], f["dmin"], *head, f["qs"].stride(0), qh.stride(0),
+                            f["scales"].stride(0), f["d"].stride(0), out.stride(0), FIFTH_BIT=type_name == "Q5_K",
+                            **common)  # fmt: skip
     else:
-        raise ValueError(f"no kernel for GGUF blocks of type {type_name}")
+        _q6_k_kernel[grid](x, f["ql"], f["qh"], f["scales"], f["d"], *head, f["ql"].stride(0), f["qh"].stride(0),
+                           f["scales"].stride(0), f["d"].stride(0), out.stride(0), **common)  # fmt: skip
     return out
 
 

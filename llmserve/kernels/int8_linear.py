@@ -7,7 +7,9 @@ sums are exact in any order) and apply the same epilogue in the same order, so t
 reference bit for bit:
 - `int8_gemm_triton`: a Triton GEMM (`tl.dot` of int8 tiles into an int32 accumulator, the
   scales applied in the epilogue, one launch) for few tokens (decode: M <= SMALL_M_ROWS), where
-  cuBLAS's int8 GEMM cannot run (`torch._int_mm` needs more than 16 rows on CUDA);
+  cuBLAS's int8 GEMM cannot run (`torch._int_mm` needs more than 16 rows on CUDA); up to
+  `SPLIT_K_RULE.max_rows` tokens split along K too (llmserve/kernels/quant_split_k.py), so that enough
+  programs stream the weight, the slices' int32 partials added in the same launch (still exact);
 - `int_mm`: `torch._int_mm` (cuBLASLt's int8 GEMM on a GPU, oneDNN on a CPU) behind a wrapper
   that meets CUDA's shape rules (M > 16, K and N multiples of 8) by padding with zeros, which
   add nothing to an integer sum; then `scale_int32`.
@@ -21,42 +23,63 @@ import torch
 import triton
 import triton.language as tl
 
+from llmserve.kernels.quant_split_k import (
+    MAX_TILES,
+    SplitKRule,
+    counters,
+    partials,
+    slice_steps,
+    split_k_count,
+    sum_slices,
+)
+
 # (llmserve.model.int8's quantization and epilogue are imported where they are called: kernels/ sits
 # below model/ in the layers, docs/architecture.md)
 
 SMALL_M_ROWS = 16  # up to this many tokens the Triton kernel; more: torch._int_mm (cuBLASLt)
 _CUDA_MIN_M = 17  # torch._int_mm on CUDA: more than 16 rows
 _CUDA_MULTIPLE = 8  # ... and K, N multiples of 8
+# split-K at decode (llmserve/kernels/quant_split_k.py): up to 16 tokens, K split for about 256
+# programs (a heuristic default, the FP8 split-K kernel's measured target; no int8 timing yet)
+SPLIT_K_RULE = SplitKRule(max_rows=16, programs=256)
 
 
 @triton.jit
 def _int8_gemm_kernel(
-    x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, sx_ptr, sw_ptr, out_ptr, part_ptr, count_ptr, M, N, K, k_per_split, stride_xm, stride_wn,
+    stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)  # K's slice (split-K: `k_per_split` inputs each; one slice: all of K)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for k in range(0, K, BLOCK_K):
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k in range(k_start, k_end, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
-        in_k = ks < K
+        in_k = ks < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & in_k[None, :], other=0)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & in_k[None, :], other=0)
         acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    if SPLIT_K > 1:  # the slices' int32 partials (exact in any order), added by the tile's last slice
+        acc, mask = sum_slices(acc, part_ptr, count_ptr, pid_m * tl.num_programs(1) + pid_n, pid_k,
+                               rows[:, None] * N + cols[None, :], mask, M * N, SPLIT_K)  # fmt: skip
     # the epilogue of `scale_int32`: float32, times the token's scale, then the row's
     sx = tl.load(sx_ptr + rows, mask=rows < M, other=0.0)
     sw = tl.load(sw_ptr + cols, mask=cols < N, other=0.0)
     y = acc.to(tl.float32) * sx[:, None] * sw[None, :]
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     out_dtype: torch.dtype, block_n: int = 64, block_k: int = 128) -> torch.Tensor:  # fmt: skip
+                     out_dtype: torch.dtype, block_n: int = 64, block_k: int = 128,
+                     split_k: int | None = None) -> torch.Tensor:  # fmt: skip
     """`int8_gemm_reference` by the Triton kernel: int8 `xq` [M, K], float32 `sx` [M, 1], int8
-    `weight` [N, K], float32 `weight_scale` [N, 1]."""
+    `weight` [N, K], float32 `weight_scale` [N, 1]. `split_k`: K's slices (None: the `SPLIT_K_RULE`
+    rule's; 1: the kernel without split-K); every count gives the same bits."""
     m, k = xq.shape
     n = weight.shape[0]
     assert weight.shape[1] == k and xq.dtype == weight.dtype == torch.int8, (xq.shape, weight.shape)
@@ -66,10 +89,17 @@ def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     if m == 0:
         return out.to(out_dtype)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int8_gemm_kernel[grid](
-        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out, m, n, k,
-        xq.stride(0), weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = split_k_count(SPLIT_K_RULE, m, k_steps, tiles_m * tiles_n, xq.is_cuda)
+    steps, split_k = slice_steps(k_steps, split_k)
+    assert split_k == 1 or tiles_m * tiles_n <= MAX_TILES, (m, n)
+    part = partials(split_k, m, n, torch.int32, xq.device)
+    _int8_gemm_kernel[(tiles_m, tiles_n, split_k)](
+        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out, part,
+        counters(xq.device) if split_k > 1 else part, m, n, k, max(steps, 1) * block_k, xq.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     return out.to(out_dtype)
 

@@ -28,11 +28,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# module -> its settings a card may tune (an int, or a launch config as an object of its fields);
+# module -> its settings a card may tune (an int, or a launch config or split-K rule as an object
+# of its fields);
 # the module's own value is the default
 TUNABLE: dict[str, tuple[str, ...]] = {
     "llmserve.kernels.split_k_gemm": ("SMALL_TILE_ROWS", "SMALL_M_PROGRAMS", "PROGRAMS", "BF16_STAGES"),
     "llmserve.kernels.fp8_linear": ("SMALL_M_ROWS",),
+    "llmserve.kernels.int8_linear": ("SPLIT_K_RULE",),
+    "llmserve.kernels.w4a16_linear": ("SPLIT_K_RULE",),
+    "llmserve.kernels.gguf_linear": ("SPLIT_K_RULE",),
     "llmserve.kernels.paged_attention": (
         "_DECODE_GPU", "_DECODE_GPU_LARGE", "_DECODE_LARGE_PROGRAMS_PER_SM", "_PREFILL_GPU", "_PREFILL_GPU_LONG",
         "LONG_PREFILL_TOKENS", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM_TARGET", "MIN_DECODES_TO_SPLIT",
