@@ -4,6 +4,7 @@ longer documented run is in docs/reliability.md."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,7 +26,10 @@ def fuzz(base_url: str, tmp_path: Path, max_examples: int, *extra: str) -> str:
     cmd = [SCHEMATHESIS, "run", f"{base_url}/openapi.json", "--checks", "not_a_server_error",
            "--max-examples", str(max_examples), "--seed", "7", "--request-timeout", "60", "--workers", "1",
            "--phases", "examples,coverage,fuzzing", "--no-color", *extra]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False)
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path, check=False, env=env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     found = re.search(r"(\d+) generated, (\d+) passed", out)

@@ -479,6 +479,7 @@ def test_a_long_prompt_does_not_stop_the_server(server):
     result = {}
     worker = threading.Thread(target=lambda: result.update(
         r=httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=120)))  # fmt: skip
+    began = time.monotonic()
     worker.start()
     time.sleep(0.5)
     slowest = 0.0
@@ -487,8 +488,11 @@ def test_a_long_prompt_does_not_stop_the_server(server):
         assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
         slowest = max(slowest, time.monotonic() - start)
         time.sleep(0.1)
+    took = time.monotonic() - began
     assert result["r"].status_code == 400 and "context length" in result["r"].json()["error"]["message"]
-    assert slowest < 1.5, slowest
+    # tokenizing on the event loop would hold one /health for most of the request's time; a loaded
+    # machine slows every answer a little (1.6 s seen beside a request of several seconds)
+    assert slowest < max(1.5, took / 3), (slowest, took)
 
 
 def test_echo_of_a_token_id_prompt_shows_its_text(client, server):
