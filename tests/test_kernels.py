@@ -841,13 +841,13 @@ def test_the_warmups_compile_the_sliding_variants(monkeypatch):
     the full variants', each with the window (its SLIDING variant), reading the cache and writing nothing."""
     from llmserve.kernels import fresh_prefill
 
-    kv_cache = torch.randn(2, 6, 4, 2, 16)
+    kv_cache = torch.randn(2, 4, 4, 1, 16)  # one KV head, one query head: fewer interpreted programs
     before = kv_cache.clone()
     units, windows = [], []
     launch = paged_attention._launch
     monkeypatch.setattr(paged_attention, "_launch",
                         lambda *a, **kw: windows.append(kw.get("window")) or launch(*a, **kw))  # fmt: skip
-    n = paged_attention.warmup_paged_attention(4, kv_cache, 0.25, max_batch=2, dtype=torch.float32,
+    n = paged_attention.warmup_paged_attention(1, kv_cache, 0.25, max_batch=2, dtype=torch.float32,
                                                submit=units.append, window=5)  # fmt: skip
     assert n == len(units) == 3 * len(paged_attention.split_counts())
     outs = [units[i]() for i in (0, -1)]  # a decode, split once; the 128-token prefill, split the most
