@@ -1,7 +1,9 @@
 """The quantized-weight kernels compiled for the GPU against their PyTorch references, at shapes the
 CPU tests (Triton's interpreter, tiny shapes) cannot reach: W8A8 INT8 (exact: int32 sums), W4A16
 (GPTQ/AWQ groups, act-order), GGUF kept quantized (Q8_0, Q5_0, Q4_K, Q5_K, Q6_K) and the fused
-MoE kernels on FP8 experts (per channel and per 128 x 128 block)."""
+MoE kernels on FP8 experts (per channel and per 128 x 128 block); the INT8, W4A16 and GGUF kernels
+split along K at decode (kernels/quant_split_k.py) against the same kernels unsplit, eager and
+replayed from CUDA graphs."""
 
 from __future__ import annotations
 
@@ -83,6 +85,100 @@ def test_gguf_kernels_equal_dequantize_then_matmul(type_name, m):
     got16 = gguf_gemm_triton(x.to(CUDA, torch.bfloat16), type_name, fields).float().cpu()
     want16 = x.to(torch.bfloat16).float() @ dequantize(raw, type_name, (rows, k)).t()
     torch.testing.assert_close(got16, want16, rtol=3e-2, atol=2e-2 * want16.abs().max().item())
+
+
+def _graph_calls(fn, calls: int = 3) -> list[torch.Tensor]:
+    """`fn`'s output after each of `calls` replays of a CUDA graph that holds one call (the split-K
+    counters must be all zero again after every call for the next replay to add the right slices)."""
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    outs = []
+    for _ in range(calls):
+        graph.replay()
+        outs.append(out.clone())
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 14336)])
+def test_int8_split_k_equals_the_unsplit_kernel_bit_for_bit(m, n, k):
+    """Split-K at decode (kernels/quant_split_k.py): int32 partials, the same epilogue: the same bits
+    as the kernel unsplit, in eager and CUDA-graph calls, and the counters zero after."""
+    from llmserve.kernels import quant_split_k
+    from llmserve.kernels.int8_linear import SPLIT_K_RULE, int8_gemm_triton
+    from llmserve.model.int8 import int8_gemm_reference, quantize_rows_int8, quantize_tokens_int8
+
+    gen = _gen(m + n + k)
+    xq, sx = quantize_tokens_int8(torch.randn(m, k, generator=gen) * 4)
+    wq, sw = quantize_rows_int8(torch.randn(n, k, generator=gen) * 0.05)
+    xq, sx, wq, sw = (t.to(CUDA) for t in (xq, sx, wq, sw))
+    assert quant_split_k.split_k_count(SPLIT_K_RULE, m, -(-k // 128), -(-n // 64)) > 1  # the rule splits these
+    unsplit = int8_gemm_triton(xq, sx, wq, sw, torch.bfloat16, split_k=1)
+    got = int8_gemm_triton(xq, sx, wq, sw, torch.bfloat16)
+    assert torch.equal(got, unsplit)
+    for again in _graph_calls(lambda: int8_gemm_triton(xq, sx, wq, sw, torch.bfloat16)):
+        assert torch.equal(again, unsplit)
+    assert not quant_split_k.counters(CUDA).any()
+    want = int8_gemm_reference(xq.cpu(), sx.cpu(), wq.cpu(), sw.cpu(), torch.bfloat16).float()
+    torch.testing.assert_close(got.float().cpu(), want, rtol=8e-3, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize(("n", "k", "group", "act_order"), [(4096, 4096, 128, False), (4096, 14336, 128, True)])
+def test_w4a16_split_k_equals_dequantize_then_matmul(m, n, k, group, act_order):
+    """Split-K at decode: within bf16 rounding of the reference, within float32 rounding of the kernel
+    unsplit before the output's bf16 rounding, the same bits on every call (eager and graph)."""
+    from llmserve.kernels import quant_split_k
+    from llmserve.kernels.w4a16_linear import w4a16_gemm_triton
+    from llmserve.model.w4a16 import pack_rows, w4a16_matmul_reference
+    from llmserve.model.w4a16_checkpoint import quantize_groups
+
+    gen = _gen(m + n + k)
+    q, scales, zeros, g_idx = quantize_groups(torch.randn(n, k, generator=gen) * 0.05, group, False, act_order)
+    qweight, scales = pack_rows(q), scales.to(torch.float16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    want = w4a16_matmul_reference(x.float(), qweight, scales, zeros, g_idx)
+    args = [t.to(CUDA) for t in (qweight, scales, zeros, g_idx)]
+    xc = x.to(CUDA)
+    got = w4a16_gemm_triton(xc, *args)
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    unsplit = w4a16_gemm_triton(xc, *args, split_k=1)
+    torch.testing.assert_close(got, unsplit, rtol=1e-2, atol=1e-2 * unsplit.float().abs().max().item())
+    for again in _graph_calls(lambda: w4a16_gemm_triton(xc, *args)):
+        assert torch.equal(again, got)
+    assert not quant_split_k.counters(CUDA).any()
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_split_k_equals_dequantize_then_matmul(type_name, m):
+    pytest.importorskip("gguf", reason="the quantizer writes the test weights with gguf (scripts/gpu/fetch_wheels.sh)")
+    from llmserve.kernels import quant_split_k
+    from llmserve.kernels.gguf_linear import gguf_gemm_triton
+    from llmserve.model.gguf.dequant import dequantize
+    from llmserve.model.gguf.quantize import quantize
+    from llmserve.model.gguf_linear import GGUFBlocks
+
+    rows, k = 4096, 4096
+    w = torch.randn(rows, k, generator=_gen(rows + m))
+    raw = torch.from_numpy(quantize(w.numpy(), type_name).view(np.uint8).reshape(rows, -1).copy())
+    piece = GGUFBlocks(type_name, rows, k)
+    piece.load_raw(raw)
+    x = torch.randn(m, k, generator=_gen(m)).to(torch.bfloat16)
+    want = x.float() @ dequantize(raw, type_name, (rows, k)).t()
+    fields = {name: t.to(CUDA) for name, t in piece.fields().items()}
+    xc = x.to(CUDA)
+    got = gguf_gemm_triton(xc, type_name, fields)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-2, atol=2e-2 * want.abs().max().item())
+    unsplit = gguf_gemm_triton(xc, type_name, fields, split_k=1)
+    torch.testing.assert_close(got, unsplit, rtol=1e-4, atol=1e-4 * unsplit.abs().max().item())
+    for again in _graph_calls(lambda: gguf_gemm_triton(xc, type_name, fields)):
+        assert torch.equal(again, got)
+    assert not quant_split_k.counters(CUDA).any()
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 1024])
