@@ -214,7 +214,8 @@ class LLM:
     def sleep(self, level: int = 1) -> None:
         """Give the engine's device memory back until the next request (vLLM's sleep mode):
         level 1 keeps the weights in host memory, level 2 reads them again on waking. The
-        prefix cache is emptied."""
+        prefix cache is emptied, except that at level 1 with KV tiers its blocks move down into
+        them first (docs/kv_tiers.md)."""
         self.core.sleep(level)
 
     def wake_up(self) -> None:

@@ -148,3 +148,33 @@ def test_swap_through_the_host_tier_keeps_greedy_tokens(llama_dir, tmp_path):
 def test_swap_space_and_the_host_tier_do_not_combine(llama_dir):
     with pytest.raises(ConfigError, match="swap_space"):
         LLM(llama_dir, max_model_len=64, kv_offload_cpu_gb=0.001, swap_space=0.001)
+
+
+# -- sleep ---------------------------------------------------------------------------------------
+def test_a_level_1_sleep_moves_the_prefix_cache_down_the_tiers(llama_dir, tmp_path):
+    """A 64-token prompt's 8 cached blocks (block 8 holds generated tokens) move, at a level-1 sleep,
+    into a host tier of 5 blocks and a disk tier under it: after the wake the prompt's 7 full blocks
+    are all hits (5 from host memory, 2 from disk) with the same tokens; a level-2 sleep resets every
+    tier (its wake may read new weights)."""
+    rng = random.Random(3)
+    prompt = [{"prompt_token_ids": [1] + [rng.randrange(3, 500) for _ in range(63)]}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(llama_dir, max_model_len=128, block_size=8, kv_offload_cpu_gb=0.00002,
+              kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gb=0.002)  # fmt: skip
+    assert llm.core.kv.host.num_blocks == 5
+    first = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    for level, hit_tokens in ((1, 56), (2, 0)):
+        llm.sleep(level)
+        kv = llm.core.kv
+        assert kv.pool.cached == {} and len(kv.host.entries) == (5 if level == 1 else 0)
+        llm.wake_up()
+        before = llm.stats()
+        again = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+        after = llm.stats()
+        assert again == first
+        assert after.prefix_cache_hits - before.prefix_cache_hits == hit_tokens, level
+        if level == 1:
+            assert after.kv_offload_hit_tokens - before.kv_offload_hit_tokens == 40
+            assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens == 16
+    assert_no_leak(llm)
+    llm.shutdown()

@@ -240,6 +240,11 @@ class BlockPool:
             self.cached[key] = entry  # a stale one: replaced
         self._key[block_id] = key
 
+    def cached_free_blocks(self) -> list[tuple[int, BlockKey]]:
+        """(block, key) of every free block holding a live cached prefix, least recently used first."""
+        keys, cached, gen = self._key, self.cached, self._gen
+        return [(b, k) for b in self._back if (k := keys[b]) is not None and cached.get(k) == (b, gen[b])]
+
     def reset_cache(self) -> bool:
         """Forget every cached prefix; only possible when no block is in use."""
         if self.num_used:

@@ -337,18 +337,38 @@ class EngineCore:
 
     def sleep(self, level: int = 1) -> bool:
         """Free the device memory of an idle engine (level 1: weights to host memory; level
-        2: weights dropped); False if it cannot sleep now (requests in flight)."""
+        2: weights dropped); False if it cannot sleep now (requests in flight). At level 1 with
+        KV tiers (`--kv-offload-cpu-gb`), the device's cached prefixes move down into them first,
+        so a woken engine finds them; otherwise (and at level 2, whose wake reads the weights
+        again, perhaps new ones) every tier is reset."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.sleep_level:
             return True
         if self.has_unfinished():
             return False
-        self.kv.reset_prefix_cache()  # the cached blocks' contents go with the cache
+        if level == 1 and self.kv.host is not None:
+            self._move_cache_down()
+        else:
+            self.kv.reset_prefix_cache()  # the cached blocks' contents go with the cache
         self.runner.sleep(level)
         self.sleep_level = level
         logger.info("engine asleep (level %d)", level)
         return True
+
+    def _move_cache_down(self) -> None:
+        """Before a level-1 sleep: the device's cached blocks into the host tier (its LRU victims to
+        disk), copied by a step of copies alone (every tensor-parallel rank its shard)."""
+        moved = self.kv.move_cache_down()
+        out = SchedulerOutput()
+        out.kv_offload, out.kv_load = self.kv.take_copies()
+        if self.kv.disk is not None:
+            out.kv_spill, out.kv_disk_load = self.kv.take_disk_copies()
+        if not out.is_empty:
+            self.runner.execute_async(self.plans.plan(out, self._vocab_size)).result()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.events.take())
+        logger.info("sleep: %d cached KV blocks moved down to the host tier (%d to disk)", moved, len(out.kv_spill))
 
     def wake_up(self) -> bool:
         if self.sleep_level:

@@ -675,6 +675,20 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_usable
 
+    def move_cache_down(self) -> int:
+        """The device's cached blocks move down the tiers, as evictions (least recently used first, so
+        the most recent stay highest): a level-1 sleep frees the device cache, and a woken engine finds
+        the prefixes in host memory or on disk, as far as the tiers hold them. The copies are the next
+        `take_copies`/`take_disk_copies`; the device cache then holds nothing. Only when no block is in
+        use; returns the number of blocks moved (0 without a host tier: the device cache is reset)."""
+        cached = self.pool.cached_free_blocks() if self.host is not None else []
+        if not self.pool.reset_cache():
+            return 0
+        if cached:
+            self.pool.evictions.extend(cached)
+            self._offload_evicted()
+        return len(cached)
+
     def reset_prefix_cache(self) -> bool:
         if not self.pool.reset_cache():
             return False
