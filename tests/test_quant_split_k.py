@@ -74,6 +74,31 @@ def test_the_rules_are_tunable_settings(tmp_path, monkeypatch):
     assert int8_linear.SPLIT_K_RULE == tuning.defaults()[module]["SPLIT_K_RULE"]
 
 
+def test_llmserve_tune_searches_the_rules_on_checked_calls(monkeypatch):
+    """`llmserve tune`'s INT8 and W4A16 workloads (the kernels against their references) and the
+    search over the rules; tiny shapes, one token count, two candidates (on the interpreter the
+    kernels do not split, so the timer here decides: it prefers the second candidate)."""
+    from llmserve.kernels import tune, w4a16_linear
+
+    monkeypatch.setattr(tune, "QUANT_TOKENS", (2,))
+    cpu = torch.device("cpu")
+    workloads = {"int8": tune.int8_workload([(24, 64)], cpu), "w4a16": tune.w4a16_workload([(16, 64)], cpu, 32)}
+    assert [name for name, _, _ in workloads["int8"]] == ["int8 24x64 m=2"]
+    wanted = SplitKRule(4, 512)
+    settings = [tune.Setting(f"llmserve.kernels.{module}", "SPLIT_K_RULE", (SplitKRule(0, 256), wanted), workload)
+                for module, workload in (("int8_linear", "int8"), ("w4a16_linear", "w4a16"))]  # fmt: skip
+
+    def timer(fn):
+        fn()
+        return 2.0 - (int8_linear.SPLIT_K_RULE == wanted) - (w4a16_linear.SPLIT_K_RULE == wanted)
+
+    chosen = tune.search(workloads, timer, settings, progress=lambda _: None)
+    assert chosen == {"llmserve.kernels.int8_linear": {"SPLIT_K_RULE": wanted},
+                      "llmserve.kernels.w4a16_linear": {"SPLIT_K_RULE": wanted}}  # fmt: skip
+    assert int8_linear.SPLIT_K_RULE == tuning.defaults()["llmserve.kernels.int8_linear"]["SPLIT_K_RULE"]
+    assert all(s.candidates == tune.SPLIT_K_RULES for s in tune.SEARCH if s.name == "SPLIT_K_RULE")
+
+
 def _int8_operands(m: int, k: int, n: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     xq, sx = quantize_tokens_int8(torch.randn(m, k, generator=gen) * 4)

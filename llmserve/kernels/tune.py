@@ -5,8 +5,9 @@ The search goes setting by setting (each over its candidates, the others at thei
 each costed as the summed time of the calls it governs, on a model's projection shapes: the
 split-K GEMM's programs and stages at decode's token counts (bf16 at 1 token, FP8 at 1-64) and
 the token count up to which FP8 projections take it instead of cuBLAS; the paged attention's decode
-tiles and split-KV targets on decode steps of 1 to 256 sequences. Every candidate's output
-is checked against the PyTorch reference first; a wrong one is never chosen.
+tiles and split-KV targets on decode steps of 1 to 256 sequences; the INT8 and W4A16 GEMMs'
+split-K rules (kernels/quant_split_k.py) at 1-16 tokens (GGUF's keeps its default). Every
+candidate's output is checked against the PyTorch reference first; a wrong one is never chosen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from llmserve.kernels import tuning
 from llmserve.kernels.paged_attention import AttnLaunchConfig
+from llmserve.kernels.quant_split_k import SplitKRule
 
 Timer = Callable[[Callable[[], object]], float]  # seconds one call of the function takes
 Call = tuple[str, Callable[[], torch.Tensor], Callable[[], torch.Tensor]]  # (name, the fast call, its reference)
@@ -31,7 +33,9 @@ class Setting:
     module: str
     name: str
     candidates: tuple[Any, ...]
-    workload: str = "gemm"  # the calls that cost it: "gemm" (projections) or "attention" (decode batches)
+    # the calls that cost it: "gemm" (projections), "attention" (decode batches), "int8" / "w4a16"
+    # (the quantized GEMMs at decode)
+    workload: str = "gemm"
 
 
 def _attn(block_n: int, num_stages: int) -> AttnLaunchConfig:
@@ -39,6 +43,9 @@ def _attn(block_n: int, num_stages: int) -> AttnLaunchConfig:
 
 
 ATTENTION = "llmserve.kernels.paged_attention"
+# the quantized GEMMs' split-K rules (kernels/quant_split_k.py): never, or up to 4 / 16 tokens for
+# about 128-1,024 programs
+SPLIT_K_RULES = (SplitKRule(0, 256), *(SplitKRule(r, p) for r in (4, 16) for p in (128, 256, 512, 1024)))
 SEARCH = (
     Setting("llmserve.kernels.split_k_gemm", "SMALL_M_PROGRAMS", (128, 256, 384, 512)),
     Setting("llmserve.kernels.split_k_gemm", "PROGRAMS", (256, 512, 768, 1024)),
@@ -50,9 +57,12 @@ SEARCH = (
     Setting(ATTENTION, "_DECODE_LARGE_PROGRAMS_PER_SM", (4, 8, 16), "attention"),
     Setting(ATTENTION, "PROGRAMS_PER_SM_TARGET", (1, 2, 4), "attention"),
     Setting(ATTENTION, "MIN_TOKENS_PER_SPLIT", (128, 256, 512), "attention"),
+    Setting("llmserve.kernels.int8_linear", "SPLIT_K_RULE", SPLIT_K_RULES, "int8"),
+    Setting("llmserve.kernels.w4a16_linear", "SPLIT_K_RULE", SPLIT_K_RULES, "w4a16"),
 )
 DECODE_BATCHES = ((1, 4096), (8, 2048), (64, 1024), (256, 768))  # (sequences, context) of decode steps
 FP8_TOKENS = (1, 4, 8, 16, 32, 48, 64, 96)  # the FP8 calls' token counts (96: past the split-K kernel)
+QUANT_TOKENS = (1, 4, 8, 16)  # the INT8 / W4A16 Triton GEMMs' token counts (decode)
 
 
 def projection_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int) -> list[tuple[int, int]]:
@@ -98,6 +108,46 @@ def gemm_workload(shapes: Sequence[tuple[int, int]], device: torch.device) -> li
             calls.append((f"fp8 {n}x{k} m={m}",
                           lambda xq=xq, xs=xs, wq=wq, ws=ws: fp8_gemm_fast(xq, xs, wq, ws, torch.bfloat16),
                           lambda xq=xq, xs=xs, wq=wq, ws=ws: fp8_gemm_reference(xq, xs, wq, ws, torch.float32)))  # fmt: skip
+    return calls
+
+
+def int8_workload(shapes: Sequence[tuple[int, int]], device: torch.device) -> list[Call]:
+    """(name, the Triton INT8 GEMM, the integer reference) for each projection at QUANT_TOKENS."""
+    from llmserve.kernels.int8_linear import int8_gemm_triton
+    from llmserve.model.int8 import int8_gemm_reference
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    calls = []
+    for n, k in shapes:
+        wq = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).to(device)
+        ws = (torch.rand(n, 1, generator=g) * 1e-3).to(device)
+        for m in QUANT_TOKENS:
+            xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g).to(device)
+            xs = (torch.rand(m, 1, generator=g) * 1e-2).to(device)
+            calls.append((f"int8 {n}x{k} m={m}",
+                          lambda xq=xq, xs=xs, wq=wq, ws=ws: int8_gemm_triton(xq, xs, wq, ws, torch.bfloat16),
+                          lambda xq=xq, xs=xs, wq=wq, ws=ws: int8_gemm_reference(xq, xs, wq, ws, torch.float32)))  # fmt: skip
+    return calls
+
+
+def w4a16_workload(shapes: Sequence[tuple[int, int]], device: torch.device, group: int = 128) -> list[Call]:
+    """(name, the Triton W4A16 GEMM, dequantize-then-matmul) for each projection at QUANT_TOKENS:
+    random 4-bit words, groups of `group` inputs."""
+    from llmserve.kernels.w4a16_linear import w4a16_gemm_triton
+    from llmserve.model.w4a16 import w4a16_matmul_reference
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    calls = []
+    for n, k in shapes:
+        qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, generator=g).to(device)
+        scales = (torch.rand(n, k // group, generator=g) * 0.01).to(device, torch.float16)
+        zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=g).to(device)
+        g_idx = (torch.arange(k, dtype=torch.int32) // group).to(device)
+        w = (qweight, scales, zeros, g_idx)
+        for m in QUANT_TOKENS:
+            x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+            calls.append((f"w4a16 {n}x{k} m={m}", lambda x=x, w=w: w4a16_gemm_triton(x, *w),
+                          lambda x=x, w=w: w4a16_matmul_reference(x.float(), *w)))  # fmt: skip
     return calls
 
 
@@ -179,9 +229,12 @@ def run(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_
         raise SystemExit("llmserve tune measures kernels on a CUDA device (settings are per card); none is here")
     card = tuning.card_key(dev)
     print(f"tuning the kernels' settings on {card} ({torch.cuda.get_device_name(dev)})")
+    shapes = projection_shapes(hidden, intermediate, q_size, kv_size)
     workloads = {
-        "gemm": gemm_workload(projection_shapes(hidden, intermediate, q_size, kv_size), dev),
+        "gemm": gemm_workload(shapes, dev),
         "attention": attention_workload(num_heads, kv_size // head_dim, head_dim, dev),
+        "int8": int8_workload(shapes, dev),
+        "w4a16": w4a16_workload(shapes, dev),
     }
     values = search(workloads, cuda_timer())
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
