@@ -215,7 +215,7 @@ def _check_eagle_head(spec: SpeculativeConfig, target: ModelConfig, pipeline_par
         raise ConfigError(f"speculative_config: {exc}") from None
 
 
-def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> SpeculativeConfig | None:
+def speculative_config(value: str | dict | None) -> SpeculativeConfig | None:
     """vLLM's `speculative_config` (a dict, or its JSON on the command line), checked."""
     if value is None or value == "" or value == {}:
         return None
@@ -246,8 +246,6 @@ def speculative_config(value: str | dict | None, tensor_parallel_size: int) -> S
         if not isinstance(value.get("model"), str) or not value["model"]:
             raise ConfigError(f'speculative_config: method {method!r} needs "model": {what}')
         draft = str(resolve_model_path(value["model"], f"speculative_config's {what.removeprefix('the ')}"))
-    if tensor_parallel_size > 1:
-        raise ConfigError("speculative decoding with tensor parallelism is not supported yet")
 
     def count(name: str, default: int, low: int, high: int) -> int:
         v = value.get(name, default)
@@ -524,7 +522,7 @@ class EngineArgs:
         tp = _check_tensor_parallel(self.tensor_parallel_size, arch, device, self.enable_expert_parallel, on_ray)
         _check_family_features(arch, fp8_triton=quantization == "fp8" and backend == "triton",
                                fp8_checkpoint=checkpoint_quant is not None and quantization == "fp8")  # fmt: skip
-        speculative = speculative_config(self.speculative_config, tp)
+        speculative = speculative_config(self.speculative_config)
         pp = self._check_pipeline_parallel(arch, device, tp)
         batches = self._check_batches_in_flight(pp)
         if pp > 1 and not eager:

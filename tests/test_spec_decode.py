@@ -87,15 +87,13 @@ def test_verify_greedy_keeps_the_agreeing_prefix_and_one_more():
 )
 def test_bad_speculative_configs_are_refused(value, message):
     with pytest.raises(ConfigError, match=message):
-        speculative_config(value, 1)
+        speculative_config(value)
 
 
 def test_speculative_config_from_the_command_line_and_defaults():
-    cfg = speculative_config(json.dumps({"method": "ngram", "num_speculative_tokens": 3}), 1)
+    cfg = speculative_config(json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 2, 5)
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        speculative_config({"method": "ngram"}, 2)
-    assert speculative_config(None, 1) is None
+    assert speculative_config(None) is None
 
 
 # -- the engine: lossless ----------------------------------------------------------------------
@@ -294,7 +292,7 @@ def test_a_request_proposes_what_it_lately_had_accepted():
     from llmserve.config import speculative_config
     from llmserve.engine.spec_decode import SpecDecoder
 
-    spec = SpecDecoder(speculative_config({"method": "ngram", "num_speculative_tokens": 5}, 1), 1000)
+    spec = SpecDecoder(speculative_config({"method": "ngram", "num_speculative_tokens": 5}), 1000)
     assert spec.budget("a") == 5  # a new request: K
     for _ in range(4):
         spec.record("a", spec.budget("a"), 0)

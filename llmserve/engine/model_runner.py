@@ -49,6 +49,7 @@ from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
+from llmserve.model.whole_vocab import WholeVocab
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -289,6 +290,7 @@ class ModelRunner:
         self.sleep_mode = RunnerSleep(self)  # sleep and wake (engine/runner_sleep.py)
         # an EAGLE head's: the hidden states the model keeps, and who takes them with each step's rows
         self.hidden_sink: tuple[HiddenCapture, Callable[[list[RowInput], list[torch.Tensor]], None]] | None = None
+        self.every_row = False  # the last layer runs on every row (`set_every_row`, the same on every rank)
         if config.enable_sleep_mode:  # weights in an arena of fixed addresses: a wake keeps the graphs
             self.sleep_mode.move_weights_to_arena()
 
@@ -590,9 +592,30 @@ class ModelRunner:
                        sink: Callable[[list[RowInput], list[torch.Tensor]], None] | None = None) -> None:  # fmt: skip
         """Speculative decoding's EAGLE head (and `llmserve train-eagle`'s data): every step's hidden
         states that `capture` names (kept by the model's eager forward) go to `sink` with the
-        step's rows. None: stop."""
+        step's rows. None: stop. Only this rank keeps them (under tensor parallelism the states
+        are whole on every rank); every rank learns whether the last layer runs on every row."""
         self.model.set_hidden_capture(capture)
         self.hidden_sink = None if capture is None or sink is None else (capture, sink)
+        self.set_every_row(self.hidden_sink is not None and capture.final)
+
+    @on_every_rank
+    def set_every_row(self, every_row: bool) -> None:
+        """Does the last layer run on every row of every step (an EAGLE-1 head reads the final
+        states of all)? The same on every rank: its all-reduces meet with the same rows."""
+        self.every_row = every_row
+
+    @on_every_rank
+    def proposer_vocab(self, with_logits: bool):
+        """What a proposer on this rank reads the target's embedding (and with `with_logits` its
+        logits) through: the model itself with one rank; under tensor parallelism whole tables
+        gathered from every rank's rows (model/whole_vocab.py; a worker drops its copy)."""
+        if self.tp.world_size == 1:
+            return self.model
+        vocab = WholeVocab.gather(self.model, with_logits, self.device)
+        if self.mirror is None:
+            return None
+        logger.info("the proposer's whole vocabulary tables on rank 0: %.1f MB", vocab.nbytes / 1e6)
+        return vocab
 
     # -- one step -----------------------------------------------------------------------
     def forget_requests(self, request_ids: list[str]) -> None:
@@ -741,7 +764,7 @@ class ModelRunner:
         follow the batch's rows. A fresh 7,680-token prompt then spends 1/32 less of its
         prefill's GEMMs and attention on rows whose hidden states nobody reads."""
         return (self.lora is None and len(batch.logits_indices) < len(batch.input_ids) and not batch.verifies
-                and (self.hidden_sink is None or not self.hidden_sink[0].final))  # fmt: skip
+                and not self.every_row)  # fmt: skip
 
     def _forward_graphs(self, batch: BatchInputs, fill: Callable[[torch.Tensor], None] | None,
                         ) -> tuple[torch.Tensor, list[int]] | None:  # fmt: skip

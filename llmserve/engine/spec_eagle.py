@@ -44,6 +44,7 @@ from llmserve.model.attention import AttentionBackend
 from llmserve.model.eagle import load_eagle_head
 from llmserve.model.interface import CausalLM, HiddenCapture
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
+from llmserve.model.whole_vocab import WholeVocab
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,10 @@ class HiddenStore:
 class EagleProposer:
     """The head, its KV cache and block tables, the target's features; `propose` as spec_decode's `Proposer`."""
 
-    def __init__(self, config: EngineConfig, device: torch.device, backend: AttentionBackend, target: CausalLM) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, backend: AttentionBackend,
+                 target: CausalLM | WholeVocab) -> None:  # fmt: skip
+        """`target`: what the head reads the target's embedding (and EAGLE-1's logits) through: the
+        model, or under tensor parallelism whole tables of its vocabulary (`ModelRunner.proposer_vocab`)."""
         spec, mc, sc = config.speculative.eagle, config.model_config, config.scheduler_config
         self.device = device
         self.block_size = config.cache_config.block_size

@@ -25,15 +25,17 @@ from llmserve.model.interface import CausalLM, HiddenCapture
 from llmserve.model.layers import REFERENCE_OPS, LayerOps, RMSNorm, RotaryEmbedding
 from llmserve.model.llama import DecoderLayer
 from llmserve.model.tensor_parallel import SINGLE
+from llmserve.model.whole_vocab import WholeVocab
 
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
 
 
 class EagleHead(nn.Module):
-    """One EAGLE or EAGLE-3 head over a target (whose embedding, and for EAGLE-1 LM head, it uses)."""
+    """One EAGLE or EAGLE-3 head over a target (whose embedding, and for EAGLE-1 LM head, it uses: the
+    model, or whole tables of them gathered from its tensor-parallel ranks, model/whole_vocab.py)."""
 
-    def __init__(self, spec: EagleSpec, target: CausalLM, backend: AttentionBackend, max_positions: int,
+    def __init__(self, spec: EagleSpec, target: CausalLM | WholeVocab, backend: AttentionBackend, max_positions: int,
                  ops: LayerOps = REFERENCE_OPS) -> None:  # fmt: skip
         super().__init__()
         self.spec = spec
@@ -144,7 +146,7 @@ def _fused_widths(spec: EagleSpec, fused: str) -> list[int]:
     return [a.q_size, a.kv_size, a.kv_size] if fused == "qkv_proj" else [a.intermediate_size] * 2
 
 
-def load_eagle_head(spec: EagleSpec, target: CausalLM, dtype: torch.dtype, device: torch.device,
+def load_eagle_head(spec: EagleSpec, target: CausalLM | WholeVocab, dtype: torch.dtype, device: torch.device,
                     backend: AttentionBackend, max_positions: int, ops: LayerOps = REFERENCE_OPS) -> EagleHead:  # fmt: skip
     """The head of `spec` over `target`, its weights read, on `device` in `dtype`."""
     with torch.device("meta"):

@@ -1,0 +1,53 @@
+"""A target's embedding and LM head as whole tables on one rank, for a proposer that runs there
+alone (an EAGLE head under tensor parallelism: engine/spec_eagle.py).
+
+Under tensor parallelism each rank holds its rows of the vocabulary (model/tensor_parallel.py),
+and a lookup or the logits need every rank (an all-reduce, an all-gather). The head proposes on
+rank 0 only, between the target's steps, so it reads these tables instead: gathered once at start
+through the model's own paths (`token_embeddings` over every id, `compute_logits` over the
+identity), which every rank runs together, whatever the table's storage (an INT8 embedding comes
+out dequantized). With one rank the proposer reads the model itself (`ModelRunner.proposer_vocab`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.model.interface import CausalLM
+
+GATHER_ROWS = 8192  # ids (or identity rows) a collective, bounding the transient memory
+
+
+class WholeVocab:
+    """`token_embeddings` and `compute_logits` over whole tables (what the EAGLE head calls on its target)."""
+
+    def __init__(self, embedding: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+        self.embedding = embedding  # [V, hidden]
+        self.lm_head = lm_head  # [V, hidden]; None: not gathered (an EAGLE-3 head has its own)
+
+    @classmethod
+    @torch.inference_mode()
+    def gather(cls, target: CausalLM, with_logits: bool, device: torch.device) -> WholeVocab:
+        """Every rank of `target`'s group calls this at once (the collectives inside)."""
+        vocab, hidden = target.arch.vocab_size, target.arch.hidden_size
+        ids = torch.arange(vocab, device=device)
+        embedding = torch.cat([target.token_embeddings(ids[i : i + GATHER_ROWS]) for i in range(0, vocab, GATHER_ROWS)])
+        head = None
+        if with_logits:  # logits of the identity: row i holds W[:, i]
+            eye = torch.eye(hidden, dtype=embedding.dtype, device=device)
+            head = torch.cat([target.compute_logits(eye[i : i + GATHER_ROWS]) for i in range(0, hidden, GATHER_ROWS)])
+            head = head.t().contiguous()
+        return cls(embedding, head)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.embedding, self.lm_head) if t is not None)
+
+    def token_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embedding)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError("the LM head was not gathered")
+        return F.linear(hidden, self.lm_head)

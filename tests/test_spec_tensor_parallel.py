@@ -1,0 +1,140 @@
+"""Speculative decoding under tensor parallelism (CPU, gloo, two real processes): n-gram, a draft
+model, EAGLE and EAGLE-3 heads at TP=2 give the greedy tokens of TP=1 without speculation and
+TP=1's acceptance counts with it (the proposers run on rank 0 alone: the draft and the heads whole,
+the heads over whole tables of the target's vocabulary gathered at start; the verification's
+forward runs on every rank); seeded sampled requests run and reproduce; a killed worker fails
+the next request at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_spec_eagle import _head_tensors, _write_head
+
+from llmserve import LLM, SamplingParams
+from llmserve.engine.tp_workers import WorkerDiedError
+from llmserve.model.random_model import make_random_model
+from llmserve.model.whole_vocab import WholeVocab
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True)
+# repeats for the n-gram proposer to find; one prompt longer than a 16-token chunk
+PROMPTS = [[1, 5, 9, 30, 44, 7, 8, 100, 101, 5, 9, 30], [1, 2, 3], [1] + list(range(200, 236)),
+           [1, 7, 7, 7, 7, 7, 7, 7]]  # fmt: skip
+OPTIONS = dict(max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=16)
+
+
+def _truncate(src: str, out: Path, layers: int) -> str:
+    """scripts/truncate_model.py: the target's first layers, a draft that agrees with it often."""
+    spec = importlib.util.spec_from_file_location(
+        "truncate_model", Path(__file__).parents[1] / "scripts/truncate_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.truncate(Path(src), out, layers)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A 4-layer Llama target, each method's configuration, and TP=1's greedy tokens without speculation."""
+    root = tmp_path_factory.mktemp("spec_tp")
+    target = str(make_random_model(root / "target", "llama", seed=0, num_hidden_layers=4))
+    heads = {m: _write_head(root / m, target, m, _head_tensors(m, 512, seed=1, draft_vocab=300 if m == "eagle3" else None))
+             for m in ("eagle", "eagle3")}  # fmt: skip
+    configs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "model": _truncate(target, root / "draft", 2),
+                        "num_speculative_tokens": 3},
+        **{m: {"method": m, "model": heads[m], "num_speculative_tokens": 3} for m in heads},
+    }  # fmt: skip
+    with LLM(target, **OPTIONS) as llm:
+        plain = _generate(llm, GREEDY)
+    return target, configs, plain
+
+
+def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _record(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(a request's tokens, its proposal) of every proposal the engine's draft or head makes from now on."""
+    seen = []
+    if llm.core.draft is None:
+        return seen
+    propose = llm.core.draft.propose
+
+    def recording(requests, ks):
+        proposals, probs = propose(requests, ks)
+        seen.extend((list(r.all_token_ids), p) for r, p in zip(requests, proposals))
+        return proposals, probs
+
+    llm.core.draft.propose = recording
+    return seen
+
+
+def _counts(llm: LLM) -> tuple:
+    s = llm.stats()
+    return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_accepted_per_position
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
+def test_tp2_speculation_equals_tp1(setup, method):
+    """Greedy tokens of TP=1 without speculation, TP=1's proposals and acceptance counts with it; seeded
+    sampled requests reproduce at TP=2; no block or head cache left behind. (EAGLE-3: then a
+    killed worker fails the next request within seconds.)"""
+    target, configs, plain = setup
+    spec = configs[method]
+    with LLM(target, speculative_config=spec, **OPTIONS) as llm:
+        proposed = _record(llm)
+        assert _generate(llm, GREEDY) == plain
+        single = _counts(llm)
+    assert single[1] > 0 and (single[2] > 0 or method.startswith("eagle"))  # (random heads rarely agree)
+    llm = LLM(target, speculative_config=spec, tensor_parallel_size=2, **OPTIONS)
+    try:
+        proposed_tp2 = _record(llm)
+        assert _generate(llm, GREEDY) == plain
+        assert _counts(llm) == single
+        assert proposed_tp2 == proposed  # every proposal, in order (n-gram's follow from the tokens)
+        first = _generate(llm, SAMPLED)
+        if method != "ngram":  # (a random model's sampled text repeats no n-gram)
+            assert _counts(llm)[0] > single[0], "the sampled requests were meant to speculate"
+        assert _generate(llm, SAMPLED) == first
+        assert all(len(t) == SAMPLED.max_tokens for t in first)
+        assert llm.stats().num_blocks_used == 0
+        if llm.core.draft is not None:
+            blocks = llm.core.draft.blocks
+            assert blocks.num_free == blocks.num_blocks and not blocks.seqs
+        if method == "eagle3":
+            (pid,) = llm.core.tp_driver.worker_pids
+            os.kill(pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises((WorkerDiedError, RuntimeError)):
+                _generate(llm, GREEDY)
+            assert time.monotonic() - start < 30
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - start < 20
+
+
+def test_whole_vocab_tables_equal_the_model(setup):
+    """One rank: the gathered tables are the model's embedding and LM head (the same lookups and logits)."""
+    target, _, _ = setup
+    with LLM(target, max_model_len=64) as llm:
+        model = llm.core.runner.model
+        whole = WholeVocab.gather(model, True, torch.device("cpu"))
+        ids = torch.tensor([0, 3, 511, 200])
+        hidden = torch.randn(5, model.arch.hidden_size)
+        with torch.inference_mode():
+            assert torch.equal(whole.token_embeddings(ids), model.token_embeddings(ids))
+            torch.testing.assert_close(whole.compute_logits(hidden), model.compute_logits(hidden))
