@@ -19,6 +19,7 @@ from test_spec_eagle import _head_tensors, _write_head
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.tp_workers import WorkerDiedError
+from llmserve.model import whole_vocab
 from llmserve.model.random_model import make_random_model
 from llmserve.model.whole_vocab import WholeVocab
 
@@ -127,8 +128,11 @@ def test_tp2_speculation_equals_tp1(setup, method):
         assert time.monotonic() - start < 20
 
 
-def test_whole_vocab_tables_equal_the_model(setup):
-    """One rank: the gathered tables are the model's embedding and LM head (the same lookups and logits)."""
+def test_whole_vocab_tables_equal_the_model(setup, monkeypatch):
+    """One rank: the gathered tables are the model's embedding and LM head (the same lookups and
+    logits), gathered in chunks that do not divide the vocabulary or the hidden size."""
+    monkeypatch.setattr(whole_vocab, "GATHER_IDS", 100)
+    monkeypatch.setattr(whole_vocab, "GATHER_ROWS", 24)
     target, _, _ = setup
     with LLM(target, max_model_len=64) as llm:
         model = llm.core.runner.model

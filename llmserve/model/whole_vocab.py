@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from llmserve.model.interface import CausalLM
 
-GATHER_ROWS = 8192  # ids (or identity rows) a collective, bounding the transient memory
+GATHER_IDS = 8192  # ids looked up a collective (8192 x hidden values), bounding the transient memory
+GATHER_ROWS = 512  # identity rows a collective: their logits are 512 x V values (with their gathered parts)
 
 
 class WholeVocab:
@@ -32,7 +33,7 @@ class WholeVocab:
         """Every rank of `target`'s group calls this at once (the collectives inside)."""
         vocab, hidden = target.arch.vocab_size, target.arch.hidden_size
         ids = torch.arange(vocab, device=device)
-        embedding = torch.cat([target.token_embeddings(ids[i : i + GATHER_ROWS]) for i in range(0, vocab, GATHER_ROWS)])
+        embedding = torch.cat([target.token_embeddings(ids[i : i + GATHER_IDS]) for i in range(0, vocab, GATHER_IDS)])
         head = None
         if with_logits:  # logits of the identity: row i holds W[:, i]
             eye = torch.eye(hidden, dtype=embedding.dtype, device=device)
