@@ -181,6 +181,8 @@ class EngineCore:
             self.kv_events = None
         store = self.kv.disk_store if hasattr(self, "kv") else None
         if store is not None:
+            if self.kv.disk_reader is not None:
+                self.kv.disk_reader.close()
             store.close()
         if self.grammars is not None:
             self.grammars.shutdown()

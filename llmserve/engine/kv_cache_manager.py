@@ -12,7 +12,10 @@ blocks and every sliding group the blocks of its last window.
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+
 from llmserve.engine.block_pool import BlockKey, BlockPool, SwapPool
+from llmserve.engine.kv_disk_reader import DiskReader, ReadRun
 from llmserve.engine.kv_disk_store import DiskStore, SlotMeta, chain_digest, group_digest
 from llmserve.engine.kv_disk_tier import DiskTier
 from llmserve.engine.kv_events import CPU, DISK, GPU, KVEventLog
@@ -29,12 +32,14 @@ DISK_HIT = -3  # one the disk tier holds (read and checked already; a device blo
 class PrefixHit(list):
     """`get_computed_blocks`' answer: device block ids, HOST_HIT where the host tier holds the block,
     DISK_HIT where the disk tier does; `loads`: (index, host block) of the first, `disk_loads`:
-    (index, stage id of the block read back) of the second."""
+    (index, stage id of the block read back) of the second. `reading`: the request's disk blocks are
+    being read in the reader thread (engine/kv_disk_reader.py): it waits, the answer is empty."""
 
-    def __init__(self) -> None:
+    def __init__(self, reading: bool = False) -> None:
         super().__init__()
         self.loads: list[tuple[int, int]] = []
         self.disk_loads: list[tuple[int, int]] = []
+        self.reading = reading
 
 
 class KVCacheManager:
@@ -95,6 +100,13 @@ class KVCacheManager:
         self._spills: list[tuple[bool, int, int, SlotMeta]] = []
         self._spilling: set[bytes] = set()  # digests of this step's spills (not yet in the file: a miss)
         self._disk_loads: list[tuple[int, int]] = []  # (stage id, device block), after the host loads
+        # one rank alone: the disk reads in a thread of their own (engine/kv_disk_reader.py); per request
+        # its read under way, and the blocks read for it not yet staged
+        self.disk_reader: DiskReader | None = None
+        if self.disk_store is not None and self.disk_store.peers is None:
+            self.disk_reader = DiskReader(self.disk_store.read_block)
+        self._disk_reads: dict[str, Future[ReadRun]] = {}
+        self._disk_ready: dict[str, ReadRun] = {}
 
     # -- prefix cache -------------------------------------------------------------------
     def _salt(self, req: Request) -> str | None | bool:
@@ -160,7 +172,7 @@ class KVCacheManager:
                     block_id = DISK_HIT
             hits.append(block_id)
         if on_disk:
-            return self._read_disk(hits, on_disk)
+            return self._read_disk(req, hits, on_disk)
         return hits
 
     def _computed_groups(self, req: Request, num_full: int, salt: str | None) -> list[int]:
@@ -181,7 +193,7 @@ class KVCacheManager:
                 break
             found.append(ids)
         if self.host is not None:
-            return self._groups_from_tiers(found)
+            return self._groups_from_tiers(req, found)
         for n in range(len(found), 0, -1):
             firsts = [layout.first_needed(g, n * bs, bs) for g in range(groups)]
             if all(found[i][g] is not None for g in range(groups) for i in range(firsts[g], n)):
@@ -198,7 +210,7 @@ class KVCacheManager:
         found = self._find_on_disk(req, index, group_key, group) if self.disk is not None else None
         return None if found is None else (DISK_HIT, *found)
 
-    def _groups_from_tiers(self, found: list[list]) -> PrefixHit:
+    def _groups_from_tiers(self, req: Request, found: list[list]) -> PrefixHit:
         """The longest prefix whose every full-attention group has all its blocks and every sliding
         group the blocks of its last window, on the device or a lower tier; the disk blocks it needs
         read back (one run), and the prefix shortened to what remains whole if one did not."""
@@ -216,7 +228,9 @@ class KVCacheManager:
                    if i >= firsts[g] and isinstance(found[i][g], tuple) and found[i][g][0] == DISK_HIT]  # fmt: skip
         staged: dict[int, int] = {}
         if at_disk:
-            ids = self.disk_store.stage_run([(slot, meta) for _, (_, slot, meta) in at_disk])
+            ids = self._stage(req, [(slot, meta) for _, (_, slot, meta) in at_disk])
+            if ids is None:
+                return PrefixHit(reading=True)
             staged = {index: stage for (index, _), stage in zip(at_disk, ids)}
             if len(ids) < len(at_disk):  # torn, corrupt or unreadable (on some rank): recomputed
                 self._forget_on_disk(at_disk[len(ids)][1][2])
@@ -458,10 +472,13 @@ class KVCacheManager:
         slot = self.disk.lookup(digest)
         return None if slot is None else (slot, SlotMeta(digest, key.token_ids, _persistent(key)))
 
-    def _read_disk(self, hits: PrefixHit, on_disk: list[tuple[int, int, SlotMeta]]) -> PrefixHit:
+    def _read_disk(self, req: Request, hits: PrefixHit, on_disk: list[tuple[int, int, SlotMeta]]) -> PrefixHit:
         """The prefix hit with its disk blocks read back and checked (in one go: under tensor
-        parallelism one call to every rank), cut before the first that did not read back."""
-        staged = self.disk_store.stage_run([(slot, meta) for _, slot, meta in on_disk])
+        parallelism one call to every rank), cut before the first that did not read back; an empty
+        hit marked `reading` while the reader thread reads them."""
+        staged = self._stage(req, [(slot, meta) for _, slot, meta in on_disk])
+        if staged is None:
+            return PrefixHit(reading=True)
         hits.disk_loads = [(index, stage) for (index, _, _), stage in zip(on_disk, staged)]
         if len(staged) < len(on_disk):  # torn, corrupt or unreadable (on some rank): recomputed
             cut, _, meta = on_disk[len(staged)]
@@ -469,6 +486,45 @@ class KVCacheManager:
             del hits[cut:]
             hits.loads = [(i, b) for i, b in hits.loads if i < cut]
         return hits
+
+    def _stage(self, req: Request, blocks: list[tuple[int, SlotMeta]]) -> list[int] | None:
+        """`DiskStore.stage_run` of the request's disk blocks. With the reader thread, the blocks
+        neither read back already nor read for this request are handed to it, and the answer is None
+        (the request waits; the scheduler takes others) until it has read them; they are then
+        staged without reading again. Without it (tensor parallelism: every rank reads), read here."""
+        store = self.disk_store
+        if self.disk_reader is None:
+            return store.stage_run(blocks)
+        rid = req.request_id
+        pending = self._disk_reads.get(rid)
+        if pending is not None:
+            if not pending.done():
+                return None
+            del self._disk_reads[rid]
+            self._disk_ready.setdefault(rid, {}).update(pending.result())
+        ready = self._disk_ready.get(rid, {})
+        missing = []
+        for slot, meta in blocks:
+            if meta.digest in ready:
+                if ready[meta.digest][0] is None:
+                    break  # (did not read back: nothing after it serves)
+            elif not store.is_staged(meta.digest):
+                missing.append((slot, meta))
+        if missing:
+            self._disk_reads[rid] = self.disk_reader.submit(missing)
+            return None
+        self._disk_ready.pop(rid, None)
+        return store.stage_run(blocks, ready)
+
+    def reading_disk(self) -> bool:
+        """Is a request's disk read under way in the reader thread?"""
+        return bool(self._disk_reads)
+
+    def wait_for_disk_reads(self, timeout: float) -> None:
+        """Wait (up to `timeout` seconds) until one of the reads under way is done (a schedule that
+        had nothing else to do)."""
+        if self._disk_reads:
+            wait(list(self._disk_reads.values()), timeout, return_when=FIRST_COMPLETED)
 
     def _forget_on_disk(self, meta: SlotMeta) -> None:
         """A disk block that did not read back whole: its slot is free again."""
@@ -558,6 +614,9 @@ class KVCacheManager:
             self.swap_pool.free(b for b in cpu_blocks if b != NO_SWAP)
         self._num_registered.pop(req.request_id, None)
         self._req_digests.pop(req.request_id, None)
+        if self._disk_reads or self._disk_ready:  # (a read under way ends by itself; its bytes are dropped)
+            self._disk_reads.pop(req.request_id, None)
+            self._disk_ready.pop(req.request_id, None)
         self._released.pop(req.request_id, None)
         self._release_at.pop(req.request_id, None)
 
@@ -698,6 +757,8 @@ class KVCacheManager:
             self.disk.clear()
             self.disk_store.clear()
             self._digest_of.clear()
+            self._disk_reads.clear()
+            self._disk_ready.clear()
         if self.events is not None:
             self.events.cleared()
         return True

@@ -314,11 +314,21 @@ class DiskStore:
         staged = self.stage_run([(slot, meta)])
         return staged[0] if staged else None
 
-    def stage_run(self, blocks: list[tuple[int, SlotMeta]]) -> list[int]:
+    def is_staged(self, digest: bytes) -> bool:
+        """Is the block `digest` names read back already (waiting for a step's load)?"""
+        return digest in self._staged_ids
+
+    def read_block(self, slot: int, meta: SlotMeta) -> torch.Tensor | None:
+        """Read and check one block (the reader thread's read: engine/kv_disk_reader.py)."""
+        return self._read(slot, meta)
+
+    def stage_run(self, blocks: list[tuple[int, SlotMeta]], ready: dict | None = None) -> list[int]:
         """Read and check a run of blocks, (slot, header) each, kept for a coming step's load: the
         stage ids of the longest prefix of them that read back whole (a block after a miss is of
         no use to a prefix). Under tensor parallelism every rank reads its own shard of each, and
-        the prefix is the one every rank read (`peers`: rank 0's, engine/kv_disk_ranks.py)."""
+        the prefix is the one every rank read (`peers`: rank 0's, engine/kv_disk_ranks.py).
+        `ready`: blocks the reader thread read already, by digest (one rank alone:
+        engine/kv_disk_reader.py), staged without reading again."""
         ids, reads = [], []
         for slot, meta in blocks:
             known = self._staged_ids.get(meta.digest)
@@ -328,7 +338,10 @@ class DiskStore:
             ids.append(known)
         if reads:
             drops, self._dropped = self._dropped, []
-            done = self.peers.read_disk_blocks(reads, drops) if self.peers is not None else self.read_staged(reads)
+            if self.peers is not None:
+                done = self.peers.read_disk_blocks(reads, drops)
+            else:
+                done = self.read_staged(reads, drops, ready)
             failed = reads[done][0] if done < len(reads) else None
             if failed is not None:
                 ids = ids[: ids.index(failed)]
@@ -343,17 +356,24 @@ class DiskStore:
                 self._dropped.append(old)  # (the other ranks drop it with the next read)
         return ids
 
-    def read_staged(self, reads: list[tuple[int, int, SlotMeta]], drops: list[int] = ()) -> int:
+    def read_staged(
+        self, reads: list[tuple[int, int, SlotMeta]], drops: list[int] = (), ready: dict | None = None
+    ) -> int:
         """This rank's part of `stage_run`: forget the stage ids `drops`, then read and check each
-        (stage id, slot, header) in order, up to the first that fails; how many were read."""
+        (stage id, slot, header) in order, up to the first that fails; how many were read. `ready`:
+        digest -> (bytes or None, seconds) of blocks read already (the reader thread's)."""
         for stage_id in drops:
             self._unstage(stage_id)
         for done, (stage_id, slot, meta) in enumerate(reads):
-            start = time.perf_counter()
-            payload = self._read(slot, meta)
+            if ready is not None and meta.digest in ready:
+                payload, seconds = ready[meta.digest]
+            else:
+                start = time.perf_counter()
+                payload = self._read(slot, meta)
+                seconds = time.perf_counter() - start
             if payload is None:
                 return done
-            self.counts.latency.observe(time.perf_counter() - start)
+            self.counts.latency.observe(seconds)
             self.counts.read += 1
             self.counts.bytes_read += self.block_bytes
             self._staged[stage_id] = payload

@@ -28,6 +28,7 @@ from llmserve.engine.request import (
 from llmserve.engine.spec_decode import SpecDecoder
 
 _sort_key = attrgetter("priority", "arrival_time")  # Request.sort_key, read in C
+_READING = -1  # `_admit`: the request waits for its disk blocks, read in the reader thread
 
 
 @dataclass(slots=True)
@@ -153,6 +154,8 @@ class Scheduler:
             if self.kv.disk is not None:
                 out.kv_spill, out.kv_disk_load = self.kv.take_disk_copies()
         self.num_computed_tokens_total += out.num_batched_tokens
+        if not out.scheduled and self.kv.disk_reader is not None and self.kv.reading_disk():
+            self.kv.wait_for_disk_reads(0.01)  # nothing else to do: not a busy loop while a request's blocks are read
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -261,6 +264,9 @@ class Scheduler:
             num_new = self._admit(req, budget, reserve, out)
             if num_new is None:
                 break
+            if num_new == _READING:
+                idx += 1  # its prefix's disk blocks are being read (engine/kv_disk_reader.py): others go first
+                continue
             if growth is not None:
                 growth += self._growth_blocks(req)
             self.waiting.pop(idx)
@@ -311,7 +317,8 @@ class Scheduler:
         return self.kv.num_cached_blocks(req) < shared_blocks
 
     def _admit(self, req: Request, budget: int, reserve: int, out: SchedulerOutput) -> int | None:
-        """Give a waiting request its blocks; returns its new-token count, or None."""
+        """Give a waiting request its blocks; returns its new-token count, None (nothing more is
+        admitted this step), or _READING (this one waits for its disk blocks)."""
         if req.status == RequestStatus.SWAPPED:
             num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             if num_new is None:
@@ -322,6 +329,8 @@ class Scheduler:
             self.kv.allocate_slots(req, num_new)
             return num_new
         computed = self.kv.get_computed_blocks(req)
+        if getattr(computed, "reading", False):
+            return _READING
         num_hit = self.kv.num_hit_blocks(computed) * self.block_size
         num_new = self._chunk(req.num_tokens - num_hit, budget)
         if num_new is None or not self.kv.allocate_slots(req, num_new, computed, reserve):
