@@ -1301,30 +1301,34 @@ def test_engine_gives_long_chunks_to_sdpa_and_keeps_the_tokens(llama_dir, monkey
     assert calls["chunk"] == layers - 1 and calls["fresh"] == 2 * (layers - 1)
 
 
-def test_engine_on_a_windowed_geglu_model_matches_transformers(model_dirs, monkeypatch):
+def test_engine_on_a_windowed_geglu_model_matches_transformers(tmp_path, monkeypatch):
     """Gemma 3 (random weights, sliding layers with a window of 16, GeGLU: random_model.py) on the Triton path
     under the interpreter, chunked prefill crossing the window: greedy tokens equal transformers'; the
     launches carry each layer's window (None for a full layer), and the MLP runs the GeGLU kernel."""
     import random
 
-    from conftest import hf_greedy
+    from conftest import FAMILY_OVERRIDES, hf_greedy
 
     from llmserve import LLM, SamplingParams
+    from llmserve.model.random_model import make_random_model
 
+    # two layers, a sliding one and a full one (the shared model's six: 3x the interpreted launches)
+    model_dir = str(make_random_model(tmp_path / "gemma3", "gemma3", seed=4, **FAMILY_OVERRIDES["gemma3"],
+                                      num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]))  # fmt: skip
     rng = random.Random(3)
     prompts = [[1] + [rng.randrange(3, 500) for _ in range(n)] for n in (9, 37)]
-    want = hf_greedy(model_dirs["gemma3"], prompts, 6)
+    want = hf_greedy(model_dir, prompts, 6)
     windows, gelu_calls = set(), []
     launch, gelu = paged_attention._launch, K.gelu_tanh_and_mul
     monkeypatch.setattr(paged_attention, "_launch", lambda *a, **kw: windows.add(kw.get("window")) or launch(*a, **kw))
     monkeypatch.setattr(K, "gelu_tanh_and_mul", lambda *a, **kw: gelu_calls.append(1) or gelu(*a, **kw))
-    llm = LLM(model_dirs["gemma3"], attention_backend="triton", max_model_len=64, block_size=8,
+    llm = LLM(model_dir, attention_backend="triton", max_model_len=64, block_size=8,
               max_num_batched_tokens=16)  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6),
                         use_tqdm=False)  # fmt: skip
     assert [o.outputs[0].token_ids for o in outs] == want
     arch = llm.config.model_config.arch
-    assert windows == {arch.layer_window(i) for i in range(arch.num_layers)} and 16 in windows and gelu_calls
+    assert windows == {arch.layer_window(i) for i in range(arch.num_layers)} == {16, None} and gelu_calls
 
 
 def test_fp8_engine_on_the_fused_kernels_gives_the_reference_tokens(llama_dir):
