@@ -178,3 +178,31 @@ def test_a_level_1_sleep_moves_the_prefix_cache_down_the_tiers(llama_dir, tmp_pa
             assert after.kv_disk_hit_tokens - before.kv_disk_hit_tokens == 16
     assert_no_leak(llm)
     llm.shutdown()
+
+
+@pytest.mark.integration
+def test_tp2_swaps_through_each_ranks_host_tier_and_sleeps_into_it(llama_dir):
+    """Two ranks (gloo, CPU): each copies its shard of a swapped-out request's blocks to its own host
+    tier and back (the tokens of one rank with swap space), and a level-1 sleep moves each rank's
+    shard of the cached prefixes into it (every full block of the repeated prompt is a hit)."""
+    options = dict(max_model_len=112, block_size=8, num_gpu_blocks_override=14, admission_reserve_tokens=0)
+    one = LLM(llama_dir, swap_space=0.001, **options)
+    want = [o.outputs[0].token_ids for o in one.generate(_prompts(), GREEDY, use_tqdm=False)]
+    one.shutdown()
+    llm = LLM(llama_dir, tensor_parallel_size=2, kv_offload_cpu_gb=0.001, **options)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+        assert got == want and llm.stats().num_swap_outs > 0
+        assert_no_leak(llm)
+        ranks = llm.core.runner.tier_counts_by_rank()
+        assert ranks[0]["host_stored"] == ranks[1]["host_stored"] > 0
+        assert ranks[0]["host_loaded"] == ranks[1]["host_loaded"] > 0
+        prompt = _prompts()[3]  # 70 tokens: 8 full blocks
+        first = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        llm.sleep(1)
+        llm.wake_up()
+        before = llm.stats().prefix_cache_hits
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+        assert llm.stats().prefix_cache_hits - before == 64
+    finally:
+        llm.shutdown()
