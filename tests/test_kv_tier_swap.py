@@ -145,6 +145,21 @@ def test_swap_through_the_host_tier_keeps_greedy_tokens(llama_dir, tmp_path):
     assert tokens["host tier"] == tokens["swap space"] == tokens["host tier and disk"]
 
 
+def test_swap_through_the_host_tier_with_sliding_windows(model_dirs):
+    """Mistral's sliding-window layers hold only their window's blocks: a swapped-out request's
+    released entries take no host block, and the tokens are those of swap space."""
+    options = dict(max_model_len=112, block_size=8, num_gpu_blocks_override=8, admission_reserve_tokens=0,
+                   enable_chunked_prefill=True, max_num_batched_tokens=16)  # fmt: skip
+    tokens = {}
+    for name, tiers in (("swap space", dict(swap_space=0.001)), ("host tier", dict(kv_offload_cpu_gb=0.001))):
+        llm = LLM(model_dirs["mistral"], **options, **tiers)
+        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+        assert llm.stats().num_swap_outs > 0, name
+        assert_no_leak(llm)
+        llm.shutdown()
+    assert tokens["host tier"] == tokens["swap space"]
+
+
 def test_swap_space_and_the_host_tier_do_not_combine(llama_dir):
     with pytest.raises(ConfigError, match="swap_space"):
         LLM(llama_dir, max_model_len=64, kv_offload_cpu_gb=0.001, swap_space=0.001)
