@@ -225,3 +225,77 @@ def test_fp8_fused_moe_every_tile_shape_and_expert_parallel(bucket):
     torch.testing.assert_close(share, fused_moe_reference(x, logits, q13[4:], q2[4:], top_k, True, first_expert=4,
                                                           **half), atol=2e-3, rtol=2e-3)  # fmt: skip
     assert share.abs().sum() > 0 and not torch.allclose(share, ref)
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter",
+    [
+        (1, 8, 2, 64, 32),  # one decode token: the default choice
+        (3, 64, 2, 48, 40),  # three tokens, widths off the tiles (BLOCK_N 32, BLOCK_K 128 > H)
+        (2, 4, 4, 160, 72),  # k = E: both tokens read every expert; H over two K steps
+    ],
+)  # fmt: skip
+def test_the_decode_variant_equals_the_reference_and_the_grouped_kernels(tokens, experts, top_k, hidden, inter):
+    """The decode variant (GEMVs over the (token, slot) rows, the sum in the down kernel) against the
+    reference and the grouped kernels on the same rows; the rule picks it at one token only."""
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    ref = fused_moe_reference(x, logits, w13, w2, top_k, True)
+    decoded = fm.fused_moe(x, logits, w13, w2, top_k, True, decode=True)
+    torch.testing.assert_close(decoded, ref, **TOL)
+    torch.testing.assert_close(fm.fused_moe(x, logits, w13, w2, top_k, True, decode=False), ref, **TOL)
+    assert fm.use_decode(tokens, experts, hidden, inter) == (tokens == 1)
+    assert torch.equal(fm.fused_moe(x, logits, w13, w2, top_k, True), decoded if tokens == 1 else
+                       fm.fused_moe(x, logits, w13, w2, top_k, True, decode=False))  # fmt: skip
+
+
+def test_the_decode_variant_under_expert_parallelism_and_in_bf16():
+    """A rank's share (ids -1 read nothing and add 0) and bf16 rows: each slot's row is rounded to
+    bf16 before the sum, as the grouped kernels store it (whose bf16 tl.dot the interpreter does
+    not compute: they are compared on the GPU, tests/gpu/test_gpu_moe.py), within bf16's rounding
+    of the float32 math on the same bf16 inputs."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, hidden, inter = 2, 8, 2, 64, 48
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    share = fm.fused_moe(x, logits, w13[4:], w2[4:], top_k, True, first_expert=4, decode=True)
+    want = fused_moe_reference(x, logits, w13[4:], w2[4:], top_k, True, first_expert=4)
+    torch.testing.assert_close(share, want, **TOL)
+    other = fm.fused_moe(x, logits, w13[:4], w2[:4], top_k, True, first_expert=0, decode=True)
+    torch.testing.assert_close(share + other, fused_moe_reference(x, logits, w13, w2, top_k, True), **TOL)
+    xb, lb, w13b, w2b = (t.to(torch.bfloat16) for t in (x, logits, w13, w2))
+    got = fm.fused_moe(xb, lb, w13b, w2b, top_k, True, decode=True)
+    assert got.dtype == torch.bfloat16
+    want = fused_moe_reference(*(t.float() for t in (xb, lb, w13b, w2b)), top_k, True)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_shape, dtype", [(None, torch.float32), ((16, 32), torch.float32),
+                                                ((128, 128), torch.bfloat16)])  # fmt: skip
+def test_the_decode_variant_on_fp8_experts(block_shape, dtype):
+    """FP8 experts through the decode variant (scales per channel after the loop; per block each K
+    step's product, BLOCK_K cut to the scale block) against the FP8 reference."""
+    gen = torch.Generator().manual_seed(11)
+    wide = block_shape == (128, 128)  # Qwen3-30B-A3B-FP8's blocks: one K step of 128
+    tokens, experts, top_k, hidden, inter = 2, 8, 2, (128 if wide else 64), (128 if wide else 64)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    w13, w2 = _weights(experts, hidden, inter, gen)
+    q13, q2, scales = _fp8_experts(w13, w2, block_shape)
+    ref = fused_moe_reference(x, logits, q13, q2, top_k, True, **scales)
+    out = fm.fused_moe(x, logits, q13, q2, top_k, True, decode=True, **scales)
+    assert out.dtype == dtype
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_decode_settings_are_data(monkeypatch):
+    assert fm.decode_config(8, 64, 32) == fm.DEFAULT_DECODE and fm.DEFAULT_DECODE["max_tokens"] == 1
+    assert not fm.use_decode(0, 8, 64, 32) and fm.use_decode(1, 8, 64, 32) and not fm.use_decode(2, 8, 64, 32)
+    tuned = dict(fm.DEFAULT_DECODE, max_tokens=4, BLOCK_N=16)
+    monkeypatch.setitem(fm.TUNED_DECODE, ("card", 8, 64, 32), tuned)
+    assert fm.use_decode(4, 8, 64, 32, "card") and not fm.use_decode(5, 8, 64, 32, "card")
+    assert not fm.use_decode(4, 8, 64, 32, "other card")

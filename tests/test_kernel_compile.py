@@ -1,4 +1,5 @@
-"""The sampling kernels (penalties, races, logprob statistics) compile for a Hopper GPU (sm_90), on this CPU machine.
+"""The sampling kernels (penalties, races, logprob statistics) and the fused MoE kernels compile for a
+Hopper GPU (sm_90), on this CPU machine.
 
 The interpreter (tests/test_kernels.py) runs the kernels' Python, not Triton's compiler, so an
 error only the compiler finds (a variable of two types across a runtime `if`, a missing
@@ -66,4 +67,61 @@ def test_sampling_kernels_compile_for_sm90(tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("compiled") == 13
+    assert list(tmp_path.rglob("*.cubin"))
+
+
+MOE_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from llmserve.kernels import fused_moe as fm
+
+    target = GPUTarget("cuda", 90, 32)
+
+    def build(kernel, signature, constants):
+        signature = dict(signature, **{name: "constexpr" for name in constants})
+        triton.compile(ASTSource(kernel, signature, constants), target=target)
+        print("compiled", kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, flush=True)
+
+    strides = dict(stride_we="i64", stride_wn="i32", stride_se="i32", stride_sn="i32", stride_sk="i32")
+    tiles = fm.DEFAULT_TILES[32]
+    dec = fm.DEFAULT_DECODE
+    # (activation dtype, weight dtype, scales mode, scale block)
+    for act, wt, mode, (sn, sk) in (("*bf16", "*bf16", fm.NO_SCALES, (1, 1)),
+                                    ("*bf16", "*fp8e4nv", fm.BLOCK_SCALES, (128, 128))):  # (the per-channel path: a subset)
+        scale = dict(SCALES=mode, SCALE_N=sn, SCALE_K=sk)
+        x = "*fp8e4nv" if mode != fm.NO_SCALES else act
+        build(fm._gate_up_kernel, dict(x_ptr=x, w_ptr=wt, out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+              num_padded_ptr="*i32", sx_ptr="*fp32", sw_ptr="*fp32", N="i32", H="i32", I="i32", stride_xm="i32",
+              stride_om="i32", **strides), dict(TOP_K=8, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
+              BLOCK_K=tiles["BLOCK_K"], DOT_PREC="tf32", **scale))
+        build(fm._down_kernel, dict(a_ptr=x, w_ptr=wt, weights_ptr="*fp32", out_ptr="*bf16", sorted_ptr="*i32",
+              block_expert_ptr="*i32", num_padded_ptr="*i32", sa_ptr="*fp32", sw_ptr="*fp32", N="i32", H="i32", I="i32",
+              stride_am="i32", stride_om="i32", **strides), dict(BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
+              BLOCK_K=tiles["BLOCK_K"], DOT_PREC="tf32", **scale))
+        build(fm._gate_up_decode_kernel, dict(x_ptr=x, w_ptr=wt, out_ptr="*bf16", ids_ptr="*i32", sx_ptr="*fp32",
+              sw_ptr="*fp32", H="i32", I="i32", stride_xm="i32", stride_om="i32", **strides),
+              dict(TOP_K=8, BLOCK_N=dec["BLOCK_N"], BLOCK_K=dec["BLOCK_K"], **scale))
+        build(fm._down_decode_kernel, dict(a_ptr=x, w_ptr=wt, weights_ptr="*fp32", ids_ptr="*i32", out_ptr="*bf16",
+              sa_ptr="*fp32", sw_ptr="*fp32", H="i32", I="i32", stride_am="i32", stride_o="i32", **strides),
+              dict(TOP_K=8, BLOCK_N=dec["DOWN_BLOCK_N"], BLOCK_K=dec["BLOCK_K"], **scale))
+    build(fm._route_kernel, dict(logits_ptr="*bf16", weights_ptr="*fp32", ids_ptr="*i32", E="i32", stride_l="i32"),
+          dict(TOP_K=8, BLOCK_E=128, BLOCK_TOPK=8, RENORMALIZE=True))
+    build(fm._align_kernel, dict(ids_ptr="*i32", sorted_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32",
+          N="i32", E="i32", MAX_BLOCKS="i32"), dict(BLOCK_M=16, BLOCK_E=128, CHUNK=64, BLOCK_B=64))
+    build(fm._reduce_kernel, dict(rows_ptr="*bf16", out_ptr="*bf16", H="i32", stride_r="i32", stride_o="i32"),
+          dict(TOP_K=8, BLOCK_H=1024))
+    """
+)
+
+
+def test_fused_moe_kernels_compile_for_sm90(tmp_path):
+    """The fused MoE kernels, grouped and decode, 16-bit and FP8 (per block), and the
+    route / align / reduce steps: a global the compiler refuses (as once happened) fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 11
     assert list(tmp_path.rglob("*.cubin"))

@@ -27,10 +27,23 @@ is added (BLOCK_K divides bk, so a K step lies in one block), the token's scale 
 Tile configs are data (below): `TUNED_TILES` holds per-(card, E, H, I) tables measured on a GPU
 (none yet); any other shape takes `DEFAULT_TILES`, a heuristic keyed by batch bucket (the token
 count's bucket: tokens per expert grow with it, and BLOCK_M follows them).
+
+Small decode steps take a variant of their own (`decode=True`, or chosen by `use_decode`): at one
+token a block of BLOCK_M rows holds one real row, and the single-program align step and the
+reduce are launches of their own. The variant has no align step: three launches (route,
+gate/up, down-and-sum) over the (token, slot) rows as they are, each a GEMV that reads only the
+chosen experts' rows:
+- gate/up: one program per ((token, slot) row, column block of I);
+- down and sum: one program per (token, column block of H), the token's k rows in slot order
+  (each rounded to the output dtype before it is added, as the grouped path stores its rows).
+A token's k experts are distinct, so at one token no expert is read twice; two tokens may share
+one (read twice), so by default only steps of `DECODE_MAX_TOKENS` tokens take it; `TUNED_DECODE`
+holds measured limits and tiles per (card, E, H, I) (none yet).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +64,14 @@ DEFAULT_TILES: dict[int, dict[str, int]] = {
 # (card name as torch reports it, num_experts, hidden, moe_intermediate) -> batch bucket -> tiles
 TUNED_TILES: dict[tuple[str, int, int, int], dict[int, dict[str, int]]] = {}
 
+# the decode variant: steps of at most `max_tokens` tokens take it; BLOCK_N columns of I (gate/up)
+# and DOWN_BLOCK_N of H (down) a program, BLOCK_K of the reduced dimension a loop step
+DECODE_MAX_TOKENS = 1
+DEFAULT_DECODE: dict[str, int] = dict(max_tokens=DECODE_MAX_TOKENS, BLOCK_N=32, BLOCK_K=128, DOWN_BLOCK_N=32,
+                                      num_warps=4, num_stages=2)  # fmt: skip
+# (card, num_experts, hidden, moe_intermediate) -> the decode settings measured there
+TUNED_DECODE: dict[tuple[str, int, int, int], dict[str, int]] = {}
+
 
 def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int,
                 card: str | None = None) -> dict[str, int]:  # fmt: skip
@@ -59,6 +80,16 @@ def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: in
     table = TUNED_TILES.get((card or "", num_experts, hidden, intermediate), DEFAULT_TILES)
     buckets = sorted(table)
     return table[next((b for b in buckets if num_tokens <= b), buckets[-1])]
+
+
+def decode_config(num_experts: int, hidden: int, intermediate: int, card: str | None = None) -> dict[str, int]:
+    """The decode variant's settings for this shape on this card: tuned, else the default."""
+    return TUNED_DECODE.get((card or "", num_experts, hidden, intermediate), DEFAULT_DECODE)
+
+
+def use_decode(num_tokens: int, num_experts: int, hidden: int, intermediate: int, card: str | None = None) -> bool:
+    """Whether a step of `num_tokens` tokens takes the decode variant (by default: one token)."""
+    return 0 < num_tokens <= decode_config(num_experts, hidden, intermediate, card)["max_tokens"]
 
 
 @triton.jit
@@ -220,6 +251,92 @@ def _down_kernel(
 
 
 @triton.jit
+def _gemv_step(a, w_ptrs, w_mask, s_ptrs, n_ok, SCALES: tl.constexpr):
+    """One K step of a GEMV: w [BLOCK_N, BLOCK_K] (rows of the weight) times a [BLOCK_K], in
+    float32; with block scales, the step's product scaled by its block's scale per column."""
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+    part = tl.sum(w * a[None, :], axis=1)
+    if SCALES == _BLOCK:
+        part *= tl.load(s_ptrs, mask=n_ok, other=0.0)
+    return part
+
+
+@triton.jit
+def _gate_up_decode_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, sx_ptr, sw_ptr, H, I,
+    stride_xm, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)  # the (token, slot) row
+    e = tl.load(ids_ptr + r)
+    if e < 0:  # an expert another rank holds: the down kernel reads nothing of this row
+        return
+    tok = r // TOP_K
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < I
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    s_base = sw_ptr + e.to(tl.int64) * stride_se
+    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + tok * stride_xm + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        s_k = s_base + (k // SCALE_K) * stride_sk
+        acc_gate += _gemv_step(a, w_base + ns[:, None] * stride_wn + ks[None, :], w_mask,
+                               s_k + (ns // SCALE_N) * stride_sn, n_ok, SCALES)  # fmt: skip
+        acc_up += _gemv_step(a, w_base + (ns + I)[:, None] * stride_wn + ks[None, :], w_mask,
+                             s_k + ((ns + I) // SCALE_N) * stride_sn, n_ok, SCALES)  # fmt: skip
+    if SCALES == _CHANNEL:
+        acc_gate *= tl.load(s_base + ns * stride_sn, mask=n_ok, other=0.0)
+        acc_up *= tl.load(s_base + (ns + I) * stride_sn, mask=n_ok, other=0.0)
+    if SCALES != _NO:  # the token's scale
+        sx = tl.load(sx_ptr + tok)
+        acc_gate *= sx
+        acc_up *= sx
+    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # SiLU(gate) * up
+    tl.store(out_ptr + r * stride_om + ns, h.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_decode_kernel(
+    a_ptr, w_ptr, weights_ptr, ids_ptr, out_ptr, sa_ptr, sw_ptr, H, I,
+    stride_am, stride_we, stride_wn, stride_o, stride_se, stride_sn, stride_sk,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALES: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):  # the token's rows in slot order, as the grouped path sums them
+        r = t * TOP_K + j
+        e = tl.load(ids_ptr + r)
+        # an expert another rank holds (-1): its row adds 0 and nothing of it is read (all masked)
+        width = tl.where(e >= 0, I, 0)
+        e_safe = tl.maximum(e, 0).to(tl.int64)
+        w_base = w_ptr + e_safe * stride_we
+        s_base = sw_ptr + e_safe * stride_se
+        row_ok = ns < tl.where(e >= 0, H, 0)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, I, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < width
+            a = tl.load(a_ptr + r * stride_am + ks, mask=k_ok, other=0.0).to(tl.float32)
+            acc += _gemv_step(a, w_base + ns[:, None] * stride_wn + ks[None, :], row_ok[:, None] & k_ok[None, :],
+                              s_base + (k // SCALE_K) * stride_sk + (ns // SCALE_N) * stride_sn, row_ok, SCALES)  # fmt: skip
+        if SCALES == _CHANNEL:
+            acc *= tl.load(s_base + ns * stride_sn, mask=row_ok, other=0.0)
+        if SCALES != _NO:  # the row's scale (a row of every rank's: always there)
+            acc *= tl.load(sa_ptr + r)
+        acc = acc * tl.load(weights_ptr + r)
+        total += acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the row as the grouped path stores it
+    tl.store(out_ptr + t * stride_o + ns, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _reduce_kernel(rows_ptr, out_ptr, H, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -315,11 +432,13 @@ def _scale_k_tile(block_k: int, scales: ExpertScales | None) -> int:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   tiles: dict[str, int] | None = None, partial: bool = False,
-                  scales: ExpertScales | None = None) -> torch.Tensor:  # fmt: skip
+                  scales: ExpertScales | None = None, decode: bool | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, H] through its experts `ids [T, k]` (w13 [E, 2I, H], w2 [E, H, I]), summed with
     `weights [T, k]`: [T, H] in x's dtype. `partial`: some ids are -1 (experts held by another
     rank), whose rows add nothing. `scales`: the weights are FP8 (E4M3) with these scales; the
-    tokens and the SiLU-and-mul rows are quantized per row."""
+    tokens and the SiLU-and-mul rows are quantized per row. `decode`: the decode variant (True),
+    the grouped kernels (False), or as `use_decode` says for this step (None; given `tiles`, the
+    grouped kernels)."""
     num_tokens, hidden = x.shape
     num_experts, two_i, hidden_w = w13.shape
     inter = two_i // 2
@@ -337,6 +456,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if x.stride(-1) != 1:
         x = x.contiguous()
     card = torch.cuda.get_device_name(x.device) if x.is_cuda else None
+    if decode is None:
+        decode = tiles is None and use_decode(num_tokens, num_experts, hidden, inter, card)
+    if decode:
+        return _decode_experts(x, w13, w2, weights, ids, scales, out, decode_config(num_experts, hidden, inter, card))
     t = tiles or tile_config(num_tokens, num_experts, hidden, inter, card)
     bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], _scale_k_tile(t["BLOCK_K"], scales)
     launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
@@ -372,19 +495,54 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     return out
 
 
+def _decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    scales: ExpertScales | None, out: torch.Tensor, cfg: dict[str, int]) -> torch.Tensor:  # fmt: skip
+    """`fused_experts`' decode variant (checked inputs; `out` [T, H] to fill): two GEMV launches
+    over the (token, slot) rows, no align step, the sum in the down kernel."""
+    num_tokens, hidden = x.shape
+    inter = w2.shape[2]
+    top_k = ids.shape[1]
+    n = num_tokens * top_k
+    bn, bk, down_bn = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["DOWN_BLOCK_N"]
+    if scales is not None and scales.block_shape is not None:  # a K step inside one scale block
+        bk = math.gcd(bk, scales.block_shape[1])
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    mode = NO_SCALES if scales is None else scales.mode
+    scale_n, scale_k = scales.block_shape if scales is not None and scales.block_shape else (1, 1)
+    flat_ids = ids.reshape(-1).to(torch.int32).contiguous()
+    a_in, sx = (x, x) if scales is None else quantize_tokens_fp8(x)  # sx unread without scales
+    s13 = w13 if scales is None else scales.w13
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    _gate_up_decode_kernel[(n, triton.cdiv(inter, bn))](
+        a_in, w13, act, flat_ids, sx, s13, hidden, inter,
+        a_in.stride(0), w13.stride(0), w13.stride(1), act.stride(0), *_strides(s13),
+        TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk, SCALES=mode, SCALE_N=scale_n, SCALE_K=scale_k, **launch,
+    )  # fmt: skip
+    weights = weights.to(torch.float32).contiguous()
+    a_down, sa = (act, act) if scales is None else quantize_tokens_fp8(act)
+    s2 = w2 if scales is None else scales.w2
+    _down_decode_kernel[(num_tokens, triton.cdiv(hidden, down_bn))](
+        a_down, w2, weights, flat_ids, out, sa, s2, hidden, inter,
+        a_down.stride(0), w2.stride(0), w2.stride(1), out.stride(0), *_strides(s2),
+        TOP_K=top_k, BLOCK_N=down_bn, BLOCK_K=bk, SCALES=mode, SCALE_N=scale_n, SCALE_K=scale_k, **launch,
+    )  # fmt: skip
+    return out
+
+
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
               renormalize: bool, first_expert: int = 0, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, block_shape: tuple[int, int] | None = None,
-              tiles: dict[str, int] | None = None) -> torch.Tensor:  # fmt: skip
+              tiles: dict[str, int] | None = None, decode: bool | None = None) -> torch.Tensor:  # fmt: skip
     """The routed experts' output [T, H]: `route` then `fused_experts` (`LayerOps.fused_moe`). With
     `w13`/`w2` holding experts [first_expert, first_expert + len(w13)) of the router's (expert
     parallelism), the rows routed elsewhere get id -1 (`align` places them in no block) and add 0.
-    FP8 experts: `w13_scale`/`w2_scale` per output channel, or per `block_shape` block."""
+    FP8 experts: `w13_scale`/`w2_scale` per output channel, or per `block_shape` block. `decode`:
+    as `fused_experts` takes it."""
     scales = None if w13_scale is None else ExpertScales(w13_scale, w2_scale, block_shape)
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
     weights, ids = route(router_logits, top_k, renormalize)
     if w13.shape[0] != router_logits.shape[-1]:
         ids = torch.where((ids >= first_expert) & (ids < first_expert + w13.shape[0]), ids - first_expert, -1)
-        return fused_experts(x, w13, w2, weights, ids, tiles, partial=True, scales=scales)
-    return fused_experts(x, w13, w2, weights, ids, tiles, scales=scales)
+        return fused_experts(x, w13, w2, weights, ids, tiles, partial=True, scales=scales, decode=decode)
+    return fused_experts(x, w13, w2, weights, ids, tiles, scales=scales, decode=decode)

@@ -50,6 +50,31 @@ def test_fused_moe_equals_the_reference(shape, tokens):
     assert _rel(got, want) <= max(1.5 * _rel(fused_moe_reference(xb, lb, w13b, w2b, top_k, True), want), 4e-3)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_decode_variant_equals_the_grouped_kernels(shape, tokens):
+    """The decode variant (kernels/fused_moe.py: GEMVs over the (token, slot) rows, no align step)
+    against the reference in float32 and within bf16's rounding of the grouped kernels in bf16;
+    and inside a CUDA graph, replayed on a new routing."""
+    x, logits, w13, w2, top_k = _inputs(shape, tokens, torch.float32)
+    exact = fused_moe_reference(x, logits, w13, w2, top_k, True)
+    assert _rel(fm.fused_moe(x, logits, w13, w2, top_k, True, decode=True), exact) < 1e-5
+    xb, lb, w13b, w2b = (t.to(torch.bfloat16) for t in (x, logits, w13, w2))
+    want = fused_moe_reference(*(t.float() for t in (xb, lb, w13b, w2b)), top_k, True)
+    grouped = fm.fused_moe(xb, lb, w13b, w2b, top_k, True, decode=False)
+    got = fm.fused_moe(xb, lb, w13b, w2b, top_k, True, decode=True)
+    assert _rel(got, want) <= max(1.5 * _rel(grouped, want), 4e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_moe(xb, lb, w13b, w2b, top_k, True, decode=True)
+    x2, l2, *_ = _inputs(shape, tokens, torch.bfloat16, seed=1)
+    xb.copy_(x2)
+    lb.copy_(l2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fm.fused_moe(xb, lb, w13b, w2b, top_k, True, decode=True))
+
+
 def test_a_cuda_graph_replays_a_new_routing():
     x, logits, w13, w2, top_k = _inputs("small", 16, torch.bfloat16)
     fm.fused_moe(x, logits, w13, w2, top_k, False)  # compiled before capture
