@@ -1,4 +1,5 @@
-"""Block tables of requests over the block pool: prefix lookup, allocation, caching, swap.
+"""Block tables of requests over the block pool: prefix lookup, allocation, caching, swap (to swap
+space, or with the host tier on, to host blocks it reserves), the tiers' moves.
 
 Check-then-act: `get_computed_blocks` only looks; `allocate_slots` either takes every
 block a step needs or changes nothing.
@@ -143,7 +144,8 @@ class KVCacheManager:
         """Cached blocks holding the longest prefix of `req` (the last token is never
         served from cache: its logits are needed). Keys are made only up to the first
         miss (a fresh 7,680-token prompt makes one, not 480): the rest when its blocks
-        are offered to the cache, after the step is launched."""
+        are offered to the cache, after the step is launched. An empty PrefixHit marked
+        `reading` while the reader thread reads the prefix's disk blocks (the request waits)."""
         salt = self._salt(req)
         if salt is False or req.prompt_logprobs is not None:  # (as vLLM: prompt logprobs need every prompt row)
             return []
