@@ -200,12 +200,10 @@ SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 SPECULATIVE_LATER = ("medusa", "mlp_speculator", "suffix", "mtp")
 
 
-def _check_eagle_head(spec: SpeculativeConfig, target: ModelConfig, pipeline_parallel_size: int) -> SpeculativeConfig:
+def _check_eagle_head(spec: SpeculativeConfig, target: ModelConfig) -> SpeculativeConfig:
     """`spec` with its EAGLE head read and checked against the target (model/eagle_format.py)."""
     from llmserve.model.eagle_format import EagleHeadError, read_eagle_head
 
-    if pipeline_parallel_size > 1:
-        raise ConfigError("speculative decoding with an EAGLE head and pipeline parallelism is not supported yet")
     if target.arch.family not in ("llama", "mistral", "qwen2", "qwen3"):
         raise ConfigError(f"speculative_config: EAGLE heads take Llama-family targets for now; "
                           f"{target.arch.architecture} is not one")  # fmt: skip
@@ -537,7 +535,7 @@ class EngineArgs:
             if speculative.method == "draft_model":
                 speculative = check_draft_model(speculative, model_config)
             else:
-                speculative = _check_eagle_head(speculative, model_config, self.pipeline_parallel_size)
+                speculative = _check_eagle_head(speculative, model_config)
                 if not eager:
                     logger.info("EAGLE heads: steps run eagerly (CUDA graphs do not keep the states they read yet)")
                     eager = True
@@ -586,8 +584,7 @@ class EngineArgs:
             raise ConfigError(problem)
         if pp == 1:
             return pp
-        refused = {"speculative decoding (speculative_config)": self.speculative_config is not None,
-                   "LoRA adapters (enable_lora)": self.enable_lora, "sleep mode": self.enable_sleep_mode,
+        refused = {"LoRA adapters (enable_lora)": self.enable_lora, "sleep mode": self.enable_sleep_mode,
                    "an FP8 KV cache": self.kv_cache_dtype != "auto"}  # fmt: skip
         for name, asked in refused.items():
             if asked:

@@ -1,9 +1,10 @@
-"""Speculative decoding under tensor parallelism (CPU, gloo, two real processes): n-gram, a draft
-model, EAGLE and EAGLE-3 heads at TP=2 give the greedy tokens of TP=1 without speculation and
-TP=1's acceptance counts with it (the proposers run on rank 0 alone: the draft and the heads whole,
-the heads over whole tables of the target's vocabulary gathered at start; the verification's
-forward runs on every rank); seeded sampled requests run and reproduce; a killed worker fails
-the next request at once."""
+"""Speculative decoding under tensor and pipeline parallelism (CPU, gloo, real processes): n-gram, a
+draft model, EAGLE and EAGLE-3 heads at TP=2 give the greedy tokens of TP=1 without speculation and
+TP=1's proposals and acceptance counts with it (the proposers run on rank 0 alone: the draft and the
+heads whole, the heads over whole tables of the target's vocabulary gathered at start; the
+verification's forward runs on every rank); EAGLE heads at PP=2 the same (their states travel
+between stages); seeded sampled requests run and reproduce; a killed worker fails the next request
+at once."""
 
 from __future__ import annotations
 
@@ -88,17 +89,44 @@ def _counts(llm: LLM) -> tuple:
     return s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.spec_accepted_per_position
 
 
+@pytest.fixture(scope="module")
+def single_rank(setup):
+    """One rank's run of a method, made once: (its proposals, its acceptance counts)."""
+    target, configs, plain = setup
+    runs = {}
+
+    def run(method: str) -> tuple[list, tuple]:
+        if method not in runs:
+            with LLM(target, speculative_config=configs[method], **OPTIONS) as llm:
+                proposed = _record(llm)
+                assert _generate(llm, GREEDY) == plain
+                runs[method] = proposed, _counts(llm)
+        return runs[method]
+
+    return run
+
+
+def _sampled_and_clean(llm: LLM, single: tuple, speculates: bool) -> None:
+    """Seeded sampled requests speculate and reproduce; no KV block or draft block is left."""
+    first = _generate(llm, SAMPLED)
+    if speculates:
+        assert _counts(llm)[0] > single[0], "the sampled requests were meant to speculate"
+    assert _generate(llm, SAMPLED) == first
+    assert all(len(t) == SAMPLED.max_tokens for t in first)
+    assert llm.stats().num_blocks_used == 0
+    if llm.core.draft is not None:
+        blocks = llm.core.draft.blocks
+        assert blocks.num_free == blocks.num_blocks and not blocks.seqs
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
-def test_tp2_speculation_equals_tp1(setup, method):
+def test_tp2_speculation_equals_tp1(setup, single_rank, method):
     """Greedy tokens of TP=1 without speculation, TP=1's proposals and acceptance counts with it; seeded
     sampled requests reproduce at TP=2; no block or head cache left behind. (EAGLE-3: then a
     killed worker fails the next request within seconds.)"""
     target, configs, plain = setup
     spec = configs[method]
-    with LLM(target, speculative_config=spec, **OPTIONS) as llm:
-        proposed = _record(llm)
-        assert _generate(llm, GREEDY) == plain
-        single = _counts(llm)
+    proposed, single = single_rank(method)
     assert single[1] > 0 and (single[2] > 0 or method.startswith("eagle"))  # (random heads rarely agree)
     llm = LLM(target, speculative_config=spec, tensor_parallel_size=2, **OPTIONS)
     try:
@@ -106,15 +134,7 @@ def test_tp2_speculation_equals_tp1(setup, method):
         assert _generate(llm, GREEDY) == plain
         assert _counts(llm) == single
         assert proposed_tp2 == proposed  # every proposal, in order (n-gram's follow from the tokens)
-        first = _generate(llm, SAMPLED)
-        if method != "ngram":  # (a random model's sampled text repeats no n-gram)
-            assert _counts(llm)[0] > single[0], "the sampled requests were meant to speculate"
-        assert _generate(llm, SAMPLED) == first
-        assert all(len(t) == SAMPLED.max_tokens for t in first)
-        assert llm.stats().num_blocks_used == 0
-        if llm.core.draft is not None:
-            blocks = llm.core.draft.blocks
-            assert blocks.num_free == blocks.num_blocks and not blocks.seqs
+        _sampled_and_clean(llm, single, speculates=method != "ngram")  # (a random model's text repeats no n-gram)
         if method == "eagle3":
             (pid,) = llm.core.tp_driver.worker_pids
             os.kill(pid, signal.SIGKILL)
@@ -126,6 +146,33 @@ def test_tp2_speculation_equals_tp1(setup, method):
         start = time.monotonic()
         llm.shutdown()
         assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize(("method", "in_flight"), [("eagle", 1), ("eagle3", 2)])
+def test_pp2_eagle_heads_equal_tp1(setup, single_rank, method, in_flight):
+    """Pipeline parallelism, 2 stages of 2 layers: the head runs on the last stage (the driver), the
+    embedding it reads comes from the first stage at start, and EAGLE-3's states of layers 0 and 1
+    travel with the carried tensors. Greedy tokens of one rank without speculation; with one batch in
+    flight (the single rank's schedule) its proposals and counts exactly; with two (other batches:
+    a request may propose a step earlier or later, or fewer tokens), a proposal after the same
+    tokens is the same, one a prefix of the other. Seeded sampled requests reproduce."""
+    target, configs, plain = setup
+    proposed, single = single_rank(method)
+    with LLM(target, speculative_config=configs[method], pipeline_parallel_size=2,
+             pipeline_batches_in_flight=in_flight, **OPTIONS) as llm:  # fmt: skip
+        got = _record(llm)
+        assert _generate(llm, GREEDY) == plain
+        if in_flight == 1:
+            assert got == proposed and _counts(llm) == single
+        else:
+            assert llm.core.batch_counts.overlapped > 0
+            mine, theirs = ({str(t): p for t, p in seen} for seen in (got, proposed))
+            common = set(mine) & set(theirs)
+            assert len(common) >= 0.8 * len(theirs)
+            for key in common:
+                a, b = sorted((mine[key], theirs[key]), key=len)
+                assert b[: len(a)] == a, key
+        _sampled_and_clean(llm, single, speculates=True)
 
 
 def test_whole_vocab_tables_equal_the_model(setup, monkeypatch):

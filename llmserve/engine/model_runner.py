@@ -31,7 +31,7 @@ from llmserve.engine.kv_tier_ranks import RankTierCounts, gather_counts, open_ra
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
 from llmserve.engine.pp_batches import DeferredStep
-from llmserve.engine.pp_stages import SINGLE_STAGE, StagePlace, run_stage, stage_slots
+from llmserve.engine.pp_stages import SINGLE_STAGE, StageCapture, StagePlace, run_stage, stage_slots
 from llmserve.engine.prompt_logprobs import PendingPromptLogprobs, PromptRows, compute_prompt_logprobs, prompt_rows
 from llmserve.engine.request import TokenLogprobs
 from llmserve.engine.runner_sleep import RunnerSleep
@@ -49,7 +49,7 @@ from llmserve.model.kv_scales import KVScales, calibration_length, choose_scales
 from llmserve.model.layers import REFERENCE_OPS, triton_ops
 from llmserve.model.loader import load_model
 from llmserve.model.tensor_parallel import SINGLE, TPGroup, local_arch, rank_device
-from llmserve.model.whole_vocab import WholeVocab
+from llmserve.model.whole_vocab import WholeVocab, gather_embedding, gather_logits_weight
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -290,7 +290,8 @@ class ModelRunner:
         self.sleep_mode = RunnerSleep(self)  # sleep and wake (engine/runner_sleep.py)
         # an EAGLE head's: the hidden states the model keeps, and who takes them with each step's rows
         self.hidden_sink: tuple[HiddenCapture, Callable[[list[RowInput], list[torch.Tensor]], None]] | None = None
-        self.every_row = False  # the last layer runs on every row (`set_every_row`, the same on every rank)
+        self.every_row = False  # the last layer runs on every row (`share_capture`, the same on every rank)
+        self.stage_capture: StageCapture | None = None  # pipeline parallelism: the head's states between stages
         if config.enable_sleep_mode:  # weights in an arena of fixed addresses: a wake keeps the graphs
             self.sleep_mode.move_weights_to_arena()
 
@@ -596,22 +597,47 @@ class ModelRunner:
         are whole on every rank); every rank learns whether the last layer runs on every row."""
         self.model.set_hidden_capture(capture)
         self.hidden_sink = None if capture is None or sink is None else (capture, sink)
-        self.set_every_row(self.hidden_sink is not None and capture.final)
+        kept = self.hidden_sink is not None
+        self.share_capture(capture.layers if kept else (), kept and capture.final)
 
     @on_every_rank
-    def set_every_row(self, every_row: bool) -> None:
-        """Does the last layer run on every row of every step (an EAGLE-1 head reads the final
-        states of all)? The same on every rank: its all-reduces meet with the same rows."""
-        self.every_row = every_row
+    def share_capture(self, layers: tuple[int, ...], final: bool) -> None:
+        """Every rank learns what the driver's capture reads: whether the last layer runs on every
+        row of every step (EAGLE-1 reads the final states of all; the all-reduces must meet with the
+        same rows on every rank), and under pipeline parallelism which layers' states travel with
+        the carried tensors to the last stage (engine/pp_stages.py `StageCapture`)."""
+        self.every_row = final
+        if self.stage.link is None:
+            return
+        if not layers and not final:
+            self.stage_capture = None
+            if self.hidden_sink is None:
+                self.model.set_hidden_capture(None)
+            return
+        capture = self.hidden_sink[0] if self.hidden_sink is not None else HiddenCapture(layers=layers, final=final)
+        if self.hidden_sink is None:  # (the driver's model has it already)
+            self.model.set_hidden_capture(capture)
+        self.stage_capture = StageCapture(capture, sum(1 for i in layers if i < self.stage.stage.start))
 
     @on_every_rank
     def proposer_vocab(self, with_logits: bool):
         """What a proposer on this rank reads the target's embedding (and with `with_logits` its
         logits) through: the model itself with one rank; under tensor parallelism whole tables
-        gathered from every rank's rows (model/whole_vocab.py; a worker drops its copy)."""
-        if self.tp.world_size == 1:
+        gathered from every rank's rows (model/whole_vocab.py; a worker drops its copy); under
+        pipeline parallelism the embedding from the first stage, handed to the driver, and the
+        logits' weight from the last."""
+        link = self.stage.link
+        if self.tp.world_size == 1 and link is None:
             return self.model
-        vocab = WholeVocab.gather(self.model, with_logits, self.device)
+        if link is None:
+            vocab = WholeVocab.gather(self.model, with_logits, self.device)
+        else:
+            stage = self.stage.stage
+            embedding = gather_embedding(self.model, self.device).to(self.dtype) if stage.is_first else None
+            head = gather_logits_weight(self.model, self.dtype, self.device) if with_logits and stage.is_last else None
+            shape = (self.config.model_config.arch.vocab_size, self.arch.hidden_size)
+            embedding = link.first_to_driver(embedding, shape, self.dtype, self.device)
+            vocab = WholeVocab(embedding, head) if embedding is not None else None
         if self.mirror is None:
             return None
         logger.info("the proposer's whole vocabulary tables on rank 0: %.1f MB", vocab.nbytes / 1e6)
@@ -815,7 +841,8 @@ class ModelRunner:
         None on a stage before the last."""
         if self.stage.link is None:
             return self.model(input_ids, positions, meta, sampled)
-        return run_stage(self.model, self.stage.link, input_ids, positions, meta, sampled, self.dtype)
+        return run_stage(self.model, self.stage.link, input_ids, positions, meta, sampled, self.dtype,
+                         self.stage_capture)  # fmt: skip
 
     def _fill_from_last_step(self, batch: BatchInputs) -> Callable[[torch.Tensor], None] | None:
         """Tokens the previous step sampled and the host has not seen yet: copied on the

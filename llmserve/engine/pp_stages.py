@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from llmserve.engine.pp_batches import StageClock
+from llmserve.model.interface import HiddenCapture
 from llmserve.model.pipeline import WHOLE, PipelineStage, pipeline_stage
 from llmserve.model.tensor_parallel import TPGroup
 
@@ -51,6 +52,9 @@ class RankPlace:
         return (self.pp_size - 1 - stage) * self.tp_size + (self.tp_rank if tp_rank is None else tp_rank)
 
 
+SETUP_TAG = 0x7FFFFFFF  # the tag of hand-overs at start (batches count up from 1, below 0x40000000)
+
+
 class StageLink:
     """This rank's neighbours in the pipeline: it receives the carried tensors from the same
     tensor rank of the stage before, and sends its own to the stage after."""
@@ -68,10 +72,11 @@ class StageLink:
         self.wait_s = 0.0  # time spent waiting on the links, within the current forward
         self._sending: tuple[object, torch.Tensor] | None = None  # the send still on its way, and its tensor
 
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """The carried tensors, as one [2, T, H] tensor (one message a step), tagged with the
-        batch's number; returns once the previous send is taken, not this one."""
-        both = torch.stack((hidden, residual)).contiguous()
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor, *states: torch.Tensor) -> None:
+        """The carried tensors, as one [2, T, H] tensor (one message a step; [2 + n, T, H] with the
+        n states an EAGLE head reads from this stage and those before), tagged with the batch's
+        number; returns once the previous send is taken, not this one."""
+        both = torch.stack((hidden, residual, *states)).contiguous()
         self.flush()
         self._sending = (dist.isend(both, self.next, tag=self.tag), both)
         self.sent_bytes += both.numel() * both.element_size()
@@ -84,12 +89,26 @@ class StageLink:
             self._sending = None
             self.wait_s += time.perf_counter() - began
 
-    def recv(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        both = torch.empty((2, num_tokens, self.hidden_size), dtype=dtype, device=device)
+    def recv(self, num_tokens: int, dtype: torch.dtype, device: torch.device, states: int = 0) -> torch.Tensor:
+        """What the stage before sent: [2 + states, T, H] (hidden, residual, then the states)."""
+        both = torch.empty((2 + states, num_tokens, self.hidden_size), dtype=dtype, device=device)
         began = time.perf_counter()
         dist.recv(both, self.prev, tag=self.tag)
         self.wait_s += time.perf_counter() - began
-        return both[0], both[1]
+        return both
+
+    def first_to_driver(self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: torch.device) -> torch.Tensor | None:  # fmt: skip
+        """At start (no batch in flight), a tensor of the first stage's tensor rank 0 handed to the
+        driver (global rank 0): the driver gets it, every other rank None."""
+        src = self.place.rank_of(0, 0)
+        if self.place.rank == src:
+            dist.send(tensor.contiguous(), 0, tag=SETUP_TAG)
+        elif self.place.rank == 0:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(out, src, tag=SETUP_TAG)
+            return out
+        return None
 
     def gather_busy(self, reset: bool) -> list[tuple[float, float]]:
         """Every rank's (busy seconds, wall seconds) since the last reset, by global rank (every
@@ -147,6 +166,17 @@ def join_stages(rank: int, tp_size: int, pp_size: int, device: str, num_layers: 
     return tp, StagePlace(rank, stage, StageLink(place, stage, hidden_size, world_cpu), device_index)
 
 
+@dataclass(frozen=True, slots=True)
+class StageCapture:
+    """An EAGLE head's states under pipeline parallelism (every rank knows the head's layers): this
+    stage's model keeps those of its own layers in `capture`; `before` of them come from earlier
+    stages with the carried tensors, and all go on to the next stage, so the last stage (the
+    driver, where the head runs) holds them all, in layer order."""
+
+    capture: HiddenCapture
+    before: int
+
+
 def stage_slots(layer_slot: tuple[int, ...], stage: PipelineStage) -> list[int]:
     """The KV cache slots (engine/kv_layout.py) the stage's layers use, in order: a stage holds a
     cache tensor for these alone."""
@@ -154,15 +184,21 @@ def stage_slots(layer_slot: tuple[int, ...], stage: PipelineStage) -> list[int]:
 
 
 def run_stage(model, link: StageLink, input_ids: torch.Tensor, positions: torch.Tensor, meta, sampled,
-              dtype: torch.dtype) -> torch.Tensor | None:  # fmt: skip
+              dtype: torch.dtype, capture: StageCapture | None = None) -> torch.Tensor | None:  # fmt: skip
     """One step's part of this stage: its layers over the embedding (first stage) or what the
     stage before sent; sent on to the next stage (None returned), or on the last stage the final
-    hidden states (of the `sampled` rows alone, if given)."""
+    hidden states (of the `sampled` rows alone, if given). `capture`: an EAGLE head's states
+    travel with the carried tensors (the earlier stages' first, then this stage's)."""
     began, link.wait_s = time.perf_counter(), 0.0
-    carried = None if link.prev is None else link.recv(input_ids.shape[0], dtype, input_ids.device)
+    carried, before = None, []
+    if link.prev is not None:
+        got = link.recv(input_ids.shape[0], dtype, input_ids.device, capture.before if capture else 0)
+        carried, before = (got[0], got[1]), list(got[2:])
     out = model.forward_stage(input_ids, positions, meta, carried, sampled if link.next is None else None)
+    if capture is not None:  # (the model's forward kept this stage's own)
+        capture.capture.states = before + capture.capture.states
     if link.next is not None:
-        link.send(*out)
+        link.send(*out, *(capture.capture.states if capture is not None else ()))
         out = None
     link.clock.busy_s += time.perf_counter() - began - link.wait_s
     return out

@@ -207,19 +207,20 @@ class LlamaModel(nn.Module):
         `forward`), else the (hidden states, residual) for the next stage."""
         stage = self.stage
         x, residual = (self.embed(input_ids), None) if carried is None else carried
-        layers = [self.layers[i] for i in stage.layers(len(self.layers))]
+        indices = stage.layers(len(self.layers))  # (global: a capture names the whole model's layers)
+        layers = [self.layers[i] for i in indices]
         last_sampled = sampled is not None and stage.is_last
         capture = self.capture
         if capture is not None:
             capture.states = []
-        for i, layer in enumerate(layers[:-1] if last_sampled else layers):
+        for i, layer in zip(indices, layers[:-1] if last_sampled else layers):
             if capture is not None and i in capture.layers:
                 capture.states.append(x if residual is None else x + residual)
             x, residual = layer(positions, x, residual, meta)
         if not stage.is_last:
             return x, residual
         if last_sampled:
-            if capture is not None and len(layers) - 1 in capture.layers:
+            if capture is not None and indices[-1] in capture.layers:
                 capture.states.append(x + residual)
             x, residual = layers[-1].forward_sampled(positions, x, residual, sampled)
             if x.shape[0] == 0:

@@ -28,18 +28,10 @@ class WholeVocab:
         self.lm_head = lm_head  # [V, hidden]; None: not gathered (an EAGLE-3 head has its own)
 
     @classmethod
-    @torch.inference_mode()
     def gather(cls, target: CausalLM, with_logits: bool, device: torch.device) -> WholeVocab:
-        """Every rank of `target`'s group calls this at once (the collectives inside)."""
-        vocab, hidden = target.arch.vocab_size, target.arch.hidden_size
-        ids = torch.arange(vocab, device=device)
-        embedding = torch.cat([target.token_embeddings(ids[i : i + GATHER_IDS]) for i in range(0, vocab, GATHER_IDS)])
-        head = None
-        if with_logits:  # logits of the identity: row i holds W[:, i]
-            eye = torch.eye(hidden, dtype=embedding.dtype, device=device)
-            head = torch.cat([target.compute_logits(eye[i : i + GATHER_ROWS]) for i in range(0, hidden, GATHER_ROWS)])
-            head = head.t().contiguous()
-        return cls(embedding, head)
+        """Every rank of `target`'s tensor-parallel group calls this at once (the collectives inside)."""
+        embedding = gather_embedding(target, device)
+        return cls(embedding, gather_logits_weight(target, embedding.dtype, device) if with_logits else None)
 
     @property
     def nbytes(self) -> int:
@@ -52,3 +44,22 @@ class WholeVocab:
         if self.lm_head is None:
             raise RuntimeError("the LM head was not gathered")
         return F.linear(hidden, self.lm_head)
+
+
+@torch.inference_mode()
+def gather_embedding(target: CausalLM, device: torch.device) -> torch.Tensor:
+    """The whole embedding [V, hidden] in the dtype its rows come out in: the lookup of every id
+    (every rank of the group at once; under pipeline parallelism the first stage's)."""
+    vocab = target.arch.vocab_size
+    ids = torch.arange(vocab, device=device)
+    return torch.cat([target.token_embeddings(ids[i : i + GATHER_IDS]) for i in range(0, vocab, GATHER_IDS)])
+
+
+@torch.inference_mode()
+def gather_logits_weight(target: CausalLM, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The whole LM head [V, hidden]: the logits of the identity, whose row i holds W[:, i] (every
+    rank of the group at once; under pipeline parallelism the last stage's). `dtype`: the hidden states'."""
+    hidden = target.arch.hidden_size
+    eye = torch.eye(hidden, dtype=dtype, device=device)
+    head = torch.cat([target.compute_logits(eye[i : i + GATHER_ROWS]) for i in range(0, hidden, GATHER_ROWS)])
+    return head.t().contiguous()
