@@ -81,7 +81,7 @@ class EngineCore:
         elif config.speculative is not None and config.speculative.eagle is not None:
             from llmserve.engine.spec_eagle import EagleProposer
 
-            # (under tensor parallelism the head runs here alone, over whole tables of the target's vocabulary)
+            # (under tensor or pipeline parallelism the head runs here alone, over whole tables of the vocabulary)
             vocab = self.runner.proposer_vocab(not config.speculative.eagle.eagle3)
             self.draft = EagleProposer(config, self.runner.device, select_attention_backend(config.attention_backend),
                                        vocab)  # fmt: skip

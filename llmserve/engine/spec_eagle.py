@@ -115,7 +115,7 @@ class EagleProposer:
     def __init__(self, config: EngineConfig, device: torch.device, backend: AttentionBackend,
                  target: CausalLM | WholeVocab) -> None:  # fmt: skip
         """`target`: what the head reads the target's embedding (and EAGLE-1's logits) through: the
-        model, or under tensor parallelism whole tables of its vocabulary (`ModelRunner.proposer_vocab`)."""
+        model, or under tensor or pipeline parallelism whole tables of its vocabulary (`ModelRunner.proposer_vocab`)."""
         spec, mc, sc = config.speculative.eagle, config.model_config, config.scheduler_config
         self.device = device
         self.block_size = config.cache_config.block_size
