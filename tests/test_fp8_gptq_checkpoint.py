@@ -242,3 +242,38 @@ def test_bench_accuracy_compares_a_checkpoint_with_its_source(gptq_dir, tmp_path
     with pytest.raises(SystemExit):  # an FP8 checkpoint against itself would read 0 %: its source is asked for
         main(["bench", "accuracy", "--model", str(gptq_dir), "--text", str(text), "--device", "cpu"])
     assert "compare it with its source (--baseline-model)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_calibration_sees_the_inputs_the_model_s_own_forward_gives(family, tmp_path):
+    """The Hessians gptq_model sums are X^T X of the inputs each projection gets when the model
+    itself reads the windows (bench accuracy's read): for Gemma 3 that needs its embedding step,
+    the rows scaled by sqrt(hidden_size), not the bare table."""
+    from llmserve.bench.accuracy import read_text
+    from llmserve.model.fp8_gptq import input_hessian
+    from llmserve.model.random_model import make_random_model
+
+    path = make_random_model(tmp_path / family, family, seed=3)
+    model, _ = _reading_model(path)
+    g = torch.Generator().manual_seed(0)
+    windows = [torch.randint(1, 500, (40,), generator=g).tolist() for _ in range(2)]  # past gemma3's window of 16
+    mods = projections(model)
+    want = {n: torch.zeros(m.weight.shape[1], m.weight.shape[1], dtype=torch.float64) for n, m in mods.items()}
+
+    def hook(name):
+        def pre(_m, args):
+            want[name] += input_hessian(args[0])
+
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in mods.items()]
+    for ids in windows:
+        read_text(model, ids + [0], len(ids), torch.device("cpu"), torch.float32)
+    for h in handles:
+        h.remove()
+    got = {}
+    gptq_model(model, windows, on_layer=lambda report, _done: got.update(report.hessians),
+               round_weight=lambda w, _h: (None, w))  # fmt: skip  # weights unrounded: the same inputs throughout
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6 * float(want[name].abs().max()))

@@ -117,7 +117,8 @@ def gptq_model(
     metas = [window_metadata(len(ids), device) for ids in windows]
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.inference_mode():
-        states = [(model.model.embed_tokens(torch.tensor(ids, device=device)), None) for ids in windows]
+        # the model's own embedding step (Gemma 3 scales the rows by sqrt(hidden_size))
+        states = [(model.model.embed(torch.tensor(ids, device=device)), None) for ids in windows]
 
     def run_layer(i: int, hooks_for: list[str], collect: dict[str, torch.Tensor] | None) -> list:
         def hook(name):
