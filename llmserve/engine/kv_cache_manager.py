@@ -67,11 +67,16 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[int]] = {}
         self.req_cpu_blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # full blocks already offered to the cache
+        # a request id's count of them (0: none), `cache_full_blocks`'s first test (the scheduler reads it)
+        self.num_registered_of = self._num_registered.get
         # sliding groups: (group, window) of each; per request, the logical blocks each group has
         # released, and the position from which a step releases more
         self._sliding = [(g, w) for g, w in enumerate(self.layout.windows) if w is not None]
         self._released: dict[str, list[int]] = {}
         self._release_at: dict[str, int] = {}
+        # a request id's position from which a step releases more (0: not yet known), `_behind_windows`'s
+        # first test (the scheduler reads it)
+        self.release_at_of = self._release_at.get
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
         self.host: HostTier | None = None

@@ -63,6 +63,9 @@ class _Sample:
     # tokens that end the output without their text in it (EOS, stop_token_ids; none with
     # include_stop_str_in_output), as vLLM: shown only with skip_special_tokens false
     silent_stops: frozenset[int] = frozenset()
+    # the last tokens of token_ids not yet given to the detokenizer (`process(only_finished=True)`
+    # defers them while nothing reads the text and nothing can end the sample; `_catch_up`)
+    undecoded: int = 0
 
 
 @dataclass(slots=True)
@@ -95,6 +98,11 @@ def _silent_stops(params, eos_token_ids) -> frozenset[int]:
 
 
 class OutputProcessor:
+    # `process(only_finished=True)` detokenizes a sample's tokens when its text is read (the sample
+    # ends, or a step's output needs the slow path), not each step: the same tokens through the same
+    # detokenizer, one call instead of one a step. False: each step's (the reference a test compares)
+    defer_detok = True
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
@@ -156,6 +164,7 @@ class OutputProcessor:
         errors: dict[str, str] = {}
         stats = IterationStats()
         lookup, states, latencies = self.core_to_request.get, self.states, stats.inter_token_latencies
+        defer = only_finished and self.defer_detok
         generated = 0
         for out in outputs:  # (every request, every step: kept lean)
             key = lookup(out.request_id)
@@ -174,7 +183,10 @@ class OutputProcessor:
                 detok = sample.detok
                 if out.finish_reason is None and not out.new_logprobs and not detok.stop_strings:
                     sample.token_ids += out.new_token_ids  # (`_update_sample` where nothing can end it)
-                    detok.add_tokens(out.new_token_ids)
+                    if defer:  # nobody reads the text before the sample ends: decoded then (`_catch_up`)
+                        sample.undecoded += len(out.new_token_ids)
+                    else:
+                        detok.add_tokens(out.new_token_ids)
                 else:
                     self._update_sample(sample, out, to_abort)
                     if sample.finish_reason is not None:
@@ -238,9 +250,18 @@ class OutputProcessor:
             timeline=m,
         )
 
+    @staticmethod
+    def _catch_up(sample: _Sample) -> None:
+        """Give the detokenizer the sample's deferred tokens (`defer_detok`): one call over the
+        tokens a step each would have given it, with no stop string to find among them."""
+        if sample.undecoded:
+            sample.detok.add_tokens(sample.token_ids[len(sample.token_ids) - sample.undecoded :])
+            sample.undecoded = 0
+
     def _update_sample(self, sample: _Sample, out: EngineCoreOutput, to_abort: list[str]) -> None:
         if sample.finish_reason is not None:
             return
+        self._catch_up(sample)
         sample.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and sample.logprobs is not None:
             for token, lp in zip(out.new_token_ids, out.new_logprobs):
@@ -273,6 +294,8 @@ class OutputProcessor:
 
     def _request_output(self, state: _RequestState) -> RequestOutput:
         p = state.processed
+        for s in state.samples:
+            self._catch_up(s)
         outputs = [
             CompletionOutput(
                 index=s.index,

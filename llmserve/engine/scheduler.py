@@ -72,6 +72,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    # the per-request fast paths of the step's loops: a decode that fits its blocks (and releases no
+    # block behind a sliding window) takes no `allocate_slots` call; a filled token that fills no block takes no `cache_full_blocks`
+    # call, and one that only its length can end no `_check_stop` call. Each skips a call that would
+    # change nothing (the call's own first test, inline). False: every call made (the reference the
+    # tests compare; tests/test_host_fast_paths.py)
+    fast_paths = True
+
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, swap_enabled: bool, max_loras: int | None = None,
         spec: SpecDecoder | None = None, batches_in_flight: int = 1,
@@ -167,6 +174,12 @@ class Scheduler:
         in_flight = self.in_flight
         max_len = self.config.max_model_len
         allocate_slots, block_table, append = self.kv.allocate_slots, self.kv.block_table, out.scheduled.append
+        # (`allocate_slots`'s first test, inline: the request's blocks have room for its tokens and, with a
+        # sliding window, no block falls behind it yet: `_behind_windows`'s first test)
+        kv = self.kv
+        blocks_of = kv.req_blocks.get if self.fast_paths else None
+        groups, sliding, release_at = kv.groups, kv.layout.sliding, kv.release_at_of
+        block_size = self.block_size
         preempted = False
         i = 0
         while i < len(running) and budget > 0:
@@ -192,6 +205,15 @@ class Scheduler:
                 budget -= sched.num_new_tokens
                 i += 1
                 continue
+            if blocks_of is not None:
+                blocks = blocks_of(req.request_id)
+                computed = req.num_computed_tokens
+                if (blocks and computed + num_new <= len(blocks) // groups * block_size
+                        and (not sliding or computed < release_at(req.request_id, 0))):  # fmt: skip
+                    append(ScheduledRequest(req, num_new, blocks, computed + num_new == num_tokens))
+                    budget -= num_new
+                    i += 1
+                    continue
             while not allocate_slots(req, num_new):
                 victim = self._victim()  # lowest priority, latest arrival
                 self._preempt(victim, out)
@@ -385,6 +407,8 @@ class Scheduler:
         if self.in_flight is not None:  # the batch is back: its requests may be scheduled again
             self.in_flight.difference_update(s.request.request_id for s in out.scheduled)
         cache_full_blocks, check_stop, sampled_token = self.kv.cache_full_blocks, self._check_stop, sampled.get
+        fast = self.fast_paths
+        registered, block_size, max_len = self.kv.num_registered_of, self.block_size, self.config.max_model_len
         for sched in out.scheduled:  # (every running request every step: kept lean)
             req = sched.request
             rid = req.request_id
@@ -403,8 +427,23 @@ class Scheduler:
             index = len(tokens) - req.num_pending  # (num_known_tokens)
             tokens[index] = token
             req.num_pending -= 1
-            cache_full_blocks(req)
-            check_stop(req, token)
+            if not fast:
+                cache_full_blocks(req)
+                check_stop(req, token)
+            else:
+                # (`cache_full_blocks`'s first test: its tokens known now, index + 1, fill a block not yet offered)
+                if min(req.num_computed_tokens, index + 1) // block_size > registered(rid, 0):
+                    cache_full_blocks(req)
+                params = req.sampling_params
+                if (
+                    req.matcher is None
+                    and not params.stop_token_ids
+                    and (params.ignore_eos or token not in req.eos_token_ids)
+                ):  # only its length can end it (`_check_stop`'s last test)
+                    if index + 1 - len(req.prompt_token_ids) >= req.max_tokens or index + 1 >= max_len:
+                        req.status = RequestStatus.FINISHED_LENGTH
+                else:
+                    check_stop(req, token)
             status = req.status
             finished = status.finished
             if finished and req.num_pending:  # a later step sampled past the end
