@@ -34,6 +34,12 @@ def pytest_configure(config):
     # before any test module is imported: the kernels must compile for the GPU, not run interpreted
     if _gpu_tier(config) and "triton" not in sys.modules:
         os.environ.pop("TRITON_INTERPRET", None)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # the interpreter patches the language once per launch, not again at each jitted helper's
+        # call (a third of the kernels' CPU time here; tests/interpreter_patch_once.py)
+        from interpreter_patch_once import install
+
+        install()
 
 
 def pytest_collection_modifyitems(config, items):
