@@ -15,9 +15,13 @@ from __future__ import annotations
 
 
 def install() -> bool:
-    """Wrap the interpreter's `_patch_lang` (once per process); False if this Triton has none."""
-    import triton.language as tl
-    from triton.runtime import interpreter
+    """Wrap the interpreter's `_patch_lang` (once per process); False without Triton, or if this
+    Triton has no such function."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
 
     original = getattr(interpreter, "_patch_lang", None)
     if original is None or not hasattr(interpreter, "_LangPatchScope") or getattr(original, "patched_once", False):
