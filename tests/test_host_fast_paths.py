@@ -151,3 +151,19 @@ def test_engine_outputs_equal_with_and_without_the_fast_paths(llama_dir, monkeyp
     assert results[False][1][0] > 0, "the cache is small enough to preempt"
     reasons = {c[3] for o in results[False][0] for c in o}
     assert {"stop", "length"} <= reasons
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_host_step_bench_measures_either_path(reference):
+    """`llmserve bench host-step --reference` runs with the fast paths off, and puts them back."""
+    import argparse
+
+    from llmserve.bench.host_step import run
+
+    seen = []
+    args = argparse.Namespace(model=None, num_seqs=[4], steps=8, input_len=4, num_blocks=None, repeat=1,
+                              profile=None, output_json=None, reference=reference)  # fmt: skip
+    [result] = run(args, log=lambda line: seen.append((Scheduler.fast_paths, OutputProcessor.defer_detok)))
+    assert result.num_seqs == 4 and result.decode_steps_timed > 0 and result.component_ms["update"] > 0
+    assert seen[0] == (not reference, not reference)  # (logged after the size's runs)
+    assert Scheduler.fast_paths and OutputProcessor.defer_detok

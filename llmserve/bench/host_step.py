@@ -10,6 +10,7 @@ of a 270M model takes a few milliseconds. Each component is timed around its rea
 perf_counter pair per call, no profiler); the stub's own time is reported and left out.
 
     llmserve bench host-step --num-seqs 64 256 1024 --steps 64
+    llmserve bench host-step --num-seqs 256 --reference   # the fast paths off: the references
 
 With no --model a tiny random Llama folder is made (a 512-token BPE tokenizer); the model's
 size does not matter here, its vocabulary only sets the logits' width.
@@ -22,7 +23,8 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 # the components timed, in step order: (label, what it covers)
@@ -64,6 +66,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: the CPU sizing)")
     p.add_argument("--repeat", type=int, default=1, help="runs per size; the best is reported")
     p.add_argument("--profile", default=None, help="write a cProfile of the last run to this file")
+    p.add_argument("--reference", action="store_true",
+                   help="the host path's references: Scheduler.fast_paths and OutputProcessor.defer_detok off")  # fmt: skip
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=run)
 
@@ -214,8 +218,27 @@ def table(results: list[HostStepResult]) -> str:
     return "\n".join(lines)
 
 
+@contextmanager
+def reference_paths(on: bool) -> Iterator[None]:
+    """With `on`, the host path's fast paths off for the block: every call the scheduler's loops
+    skip made, each step's tokens detokenized at once (the references tests/test_host_fast_paths.py
+    compares them with), so that one tree measures both."""
+    from llmserve.engine.output_processor import OutputProcessor
+    from llmserve.engine.scheduler import Scheduler
+
+    if not on:
+        yield
+        return
+    saved = Scheduler.fast_paths, OutputProcessor.defer_detok
+    Scheduler.fast_paths = OutputProcessor.defer_detok = False
+    try:
+        yield
+    finally:
+        Scheduler.fast_paths, OutputProcessor.defer_detok = saved
+
+
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> list[HostStepResult]:
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, reference_paths(getattr(args, "reference", False)):
         model = args.model or tiny_model(tmp + "/model")
         results = []
         for n in args.num_seqs:
