@@ -167,3 +167,17 @@ def test_host_step_bench_measures_either_path(reference):
     assert result.num_seqs == 4 and result.decode_steps_timed > 0 and result.component_ms["update"] > 0
     assert seen[0] == (not reference, not reference)  # (logged after the size's runs)
     assert Scheduler.fast_paths and OutputProcessor.defer_detok
+
+
+def test_group_keys_equal_replace():
+    """`KVCacheManager._group_key` builds the tuple `_replace` builds: same class, fields, hash."""
+    from llmserve.engine.block_pool import BlockKey
+
+    rng = random.Random(0)
+    for _ in range(200):
+        salt = rng.choice([None, "adapter", ("group", 3)])
+        key = BlockKey(rng.choice([None, rng.getrandbits(60)]), tuple(rng.randrange(9) for _ in range(4)), salt)
+        for group in range(4):
+            fast, ref = KVCacheManager._group_key(key, group), KVCacheManager._group_key_reference(key, group)
+            assert type(fast) is type(ref) is BlockKey and fast == ref and hash(fast) == hash(ref)
+            assert fast.salt == ref.salt and (group == 0 or fast.salt == (salt, group))
