@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from event_timer import graph_time_us  # noqa: E402  (a CUDA graph of 20 calls, replayed 10 times)
+
 from llmserve.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from llmserve.kernels.fp8_linear import fp8_gemm_fast  # noqa: E402
 from llmserve.kernels.fp8_quant import quantize_tokens_fp8  # noqa: E402
@@ -32,33 +35,10 @@ from llmserve.model.fp8 import fp8_matmul_reference, quantize_rows, quantize_tok
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,16,32,64,128,512,2048,8192").split(","))
 SWEEP = os.environ.get("SWEEP", "1") == "1"  # the split-K kernel's configurations at few tokens
-CALLS = 20
 # the sweep's grid (SWEEP_BN=64,128 SWEEP_BK=128,256 SWEEP_WARPS=4 narrow it)
 SWEEP_BN = tuple(int(t) for t in os.environ.get("SWEEP_BN", "32,64,128").split(","))
 SWEEP_BK = tuple(int(t) for t in os.environ.get("SWEEP_BK", "128,256").split(","))
 SWEEP_WARPS = tuple(int(t) for t in os.environ.get("SWEEP_WARPS", "4,8").split(","))
-
-
-def graph_time_us(fn) -> float:
-    """Mean microseconds per call of `fn`, replayed from a CUDA graph of CALLS calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def sweep_small_m(xq, xs, wq, ws) -> list[dict]:

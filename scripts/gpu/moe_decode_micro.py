@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from event_timer import graph_time_us  # noqa: E402  (a CUDA graph of 20 calls, replayed 10 times)
+
 from llmserve.kernels import fused_moe as fm  # noqa: E402
 
 # name -> (experts, top_k, hidden, moe_intermediate)
@@ -29,28 +32,6 @@ ALL_SHAPES = {
 }
 TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,2,4,8").split(","))
 SHAPES = tuple(os.environ.get("SHAPES", "qwen3-30b-a3b,mixtral-8x7b").split(","))
-CALLS = 20
-
-
-def graph_time_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def main() -> None:

@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from event_timer import graph_time_us  # noqa: E402  (a CUDA graph of 20 calls, replayed 10 times)
+
 from llmserve.kernels import gguf_linear, int8_linear, w4a16_linear  # noqa: E402
 from llmserve.kernels.quant_split_k import split_k_count  # noqa: E402
 
@@ -29,29 +32,6 @@ TOKENS = tuple(int(t) for t in os.environ.get("TOKENS", "1,4,16").split(","))
 SHAPES = tuple(tuple(int(d) for d in s.split("x")) for s in os.environ.get("SHAPES", "4096x4096,4096x14336").split(","))
 KERNELS = tuple(os.environ.get("KERNELS", "int8,w4a16,q4_k,q8_0").split(","))
 SPLITS = tuple(int(t) for t in os.environ.get("SPLITS", "1,2,4,8,16,32").split(","))
-CALLS = 20
-
-
-def graph_time_us(fn) -> float:
-    """Mean microseconds per call of `fn`, replayed from a CUDA graph of CALLS calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (10 * CALLS)
 
 
 def int8_case(n: int, k: int, m: int):
