@@ -14,7 +14,7 @@
 | `int8_gemm_triton`, `int_mm` (CUDA's shape rules met by padding), `int8_matmul_fast` (W8A8: which GEMM for how many tokens; int32 sums, equal bit for bit; split-K at decode) | `int8_linear` | `llmserve.model.int8.int8_gemm_reference`, `int8_matmul_reference` |
 | `w4a16_gemm_triton` (4-bit weights dequantized in registers; split-K at decode), `w4a16_matmul_fast` | `w4a16_linear` | `llmserve.model.w4a16.w4a16_matmul_reference` |
 | `gguf_gemm_triton` (GGUF Q8_0, Q5_0, Q4_K, Q5_K, Q6_K blocks dequantized in registers, a kernel a format; split-K at decode), `gguf_matmul_fast` | `gguf_linear` | `llmserve.model.gguf_linear.gguf_matmul_reference` |
-| `SplitKRule`, `split_k_count`, `sum_slices` (the quantized GEMMs' split-K: the slice count by a tunable rule, the slices' partials added in slice order in the same launch) | `quant_split_k` | each kernel unsplit (`split_k=1`) and its reference |
+| `SplitKRule`, `split_k_count`, `plan_split`, `sum_slices` (the quantized GEMMs' split-K: the slice count by a tunable rule, a launch's slices and scratch, the slices' partials added in slice order in the same launch) | `quant_split_k` | each kernel unsplit (`split_k=1`) and its reference |
 | `lora_shrink`, `lora_expand` (batched multi-LoRA, tokens grouped by adapter slot) | `lora` | `llmserve.lora.reference` |
 | `fused_moe` (routing, tokens aligned by expert, gate/up and down grouped GEMMs, the sum; an expert-parallel rank's share) | `fused_moe` | `llmserve.model.moe.fused_moe_reference` |
 | `apply_penalties_`, `race` (the sampler's penalties and plain exponential race, one pass over the vocabulary each) | `sampling` | `PenaltyState.apply_tensors`, `sampler_reference.exponential_race` |

@@ -24,15 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from llmserve.kernels.quant_split_k import (
-    MAX_TILES,
-    SplitKRule,
-    counters,
-    partials,
-    slice_steps,
-    split_k_count,
-    sum_slices,
-)
+from llmserve.kernels.quant_split_k import SplitKRule, plan_split, sum_slices
 
 SMALL_M_ROWS = 16  # up to this many tokens the Triton kernels; more: dequantize + cuBLAS
 # split-K at decode (llmserve/kernels/quant_split_k.py): up to 16 tokens, K split for about 256
@@ -197,14 +189,10 @@ def gguf_gemm_triton(x: torch.Tensor, type_name: str, fields: dict[str, torch.Te
     block_m = 16
     tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     k_steps = k // _STEP[type_name]
-    if split_k is None:
-        split_k = split_k_count(SPLIT_K_RULE, m, k_steps, tiles_m * tiles_n, x.is_cuda)
-    steps, split_k = slice_steps(k_steps, split_k)
-    assert split_k == 1 or tiles_m * tiles_n <= MAX_TILES, (m, n)
-    part = partials(split_k, m, n, torch.float32, x.device)
-    grid = (tiles_m, tiles_n, split_k)
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=not x.is_cuda, SPLIT_K=split_k)
-    head = (out, part, counters(x.device) if split_k > 1 else part, m, n, k, max(steps, 1), x.stride(0))
+    plan = plan_split(SPLIT_K_RULE, split_k, m, n, k_steps, tiles_m * tiles_n, torch.float32, x.device)
+    grid = (tiles_m, tiles_n, plan.split_k)
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=not x.is_cuda, SPLIT_K=plan.split_k)
+    head = (out, plan.part, plan.count, m, n, k, max(plan.steps, 1), x.stride(0))
     if type_name == "Q8_0":
         _q8_0_kernel[grid](x, f["qs"], f["d"], *head, f["qs"].stride(0), f["d"].stride(0), out.stride(0), **common)
     elif type_name == "Q5_0":

@@ -23,15 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.kernels.quant_split_k import (
-    MAX_TILES,
-    SplitKRule,
-    counters,
-    partials,
-    slice_steps,
-    split_k_count,
-    sum_slices,
-)
+from llmserve.kernels.quant_split_k import SplitKRule, plan_split, sum_slices
 
 # (llmserve.model.int8's quantization and epilogue are imported where they are called: kernels/ sits
 # below model/ in the layers, docs/architecture.md)
@@ -91,15 +83,11 @@ def int8_gemm_triton(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, w
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
-    if split_k is None:
-        split_k = split_k_count(SPLIT_K_RULE, m, k_steps, tiles_m * tiles_n, xq.is_cuda)
-    steps, split_k = slice_steps(k_steps, split_k)
-    assert split_k == 1 or tiles_m * tiles_n <= MAX_TILES, (m, n)
-    part = partials(split_k, m, n, torch.int32, xq.device)
-    _int8_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out, part,
-        counters(xq.device) if split_k > 1 else part, m, n, k, max(steps, 1) * block_k, xq.stride(0),
-        weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    plan = plan_split(SPLIT_K_RULE, split_k, m, n, k_steps, tiles_m * tiles_n, torch.int32, xq.device)
+    _int8_gemm_kernel[(tiles_m, tiles_n, plan.split_k)](
+        xq, weight, sx.reshape(-1).contiguous(), weight_scale.reshape(-1).contiguous(), out, plan.part,
+        plan.count, m, n, k, max(plan.steps, 1) * block_k, xq.stride(0),
+        weight.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=plan.split_k,
     )  # fmt: skip
     return out.to(out_dtype)
 

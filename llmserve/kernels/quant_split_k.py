@@ -68,6 +68,30 @@ def partials(split_k: int, m: int, n: int, dtype: torch.dtype, device: torch.dev
     return torch.empty((split_k, m, n) if split_k > 1 else (1,), dtype=dtype, device=device)
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """One launch's slicing: K steps a slice, slices, the partials' scratch and the arrival
+    counters (for one slice the scratch placeholder again, never read)."""
+
+    steps: int
+    split_k: int
+    part: torch.Tensor
+    count: torch.Tensor
+
+
+def plan_split(rule: SplitKRule, asked: int | None, m: int, n: int, k_steps: int, tiles: int,
+               acc_dtype: torch.dtype, device: torch.device) -> SplitPlan:  # fmt: skip
+    """The slicing of an `m` x `n` GEMM of `k_steps` K steps over `tiles` output tiles: `asked`
+    slices (None: as `rule` says on this device), evened out by `slice_steps`; partials in
+    `acc_dtype`."""
+    if asked is None:
+        asked = split_k_count(rule, m, k_steps, tiles, device.type == "cuda")
+    steps, split_k = slice_steps(k_steps, asked)
+    assert split_k == 1 or tiles <= MAX_TILES, (m, n)
+    part = partials(split_k, m, n, acc_dtype, device)
+    return SplitPlan(steps, split_k, part, counters(device) if split_k > 1 else part)
+
+
 @triton.jit
 def sum_slices(acc, part_ptr, count_ptr, tile_id, pid_k, offs, mask, split_stride, SPLIT_K: tl.constexpr):
     """Store this slice's partial `acc` at `part_ptr + pid_k * split_stride + offs` (where `mask`);

@@ -24,15 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmserve.kernels.quant_split_k import (
-    MAX_TILES,
-    SplitKRule,
-    counters,
-    partials,
-    slice_steps,
-    split_k_count,
-    sum_slices,
-)
+from llmserve.kernels.quant_split_k import SplitKRule, plan_split, sum_slices
 
 SMALL_M_ROWS = 16  # up to this many tokens the Triton kernel; more: dequantize + cuBLAS
 # split-K at decode (llmserve/kernels/quant_split_k.py): up to 16 tokens, K split for about 256
@@ -96,15 +88,11 @@ def w4a16_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
     assert block_k % 8 == 0, block_k  # a K step (and so a slice) holds whole 4-bit words
     tiles_m, tiles_n = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
-    if split_k is None:
-        split_k = split_k_count(SPLIT_K_RULE, m, k_steps, tiles_m * tiles_n, x.is_cuda)
-    steps, split_k = slice_steps(k_steps, split_k)
-    assert split_k == 1 or tiles_m * tiles_n <= MAX_TILES, (m, n)
-    part = partials(split_k, m, n, torch.float32, x.device)
-    _w4a16_gemm_kernel[(tiles_m, tiles_n, split_k)](
-        x, qweight, scales, zeros, g_idx, out, part, counters(x.device) if split_k > 1 else part, m, n, k,
-        max(steps, 1) * block_k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=not x.is_cuda, SPLIT_K=split_k,
+    plan = plan_split(SPLIT_K_RULE, split_k, m, n, k_steps, tiles_m * tiles_n, torch.float32, x.device)
+    _w4a16_gemm_kernel[(tiles_m, tiles_n, plan.split_k)](
+        x, qweight, scales, zeros, g_idx, out, plan.part, plan.count, m, n, k,
+        max(plan.steps, 1) * block_k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_F32=not x.is_cuda, SPLIT_K=plan.split_k,
     )  # fmt: skip
     return out.to(x.dtype)
 
