@@ -9,12 +9,10 @@ pipeline to a cubin for sm_90, in a process of its own without TRITON_INTERPRET.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from sm90_compile import compile_script
 
 pytestmark = pytest.mark.integration
 
@@ -62,11 +60,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sampling_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # a fresh cache: every kernel really compiles
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 13
+    assert compile_script(SCRIPT, tmp_path).count("compiled") == 13
     assert list(tmp_path.rglob("*.cubin"))
 
 
@@ -119,9 +113,5 @@ MOE_SCRIPT = textwrap.dedent(
 def test_fused_moe_kernels_compile_for_sm90(tmp_path):
     """The fused MoE kernels, grouped and decode, 16-bit and FP8 (per block), and the
     route / align / reduce steps: a global the compiler refuses (as once happened) fails here."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == 11
+    assert compile_script(MOE_SCRIPT, tmp_path, timeout=600).count("compiled") == 11
     assert list(tmp_path.rglob("*.cubin"))
