@@ -82,13 +82,20 @@ def _variant(src: str, dst: Path, change) -> str:
     return str(dst)
 
 
+def target_with_heads(root: Path) -> tuple[str, dict[str, str]]:
+    """A 4-layer random Llama target under `root` and a random head of each method for it (EAGLE-3's
+    with a 300-token draft vocabulary): (target folder, method -> head folder)."""
+    target = str(make_random_model(root / "target", "llama", seed=0, num_hidden_layers=4))
+    heads = {m: _write_head(root / m, target, m, _head_tensors(m, 512, seed=1, draft_vocab=300 if m == "eagle3" else None))
+             for m in ("eagle", "eagle3")}  # fmt: skip
+    return target, heads
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 4-layer target, random heads of both methods, and the engine's greedy tokens without them."""
     root = tmp_path_factory.mktemp("eagle")
-    target = str(make_random_model(root / "target", "llama", seed=0, num_hidden_layers=4))
-    heads = {m: _write_head(root / m, target, m, _head_tensors(m, 512, seed=1, draft_vocab=300 if m == "eagle3" else None))
-             for m in ("eagle", "eagle3")}  # fmt: skip
+    target, heads = target_with_heads(root)
     plain = _generate(LLM(target, max_model_len=128), PROMPTS, GREEDY)
     return target, heads, plain, root
 

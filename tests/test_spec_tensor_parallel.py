@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_spec_eagle import _head_tensors, _write_head
+from test_spec_eagle import target_with_heads
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.tp_workers import WorkerDiedError
 from llmserve.model import whole_vocab
-from llmserve.model.random_model import make_random_model
 from llmserve.model.whole_vocab import WholeVocab
 
 pytestmark = pytest.mark.integration
@@ -49,9 +48,7 @@ def _truncate(src: str, out: Path, layers: int) -> str:
 def setup(tmp_path_factory):
     """A 4-layer Llama target, each method's configuration, and TP=1's greedy tokens without speculation."""
     root = tmp_path_factory.mktemp("spec_tp")
-    target = str(make_random_model(root / "target", "llama", seed=0, num_hidden_layers=4))
-    heads = {m: _write_head(root / m, target, m, _head_tensors(m, 512, seed=1, draft_vocab=300 if m == "eagle3" else None))
-             for m in ("eagle", "eagle3")}  # fmt: skip
+    target, heads = target_with_heads(root)
     configs = {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
         "draft_model": {"method": "draft_model", "model": _truncate(target, root / "draft", 2),
