@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODEL = "/tmp/llama8b"
 MODEL_70B = "/tmp/llama70b"
+MODEL_QWEN3MOE = "/tmp/qwen3_30b_a3b"  # Qwen3-30B-A3B's shape: 48 layers, 128 experts, top-8 (issue 52)
 MODEL_GEMMA3 = "/tmp/gemma3_270m"  # Gemma 3 270M's shape (sliding window 512 on five of six layers)
 ENGINES = {
     "short": ["--model", MODEL, "--load-format", "dummy", "--max-model-len", "2048",
@@ -137,6 +138,21 @@ ROWS["gemma3_decode256"] = ("gemma3", "throughput", DECODE256)
 ROWS["gemma3_long"] = ("gemma3", "throughput", ["--num-prompts", "256", "--input-len", "1536", "--output-len", "256",
                                                 "--temperature", "0"])  # fmt: skip
 ROWS["gemma3_b"] = ("gemma3", "latency", ROWS["b"][2])
+# W8A8 INT8 and 4-bit GPTQ (issue 57): the 8B shape; GPTQ group 128, symmetric, no act-order (a config-only
+# folder beside the 8B one: the checkpoint's format, dummy 4-bit weights)
+MODEL_GPTQ = "/tmp/llama8b_gptq"
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+ENGINES["int8"] = ENGINES["short"] + ["--quantization", "int8"]
+ENGINES["gptq"] = ["--model", MODEL_GPTQ] + ENGINES["short"][2:]
+for _engine in ("int8", "gptq"):
+    for _row in ("a", "b", "c"):
+        ROWS[f"{_row}_{_engine}"] = (_engine, ROWS[_row][1], ROWS[_row][2])
+# mixtures of experts (issue 52): the Qwen3-30B-A3B shape, bf16 and FP8, the (a)/(b)/(c) workloads
+ENGINES["moe"] = ["--model", MODEL_QWEN3MOE] + ENGINES["short"][2:]
+ENGINES["moe_fp8"] = ENGINES["moe"] + ["--quantization", "fp8"]
+for _engine in ("moe", "moe_fp8"):
+    for _row in ("a", "b", "c"):
+        ROWS[f"{_row}_{_engine}"] = (_engine, ROWS[_row][1], ROWS[_row][2])
 
 
 def bench_args(command: str, flags: list[str]) -> argparse.Namespace:
@@ -212,12 +228,31 @@ def make_model_folder(names: list[str]) -> None:
                           intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
                           head_dim=256, query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
                           rope_theta=1000000.0)  # fmt: skip
+    if any(ROWS[n][0].startswith("moe") for n in names) and not Path(MODEL_QWEN3MOE, "config.json").is_file():
+        make_random_model(MODEL_QWEN3MOE, "qwen3_moe", vocab_size=151936, config_only=True, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False)  # fmt: skip
     for path, hidden, inter, layers, heads in ((MODEL, 4096, 14336, 32, 32), (MODEL_70B, 8192, 28672, 80, 64)):
         if not Path(path, "config.json").is_file():
             make_random_model(path, "llama", vocab_size=128256, config_only=True, hidden_size=hidden,
                               intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                               num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
                               rope_scaling=scaling)  # fmt: skip
+    if any(ROWS[n][0] == "gptq" for n in names) and not Path(MODEL_GPTQ, "config.json").is_file():
+        quantized_copy(MODEL, MODEL_GPTQ, GPTQ_CONFIG)
+
+
+def quantized_copy(src: str, dst: str, quantization_config: dict) -> None:
+    """A config-only folder: `src`'s config and tokenizer, its config naming a quantized checkpoint's format."""
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    config = json.loads(Path(dst, "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    Path(dst, "config.json").write_text(json.dumps(config, indent=1))
 
 
 def cpu_smoke() -> None:
@@ -246,6 +281,7 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model and rows on the CPU: checks the script")
     parser.add_argument("--root", help="import llmserve from this folder (an A/B of two trees)")
     parser.add_argument("--no-sampler-check", action="store_true")
+    parser.add_argument("--folders-only", action="store_true", help="write the rows' model folders, and stop")
     opts = parser.parse_args()
     if opts.root:
         sys.path.insert(0, str(Path(opts.root).resolve()))
@@ -264,6 +300,8 @@ def main() -> None:
         results: dict = {}
     else:
         make_model_folder(names)
+        if opts.folders_only:
+            return
         results = {}
         if not opts.no_sampler_check:
             results["sampler_check"] = check_sampler_on_gpu()
