@@ -462,10 +462,6 @@ class EngineArgs:
                                   f"{quantization!r} cannot apply")  # fmt: skip
             quantization = method
         _check_quantized_family(arch, quantization)
-        if quantization in ("gptq", "awq") and self.load_format == "dummy":
-            raise ConfigError(
-                f"load_format dummy: 4-bit ({quantization}) weights are not drawn yet; load the checkpoint"
-            )
         ignore = _check_quantization_ignore(self.quantization_ignore, quantization, checkpoint_quant, arch)
         if checkpoint_quant is not None:  # the projections the checkpoint left in 16 bits
             ignore = checkpoint_quant.ignore

@@ -3,8 +3,9 @@ checkpoints written here (round to nearest per group: group sizes 32/64/128, sym
 points, act-order) loaded into the one layout and equal to the dequantized weights they encode,
 the engine on them equal to the float model that holds those dequantized weights, the Triton
 dequant-in-the-GEMM kernel (under the Triton interpreter) against the dequantize-then-multiply
-reference, tensor-parallel shards, and checkpoints that disagree with their config refused
-naming the tensor. (transformers loads GPTQ/AWQ folders only through optimum/gptqmodel/autoawq,
+reference, tensor-parallel shards, checkpoints that disagree with their config refused naming
+the tensor, and load_format dummy on config-only folders (the drawn weights against the floats
+they encode). (transformers loads GPTQ/AWQ folders only through optimum/gptqmodel/autoawq,
 which are not installed: the dequantized reference is the oracle.)"""
 
 from __future__ import annotations
@@ -237,8 +238,6 @@ def test_the_quantization_flag_names_the_checkpoint_format(gptq_dir, llama_dir):
         EngineArgs(model=str(gptq_dir), quantization="int8").create_engine_config()
     with pytest.raises(ConfigError, match="gptq and awq name a checkpoint's own format"):
         EngineArgs(model=llama_dir, quantization="awq").create_engine_config()
-    with pytest.raises(ConfigError, match=r"4-bit \(gptq\) weights are not drawn yet"):
-        EngineArgs(model=str(gptq_dir), load_format="dummy").create_engine_config()
 
 
 def test_gptq_onto_4_bit_groups():
@@ -280,3 +279,115 @@ def test_a_gptq_rounded_checkpoint_loads_and_runs(wide_llama, tmp_path):
         assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
         layer = llm.core.runner.model.model.layers[0].self_attn.qkv_proj
         assert (layer.g_idx.diff() < 0).any()  # act-order by the Hessian: scattered groups, one order for q/k/v
+
+
+# -- load_format dummy: 4-bit weights drawn, rounded and read through the checkpoint's loader ------
+
+# config.json's quantization_config as checkpoints on the Hugging Face hub carry it
+HUB_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+# (method, the config's changes)
+DUMMY_VARIANTS = [("gptq", {}), ("gptq", {"group_size": 32, "sym": False, "desc_act": True}),
+                  ("gptq", {"group_size": -1, "checkpoint_format": "gptq_v2"}), ("awq", {}),
+                  ("awq", {"group_size": 32})]  # fmt: skip
+
+
+def _config_only(out: Path, method: str, change: dict) -> str:
+    """A folder with config.json (inputs of 128 and 256) and a tokenizer, no weights."""
+    path = make_random_model(out, "llama", hidden_size=128, intermediate_size=256, config_only=True)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {**HUB_CONFIGS[method], **change}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert not list(path.glob("*.safetensors"))
+    return str(path)
+
+
+def _w4a16_layers(model) -> list[tuple[str, W4A16Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, W4A16Linear)]
+
+
+@pytest.mark.parametrize(("method", "change"), DUMMY_VARIANTS)
+def test_dummy_4_bit_weights_run(tmp_path, method, change):
+    """A config-only GPTQ / AWQ folder with load_format dummy: the engine runs as the checkpoint's
+    format (int32 words, float16 scales, the groups and input order of its config), every weight
+    dequantized within the drawn range uniform(-0.02, 0.02) (GPTQ's symmetric grid reaches 8 steps
+    below zero: 16/15 of it), and the same seed draws the same tokens."""
+    path = _config_only(tmp_path / "m", method, change)
+    group = change.get("group_size", 128)
+    args = dict(model=path, load_format="dummy", device="cpu", max_model_len=64)
+    with LLM(**args) as llm:
+        mc = llm.config.model_config
+        assert mc.quantization == method and mc.checkpoint_quantization.group_size == group
+        layers = _w4a16_layers(llm.core.runner.model)
+        assert len(layers) == 2 * 4  # q/k/v, o, gate/up, down of 2 layers
+        for name, layer in layers:
+            k = layer.in_features
+            assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (layer.out_features, k // 8)
+            assert layer.scales.dtype == torch.float16 and layer.zeros.dtype == torch.uint8
+            assert layer.scales.shape == (layer.out_features, 1 if group == -1 else k // group)
+            assert (layer.scales > 0).all()
+            counts = torch.bincount(layer.g_idx.long()).tolist()
+            assert counts == [k if group == -1 else group] * layer.scales.shape[1], name
+            assert (layer.g_idx.diff() < 0).any() == change.get("desc_act", False), name
+            if method == "gptq" and change.get("sym", True):
+                assert (layer.zeros == 8).all(), name
+            w = dequantize_w4a16(layer.qweight, layer.scales, layer.zeros, layer.g_idx)
+            assert w.abs().max() <= 0.02 * 16 / 15 * 1.002, name
+            assert 0.0105 < w.std() < 0.0127 and w.max() > 0.018 and w.min() < -0.018, name  # uniform: 0.0115
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert all(len(t) == 8 for t in got)
+    with LLM(**args) as again:
+        assert [o.outputs[0].token_ids for o in again.generate(PROMPTS, GREEDY, use_tqdm=False)] == got
+
+
+def test_dummy_4_bit_weights_the_config_cannot_hold_are_refused_at_start(tmp_path):
+    """o_proj's input (heads * head_dim: 4 * 48) that group 128 does not divide: a config error
+    (a 4xx), not a failure while drawing."""
+    path = _config_only(tmp_path / "m", "gptq", {})
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    (Path(path) / "config.json").write_text(json.dumps({**cfg, "head_dim": 48}))
+    with pytest.raises(ConfigError, match="group_size 128 does not divide the projections' input width 192"):
+        EngineArgs(model=path, load_format="dummy", device="cpu").create_engine_config()
+
+
+@pytest.mark.parametrize(("method", "change"), DUMMY_VARIANTS)
+def test_dummy_4_bit_weights_encode_the_floats_drawn(tmp_path, method, change):
+    """The packing: with known floats in place of the random draw, every layer's dequantized rows
+    (q/k/v and gate/up fused, each part's rows) are within half a step of them (GPTQ's symmetric
+    grid clips the top 0.5 step, as GPTQ v1's zero points of at least 1 may): nibbles, zero points
+    or scales in the wrong place are many steps off."""
+    from llmserve.model.w4a16_checkpoint import W4A16Loader, draw_dummy_w4a16, read_w4a16_quantization
+
+    path = _config_only(tmp_path / "m", method, change)
+    cfg = EngineArgs(model=path, load_format="dummy", device="cpu").create_engine_config().model_config
+    model = load_model(cfg.model, cfg.arch, cfg.dtype, "cpu", reference_paged_attention, load_format="dummy",
+                       progress=False, quantization=cfg.quantization)  # fmt: skip
+    floats = {}
+
+    def draw(name, shape, device):
+        gen = torch.Generator().manual_seed(len(floats))
+        floats[name] = torch.randn(shape, generator=gen) * torch.logspace(-3, -1, shape[1])  # unlike groups
+        return floats[name].to(device)
+
+    loader = W4A16Loader(model, read_w4a16_quantization(json.loads((Path(path) / "config.json").read_text())))
+    draw_dummy_w4a16(loader, torch.Generator().manual_seed(0), draw)
+    assert len(floats) == 2 * 7
+    sym = method == "gptq" and change.get("sym", True)
+    for i in range(2):
+        for fused, parts in (("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "o"), ("mlp.gate_up_proj", "gu"),
+                             ("mlp.down_proj", "d")):  # fmt: skip
+            layer = model.get_submodule(f"model.layers.{i}.{fused}")
+            names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                     "g": "mlp.gate_proj", "u": "mlp.up_proj", "d": "mlp.down_proj"}  # fmt: skip
+            want = torch.cat([floats[f"model.layers.{i}.{names[p]}"] for p in parts])
+            g = layer.g_idx.long()
+            step, zero = layer.scales.float()[:, g], layer.zeros.float()[:, g]
+            # the grid's ends: -z and 15 - z steps (a weight beyond them is clipped: GPTQ's symmetric
+            # grid tops at 7 steps, and v1 keeps z >= 1)
+            clipped = (want - (15 - zero) * step).clamp(min=0) + (-zero * step - want).clamp(min=0)
+            err = (layer.dequantized() - want).abs()
+            # (the scales are float16, rounded after the zero point: up to 15 steps off by 2^-11 each)
+            assert (err <= torch.maximum(step / 2, clipped) + step * 15 * 2**-11 + 1e-7).all(), (i, fused)
+            assert sym == bool((layer.zeros == 8).all())

@@ -22,7 +22,7 @@ from llmserve.model.layers import REFERENCE_OPS, LayerOps, RotaryEmbedding
 from llmserve.model.pipeline import WHOLE, PipelineStage, stage_keeps
 from llmserve.model.registry import family_of
 from llmserve.model.tensor_parallel import SINGLE, TPGroup
-from llmserve.model.w4a16_checkpoint import w4a16_loader
+from llmserve.model.w4a16_checkpoint import W4A16Loader, draw_dummy_w4a16, w4a16_loader
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ def fill_weights(model: CausalLM, model_dir: str, arch: ModelArch, load_format: 
     """Fill an allocated model's parameters: from the checkpoint, or dummy weights (the same
     ones for the same seed). Also how a model that slept at level 2 gets its weights back.
     A pipeline stage reads only its own tensors (model/pipeline.py `stage_keeps`)."""
-    if load_format == "dummy":
-        _init_dummy(model, seed + tp.rank + 1000 * stage.index)
+    if load_format == "dummy":  # (a GPTQ / AWQ model's 4-bit layers drawn as its checkpoint would fill them)
+        w4a16 = w4a16_loader(model, Path(model_dir)) if not Path(model_dir).is_file() else None
+        _init_dummy(model, seed + tp.rank + 1000 * stage.index, w4a16)
         return
     kept = gguf_kept_loader(model, Path(model_dir), arch, tp)  # GGUF blocks kept quantized (model/gguf_keep.py)
     tensors = _checkpoint_tensors(Path(model_dir), arch, progress, kept.take if kept is not None else None)
@@ -154,17 +155,24 @@ def _is_scale(model: torch.nn.Module, param: torch.Tensor) -> bool:
     return any(param is scale for _, scale in _fp8_pairs(model))
 
 
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+def _init_dummy(model: torch.nn.Module, seed: int, w4a16: W4A16Loader | None = None) -> None:
     """Small random weights (norms at 1), enough for benchmarks: speed does not depend on values.
-    FP8 and INT8 weights are drawn in float32 and quantized, as a checkpoint's would be."""
+    FP8 and INT8 weights are drawn in float32 and quantized, as a checkpoint's would be; 4-bit
+    (GPTQ / AWQ) layers likewise, part by part, then read through the checkpoint's loader `w4a16`
+    (model/w4a16_checkpoint.py `draw_dummy_w4a16`)."""
     from llmserve.model.int8 import quantize_rows_as
+    from llmserve.model.w4a16 import W4A16Linear
 
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         fp8 = {id(weight): scale for weight, scale in _fp8_pairs(model)}
         scales = {id(scale) for scale in fp8.values()}
+        four_bit = {id(p) for m in model.modules() if isinstance(m, W4A16Linear)
+                    for p in (m.qweight, m.scales, m.zeros, m.g_idx)}  # fmt: skip
         for name, param in model.named_parameters():
+            if id(param) in four_bit:
+                continue  # drawn below, with the checkpoint's loader
             if id(param) in fp8:  # rows of the last dimension each get a scale (an expert's too)
                 draw = torch.empty(param.shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
                 q, scale = quantize_rows_as(param.dtype, draw.reshape(-1, param.shape[-1]))
@@ -179,3 +187,7 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.uniform_(-0.02, 0.02, generator=gen)
+        if four_bit:
+            if w4a16 is None:
+                raise ValueError("dummy 4-bit weights need the checkpoint's quantization_config (config.json)")
+            draw_dummy_w4a16(w4a16, gen)

@@ -75,6 +75,9 @@ def read_w4a16_quantization(cfg: dict) -> W4A16Checkpoint:
     if kept:
         raise _refuse(f"{method} modules_to_not_convert {kept} (16-bit projections in a 4-bit checkpoint)")
     widths = [cfg.get("hidden_size"), cfg.get("intermediate_size")]
+    heads, head_dim = cfg.get("num_attention_heads"), cfg.get("head_dim")
+    if isinstance(heads, int) and isinstance(head_dim, int):  # o_proj's input, where heads * head_dim != hidden
+        widths.append(heads * head_dim)
     for k in widths:
         if group != -1 and isinstance(k, int) and k % group:
             raise _refuse(f"{method} group_size {group} does not divide the projections' input width {k}")
@@ -250,6 +253,46 @@ class W4A16Loader:
             layer.zeros.data[rows] = zeros.to(torch.uint8).to(layer.zeros.device)
 
 
+def draw_dummy_w4a16(loader: W4A16Loader, gen: torch.Generator, draw=None) -> None:
+    """`load_format dummy` for a 4-bit model: each projection part of the checkpoint drawn in
+    float32, uniform(-0.02, 0.02) (`draw(name, shape, device)` instead, where given), on its
+    layer's device, rounded to nearest per group (`quantize_groups`, the scheme's group size,
+    symmetry and act-order: one random input order a fused layer, as its parts share in a
+    checkpoint), written as the checkpoint's tensors (GPTQ v1 / v2, AWQ) and read through
+    `loader`, so the layers hold what loading such a checkpoint gives them (the same repacking,
+    a rank's share). One part in float32 at a time: the model never has a float copy."""
+    s = loader.scheme
+    min_zero = int(s.method == "gptq" and s.checkpoint_format == "gptq")  # v1 stores z - 1
+    orders: dict[str, torch.Tensor] = {}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for module, t in loader.targets.items():
+            device = t.layer.qweight.device
+            shape = (t.full_rows, t.full_k)
+            if draw is not None:
+                w = draw(module, shape, device)
+            else:
+                w = torch.empty(shape, dtype=torch.float32, device=device).uniform_(-0.02, 0.02, generator=gen)
+            importance = None
+            if s.desc_act:
+                if t.name not in orders:
+                    orders[t.name] = torch.rand(t.full_k, generator=gen, device=device)
+                importance = orders[t.name]
+            q, scales, zeros, g_idx = quantize_groups(w, s.group_size, s.sym, s.desc_act, importance, min_zero)
+            del w
+            if s.method == "gptq":
+                packed = gptq_tensors(q, scales, zeros, g_idx, v1=s.checkpoint_format == "gptq")
+            else:
+                packed = awq_tensors(q, scales, zeros)
+            del q
+            for kind, tensor in packed.items():
+                yield f"{module}.{kind}", tensor
+
+    for name, _ in loader.take(tensors()):
+        raise AssertionError(f"{name}: a drawn 4-bit tensor the loader did not take")
+    loader.finish()
+
+
 def w4a16_loader(model: torch.nn.Module, model_dir: Path) -> W4A16Loader | None:
     """The loader for a model with 4-bit layers (its checkpoint's config read again), or None."""
     if not any(isinstance(m, W4A16Linear) for m in model.modules()):
@@ -272,12 +315,12 @@ def quantize_groups(w: torch.Tensor, group_size: int, sym: bool, act_order: bool
     w = w.to(torch.float32)
     n, k = w.shape
     size = k if group_size == -1 else group_size
-    order = torch.arange(k)
+    order = torch.arange(k, device=w.device)  # (all on w's device: dummy weights are rounded on the GPU)
     if act_order:
         score = importance if importance is not None else w.pow(2).sum(0)
-        order = torch.argsort(score, descending=True)
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[order] = (torch.arange(k) // size).to(torch.int32)
+        order = torch.argsort(score.to(w.device), descending=True)
+    g_idx = torch.empty(k, dtype=torch.int32, device=w.device)
+    g_idx[order] = (torch.arange(k, device=w.device) // size).to(torch.int32)
     wg = w[:, order].reshape(n, k // size, size)
     if sym:
         scale = (wg.abs().amax(-1) * 2 / 15).clamp(min=1e-10)
