@@ -58,7 +58,8 @@ def experts_reference(
     outputs summed with `weights [T, k]` (the product in float32, rounded to x's dtype before the
     sum): [T, H]. FP8 experts (`w13_scale`, `w2_scale` given: weights in float8_e4m3fn, float32
     scales per output channel, or per `block_shape` block): the tokens and the SiLU-and-mul rows
-    are quantized to FP8 per row as well, and the products run in float32 on the dequantized values."""
+    (rounded to x's dtype first, as the fused kernel stores them) are quantized to FP8 per row as well,
+    and the products run in float32 on the dequantized values."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     fp8 = w13_scale is not None
@@ -75,7 +76,7 @@ def experts_reference(
         token, slot = torch.where(ids == e)
         if fp8:
             gate, up = F.linear(x_in[token], dequantize_experts(w13[e], w13_scale[e], block_shape)).chunk(2, dim=-1)
-            aq, sa = quantize_tokens(F.silu(gate) * up)
+            aq, sa = quantize_tokens((F.silu(gate) * up).to(x.dtype))  # stored in x's dtype, as the kernel does
             h = F.linear(aq.to(torch.float32) * sa, dequantize_experts(w2[e], w2_scale[e], block_shape))
         else:
             gate, up = F.linear(x_in[token], w13[e]).chunk(2, dim=-1)

@@ -30,12 +30,16 @@ from llmserve.model.tensor_parallel import TPGroup
 
 BITS = 4
 PACK = 32 // BITS  # values in one int32 word
-_SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)  # nibble i at bits 4 i
+
+
+def _shifts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Nibble i at bits 4 i; made on `device` (a host tensor copied in would break a CUDA graph's capture)."""
+    return torch.arange(0, 32, BITS, dtype=dtype, device=device)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C / 8] -> uint8 [R, C]: value c of row r from word c // 8, nibble c % 8."""
-    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> _shifts(torch.int32, packed.device)) & 0xF
     return nibbles.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
@@ -44,7 +48,7 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
     r, c = q.shape
     if c % PACK:
         raise ValueError(f"{c} values a row: 4-bit packing needs a multiple of {PACK}")
-    words = q.to(torch.int64).reshape(r, c // PACK, PACK) << _SHIFTS.to(torch.int64).to(q.device)
+    words = q.to(torch.int64).reshape(r, c // PACK, PACK) << _shifts(torch.int64, q.device)
     packed = words.sum(-1)  # disjoint bits: the sum is the bitwise or
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 

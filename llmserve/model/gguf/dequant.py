@@ -105,7 +105,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     scales = b[:, 192:208].contiguous().view(torch.int8).float()  # one per 16 values
     d = _f16(b[:, 208:210])
     low = _nibbles(ql.reshape(n * 2, 64)).reshape(n, 8, 32)  # two halves of 128 values
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)  # (no host copy: graph-safe)
     high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, 8, 32)
     q = (low | (high << 4)).to(torch.int16) - 32
     return ((d * scales).unsqueeze(-1) * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
