@@ -255,6 +255,28 @@ def quantized_copy(src: str, dst: str, quantization_config: dict) -> None:
     Path(dst, "config.json").write_text(json.dumps(config, indent=1))
 
 
+def profile_decode(llm, tokens: int, path: Path) -> None:
+    """The device kernels of one batch-1 request (512 prompt tokens, `tokens` output tokens), by total
+    time: where a decode step's time goes (the prefill's kernels are in it once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmserve import SamplingParams
+
+    vocab = llm.config.model_config.arch.vocab_size
+    length = min(512, llm.config.scheduler_config.max_model_len - tokens)
+    prompt = {"prompt_token_ids": [10 + (i * 7919) % (vocab - 10) for i in range(length)]}
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+    llm.generate([prompt], params, use_tqdm=False)  # warm (and the prefix cache then holds the prompt)
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    sort = "cuda_time_total" if on_gpu else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+    path.write_text(table)
+    print(f"RESULT kernels {path.name}", flush=True)
+    print(table[:6000], flush=True)
+
+
 def cpu_smoke() -> None:
     """The same flow on a CPU with a tiny model and tiny rows (a check of this script, not a measurement)."""
     global MODEL
@@ -282,6 +304,9 @@ def main() -> None:
     parser.add_argument("--root", help="import llmserve from this folder (an A/B of two trees)")
     parser.add_argument("--no-sampler-check", action="store_true")
     parser.add_argument("--folders-only", action="store_true", help="write the rows' model folders, and stop")
+    parser.add_argument("--profile-decode", type=int, default=0, metavar="TOKENS",
+                        help="after each engine's rows: its kernels over one request of 512 prompt and TOKENS output "
+                        "tokens (torch.profiler, CUDA graphs' kernels included), to OUT/kernels_ENGINE.txt")  # fmt: skip
     opts = parser.parse_args()
     if opts.root:
         sys.path.insert(0, str(Path(opts.root).resolve()))
@@ -340,6 +365,8 @@ def main() -> None:
             keys = ("output_tokens_per_s", "ttft_ms", "tpot_ms", "gpu", "lora", "num_preemptions")
             print("RESULT", name, json.dumps({k: record.get(k) for k in keys if k in record}), flush=True)
             (out / "rows.json").write_text(json.dumps(results, indent=1))
+        if opts.profile_decode:
+            profile_decode(llm, opts.profile_decode, out / f"kernels_{engine}.txt")
         llm.shutdown()
         runner.release_cuda_graphs()
         del llm, runner
