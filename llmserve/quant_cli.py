@@ -39,20 +39,25 @@ def _make_int8_checkpoint(args: argparse.Namespace) -> None:
 
 def _make_w4a16_checkpoint(args: argparse.Namespace) -> None:
     from llmserve.model.fp8_checkpoint import GptqCalibration
+    from llmserve.model.w4a16_awq import AwqCalibration
     from llmserve.model.w4a16_checkpoint import write_w4a16_checkpoint
 
     if args.gptq and not args.calibration_text:
         raise ValueError("make-w4a16-checkpoint --gptq needs --calibration-text (UTF-8 files; none of the text you "
                          "will measure on)")  # fmt: skip
-    if args.calibration_text and not args.gptq:
-        raise ValueError("make-w4a16-checkpoint: --calibration-text is read by --gptq")
-    gptq = GptqCalibration(tuple(args.calibration_text), args.calibration_tokens) if args.gptq else None
+    if args.calibration_text and not args.gptq and args.method != "awq":
+        raise ValueError("make-w4a16-checkpoint: --calibration-text is read by --gptq and by --method awq")
+    texts = tuple(args.calibration_text or ())
+    gptq = GptqCalibration(texts, args.calibration_tokens) if args.gptq else None
+    # --method awq with calibration text: AutoAWQ's activation-aware scales (without: round to nearest)
+    awq = AwqCalibration(texts, args.calibration_tokens) if args.method == "awq" and texts and not args.gptq else None
     sym = args.method == "gptq" and not args.zero_points
-    path = write_w4a16_checkpoint(_source(args.model), args.out, args.method, args.group_size, sym, args.desc_act, gptq)
+    path = write_w4a16_checkpoint(_source(args.model), args.out, args.method, args.group_size, sym, args.desc_act, gptq,
+                                  awq)  # fmt: skip
+    rounding = "GPTQ" if gptq else "activation-aware scales, round to nearest" if awq else "round to nearest"
     print(
         f"wrote a 4-bit {args.method.upper()} checkpoint (group size {args.group_size}, "
-        f"{'symmetric' if sym else 'zero points'}{', act-order' if args.desc_act else ''}, "
-        f"{'GPTQ' if gptq else 'round to nearest'}) to {path}"
+        f"{'symmetric' if sym else 'zero points'}{', act-order' if args.desc_act else ''}, {rounding}) to {path}"
     )
 
 
@@ -76,7 +81,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=_make_int8_checkpoint)
 
     w = sub.add_parser("make-w4a16-checkpoint", help="write a Hugging Face folder's projections as a 4-bit GPTQ or "
-                       "AWQ checkpoint (round to nearest per group)")  # fmt: skip
+                       "AWQ checkpoint (round to nearest per group, GPTQ, or AWQ's activation-aware scales)")  # fmt: skip
     w.add_argument("model", help="a Hugging Face folder (safetensors), a GGUF file, or the default model's name")
     w.add_argument("out")
     w.add_argument("--method", default="gptq", choices=["gptq", "awq"], help="the file format (AWQ: zero points)")
@@ -87,6 +92,8 @@ def add_parsers(sub) -> None:
                    "importance (here the weights' column norms, shared by q/k/v and gate/up)")  # fmt: skip
     w.add_argument("--gptq", action="store_true", help="round by GPTQ (error-compensating, layer by layer) on "
                    "--calibration-text instead of to nearest; with --desc-act the inputs' Hessian orders them")  # fmt: skip
-    w.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files GPTQ calibrates on")
+    w.add_argument("--calibration-text", nargs="+", default=None, help="UTF-8 files GPTQ calibrates on; with "
+                   "--method awq (and no --gptq), AWQ's activation-aware scales are searched on them (as AutoAWQ "
+                   "does; without text, AWQ files are rounded to nearest)")  # fmt: skip
     w.add_argument("--calibration-tokens", type=int, default=8192, help="calibration tokens in all")
     w.set_defaults(func=_make_w4a16_checkpoint)

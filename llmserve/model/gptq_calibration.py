@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
 
@@ -47,6 +47,7 @@ class LayerReport:
     layer: int
     hessians: dict[str, torch.Tensor]  # projection name -> X^T X (float64) of its inputs
     seconds: float
+    mean_abs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> mean |x| per input channel (AWQ)
 
 
 def calibration_windows(token_ids: list[list[int]], window: int, tokens: int, mix: bool = True) -> list[list[int]]:
@@ -120,12 +121,17 @@ def gptq_model(
         # the model's own embedding step (Gemma 3 scales the rows by sqrt(hidden_size))
         states = [(model.model.embed(torch.tensor(ids, device=device)), None) for ids in windows]
 
-    def run_layer(i: int, hooks_for: list[str], collect: dict[str, torch.Tensor] | None) -> list:
+    def run_layer(i: int, hooks_for: list[str], collect: dict[str, torch.Tensor] | None,
+                  abs_sums: dict[str, list] | None = None) -> list:  # fmt: skip
         def hook(name):
             def pre(_m, args):
                 x = input_transform(args[0]) if input_transform is not None else args[0]
                 if collect is not None:
                     collect[name] += input_hessian(x).to(collect[name].device)
+                if abs_sums is not None:  # [sum of |x| per channel (float64), rows]
+                    rows = x.reshape(-1, x.shape[-1])
+                    abs_sums[name][0] += rows.abs().sum(0, dtype=torch.float64)
+                    abs_sums[name][1] += rows.shape[0]
                 return (x,)
 
             return pre
@@ -151,7 +157,8 @@ def gptq_model(
             names = [n for n in mods if n.startswith(f"model.layers.{i}.") and n not in skip]
             hessians = {n: torch.zeros(mods[n].weight.shape[1], mods[n].weight.shape[1], dtype=torch.float64, device=device)
                         for n in names}  # fmt: skip
-            unrounded = run_layer(i, names, hessians)
+            abs_sums = {n: [torch.zeros(mods[n].weight.shape[1], dtype=torch.float64, device=device), 0] for n in names}
+            unrounded = run_layer(i, names, hessians, abs_sums)
             done = {}
             with torch.no_grad():
                 for n in names:
@@ -165,7 +172,8 @@ def gptq_model(
             states = run_layer(i, names if input_transform is not None else [], None) if sequential else unrounded
             out.update(done)
             if on_layer is not None:
-                on_layer(LayerReport(i, hessians, time.perf_counter() - started), done)
+                mean_abs = {n: total / max(rows, 1) for n, (total, rows) in abs_sums.items()}
+                on_layer(LayerReport(i, hessians, time.perf_counter() - started, mean_abs), done)
     finally:
         with torch.no_grad():
             for n, m in mods.items():

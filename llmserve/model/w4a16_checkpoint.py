@@ -375,11 +375,13 @@ def config_entry(method: str, group_size: int, sym: bool, desc_act: bool) -> dic
 
 
 def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: str = "gptq", group_size: int = 128,
-                           sym: bool = True, desc_act: bool = False, gptq=None) -> Path:  # fmt: skip
+                           sym: bool = True, desc_act: bool = False, gptq=None, awq=None) -> Path:  # fmt: skip
     """Quantize a model's projections to 4 bits per group (round to nearest, or with `gptq`, an
     fp8_checkpoint.GptqCalibration, by GPTQ on calibration text: model/w4a16_gptq.py) and write
     them as a GPTQ (v1) or AWQ (GEMM) folder: a Hugging Face folder or a GGUF file as the source
-    (its other tensors in bfloat16 then), the LM head and embedding as they are."""
+    (its other tensors in bfloat16 then), the LM head and embedding as they are. `awq` (AWQ
+    only), a w4a16_awq.AwqCalibration: activation-aware scales searched on calibration text and
+    folded into the norms / previous projections first (model/w4a16_awq.py), then round to nearest."""
     from safetensors.torch import save_file
 
     from llmserve.config import read_arch
@@ -391,6 +393,8 @@ def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: s
         raise ValueError(f"method must be one of {METHODS}")
     if method == "awq" and (sym or desc_act):
         raise ValueError("AWQ checkpoints have zero points (sym False) and no act-order")
+    if awq is not None and (method != "awq" or gptq is not None):
+        raise ValueError("activation-aware scales are written into AWQ checkpoints rounded to nearest (not with GPTQ)")
     source, out = Path(model_dir), Path(out_dir)
     if not source.is_file() and not (source / "config.json").is_file():
         raise ValueError(f"{str(source)!r} is not a Hugging Face model folder (no config.json) nor a GGUF file")
@@ -410,6 +414,12 @@ def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: s
 
         rounded = gptq_w4a16_tensors(source, arch, gptq, group_size, sym, desc_act, min_zero)
     source_tensors = dict(_checkpoint_tensors(source, arch, progress=True))
+    awq_found = {}
+    if awq is not None:
+        from llmserve.model.w4a16_awq import awq_scales, fold_scales
+
+        awq_found = awq_scales(source, arch, awq, group_size)
+        fold_scales(source_tensors, awq_found, arch)
     importance = act_order_importance(source_tensors) if desc_act else {}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in source_tensors.items():
@@ -426,6 +436,12 @@ def write_w4a16_checkpoint(model_dir: str | Path, out_dir: str | Path, method: s
     if gptq is not None:  # how the weights were rounded (read by nothing; for people)
         cfg["quantization_config"]["llmserve_rounding"] = {"method": "gptq", "calibration_tokens": gptq.tokens,
                                                            "calibration_texts": [Path(t).name for t in gptq.texts]}  # fmt: skip
+    if awq is not None:
+        alphas = [found.alpha for found in awq_found.values()]
+        cfg["quantization_config"]["llmserve_rounding"] = {
+            "method": "awq activation-aware scales, round to nearest", "calibration_tokens": awq.tokens,
+            "calibration_texts": [Path(t).name for t in awq.texts], "mean_alpha": sum(alphas) / max(len(alphas), 1),
+            "alphas": {name: found.alpha for name, found in awq_found.items()}}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _copy_tokenizer(source, out)
     return out
