@@ -103,11 +103,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     tune = sub.add_parser(
         "tune", help="measure the kernels' settings on this GPU and write them for every engine on it"
     )
-    tune.add_argument("--hidden-size", type=int, default=4096, help="the projections' shapes: a model's (8B default)")
-    tune.add_argument("--intermediate-size", type=int, default=14336)
-    tune.add_argument("--num-heads", type=int, default=32)
-    tune.add_argument("--num-kv-heads", type=int, default=8)
-    tune.add_argument("--head-dim", type=int, default=128)
+    tune.add_argument("--model", help="a Hugging Face folder (or GGUF file) whose shapes to tune for; the flags "
+                      "below override its values")  # fmt: skip
+    tune.add_argument("--hidden-size", type=int, help="the projections' shapes: a model's (default: 8B's, 4096)")
+    tune.add_argument("--intermediate-size", type=int, help="default 14336")
+    tune.add_argument("--num-heads", type=int, help="default 32")
+    tune.add_argument("--num-kv-heads", type=int, help="default 8")
+    tune.add_argument("--head-dim", type=int, help="default 128")
+    tune.add_argument("--num-experts", type=int, help="a MoE's experts (none: no fused MoE tables)")
+    tune.add_argument("--moe-intermediate-size", type=int, help="each expert's width")
+    tune.add_argument("--num-experts-per-tok", type=int, help="experts a token")
+    tune.add_argument("--only", default="all", choices=["all", "dense", "moe"],
+                      help="dense: projections and attention; moe: the fused MoE's tiles alone")  # fmt: skip
     tune.add_argument("--device", default="cuda")
     tune.set_defaults(func=_tune)
 
@@ -173,11 +180,39 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+_TUNE_DEFAULTS = dict(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128)
+_TUNE_SHAPE = (*_TUNE_DEFAULTS, "num_experts", "moe_intermediate_size", "num_experts_per_tok")
+
+
+def tune_shapes(args: argparse.Namespace) -> dict[str, int | None]:
+    """`llmserve tune`'s shapes: each flag given, else the --model's value (its config read as the
+    engine reads it), else the 8B default (the experts: none)."""
+    found: dict[str, int | None] = {}
+    if args.model:
+        from pathlib import Path
+
+        from llmserve.config import read_arch
+
+        arch = read_arch(Path(args.model))
+        found = dict(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                     num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim)  # fmt: skip
+        if getattr(arch, "num_experts", 0):  # a MoE (model/moe_block.py MoeArch)
+            found.update(num_experts=arch.num_experts, moe_intermediate_size=arch.moe_intermediate_size,
+                         num_experts_per_tok=arch.top_k)  # fmt: skip
+    out = {}
+    for name in _TUNE_SHAPE:
+        given = getattr(args, name)
+        out[name] = given if given is not None else found.get(name, _TUNE_DEFAULTS.get(name))
+    return out
+
+
 def _tune(args: argparse.Namespace) -> None:
     from llmserve.kernels.tune import run
 
-    path, values = run(args.hidden_size, args.intermediate_size, args.num_heads, args.num_kv_heads, args.head_dim,
-                       args.device)  # fmt: skip
+    s = tune_shapes(args)
+    path, values = run(s["hidden_size"], s["intermediate_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
+                       args.device, num_experts=s["num_experts"], moe_intermediate=s["moe_intermediate_size"],
+                       top_k=s["num_experts_per_tok"], only=args.only)  # fmt: skip
     print(f"wrote {path}: {values or 'the defaults are best'}")
 
 

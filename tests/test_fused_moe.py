@@ -107,9 +107,10 @@ def test_tile_config_buckets_and_tuned_tables(monkeypatch):
     assert fm.tile_config(33, 8, 64, 32) == fm.DEFAULT_TILES[256]
     assert fm.tile_config(10**9 + 7, 8, 64, 32) == fm.DEFAULT_TILES[max(fm.DEFAULT_TILES)]
     tuned = {64: dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=2, num_stages=2)}
-    monkeypatch.setitem(fm.TUNED_TILES, ("card", 8, 64, 32), tuned)
-    assert fm.tile_config(100, 8, 64, 32, "card") == tuned[64]  # past the last bucket: the last
-    assert fm.tile_config(100, 8, 64, 32, "other card") == fm.DEFAULT_TILES[256]
+    monkeypatch.setitem(fm.TUNED_TILES, fm.shape_key(8, 64, 32), tuned)
+    assert fm.shape_key(8, 64, 32) == "8,64,32"
+    assert fm.tile_config(100, 8, 64, 32) == tuned[64]  # past the last bucket: the last
+    assert fm.tile_config(100, 8, 64, 48) == fm.DEFAULT_TILES[256]  # another shape: the defaults
 
 
 def test_the_shared_expert_block_and_no_tokens():
@@ -296,6 +297,8 @@ def test_decode_settings_are_data(monkeypatch):
     assert fm.decode_config(8, 64, 32) == fm.DEFAULT_DECODE and fm.DEFAULT_DECODE["max_tokens"] == 1
     assert not fm.use_decode(0, 8, 64, 32) and fm.use_decode(1, 8, 64, 32) and not fm.use_decode(2, 8, 64, 32)
     tuned = dict(fm.DEFAULT_DECODE, max_tokens=4, BLOCK_N=16)
-    monkeypatch.setitem(fm.TUNED_DECODE, ("card", 8, 64, 32), tuned)
-    assert fm.use_decode(4, 8, 64, 32, "card") and not fm.use_decode(5, 8, 64, 32, "card")
-    assert not fm.use_decode(4, 8, 64, 32, "other card")
+    monkeypatch.setitem(fm.TUNED_DECODE, fm.shape_key(8, 64, 32), tuned)
+    assert fm.use_decode(4, 8, 64, 32) and not fm.use_decode(5, 8, 64, 32)
+    assert not fm.use_decode(4, 8, 64, 48)  # another shape: the default rule
+    monkeypatch.setitem(fm.TUNED_DECODE, fm.shape_key(8, 64, 32), dict(tuned, max_tokens=0))
+    assert not any(fm.use_decode(t, 8, 64, 32) for t in range(0, 9))  # 0: the variant never wins

@@ -145,3 +145,147 @@ def test_a_value_no_file_names_is_left_as_it_is(monkeypatch):
     monkeypatch.setattr(paged_attention, "SDPA_CHUNK_MIN_TOKENS", 16)
     tuning.apply("cpu")
     assert paged_attention.SDPA_CHUNK_MIN_TOKENS == 16
+
+
+# the fused MoE's tile tables: per-card settings keyed by experts' shape "E,H,I"
+MOE = "llmserve.kernels.fused_moe"
+TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=3)
+DECODE = dict(max_tokens=4, BLOCK_N=16, BLOCK_K=64, DOWN_BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def test_moe_tables_round_trip_through_a_card_file(user_settings):
+    from llmserve.kernels import fused_moe as fm
+
+    big = dict(TILE, BLOCK_M=64, BLOCK_N=128)
+    tables = {"TUNED_TILES": {"4,64,32": {16: TILE, 16384: big}}, "TUNED_DECODE": {"4,64,32": DECODE}}
+    path = tuning.write_settings("cpu", {MOE: tables}, "test")
+    on_disk = json.loads(path.read_text())["settings"][MOE]
+    assert set(on_disk["TUNED_TILES"]["4,64,32"]) == {"16", "16384"}  # JSON's string keys
+    assert tuning.read_settings(path) == {MOE: tables}  # read back as ints
+    settings = tuning.apply("cpu")
+    assert settings.changed == {MOE: tables}
+    assert fm.tile_config(8, 4, 64, 32) == TILE and fm.tile_config(17, 4, 64, 32) == big
+    assert fm.tile_config(10**6, 4, 64, 32) == big  # past the last bucket: the last
+    assert fm.decode_config(4, 64, 32) == DECODE and fm.use_decode(4, 4, 64, 32) and not fm.use_decode(5, 4, 64, 32)
+    # another shape: the defaults
+    assert fm.tile_config(8, 8, 64, 32) == fm.DEFAULT_TILES[32] and fm.decode_config(8, 64, 32) == fm.DEFAULT_DECODE
+    path.unlink()  # a card without a file: the defaults back
+    assert tuning.apply("cpu").source is None
+    assert fm.TUNED_TILES == {} and fm.TUNED_DECODE == {} and fm.tile_config(8, 4, 64, 32) == fm.DEFAULT_TILES[32]
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("TUNED_TILES", {"4,64,32": {"16": {k: v for k, v in TILE.items() if k != "num_stages"}}}, "num_stages"),
+        ("TUNED_TILES", {"4,64,32": {"16": dict(TILE, num_warps=-4)}}, "non-negative integers"),
+        ("TUNED_TILES", {"4,64,32": {"16": dict(TILE, BLOCK_N=48)}}, "BLOCK_N must be a power of two"),
+        ("TUNED_TILES", {"4,64,32": {"16": dict(TILE, BLOCK_K="64")}}, "non-negative integers"),
+        ("TUNED_TILES", {"4,64,32": {"sixteen": TILE}}, "batch bucket"),
+        ("TUNED_TILES", {"4,64,32": [TILE]}, "batch buckets"),
+        ("TUNED_TILES", {"cpu,4,64,32": {"16": TILE}}, "experts' shape"),
+        ("TUNED_TILES", [1, 2], "experts' shape"),
+        ("TUNED_DECODE", {"4,64,32": dict(DECODE, extra=1)}, "max_tokens"),
+        ("TUNED_DECODE", {"4,64,32": dict(DECODE, DOWN_BLOCK_N=24)}, "DOWN_BLOCK_N must be a power of two"),
+        ("TUNED_DECODE", {"4,64,32": dict(DECODE, max_tokens=1.5)}, "non-negative integers"),
+    ],
+)
+def test_a_malformed_moe_table_is_refused_by_name(user_settings, name, value, message):
+    from llmserve.kernels import fused_moe as fm
+
+    user_settings.mkdir(parents=True)
+    (user_settings / "cpu.json").write_text(json.dumps({"settings": {MOE: {name: value}}}))
+    with pytest.raises(ValueError, match=message) as err:
+        tuning.apply("cpu")
+    assert "cpu.json" in str(err.value) and f"{MOE}.{name}" in str(err.value)
+    assert fm.TUNED_TILES == {} and fm.TUNED_DECODE == {}
+
+
+def test_moe_tables_merge_by_shape_and_a_dense_run_replaces_the_dense_settings():
+    old = {MOE: {"TUNED_TILES": {"4,64,32": {16: TILE}}, "TUNED_DECODE": {"4,64,32": DECODE}},
+           SPLIT_K: {"PROGRAMS": 512}}  # fmt: skip
+    new_moe = {MOE: {"TUNED_TILES": {"8,64,32": {16: TILE}}, "TUNED_DECODE": {"8,64,32": DECODE}}}
+    merged = tune.merge_settings(old, new_moe, dense=False)
+    assert set(merged[MOE]["TUNED_TILES"]) == {"4,64,32", "8,64,32"} and merged[SPLIT_K] == {"PROGRAMS": 512}
+    merged = tune.merge_settings(old, {SPLIT_K: {"BF16_STAGES": 3}}, dense=True)
+    assert merged[SPLIT_K] == {"BF16_STAGES": 3} and merged[MOE] == old[MOE]
+
+
+def test_tune_moe_picks_the_fastest_correct_tiles_and_the_decode_limit(monkeypatch):
+    """A fake timer (a function of the tiles of the call it times) on a tiny shape under the
+    interpreter: the cheapest correct tiles per bucket win, a candidate with a wrong output (the
+    cheapest of all) is skipped, and max_tokens is the largest count from 1 the variant wins at."""
+    from llmserve.kernels import fused_moe as fm
+
+    real = fm.fused_moe
+    calls: list[dict] = []
+    broken = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=8, num_stages=3)
+
+    def fused_moe(x, *args, tiles=None, decode=None, **kw):
+        calls.append(dict(tokens=x.shape[0], tiles=tiles, decode=decode, cfg=fm.decode_config(4, 64, 32)))
+        out = real(x, *args, tiles=tiles, decode=decode, **kw)
+        return out * 2 if tiles == broken else out
+
+    def timer(fn):
+        fn()
+        c = calls[-1]
+        if c["decode"]:  # the decode variant: BLOCK_N 32 cheapest; beats the grouped path below 3 tokens
+            return 1.0 + abs(c["cfg"]["BLOCK_N"] - 32) + c["cfg"]["DOWN_BLOCK_N"] / 100 + c["tokens"]
+        t = c["tiles"]
+        if t == broken:
+            return 0.0
+        want_m = 16 if c["tokens"] <= 8 else 32
+        return 3.5 + abs(t["BLOCK_M"] - want_m) + t["BLOCK_N"] / 100 + t["num_warps"] / 1000
+
+    monkeypatch.setattr(fm, "fused_moe", fused_moe)
+    out = tune.tune_moe(4, 64, 32, 2, "cpu", timer, progress=lambda _: None, tokens=(8, 32),
+                        block_m=(16, 32), block_nk=((16, 16), (32, 16)), warps=(4, 8), stages=(3,),
+                        decode_block_n=(16, 32), decode_block_k=(32,), decode_tokens=(1, 2, 4),
+                        dtype=torch.float32)  # fmt: skip
+    assert any(c["tiles"] == broken for c in calls)  # tried, wrong, never chosen
+    table = out["TUNED_TILES"]["4,64,32"]
+    assert table == {8: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3),
+                     32: dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=3)}  # fmt: skip
+    # decode at 1 token: 2 + 0.16 < grouped 3.66; at 2: 3.16 < 3.66; at 4: 5.16 > 3.66
+    assert out["TUNED_DECODE"]["4,64,32"] == dict(max_tokens=2, BLOCK_N=32, BLOCK_K=32, DOWN_BLOCK_N=16,
+                                                  num_warps=4, num_stages=2)  # fmt: skip
+    assert fm.TUNED_TILES == {} and fm.TUNED_DECODE == {}  # the module's tables as before
+    # a file with these tables is accepted as it was measured
+    tuning.write_settings("cpu", {MOE: out}, "test")
+    assert tuning.apply("cpu").changed == {MOE: out}
+    assert fm.tile_config(32, 4, 64, 32) == table[32]
+
+
+def test_tune_moe_writes_max_tokens_0_when_the_variant_never_wins(monkeypatch):
+    from llmserve.kernels import fused_moe as fm
+
+    out = tune.tune_moe(4, 64, 32, 2, "cpu", lambda fn: 1.0, progress=lambda _: None, tokens=(16,),
+                        block_m=(16,), block_nk=((16, 16),), warps=(4,), stages=(3,), decode_block_n=(16,),
+                        decode_block_k=(32,), decode_tokens=(1, 2), dtype=torch.float32)  # fmt: skip
+    assert out["TUNED_DECODE"]["4,64,32"]["max_tokens"] == 0  # a tie: the grouped path
+    monkeypatch.setattr(fm, "TUNED_DECODE", out["TUNED_DECODE"])
+    assert not any(fm.use_decode(t, 4, 64, 32) for t in range(0, 9))
+
+
+def test_tune_reads_a_moe_model_s_shapes(tmp_path, monkeypatch):
+    from llmserve import cli
+    from llmserve.model.random_model import make_random_model
+
+    model = tmp_path / "moe"
+    make_random_model(model, "qwen3_moe", config_only=True)
+    cfg = json.loads((model / "config.json").read_text())
+    seen = {}
+    monkeypatch.setattr(tune, "run", lambda *a, **kw: seen.update(args=a, kw=kw) or ("path", {}))
+    cli.main(["tune", "--model", str(model), "--only", "moe", "--num-heads", "2"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads, experts = cfg["num_key_value_heads"], cfg.get("num_experts") or cfg["num_local_experts"]
+    assert seen["args"] == (cfg["hidden_size"], cfg["intermediate_size"], 2, kv_heads, head_dim, "cuda")
+    assert seen["kw"] == dict(num_experts=experts, moe_intermediate=cfg["moe_intermediate_size"],
+                              top_k=cfg["num_experts_per_tok"], only="moe")  # fmt: skip
+    monkeypatch.undo()
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(SystemExit, match="CUDA device"):
+        cli.main(["tune", "--model", str(model), "--only", "moe"])
+    with pytest.raises(SystemExit):  # a dense model has no experts to tune alone
+        cli.main(["tune", "--only", "moe"])

@@ -24,9 +24,11 @@ output channel, both scales multiply the accumulator once, after the K loop; wit
 (bn, bk) block (`block_shape`), each K step's product is scaled by its block's scales before it
 is added (BLOCK_K divides bk, so a K step lies in one block), the token's scale after the loop.
 
-Tile configs are data (below): `TUNED_TILES` holds per-(card, E, H, I) tables measured on a GPU
-(none yet); any other shape takes `DEFAULT_TILES`, a heuristic keyed by batch bucket (the token
-count's bucket: tokens per expert grow with it, and BLOCK_M follows them).
+Tile configs are data (below): `DEFAULT_TILES` is a heuristic keyed by batch bucket (the token
+count's bucket: tokens per expert grow with it, and BLOCK_M follows them); `TUNED_TILES` holds
+tables measured on this card per shape ("E,H,I", `shape_key`). Both tuned tables are per-card
+settings (kernels/tuning.py): `llmserve tune --only moe` measures them and writes the card's
+file, `tuning.apply` sets them at engine start; a shape the file does not name takes the defaults.
 
 Small decode steps take a variant of their own (`decode=True`, or chosen by `use_decode`): at one
 token a block of BLOCK_M rows holds one real row, and the single-program align step and the
@@ -38,7 +40,7 @@ chosen experts' rows:
   (each rounded to the output dtype before it is added, as the grouped path stores its rows).
 A token's k experts are distinct, so at one token no expert is read twice; two tokens may share
 one (read twice), so by default only steps of `DECODE_MAX_TOKENS` tokens take it; `TUNED_DECODE`
-holds measured limits and tiles per (card, E, H, I) (none yet).
+holds the card's measured limit and tiles per shape (max_tokens 0: the variant never wins there).
 """
 
 from __future__ import annotations
@@ -61,35 +63,40 @@ DEFAULT_TILES: dict[int, dict[str, int]] = {
     1024: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3),
     1 << 30: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
 }
-# (card name as torch reports it, num_experts, hidden, moe_intermediate) -> batch bucket -> tiles
-TUNED_TILES: dict[tuple[str, int, int, int], dict[int, dict[str, int]]] = {}
+# this card's measured tables (a per-card setting, kernels/tuning.py): shape_key -> batch bucket -> tiles
+TUNED_TILES: dict[str, dict[int, dict[str, int]]] = {}
 
 # the decode variant: steps of at most `max_tokens` tokens take it; BLOCK_N columns of I (gate/up)
 # and DOWN_BLOCK_N of H (down) a program, BLOCK_K of the reduced dimension a loop step
 DECODE_MAX_TOKENS = 1
 DEFAULT_DECODE: dict[str, int] = dict(max_tokens=DECODE_MAX_TOKENS, BLOCK_N=32, BLOCK_K=128, DOWN_BLOCK_N=32,
                                       num_warps=4, num_stages=2)  # fmt: skip
-# (card, num_experts, hidden, moe_intermediate) -> the decode settings measured there
-TUNED_DECODE: dict[tuple[str, int, int, int], dict[str, int]] = {}
+# this card's measured decode settings (a per-card setting): shape_key -> settings as DEFAULT_DECODE's
+TUNED_DECODE: dict[str, dict[str, int]] = {}
 
 
-def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int,
-                card: str | None = None) -> dict[str, int]:  # fmt: skip
-    """The tiles for a step of `num_tokens` tokens: the tuned table of this shape on this card,
-    else the default one; the smallest bucket that holds the count."""
-    table = TUNED_TILES.get((card or "", num_experts, hidden, intermediate), DEFAULT_TILES)
+def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:
+    """The tuned tables' key of an experts' shape: "E,H,I" (a JSON object key in the card's file)."""
+    return f"{num_experts},{hidden},{intermediate}"
+
+
+def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int) -> dict[str, int]:
+    """The tiles for a step of `num_tokens` tokens: this card's tuned table of this shape, else
+    the default one; the smallest bucket that holds the count (the last covers larger counts)."""
+    table = TUNED_TILES.get(shape_key(num_experts, hidden, intermediate)) or DEFAULT_TILES
     buckets = sorted(table)
     return table[next((b for b in buckets if num_tokens <= b), buckets[-1])]
 
 
-def decode_config(num_experts: int, hidden: int, intermediate: int, card: str | None = None) -> dict[str, int]:
-    """The decode variant's settings for this shape on this card: tuned, else the default."""
-    return TUNED_DECODE.get((card or "", num_experts, hidden, intermediate), DEFAULT_DECODE)
+def decode_config(num_experts: int, hidden: int, intermediate: int) -> dict[str, int]:
+    """The decode variant's settings for this shape: this card's tuned ones, else the default."""
+    return TUNED_DECODE.get(shape_key(num_experts, hidden, intermediate), DEFAULT_DECODE)
 
 
-def use_decode(num_tokens: int, num_experts: int, hidden: int, intermediate: int, card: str | None = None) -> bool:
-    """Whether a step of `num_tokens` tokens takes the decode variant (by default: one token)."""
-    return 0 < num_tokens <= decode_config(num_experts, hidden, intermediate, card)["max_tokens"]
+def use_decode(num_tokens: int, num_experts: int, hidden: int, intermediate: int) -> bool:
+    """Whether a step of `num_tokens` tokens takes the decode variant (by default: one token;
+    never where the tuned max_tokens is 0)."""
+    return 0 < num_tokens <= decode_config(num_experts, hidden, intermediate)["max_tokens"]
 
 
 @triton.jit
@@ -455,12 +462,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return out
     if x.stride(-1) != 1:
         x = x.contiguous()
-    card = torch.cuda.get_device_name(x.device) if x.is_cuda else None
     if decode is None:
-        decode = tiles is None and use_decode(num_tokens, num_experts, hidden, inter, card)
+        decode = tiles is None and use_decode(num_tokens, num_experts, hidden, inter)
     if decode:
-        return _decode_experts(x, w13, w2, weights, ids, scales, out, decode_config(num_experts, hidden, inter, card))
-    t = tiles or tile_config(num_tokens, num_experts, hidden, inter, card)
+        return _decode_experts(x, w13, w2, weights, ids, scales, out, decode_config(num_experts, hidden, inter))
+    t = tiles or tile_config(num_tokens, num_experts, hidden, inter)
     bm, bn, bk = t["BLOCK_M"], t["BLOCK_N"], _scale_k_tile(t["BLOCK_K"], scales)
     launch = dict(num_warps=t["num_warps"], num_stages=t["num_stages"])
     sorted_rows, block_expert, num_padded = align(ids, num_experts, bm)

@@ -8,6 +8,13 @@ the token count up to which FP8 projections take it instead of cuBLAS; the paged
 tiles and split-KV targets on decode steps of 1 to 256 sequences; the INT8 and W4A16 GEMMs'
 split-K rules (kernels/quant_split_k.py) at 1-16 tokens (GGUF's keeps its default). Every
 candidate's output is checked against the PyTorch reference first; a wrong one is never chosen.
+
+The fused MoE (`tune_moe`, per experts' shape E,H,I) is searched whole rather than setting by
+setting: for each batch bucket (MOE_TOKENS) every grouped tile candidate, checked against the
+default tiles' output, then timed; the decode variant's tiles at one token; then the token count
+up to which the variant beats the grouped kernels (0: never). Small launches are timed in CUDA
+graphs (`graph_timer`). The card's file keeps what an earlier run wrote for other shapes and
+modules: each run merges into it.
 """
 
 from __future__ import annotations
@@ -84,6 +91,38 @@ def cuda_timer(reps: int = 20) -> Timer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+    return time
+
+
+def graph_timer(calls: int = 10, replays: int = 5) -> Timer:
+    """Seconds a call takes, for small kernels (no launch gaps between them): `calls` calls
+    captured in one CUDA graph, replayed `replays` times under CUDA events; the median replay
+    over `calls`."""
+
+    def time(fn: Callable[[], object]) -> float:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (compile) off the capture
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        del graph
         return statistics.median(times)
 
     return time
@@ -215,28 +254,184 @@ def search(workloads: dict[str, Sequence[Call]], timer: Timer, settings: Sequenc
     return {m: names for m, names in changed.items() if names}
 
 
+# the fused MoE's search: batch buckets (token counts; a step takes the smallest bucket that holds
+# it, the last every larger one) and the grouped kernels' tile candidates at each
+MOE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+MOE_BLOCK_M = (16, 32, 64, 128)  # 16 only up to 512 tokens, 128 only from 1,024
+MOE_BLOCK_NK = ((64, 64), (64, 128), (128, 64), (128, 128))
+MOE_WARPS = (4, 8)
+MOE_STAGES = (3, 4)
+# the decode variant's candidates (at one token) and the counts it may be chosen up to
+MOE_DECODE_BLOCK_N = (16, 32, 64)  # BLOCK_N and DOWN_BLOCK_N each
+MOE_DECODE_BLOCK_K = (64, 128, 256)
+MOE_DECODE_TOKENS = (1, 2, 4, 8)
+MOE_TOLERANCE = 1e-2  # a candidate's relative error against the default tiles' output
+
+
+def moe_tile_candidates(tokens: int, block_m: Sequence[int] = MOE_BLOCK_M,
+                        block_nk: Sequence[tuple[int, int]] = MOE_BLOCK_NK, warps: Sequence[int] = MOE_WARPS,
+                        stages: Sequence[int] = MOE_STAGES) -> list[dict[str, int]]:  # fmt: skip
+    """The grouped kernels' tiles tried at a bucket of `tokens`: BLOCK_M 16 only up to 512 tokens
+    (few rows an expert), 128 only from 1,024."""
+    ms = [m for m in block_m if not (m == 16 and tokens > 512) and not (m == 128 and tokens < 1024)]
+    return [dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+            for m in ms for n, k in block_nk for w in warps for s in stages]  # fmt: skip
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    want = want.float()
+    return ((got.float() - want).norm() / want.norm().clamp(min=1e-12)).item()
+
+
+def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, device: torch.device | str, timer: Timer,
+             progress: Callable[[str], None] = print, *, tokens: Sequence[int] = MOE_TOKENS,
+             block_m: Sequence[int] = MOE_BLOCK_M, block_nk: Sequence[tuple[int, int]] = MOE_BLOCK_NK,
+             warps: Sequence[int] = MOE_WARPS, stages: Sequence[int] = MOE_STAGES,
+             decode_block_n: Sequence[int] = MOE_DECODE_BLOCK_N, decode_block_k: Sequence[int] = MOE_DECODE_BLOCK_K,
+             decode_tokens: Sequence[int] = MOE_DECODE_TOKENS, dtype: torch.dtype = torch.bfloat16,
+             seed: int = 0) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """The fused MoE's tables for experts of this shape on this card: {"TUNED_TILES": {key: bucket
+    -> tiles}, "TUNED_DECODE": {key: decode settings}} (key: `fused_moe.shape_key`). Each
+    candidate runs `fused_moe` on random inputs (router logits random, weights randn * dim**-0.5)
+    and must give the default tiles' output (relative error under MOE_TOLERANCE) before it is
+    timed; a wrong one is skipped, never chosen. The module's tables are as before afterwards."""
+    from llmserve.kernels import fused_moe as fm
+
+    dev = torch.device(device)
+    key = fm.shape_key(num_experts, hidden, intermediate)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    most = max([*tokens, *decode_tokens])
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, generator=g) * hidden**-0.5).to(dev, dtype)
+    w2 = (torch.randn(num_experts, hidden, intermediate, generator=g) * intermediate**-0.5).to(dev, dtype)
+    xs = torch.randn(most, hidden, generator=g).to(dev, dtype)
+    logits = torch.randn(most, num_experts, generator=g).to(dev, dtype)
+
+    def moe(t: int, **kw: Any) -> Callable[[], torch.Tensor]:
+        x, lg = xs[:t], logits[:t]
+        return lambda: fm.fused_moe(x, lg, w13, w2, top_k, True, **kw)
+
+    def default_output(t: int) -> torch.Tensor:
+        buckets = sorted(fm.DEFAULT_TILES)
+        tiles = fm.DEFAULT_TILES[next((b for b in buckets if t <= b), buckets[-1])]
+        return moe(t, tiles=tiles, decode=False)()
+
+    saved = fm.TUNED_TILES, fm.TUNED_DECODE
+    try:
+        fm.TUNED_TILES, fm.TUNED_DECODE = {}, {}
+        table: dict[int, dict[str, int]] = {}
+        for t in tokens:
+            want = default_output(t)
+            costs = []
+            for cfg in moe_tile_candidates(t, block_m, block_nk, warps, stages):
+                err = _rel_err(moe(t, tiles=cfg, decode=False)(), want)
+                if not err < MOE_TOLERANCE:
+                    progress(f"  T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+                    continue
+                costs.append((timer(moe(t, tiles=cfg, decode=False)), cfg))
+                progress(f"  T={t} {cfg}: {costs[-1][0] * 1e6:.1f} us")
+            if not costs:
+                raise RuntimeError(f"fused MoE {key}: no tile candidate at {t} tokens gave the default tiles' output")
+            table[t] = min(costs, key=lambda c: c[0])[1]
+            progress(f"fused MoE {key} T={t}: {table[t]}")
+
+        def timed_decode(cfg: dict[str, int], t: int) -> float | None:
+            """The variant's time at `t` tokens with `cfg` (None: a wrong output)."""
+            fm.TUNED_DECODE = {key: cfg}
+            err = _rel_err(moe(t, decode=True)(), default_output(t))
+            if not err < MOE_TOLERANCE:
+                progress(f"  decode T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+                return None
+            return timer(moe(t, decode=True))
+
+        decode_costs = []
+        for bn in decode_block_n:
+            for down_bn in decode_block_n:
+                for bk in decode_block_k:
+                    cfg = dict(fm.DEFAULT_DECODE, BLOCK_N=bn, DOWN_BLOCK_N=down_bn, BLOCK_K=bk, num_warps=4,
+                               num_stages=2)  # fmt: skip
+                    cost = timed_decode(cfg, 1)
+                    if cost is not None:
+                        decode_costs.append((cost, cfg))
+                        progress(f"  decode T=1 {cfg}: {cost * 1e6:.1f} us")
+        fm.TUNED_TILES = {key: table}
+        max_tokens, best = 0, dict(fm.DEFAULT_DECODE)
+        if decode_costs:
+            best = dict(min(decode_costs, key=lambda c: c[0])[1])
+            for t in decode_tokens:  # contiguous from the first: the largest count the variant wins at
+                fm.TUNED_DECODE = {}
+                grouped = timer(moe(t, tiles=fm.tile_config(t, num_experts, hidden, intermediate), decode=False))
+                decoded = timed_decode(best, t)
+                progress(f"  T={t}: decode {'wrong' if decoded is None else f'{decoded * 1e6:.1f} us'}, "
+                         f"grouped {grouped * 1e6:.1f} us")  # fmt: skip
+                if decoded is None or decoded >= grouped:
+                    break
+                max_tokens = t
+        best["max_tokens"] = max_tokens
+        progress(f"fused MoE {key} decode: {best}")
+    finally:
+        fm.TUNED_TILES, fm.TUNED_DECODE = saved
+    return {"TUNED_TILES": {key: table}, "TUNED_DECODE": {key: best}}
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     scale = want.abs().amax().clamp(min=1e-6)
     return bool(((got.float() - want).abs().amax() / scale) < 2e-2)
 
 
-def run(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        device: str = "cuda") -> tuple[str, dict]:  # fmt: skip
-    """Tune on `device` for these projection sizes and write the card's file: (its path, values)."""
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+MOE_MODULE = "llmserve.kernels.fused_moe"
+
+
+def merge_settings(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]],
+                   dense: bool) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """A card's file after a run: the MoE tables merged by shape (a second model's shapes join the
+    first's); the other modules' settings replaced by this run's search when it ran one (`dense`),
+    else kept."""
+    out = {m: dict(names) for m, names in old.items() if not (dense and m != MOE_MODULE)}
+    for module_name, names in new.items():
+        for name, value in names.items():
+            kept = out.setdefault(module_name, {})
+            kept[name] = {**kept.get(name, {}), **value} if module_name == MOE_MODULE else value
+    return {m: names for m, names in out.items() if names}
+
+
+def run(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, device: str = "cuda",
+        num_experts: int | None = None, moe_intermediate: int | None = None, top_k: int | None = None,
+        only: str = "all") -> tuple[str, dict]:  # fmt: skip
+    """Tune on `device` and merge into the card's file: (its path, this run's values). `only`:
+    "dense" (projections and attention), "moe" (the fused MoE of experts num_experts x
+    moe_intermediate, top_k a token), or "all" (both; the MoE where its shape is given)."""
+    if only not in ("all", "dense", "moe"):
+        raise ValueError(f"only must be all, dense or moe, not {only!r}")
+    moe = None if num_experts is None else (num_experts, moe_intermediate, top_k)
+    if moe is not None and (moe_intermediate is None or top_k is None):
+        raise ValueError("the MoE shape needs num_experts, moe_intermediate and top_k")
+    if only == "moe" and moe is None:
+        raise ValueError("tuning the MoE alone needs the experts' shape (--num-experts, "
+                         "--moe-intermediate-size, --num-experts-per-tok, or --model of a MoE model)")  # fmt: skip
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         raise SystemExit("llmserve tune measures kernels on a CUDA device (settings are per card); none is here")
     card = tuning.card_key(dev)
     print(f"tuning the kernels' settings on {card} ({torch.cuda.get_device_name(dev)})")
-    shapes = projection_shapes(hidden, intermediate, q_size, kv_size)
-    workloads = {
-        "gemm": gemm_workload(shapes, dev),
-        "attention": attention_workload(num_heads, kv_size // head_dim, head_dim, dev),
-        "int8": int8_workload(shapes, dev),
-        "w4a16": w4a16_workload(shapes, dev),
-    }
-    values = search(workloads, cuda_timer())
+    values: dict[str, dict[str, Any]] = {}
+    what = []
+    if only in ("all", "dense"):
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        shapes = projection_shapes(hidden, intermediate, q_size, kv_size)
+        workloads = {
+            "gemm": gemm_workload(shapes, dev),
+            "attention": attention_workload(num_heads, kv_size // head_dim, head_dim, dev),
+            "int8": int8_workload(shapes, dev),
+            "w4a16": w4a16_workload(shapes, dev),
+        }
+        values = search(workloads, cuda_timer())
+        what.append(f"projections hidden {hidden}, intermediate {intermediate}")
+    if moe is not None and only in ("all", "moe"):
+        values[MOE_MODULE] = tune_moe(num_experts, hidden, moe_intermediate, top_k, dev, graph_timer())
+        what.append(f"MoE {num_experts} experts x {moe_intermediate}, top {top_k}")
+    old_path = tuning.settings_file(card)
+    old = tuning.read_settings(old_path) if old_path is not None else {}
+    merged = merge_settings(old, values, dense=only in ("all", "dense"))
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    path = tuning.write_settings(card, values, f"{stamp}, projections hidden {hidden}, intermediate {intermediate}")
+    path = tuning.write_settings(card, merged, f"{stamp}, {'; '.join(what)}")
     return str(path), values

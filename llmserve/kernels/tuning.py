@@ -14,6 +14,7 @@ their own); a value no file names is left as it is.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import json
@@ -28,12 +29,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# module -> its settings a card may tune (an int, or a launch config or split-K rule as an object
-# of its fields);
+# module -> its settings a card may tune (an int, a launch config or split-K rule as an object of
+# its fields, or a table: the fused MoE's tiles per experts' shape, `_TABLES`);
 # the module's own value is the default
 TUNABLE: dict[str, tuple[str, ...]] = {
     "llmserve.kernels.split_k_gemm": ("SMALL_TILE_ROWS", "SMALL_M_PROGRAMS", "PROGRAMS", "BF16_STAGES"),
     "llmserve.kernels.fp8_linear": ("SMALL_M_ROWS",),
+    "llmserve.kernels.fused_moe": ("TUNED_TILES", "TUNED_DECODE"),
     "llmserve.kernels.int8_linear": ("SPLIT_K_RULE",),
     "llmserve.kernels.w4a16_linear": ("SPLIT_K_RULE",),
     "llmserve.kernels.gguf_linear": ("SPLIT_K_RULE",),
@@ -79,7 +81,7 @@ def _read_defaults() -> dict[str, dict[str, Any]]:
     out = {}
     for module_name, names in TUNABLE.items():
         module = importlib.import_module(module_name)
-        out[module_name] = {name: getattr(module, name) for name in names}
+        out[module_name] = {name: copy.deepcopy(getattr(module, name)) for name in names}
     return out
 
 
@@ -118,7 +120,7 @@ def read_settings(path: Path) -> dict[str, dict[str, Any]]:
             if name not in known:
                 raise ValueError(f"{path}: {module_name} has no tunable setting {name!r} ({', '.join(known)})")
             out.setdefault(module_name, {})[name] = _checked(f"{path}: {module_name}.{name}",
-                                                             defaults()[module_name][name], value)  # fmt: skip
+                                                             defaults()[module_name][name], value, module_name, name)  # fmt: skip
     return out
 
 
@@ -126,8 +128,64 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _checked(where: str, default: Any, value: Any) -> Any:
-    """A file's value as the module holds it: an int, or a launch config from its fields."""
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+# the table settings: (module, name) -> whether it maps shape -> batch bucket -> tiles ("buckets")
+# or shape -> settings ("flat"), and the module value whose keys each innermost object must have
+_TABLES: dict[tuple[str, str], tuple[str, str]] = {
+    ("llmserve.kernels.fused_moe", "TUNED_TILES"): ("buckets", "DEFAULT_TILES"),
+    ("llmserve.kernels.fused_moe", "TUNED_DECODE"): ("flat", "DEFAULT_DECODE"),
+}
+_SHAPE_KEY = re.compile(r"[1-9][0-9]*,[1-9][0-9]*,[1-9][0-9]*")  # "E,H,I" (fused_moe.shape_key)
+
+
+def _table_fields(module_name: str, source: str) -> list[str]:
+    value = getattr(importlib.import_module(module_name), source)
+    return list(next(iter(value.values())) if source == "DEFAULT_TILES" else value)
+
+
+def _checked_fields(where: str, fields: list[str], value: Any) -> dict[str, int]:
+    """A table's innermost object: exactly `fields`, non-negative integers, block sizes powers of 2."""
+    if not isinstance(value, dict) or set(value) != set(fields) or not all(map(_is_count, value.values())):
+        raise ValueError(f"{where} must be an object of non-negative integers {', '.join(fields)}, not {value!r}")
+    for name, v in value.items():
+        if "BLOCK" in name and not _is_power_of_two(v):
+            raise ValueError(f"{where}: {name} must be a power of two, not {v}")
+    return {name: value[name] for name in fields}
+
+
+def _checked_table(where: str, module_name: str, name: str, value: Any) -> dict:
+    """A table setting as the module holds it: shape keys "E,H,I"; batch buckets as ints (JSON
+    keeps them as digit strings)."""
+    kind, source = _TABLES[module_name, name]
+    fields = _table_fields(module_name, source)
+    if not isinstance(value, dict):
+        raise ValueError(f'{where} must be an object of experts\' shapes "E,H,I", not {value!r}')
+    out: dict = {}
+    for shape, entry in value.items():
+        if not isinstance(shape, str) or not _SHAPE_KEY.fullmatch(shape):
+            raise ValueError(f'{where}: the key {shape!r} is not an experts\' shape "E,H,I"')
+        if kind == "flat":
+            out[shape] = _checked_fields(f"{where}[{shape!r}]", fields, entry)
+            continue
+        if not isinstance(entry, dict) or not entry:
+            raise ValueError(f"{where}[{shape!r}] must be an object of batch buckets (token counts), not {entry!r}")
+        table = {}
+        for bucket, tiles in entry.items():
+            count = int(bucket) if isinstance(bucket, str) and bucket.isdigit() else bucket
+            if not _is_count(count) or count == 0:
+                raise ValueError(f"{where}[{shape!r}]: the batch bucket {bucket!r} is not a positive token count")
+            table[count] = _checked_fields(f"{where}[{shape!r}][{count}]", fields, tiles)
+        out[shape] = table
+    return out
+
+
+def _checked(where: str, default: Any, value: Any, module_name: str = "", name: str = "") -> Any:
+    """A file's value as the module holds it: an int, a launch config from its fields, or a table."""
+    if (module_name, name) in _TABLES:
+        return _checked_table(where, module_name, name, value)
     if dataclasses.is_dataclass(default):
         fields = [f.name for f in dataclasses.fields(default)]
         if not isinstance(value, dict) or set(value) != set(fields) or not all(map(_is_count, value.values())):
@@ -139,15 +197,19 @@ def _checked(where: str, default: Any, value: Any) -> Any:
 
 
 def as_data(value: Any) -> Any:
-    """A setting as its file holds it."""
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+    """A setting as its file holds it (a table's keys as strings, as JSON writes them)."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): as_data(v) for k, v in value.items()}
+    return value
 
 
 def set_values(values: dict[str, dict[str, Any]]) -> None:
     """Set the modules' settings: the defaults, then `values` over them."""
     for module_name, names in defaults().items():
         module = importlib.import_module(module_name)
-        for name, value in {**names, **values.get(module_name, {})}.items():
+        for name, value in {**copy.deepcopy(names), **values.get(module_name, {})}.items():
             setattr(module, name, value)
 
 
@@ -159,7 +221,7 @@ def apply(device: torch.device | str) -> CardSettings:
     base = defaults()
     # what an earlier card's file set goes back to its default; what no file names stays as it is
     for module_name, name in _applied - {(m, n) for m, names in values.items() for n in names}:
-        setattr(importlib.import_module(module_name), name, base[module_name][name])
+        setattr(importlib.import_module(module_name), name, copy.deepcopy(base[module_name][name]))
     for module_name, names in values.items():
         module = importlib.import_module(module_name)
         for name, value in names.items():

@@ -58,7 +58,7 @@ def main() -> None:
                        decode={})  # fmt: skip
             for bn, down_bn, bk in itertools.product((16, 32, 64), (16, 32, 64), (64, 128, 256)):
                 cfg = dict(fm.DEFAULT_DECODE, BLOCK_N=bn, DOWN_BLOCK_N=down_bn, BLOCK_K=bk)
-                fm.TUNED_DECODE[(card, experts, hidden, inter)] = cfg
+                fm.TUNED_DECODE[fm.shape_key(experts, hidden, inter)] = cfg
                 got = fm.fused_moe(x, logits, w13, w2, top_k, True, decode=True, **kw)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 us = graph_time_us(lambda: fm.fused_moe(x, logits, w13, w2, top_k, True, decode=True, **kw))
