@@ -115,6 +115,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     tune.add_argument("--num-experts-per-tok", type=int, help="experts a token")
     tune.add_argument("--only", default="all", choices=["all", "dense", "moe"],
                       help="dense: projections and attention; moe: the fused MoE's tiles alone")  # fmt: skip
+    tune.add_argument("--moe-tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
+                      help="the token counts (batch buckets) the fused MoE's tiles are tuned at, comma-separated "
+                      "(default: 16 to 16,384; fewer tune faster, the others keep the defaults)")  # fmt: skip
     tune.add_argument("--device", default="cuda")
     tune.set_defaults(func=_tune)
 
@@ -212,7 +215,7 @@ def _tune(args: argparse.Namespace) -> None:
     s = tune_shapes(args)
     path, values = run(s["hidden_size"], s["intermediate_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
                        args.device, num_experts=s["num_experts"], moe_intermediate=s["moe_intermediate_size"],
-                       top_k=s["num_experts_per_tok"], only=args.only)  # fmt: skip
+                       top_k=s["num_experts_per_tok"], only=args.only, moe_tokens=args.moe_tokens)  # fmt: skip
     print(f"wrote {path}: {values or 'the defaults are best'}")
 
 

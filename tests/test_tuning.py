@@ -276,12 +276,12 @@ def test_tune_reads_a_moe_model_s_shapes(tmp_path, monkeypatch):
     cfg = json.loads((model / "config.json").read_text())
     seen = {}
     monkeypatch.setattr(tune, "run", lambda *a, **kw: seen.update(args=a, kw=kw) or ("path", {}))
-    cli.main(["tune", "--model", str(model), "--only", "moe", "--num-heads", "2"])
+    cli.main(["tune", "--model", str(model), "--only", "moe", "--num-heads", "2", "--moe-tokens", "1,128,16384"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     kv_heads, experts = cfg["num_key_value_heads"], cfg.get("num_experts") or cfg["num_local_experts"]
     assert seen["args"] == (cfg["hidden_size"], cfg["intermediate_size"], 2, kv_heads, head_dim, "cuda")
     assert seen["kw"] == dict(num_experts=experts, moe_intermediate=cfg["moe_intermediate_size"],
-                              top_k=cfg["num_experts_per_tok"], only="moe")  # fmt: skip
+                              top_k=cfg["num_experts_per_tok"], only="moe", moe_tokens=(1, 128, 16384))  # fmt: skip
     monkeypatch.undo()
     if torch.cuda.is_available():
         return

@@ -323,11 +323,15 @@ def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, devic
             want = default_output(t)
             costs = []
             for cfg in moe_tile_candidates(t, block_m, block_nk, warps, stages):
-                err = _rel_err(moe(t, tiles=cfg, decode=False)(), want)
-                if not err < MOE_TOLERANCE:
-                    progress(f"  T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+                try:  # a tile the card cannot hold (shared memory, registers) fails at its compile or launch
+                    err = _rel_err(moe(t, tiles=cfg, decode=False)(), want)
+                    if not err < MOE_TOLERANCE:
+                        progress(f"  T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+                        continue
+                    costs.append((timer(moe(t, tiles=cfg, decode=False)), cfg))
+                except Exception as exc:  # noqa: BLE001  (any failure of a candidate only rules it out)
+                    progress(f"  T={t} {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]}), skipped")
                     continue
-                costs.append((timer(moe(t, tiles=cfg, decode=False)), cfg))
                 progress(f"  T={t} {cfg}: {costs[-1][0] * 1e6:.1f} us")
             if not costs:
                 raise RuntimeError(f"fused MoE {key}: no tile candidate at {t} tokens gave the default tiles' output")
@@ -337,11 +341,15 @@ def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, devic
         def timed_decode(cfg: dict[str, int], t: int) -> float | None:
             """The variant's time at `t` tokens with `cfg` (None: a wrong output)."""
             fm.TUNED_DECODE = {key: cfg}
-            err = _rel_err(moe(t, decode=True)(), default_output(t))
-            if not err < MOE_TOLERANCE:
-                progress(f"  decode T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+            try:
+                err = _rel_err(moe(t, decode=True)(), default_output(t))
+                if not err < MOE_TOLERANCE:
+                    progress(f"  decode T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
+                    return None
+                return timer(moe(t, decode=True))
+            except Exception as exc:  # noqa: BLE001
+                progress(f"  decode T={t} {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]}), skipped")
                 return None
-            return timer(moe(t, decode=True))
 
         decode_costs = []
         for bn in decode_block_n:
@@ -396,7 +404,7 @@ def merge_settings(old: dict[str, dict[str, Any]], new: dict[str, dict[str, Any]
 
 def run(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_dim: int, device: str = "cuda",
         num_experts: int | None = None, moe_intermediate: int | None = None, top_k: int | None = None,
-        only: str = "all") -> tuple[str, dict]:  # fmt: skip
+        only: str = "all", moe_tokens: Sequence[int] | None = None) -> tuple[str, dict]:  # fmt: skip
     """Tune on `device` and merge into the card's file: (its path, this run's values). `only`:
     "dense" (projections and attention), "moe" (the fused MoE of experts num_experts x
     moe_intermediate, top_k a token), or "all" (both; the MoE where its shape is given)."""
@@ -427,7 +435,9 @@ def run(hidden: int, intermediate: int, num_heads: int, num_kv_heads: int, head_
         values = search(workloads, cuda_timer())
         what.append(f"projections hidden {hidden}, intermediate {intermediate}")
     if moe is not None and only in ("all", "moe"):
-        values[MOE_MODULE] = tune_moe(num_experts, hidden, moe_intermediate, top_k, dev, graph_timer())
+        values[MOE_MODULE] = tune_moe(
+            num_experts, hidden, moe_intermediate, top_k, dev, graph_timer(), tokens=tuple(moe_tokens or MOE_TOKENS)
+        )
         what.append(f"MoE {num_experts} experts x {moe_intermediate}, top {top_k}")
     old_path = tuning.settings_file(card)
     old = tuning.read_settings(old_path) if old_path is not None else {}
