@@ -11,13 +11,13 @@ setup_env
 export LLMSERVE_TUNED_DIR=/tmp/tuned  # this call's tuning alone: "before" runs on the defaults
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/card.txt"
 python3 scripts/gpu/bench_rows.py --out "$OUT" --only b_moe,b_gptq --folders-only
-run gpu_moe_families 70 python3 -m pytest -m gpu tests/gpu/test_gpu_moe.py -k families -n 0 -p no:cacheprovider -q -rf --timeout 100
-run gpu_quant 70 python3 -m pytest -m gpu tests/gpu/test_gpu_quant_kernels.py -k "fp8_fused_moe or capture or w4a16" -n 4 -p no:cacheprovider -q -rf --timeout 90
-run sampler_memory 30 python3 scripts/gpu/sampler_memory.py 1024 128256 151936
-run before 150 python3 scripts/gpu/bench_rows.py --out "$OUT/before" --only b_moe,a_moe,b_gptq --no-sampler-check --profile-decode 64
-run tune 120 python3 -m llmserve tune --model /tmp/qwen3_30b_a3b --only moe
+run gpu_moe_families 60 python3 -m pytest -m gpu tests/gpu/test_gpu_moe.py -k families -n 0 -p no:cacheprovider -q -rf --timeout 100
+run gpu_quant 60 python3 -m pytest -m gpu tests/gpu/test_gpu_quant_kernels.py -k "fp8_fused_moe or capture or w4a16" -n 4 -p no:cacheprovider -q -rf --timeout 90
+run sampler_memory 25 python3 scripts/gpu/sampler_memory.py 1024 128256 151936
+run before 140 python3 scripts/gpu/bench_rows.py --out "$OUT/before" --only b_moe,a_moe,b_gptq --no-sampler-check --profile-decode 64
+run tune 150 python3 -m llmserve tune --model /tmp/qwen3_30b_a3b --only moe --moe-tokens 16,128,512,2048,16384
 cp /tmp/tuned/*.json "$OUT/" 2>/dev/null
-run after 100 python3 scripts/gpu/bench_rows.py --out "$OUT/after" --only b_moe,a_moe --no-sampler-check --profile-decode 64
+run after 95 python3 scripts/gpu/bench_rows.py --out "$OUT/after" --only b_moe,a_moe --no-sampler-check --profile-decode 64
 python3 - "$OUT" <<'PY' | tee "$OUT/summary.md"
 import json, sys
 from pathlib import Path
