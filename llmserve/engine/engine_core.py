@@ -106,11 +106,12 @@ class EngineCore:
             )
             one_sequence = layout.blocks_held(max(0, max_len - chunk), max_len, bs) + int(layout.sliding)
         if num_blocks < one_sequence:
+            budget = getattr(self.runner, "kv_budget", None)  # a GPU's: where its memory went
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks x {bs} = {num_blocks * bs} tokens, "
                 f"fewer than one sequence of max_model_len {max_len} needs ({one_sequence} blocks, {layout}): "
                 "lower --max-model-len or give the KV cache more memory (--gpu-memory-utilization / "
-                "kv_cache_memory_bytes)"
+                "kv_cache_memory_bytes)" + (f"; GPU memory {budget.describe()}" if budget is not None else "")
             )
         if not layout.simple:
             logger.info("KV cache layout: %s", layout)

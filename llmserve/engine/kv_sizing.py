@@ -7,6 +7,8 @@ blocks; on a CPU a fixed budget, at least one sequence of max_model_len."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmserve.config import EngineConfig
@@ -61,16 +63,47 @@ def graph_memory_reserve(config: EngineConfig, activations: int, num_tokens: int
     return (1 << 30) + activations * mixed_tokens // num_tokens
 
 
-def gpu_kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weights: int, non_torch: int,
-                  vocab_size: int) -> int:  # fmt: skip
-    """KV bytes on a GPU of `total` bytes, after a profile run of the largest batch that peaked
-    at `peak` bytes of torch's allocator, `kv_bytes` of them its small KV cache and `weights`
+@dataclass(frozen=True)
+class KVBudget:
+    """Where a GPU's memory under `gpu_memory_utilization` goes, in bytes: what the KV cache is left."""
+
+    allowed: int  # total x gpu_memory_utilization
+    total: int
+    weights: int
+    activations: int  # the profile run's peak without its small KV cache and the weights
+    non_torch: int  # this process's memory outside torch's allocator (CUDA context, cuBLAS, NCCL)
+    sampler: int
+    graphs: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.allowed - self.weights - self.activations - self.non_torch - self.sampler - self.graphs
+
+    def describe(self) -> str:
+        gb = 1e9
+        return (f"of {self.allowed / gb:.2f} GB allowed ({self.allowed / self.total:.2f} of {self.total / gb:.1f} GB): "
+                f"weights {self.weights / gb:.2f}, the profile run's activations {self.activations / gb:.2f}, "
+                f"outside torch's allocator {self.non_torch / gb:.2f}, sampler {self.sampler / gb:.2f}, "
+                f"CUDA graphs {self.graphs / gb:.2f}: KV cache {self.kv_bytes / gb:.2f} GB")  # fmt: skip
+
+
+def kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weights: int, non_torch: int,
+              vocab_size: int) -> KVBudget:  # fmt: skip
+    """The KV budget's parts on a GPU of `total` bytes, after a profile run of the largest batch that
+    peaked at `peak` bytes of torch's allocator, `kv_bytes` of them its small KV cache and `weights`
     the weights (0 when they live in an arena: then they are in `non_torch`, this process's
     memory outside the allocator)."""
     sc = config.scheduler_config
-    budget = int(total * config.cache_config.gpu_memory_utilization)
     # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
     sampler = 8 * sc.max_num_seqs * vocab_size * 4
-    graphs = graph_memory_reserve(config, activations=max(0, peak - kv_bytes - weights),
-                                  num_tokens=sc.max_num_batched_tokens)  # fmt: skip
-    return budget - (peak - kv_bytes) - max(0, non_torch) - sampler - graphs
+    activations = max(0, peak - kv_bytes - weights)
+    graphs = graph_memory_reserve(config, activations=activations, num_tokens=sc.max_num_batched_tokens)
+    return KVBudget(allowed=int(total * config.cache_config.gpu_memory_utilization), total=total, weights=weights,
+                    activations=peak - kv_bytes - weights, non_torch=max(0, non_torch), sampler=sampler,
+                    graphs=graphs)  # fmt: skip
+
+
+def gpu_kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weights: int, non_torch: int,
+                  vocab_size: int) -> int:  # fmt: skip
+    """KV bytes on a GPU (`kv_budget`'s arithmetic)."""
+    return kv_budget(config, total, peak, kv_bytes, weights, non_torch, vocab_size).kv_bytes

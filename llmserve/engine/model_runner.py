@@ -26,7 +26,7 @@ from llmserve.engine.argmax import row_argmax
 from llmserve.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, capture_sizes
 from llmserve.engine.input_builder import BatchInputs, InputBuilder, RowInput, table_width
 from llmserve.engine.kv_disk_store import DiskStore, LoadLatency, SlotMeta
-from llmserve.engine.kv_sizing import bytes_per_block, cpu_num_blocks, gpu_kv_budget, kv_layout
+from llmserve.engine.kv_sizing import KVBudget, bytes_per_block, cpu_num_blocks, kv_budget, kv_layout
 from llmserve.engine.kv_tier_ranks import RankTierCounts, gather_counts, open_rank_store, read_on_every_rank
 from llmserve.engine.logits_rows import is_range, step_logits, warm_counts
 from llmserve.engine.lora_runner import RunnerLoRA
@@ -363,7 +363,10 @@ class ModelRunner:
             if self.sleep_mode.weights_arena is not None
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         )
-        budget = gpu_kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
+        parts = kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
+        self.kv_budget: KVBudget | None = parts  # (the engine's error names the parts when no block fits)
+        logger.info("GPU memory %s", parts.describe())
+        budget = parts.kv_bytes
         if self.stage.link is not None:  # every stage holds the same blocks: the fewest any rank has room for
             stage_bytes = self.bytes_per_block * len(self.kv_slots) // self.kv_layout.layers_per_group
             return self.stage.link.min_over_world(budget // stage_bytes) * self.bytes_per_block
