@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,15 @@ def test_tune_reads_a_moe_model_s_shapes(tmp_path, monkeypatch):
         cli.main(["tune", "--model", str(model), "--only", "moe"])
     with pytest.raises(SystemExit):  # a dense model has no experts to tune alone
         cli.main(["tune", "--only", "moe"])
+
+
+def test_every_shipped_card_file_reads():
+    """The settings files shipped in llmserve/kernels/tuned/ (measured on a card) pass the same checks a
+    user's file does, name their card as their file, and are package data (pyproject.toml)."""
+    files = sorted(tuning.SHIPPED_DIR.glob("*.json"))
+    assert files, "no shipped card file"
+    for path in files:
+        values = tuning.read_settings(path)
+        assert json.loads(path.read_text())["card"] == path.stem
+        assert values, path
+    assert "kernels/tuned/*.json" in (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
