@@ -163,15 +163,14 @@ class EngineCore:
         cc = config.cache_config
         if not cc.kv_offload_disk_bytes:
             return None
-        if getattr(config, "pipeline_parallel_size", 1) > 1:
-            raise ConfigError("--kv-offload-disk-path: the KV disk tier takes no pipeline parallelism for now")
         max_seq_blocks = -(-config.model_config.max_model_len // cc.block_size)
         store, errors = self.runner.open_disk_store(max_seq_blocks + 1)
         if store is None:
             self.disk_errors = errors
             return None
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
         logger.info("KV disk tier: %d blocks of %d bytes in %s (each of %d ranks its own file)", store.num_slots,
-                    store.block_bytes, cc.kv_offload_disk_path, config.tensor_parallel_size)  # fmt: skip
+                    store.block_bytes, cc.kv_offload_disk_path, ranks)  # fmt: skip
         return store
 
     def shutdown(self) -> None:

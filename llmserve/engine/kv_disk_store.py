@@ -138,7 +138,7 @@ class DiskStore:
         self.name = name
         self.block_bytes = block_bytes
         self.block_size = block_size
-        self.header_bytes = _HEAD.size + 8 * block_size + 2 * _CRC.size
+        self.header_bytes = self.header_size(block_size)
         self.slot_bytes = -(-(self.header_bytes + block_bytes) // 4096) * 4096
         self.num_slots = capacity_bytes // self.slot_bytes
         self.counts = DiskCounts()
@@ -175,6 +175,11 @@ class DiskStore:
             return
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
+
+    @staticmethod
+    def header_size(block_size: int) -> int:
+        """A slot's header bytes (before its block's)."""
+        return _HEAD.size + 8 * block_size + 2 * _CRC.size
 
     @property
     def enabled(self) -> bool:
@@ -507,10 +512,12 @@ def tokenizer_fingerprint(tokenizer_path: str) -> str:
 def disk_fingerprint(config, runner, block_bytes: int) -> dict:
     """What must be equal for a block written by one engine to be another's KV: the model and its
     weights, the dtypes, the block size and KV layout, the tokenizer, quantization, FP8 KV scales,
-    and the tensor-parallel rank and size (a rank's blocks hold its share of the KV heads)."""
+    the tensor-parallel rank and size (a rank's blocks hold its share of the KV heads), and the
+    pipeline stage, the stage count and the stage's layers (a stage's blocks hold its layers' KV)."""
     mc, a, tp = config.model_config, runner.arch, runner.tp
+    stage = runner.stage.stage
     weights = f"dummy, seed {mc.seed}" if mc.load_format == "dummy" else weights_fingerprint(mc.model)
-    return {
+    fingerprint = {
         "model": mc.model,
         "weights": weights,
         "dtype": str(mc.dtype),
@@ -524,3 +531,6 @@ def disk_fingerprint(config, runner, block_bytes: int) -> dict:
         "tensor_parallel": f"rank {tp.rank} of {tp.world_size}",
         "format": VERSION,
     }
+    if stage.count > 1:  # (one stage: the fingerprint of the arenas written before stages took a disk tier)
+        fingerprint["pipeline_parallel"] = f"stage {stage.index} of {stage.count}, layers {stage.start} to {stage.end}"
+    return fingerprint

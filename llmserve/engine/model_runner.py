@@ -948,7 +948,7 @@ class ModelRunner:
     @on_every_rank
     def read_disk_blocks(self, reads: list[tuple[int, int, SlotMeta]], drops: list[int]) -> int:
         """Disk blocks read back on every rank (rank 0's `DiskStore.stage_run`): how many every rank read."""
-        return read_on_every_rank(self.disk_store, self.tp, reads, drops)
+        return read_on_every_rank(self.disk_store, self, reads, drops)
 
     @on_every_rank
     def clear_disk_store(self) -> None:
@@ -958,7 +958,7 @@ class ModelRunner:
     @on_every_rank
     def tier_counts_by_rank(self) -> list[dict]:
         """Every rank's own tier copies and disk counts, in rank order (on rank 0)."""
-        return gather_counts(self.tp, self.tier_counts.with_store(self.disk_store))
+        return gather_counts(self, self.tier_counts.with_store(self.disk_store))
 
     def _swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         if not pairs:
