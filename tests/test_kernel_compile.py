@@ -115,3 +115,27 @@ def test_fused_moe_kernels_compile_for_sm90(tmp_path):
     route / align / reduce steps: a global the compiler refuses (as once happened) fails here."""
     assert compile_script(MOE_SCRIPT, tmp_path, timeout=600).count("compiled") == 11
     assert list(tmp_path.rglob("*.cubin"))
+
+
+NORM_SCRIPT = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from llmserve.kernels import norm
+
+    target = GPUTarget("cuda", 90, 32)
+    for dtype in ("*bf16", "*fp16"):
+        signature = dict(q_ptr=dtype, k_ptr=dtype, qw_ptr=dtype, kw_ptr=dtype, out_ptr=dtype, stride_qt="i32",
+                         stride_qh="i32", stride_kt="i32", stride_kh="i32", n_q="i32", n_heads="i32", n_cols="i32",
+                         eps="fp32", BLOCK="constexpr", USE_GDC="constexpr")
+        triton.compile(ASTSource(norm._qk_rms_norm_kernel, signature, dict(BLOCK=128, USE_GDC=False)), target=target)
+        print("compiled", dtype, flush=True)
+    """
+)
+
+
+def test_qk_norm_kernel_compiles_for_sm90(tmp_path):
+    """The q/k head norms' kernel (a runtime branch on the head picks q's or k's row and weight)."""
+    assert compile_script(NORM_SCRIPT, tmp_path).count("compiled") == 2
+    assert list(tmp_path.rglob("*.cubin"))

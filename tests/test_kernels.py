@@ -897,6 +897,27 @@ def test_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", SMALL_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_qk_rms_norm_in_one_launch_equals_two_norms(dtype, tokens):
+    """Qwen3's q and k head norms in one launch, read through the fused QKV output's strides (q and
+    k are views of it, as Attention.project makes them), equal to the reference's two norms."""
+    from llmserve.model.layers import qk_rms_norm as ref_qk_rms_norm
+
+    g = torch.Generator().manual_seed(3 + tokens)
+    n_q, n_k, d = 4, 2, 32
+    qkv = (torch.randn(tokens, (n_q + 2 * n_k) * d, generator=g) * 3).to(dtype)
+    q, k, _ = qkv.split([n_q * d, n_k * d, n_k * d], dim=-1)
+    q, k = q.view(-1, n_q, d), k.view(-1, n_k, d)
+    qw, kw = (torch.randn(d, generator=g).to(dtype) for _ in range(2))
+    got_q, got_k = norm.qk_rms_norm(q, k, qw, kw, 1e-6)
+    want_q, want_k = ref_qk_rms_norm(q, k, qw, kw, 1e-6)
+    assert got_q.shape == want_q.shape and got_k.shape == want_k.shape and got_q.dtype == want_q.dtype
+    torch.testing.assert_close(got_q, want_q, **TOL[dtype])
+    torch.testing.assert_close(got_k, want_k, **TOL[dtype])
+    assert not torch.equal(got_q, q)  # (normalised: a copy of the input would fail the closeness above)
+
+
+@pytest.mark.parametrize("dtype", SMALL_DTYPES)
 def test_fused_add_rms_norm(dtype):
     g = torch.Generator().manual_seed(2)
     ref = RMSNorm(40, 1e-6).to(dtype)

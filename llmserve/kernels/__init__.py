@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | `triton_paged_attention` (drop-in `AttentionBackend`, sliding `window=` too) | `paged_attention` | `llmserve.model.attention.reference_paged_attention` |
 | `write_kv` (reshape-and-cache) | `cache_write` | `llmserve.model.attention.write_kv_cache` |
-| `rms_norm`, `fused_add_rms_norm` (and `_fp8`: quantized to FP8 per token in the same pass) | `norm` | `llmserve.model.layers.RMSNorm` (then `llmserve.model.fp8.quantize_tokens`) |
+| `rms_norm`, `fused_add_rms_norm` (and `_fp8`: quantized to FP8 per token in the same pass); `qk_rms_norm` (a layer's q and k heads in one launch) | `norm` | `llmserve.model.layers.RMSNorm` (then `llmserve.model.fp8.quantize_tokens`), `layers.qk_rms_norm` |
 | `apply_rotary` | `rotary` | `llmserve.model.layers.RotaryEmbedding` |
 | `silu_and_mul`, `gelu_tanh_and_mul` (and `_fp8`) | `activation` | `llmserve.model.layers.silu_and_mul`, `gelu_tanh_and_mul` (then `quantize_tokens`) |
 | `quantize_tokens_fp8` | `fp8_quant` | `llmserve.model.fp8.quantize_tokens` |
@@ -52,7 +52,7 @@ try:
     from llmserve.kernels.fp8_linear import fp8_gemm_fast, fp8_matmul_fused_quant
     from llmserve.kernels.fp8_quant import quantize_tokens_fp8
     from llmserve.kernels.lora import lora_expand, lora_shrink
-    from llmserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
+    from llmserve.kernels.norm import fused_add_rms_norm, fused_add_rms_norm_fp8, qk_rms_norm, rms_norm, rms_norm_fp8
     from llmserve.kernels.paged_attention import (
         AttnLaunchConfig,
         choose_num_splits,
@@ -81,6 +81,7 @@ __all__ = [
     "lora_expand",
     "lora_shrink",
     "paged_attention_forward",
+    "qk_rms_norm",
     "quantize_tokens_fp8",
     "rms_norm",
     "rms_norm_fp8",

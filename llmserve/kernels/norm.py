@@ -13,6 +13,10 @@ rounded to its dtype, its amax, times the scale's correctly rounded reciprocal, 
 ±448. The FP8 row and its scale are written instead of the normalised row, which saves a
 kernel and a pass over the activations before each QKV and gate/up projection.
 
+`qk_rms_norm`: a layer's q and k heads (Qwen3's q_norm and k_norm) in one launch, a program a
+head, read through their strides (views of the fused QKV output: no copy first), written to one
+buffer [T, Hq + Hk, D] whose two parts are returned.
+
 With a `delta` (float32) the row first becomes `x.add_(delta)`: the LoRA delta of the projection
 before, added here instead of in a kernel of its own (llmserve/lora/deferred.py).
 """
@@ -147,3 +151,47 @@ def fused_add_rms_norm_fp8(
     assert weight.is_contiguous() and weight.shape[-1] == x.shape[-1]
     assert residual.shape == x.shape
     return _launch(x, residual, weight, eps, quantize=True)
+
+
+@triton.jit
+def _qk_rms_norm_kernel(
+    q_ptr, k_ptr, qw_ptr, kw_ptr, out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    n_q, n_heads, n_cols, eps,
+    BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)  # (token, head) of the n_heads = Hq + Hk heads a token
+    t = row // n_heads
+    h = row % n_heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    if h < n_q:
+        x = tl.load(q_ptr + t * stride_qt + h * stride_qh + cols, mask=mask, other=0.0)
+        w = tl.load(qw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(k_ptr + t * stride_kt + (h - n_q) * stride_kh + cols, mask=mask, other=0.0)
+        w = tl.load(kw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    hx = x.to(tl.float32)
+    var = tl.sum(hx * hx, axis=0) / n_cols
+    hx = (hx * tl.math.rsqrt(var + eps)).to(x.dtype).to(tl.float32)  # the reference's `h.to(dtype)`
+    tl.store(out_ptr + row * n_cols + cols, (w * hx).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`llmserve.model.layers.qk_rms_norm` in one launch: q [T, Hq, D] and k [T, Hk, D] (any token and
+    head strides, unit stride in D) -> their normalised heads, views of one [T, Hq + Hk, D] buffer."""
+    num_tokens, n_q, d = q.shape
+    n_k = k.shape[1]
+    assert k.shape[0] == num_tokens and k.shape[2] == d and q.stride(-1) == 1 and k.stride(-1) == 1, (q.shape, k.shape)
+    assert q_weight.is_contiguous() and k_weight.is_contiguous() and q_weight.dtype == k_weight.dtype
+    out_dtype = torch.promote_types(q_weight.dtype, q.dtype)
+    out = torch.empty((num_tokens, n_q + n_k, d), dtype=out_dtype, device=q.device)
+    if num_tokens:
+        block = triton.next_power_of_2(d)
+        _qk_rms_norm_kernel[(num_tokens * (n_q + n_k),)](
+            q, k, q_weight, k_weight, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            n_q, n_q + n_k, d, eps, BLOCK=block, num_warps=_warps(block), **launch_options(q.device),
+        )  # fmt: skip
+    return out[:, :n_q], out[:, n_q:]

@@ -32,6 +32,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def qk_rms_norm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each head of q [T, Hq, D] and of k [T, Hk, D] normalised over D, with its own weight (Qwen3's
+    q_norm and k_norm): two `rms_norm`s (kernels/norm.py `qk_rms_norm` does both in one launch)."""
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
 def add_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     """`x.add_(delta)` without writing x: a float32 LoRA delta added, rounded back to x's dtype
     (the `delta` of the ops below: a LoRA layer's, added by the op after it, llmserve/lora/deferred.py)."""
@@ -113,6 +120,7 @@ class LayerOps:
     int8_matmul: Callable = int8_matmul_reference  # INT8 (W8A8) linear layers (model/int8.py)
     w4a16_matmul: Callable = w4a16_matmul_reference  # GPTQ / AWQ 4-bit linear layers (model/w4a16.py)
     gguf_matmul: Callable = gguf_matmul_reference  # GGUF layers kept quantized (model/gguf_linear.py)
+    qk_rms_norm: Callable = qk_rms_norm  # the q and k heads' norms of one layer (Qwen3, Gemma 3)
 
 
 REFERENCE_OPS = LayerOps()
@@ -137,7 +145,8 @@ def triton_ops(fp8_fast_accum_tokens: int | None = None) -> LayerOps:
                     kernels.fused_add_rms_norm_fp8, kernels.silu_and_mul_fp8, kernels.dense_linear,
                     gelu_tanh_and_mul=kernels.gelu_tanh_and_mul,
                     gelu_tanh_and_mul_fp8=kernels.gelu_tanh_and_mul_fp8, fused_moe=fused_moe, int8_matmul=int8_matmul_fast,
-                    w4a16_matmul=w4a16_matmul_fast, gguf_matmul=gguf_matmul_fast)  # fmt: skip
+                    w4a16_matmul=w4a16_matmul_fast, gguf_matmul=gguf_matmul_fast,
+                    qk_rms_norm=kernels.qk_rms_norm)  # fmt: skip
 
 
 class RMSNorm(nn.Module):

@@ -76,8 +76,8 @@ class Attention(nn.Module):
         q = q.view(-1, a.num_heads, a.head_dim)
         k = k.view(-1, a.num_kv_heads, a.head_dim)
         v = v.view(-1, a.num_kv_heads, a.head_dim)
-        if a.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if a.qk_norm:  # both norms in one call (one launch on the GPU)
+            q, k = self.q_norm.ops.qk_rms_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q, k = self.rotary[0](positions, q, k)
         return q, k, v
 
