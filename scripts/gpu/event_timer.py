@@ -23,22 +23,8 @@ def median_ms(fn, iters: int = 10, warmup: int = 2) -> float:
 
 
 def graph_time_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Mean microseconds per call of `fn`, from a CUDA graph of `calls` calls replayed `replays` times."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    """Microseconds per call of `fn`: `calls` calls in a CUDA graph, the median of `replays` replays
+    (llmserve.kernels.tune.graph_timer, which `llmserve tune` times the fused MoE's tiles with)."""
+    from llmserve.kernels.tune import graph_timer
+
+    return graph_timer(calls, replays)(fn) * 1e6
