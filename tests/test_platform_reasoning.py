@@ -48,7 +48,12 @@ def test_chat_reasoning_through_triton(client):
     assert 0 < done.usage.completion_tokens_details.reasoning_tokens < done.usage.completion_tokens
     chunks = [c for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     thoughts = [c.choices[0].delta.reasoning for c in chunks if getattr(c.choices[0].delta, "reasoning", None)]
-    assert len(thoughts) > 1 and "".join(thoughts) == msg.reasoning
+    # the stream is incremental and its thoughts come before the answer; how many tokens one chunk
+    # carries is the server's pace against the client's (on a loaded machine the few tokens of the
+    # thought arrived as one chunk: CI 2026-12-07), so the thought's own chunk count is not checked
+    assert len(chunks) > 1 and "".join(thoughts) == msg.reasoning
+    first_answer = next(i for i, c in enumerate(chunks) if c.choices[0].delta.content)
+    assert all(not getattr(c.choices[0].delta, "reasoning", None) for c in chunks[first_answer:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
 
 
