@@ -106,7 +106,7 @@ class EngineCore:
             )
             one_sequence = layout.blocks_held(max(0, max_len - chunk), max_len, bs) + int(layout.sliding)
         if num_blocks < one_sequence:
-            budget = getattr(self.runner, "kv_budget", None)  # a GPU's: where its memory went
+            budget = self.runner.kv_budget  # a GPU's: where its memory went
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks x {bs} = {num_blocks * bs} tokens, "
                 f"fewer than one sequence of max_model_len {max_len} needs ({one_sequence} blocks, {layout}): "

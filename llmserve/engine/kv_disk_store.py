@@ -139,7 +139,7 @@ class DiskStore:
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.header_bytes = self.header_size(block_size)
-        self.slot_bytes = -(-(self.header_bytes + block_bytes) // 4096) * 4096
+        self.slot_bytes = self.slot_size(block_size, block_bytes)
         self.num_slots = capacity_bytes // self.slot_bytes
         self.counts = DiskCounts()
         self.restored: list[RestoredSlot] = []  # valid slots at start, least recently written first
@@ -180,6 +180,11 @@ class DiskStore:
     def header_size(block_size: int) -> int:
         """A slot's header bytes (before its block's)."""
         return _HEAD.size + 8 * block_size + 2 * _CRC.size
+
+    @staticmethod
+    def slot_size(block_size: int, block_bytes: int) -> int:
+        """A slot's bytes in the arena: its header and block, to a 4 KiB page."""
+        return -(-(DiskStore.header_size(block_size) + block_bytes) // 4096) * 4096
 
     @property
     def enabled(self) -> bool:

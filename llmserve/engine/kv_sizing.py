@@ -96,14 +96,7 @@ def kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weight
     sc = config.scheduler_config
     # not seen by the profile run: the sampler's float32 work on the logits, CUDA graphs
     sampler = 8 * sc.max_num_seqs * vocab_size * 4
-    activations = max(0, peak - kv_bytes - weights)
-    graphs = graph_memory_reserve(config, activations=activations, num_tokens=sc.max_num_batched_tokens)
+    activations = peak - kv_bytes - weights  # (negative with the weights in an arena: counted in non_torch)
+    graphs = graph_memory_reserve(config, activations=max(0, activations), num_tokens=sc.max_num_batched_tokens)
     return KVBudget(allowed=int(total * config.cache_config.gpu_memory_utilization), total=total, weights=weights,
-                    activations=peak - kv_bytes - weights, non_torch=max(0, non_torch), sampler=sampler,
-                    graphs=graphs)  # fmt: skip
-
-
-def gpu_kv_budget(config: EngineConfig, total: int, peak: int, kv_bytes: int, weights: int, non_torch: int,
-                  vocab_size: int) -> int:  # fmt: skip
-    """KV bytes on a GPU (`kv_budget`'s arithmetic)."""
-    return kv_budget(config, total, peak, kv_bytes, weights, non_torch, vocab_size).kv_bytes
+                    activations=activations, non_torch=max(0, non_torch), sampler=sampler, graphs=graphs)  # fmt: skip

@@ -65,8 +65,7 @@ def open_rank_store(config, runner, max_staged: int) -> tuple[DiskStore | None, 
     block_bytes = sum(c[:, 0].numel() * c.element_size() for c in runner.host_tier_caches)
     capacity = cc.kv_offload_disk_bytes
     if stage.count > 1:  # the stages' blocks differ in size (their layers): the same slots on every stage
-        header = DiskStore.header_size(cc.block_size)
-        slot_bytes = -(-(header + block_bytes) // 4096) * 4096
+        slot_bytes = DiskStore.slot_size(cc.block_size, block_bytes)
         capacity = min_over_every_rank(runner, capacity // slot_bytes) * slot_bytes
     store = DiskStore(cc.kv_offload_disk_path, capacity, block_bytes, cc.block_size,
                       disk_fingerprint(config, runner, block_bytes), max_staged=max_staged,

@@ -268,6 +268,7 @@ class ModelRunner:
         self.sampler = (Sampler(self.device, use_kernels=config.attention_backend == "triton")
                         if config.sampler == "batched" else ReferenceSampler(self.device))  # fmt: skip
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_budget: KVBudget | None = None  # a GPU's memory by parts (the profile run): named by no-fit errors
         self.cpu_caches: list[torch.Tensor] = []
         self.host_tier_caches: list[torch.Tensor] = []  # the prefix cache's host tier (engine/kv_host_tier.py)
         self.disk_store: DiskStore | None = None  # the disk tier's file, below it (engine/kv_disk_store.py)
@@ -364,7 +365,7 @@ class ModelRunner:
             else sum(p.numel() * p.element_size() for p in self.model.parameters())
         )
         parts = kv_budget(self.config, total, peak, kv_bytes, weights, non_torch, self.arch.vocab_size)
-        self.kv_budget: KVBudget | None = parts  # (the engine's error names the parts when no block fits)
+        self.kv_budget = parts
         logger.info("GPU memory %s", parts.describe())
         budget = parts.kv_bytes
         if self.stage.link is not None:  # every stage holds the same blocks: the fewest any rank has room for

@@ -80,12 +80,17 @@ def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:
     return f"{num_experts},{hidden},{intermediate}"
 
 
-def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int) -> dict[str, int]:
-    """The tiles for a step of `num_tokens` tokens: this card's tuned table of this shape, else
-    the default one; the smallest bucket that holds the count (the last covers larger counts)."""
-    table = TUNED_TILES.get(shape_key(num_experts, hidden, intermediate)) or DEFAULT_TILES
+def bucket_tiles(table: dict[int, dict[str, int]], num_tokens: int) -> dict[str, int]:
+    """A tile table's entry for `num_tokens`: the smallest bucket that holds the count (the last
+    covers larger counts)."""
     buckets = sorted(table)
     return table[next((b for b in buckets if num_tokens <= b), buckets[-1])]
+
+
+def tile_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int) -> dict[str, int]:
+    """The tiles for a step of `num_tokens` tokens: this card's tuned table of this shape, else
+    the default one (`bucket_tiles`)."""
+    return bucket_tiles(TUNED_TILES.get(shape_key(num_experts, hidden, intermediate)) or DEFAULT_TILES, num_tokens)
 
 
 def decode_config(num_experts: int, hidden: int, intermediate: int) -> dict[str, int]:

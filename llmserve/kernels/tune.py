@@ -311,9 +311,20 @@ def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, devic
         return lambda: fm.fused_moe(x, lg, w13, w2, top_k, True, **kw)
 
     def default_output(t: int) -> torch.Tensor:
-        buckets = sorted(fm.DEFAULT_TILES)
-        tiles = fm.DEFAULT_TILES[next((b for b in buckets if t <= b), buckets[-1])]
-        return moe(t, tiles=tiles, decode=False)()
+        return moe(t, tiles=fm.bucket_tiles(fm.DEFAULT_TILES, t), decode=False)()
+
+    def checked_time(run: Callable[[], torch.Tensor], want: torch.Tensor, label: str) -> float | None:
+        """`run`'s time, if its output is the default tiles' `want` (else None: a wrong candidate, or
+        one the card cannot hold, failing at its compile or launch, is ruled out, never chosen)."""
+        try:
+            err = _rel_err(run(), want)
+            if not err < MOE_TOLERANCE:
+                progress(f"  {label}: wrong output (relative error {err:.2g}), skipped")
+                return None
+            return timer(run)
+        except Exception as exc:  # noqa: BLE001  (any failure of a candidate only rules it out)
+            progress(f"  {label}: failed ({type(exc).__name__}: {str(exc)[:120]}), skipped")
+            return None
 
     saved = fm.TUNED_TILES, fm.TUNED_DECODE
     try:
@@ -323,16 +334,10 @@ def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, devic
             want = default_output(t)
             costs = []
             for cfg in moe_tile_candidates(t, block_m, block_nk, warps, stages):
-                try:  # a tile the card cannot hold (shared memory, registers) fails at its compile or launch
-                    err = _rel_err(moe(t, tiles=cfg, decode=False)(), want)
-                    if not err < MOE_TOLERANCE:
-                        progress(f"  T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
-                        continue
-                    costs.append((timer(moe(t, tiles=cfg, decode=False)), cfg))
-                except Exception as exc:  # noqa: BLE001  (any failure of a candidate only rules it out)
-                    progress(f"  T={t} {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]}), skipped")
-                    continue
-                progress(f"  T={t} {cfg}: {costs[-1][0] * 1e6:.1f} us")
+                cost = checked_time(moe(t, tiles=cfg, decode=False), want, f"T={t} {cfg}")
+                if cost is not None:
+                    costs.append((cost, cfg))
+                    progress(f"  T={t} {cfg}: {cost * 1e6:.1f} us")
             if not costs:
                 raise RuntimeError(f"fused MoE {key}: no tile candidate at {t} tokens gave the default tiles' output")
             table[t] = min(costs, key=lambda c: c[0])[1]
@@ -341,15 +346,7 @@ def tune_moe(num_experts: int, hidden: int, intermediate: int, top_k: int, devic
         def timed_decode(cfg: dict[str, int], t: int) -> float | None:
             """The variant's time at `t` tokens with `cfg` (None: a wrong output)."""
             fm.TUNED_DECODE = {key: cfg}
-            try:
-                err = _rel_err(moe(t, decode=True)(), default_output(t))
-                if not err < MOE_TOLERANCE:
-                    progress(f"  decode T={t} {cfg}: wrong output (relative error {err:.2g}), skipped")
-                    return None
-                return timer(moe(t, decode=True))
-            except Exception as exc:  # noqa: BLE001
-                progress(f"  decode T={t} {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]}), skipped")
-                return None
+            return checked_time(moe(t, decode=True), default_output(t), f"decode T={t} {cfg}")
 
         decode_costs = []
         for bn in decode_block_n:

@@ -186,11 +186,8 @@ def _checked(where: str, default: Any, value: Any, module_name: str = "", name: 
     """A file's value as the module holds it: an int, a launch config from its fields, or a table."""
     if (module_name, name) in _TABLES:
         return _checked_table(where, module_name, name, value)
-    if dataclasses.is_dataclass(default):
-        fields = [f.name for f in dataclasses.fields(default)]
-        if not isinstance(value, dict) or set(value) != set(fields) or not all(map(_is_count, value.values())):
-            raise ValueError(f"{where} must be an object of non-negative integers {', '.join(fields)}, not {value!r}")
-        return type(default)(**value)
+    if dataclasses.is_dataclass(default):  # (its fields are lower case: no power-of-two BLOCK check applies)
+        return type(default)(**_checked_fields(where, [f.name for f in dataclasses.fields(default)], value))
     if not _is_count(value):
         raise ValueError(f"{where} must be a non-negative integer, not {value!r}")
     return value

@@ -1,7 +1,7 @@
 """The batched sampler's device memory at full width: max_num_seqs rows of a vocabulary's logits
 (bf16, as the model's LM head gives them), each kind of request the engine serves in turn (greedy,
 penalties, top-k/top-p, min-p, logprobs, seeds), the peak of torch's allocator above the logits
-themselves. kv_sizing.gpu_kv_budget keeps 8 x rows x vocabulary x 4 bytes for this work out of the KV
+themselves. kv_sizing.kv_budget keeps 8 x rows x vocabulary x 4 bytes for this work out of the KV
 cache; this measures what it takes (issue 52: 4.98 GB of Qwen3-30B-A3B's KV budget on an H100).
 
     python3 scripts/gpu/sampler_memory.py [ROWS] [VOCAB...]     -> RESULT lines, $OUT/sampler_memory.json
