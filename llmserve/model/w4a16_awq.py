@@ -81,6 +81,7 @@ def search_scale(weight: torch.Tensor, hessian: torch.Tensor, mean_abs: torch.Te
     `weight` [N, K] * s, per group with zero points, gives the least output error against the
     inputs' `hessian` [K, K] (X^T X)."""
     from llmserve.model.w4a16_checkpoint import quantize_groups
+    from llmserve.model.w4a16_gptq import dequantized
 
     w = weight.detach().to(torch.float32)
     h = hessian.to(w.device, torch.float32)
@@ -90,9 +91,7 @@ def search_scale(weight: torch.Tensor, hessian: torch.Tensor, mean_abs: torch.Te
     for alpha in alphas:
         s = x.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        q, scales, zeros, g_idx = quantize_groups(w * s, group_size, False)
-        g = g_idx.long()
-        d = ((q.float() - zeros.float()[:, g]) * scales[:, g]) / s - w
+        d = dequantized(*quantize_groups(w * s, group_size, False)) / s - w
         err = float(((d @ h) * d).sum())
         if alpha == 0:
             rtn = err
